@@ -1,0 +1,40 @@
+# llm-streams developer commands. `make run` and `make test` work on a fresh machine
+# with Python 3.11+ (and Java 17 + Maven for the tests' Apache Kafka broker).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test unit lint format bench schemas clean
+
+$(BIN)/llm-streams: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+run: $(BIN)/llm-streams
+	$(BIN)/llm-streams demo
+
+test: $(BIN)/llm-streams
+	$(BIN)/python -m pytest
+
+unit: $(BIN)/llm-streams
+	$(BIN)/python -m pytest tests/unit
+
+lint: $(BIN)/llm-streams
+	$(BIN)/ruff check streams tests bench
+	$(BIN)/ruff format --check streams tests bench
+	$(BIN)/mypy
+
+format: $(BIN)/llm-streams
+	$(BIN)/ruff format streams tests bench
+	$(BIN)/ruff check --fix streams tests bench
+
+bench: $(BIN)/llm-streams
+	$(BIN)/python bench/pipeline_overhead.py
+
+schemas: $(BIN)/llm-streams
+	$(BIN)/python -m streams.records schemas
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Thin Faust agents: decode -> processing -> send -> ack."""

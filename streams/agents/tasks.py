@@ -1,0 +1,112 @@
+"""The task agent: micro-batches in, one result or dead letter out per record.
+
+Offset safety: the stream runs without automatic acks (`noack_take`); each
+event is acked only after its result or dead letter is acknowledged by the
+broker. Faust commits the highest offset below which every record is acked,
+so the committed offset never passes a record still in flight, however many
+run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import faust
+from aiokafka.errors import KafkaError
+
+from streams.processing.dispatch import Dispatcher
+from streams.processing.processor import Outcome, TaskProcessor
+from streams.records import Source
+from streams.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SEND_ATTEMPTS = 8
+
+
+class TaskAgent:
+    """Owns the agent's topics and the per-worker processor and dispatcher."""
+
+    def __init__(
+        self,
+        app: faust.App,
+        settings: Settings,
+        make_processor: Callable[[], TaskProcessor],
+    ) -> None:
+        self.app = app
+        self.settings = settings
+        self.make_processor = make_processor
+        # internal=True: Faust creates missing topics with the configured partitions.
+        raw: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw", "internal": True}
+        self.tasks_topic = app.topic(settings.topics.tasks, **raw)
+        self.results_topic = app.topic(settings.topics.results, compacting=True, **raw)
+        self.dead_letter_topic = app.topic(settings.topics.dead_letters, **raw)
+        self.processor: TaskProcessor | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.agent = app.agent(self.tasks_topic, name="llm-streams.tasks")(self.run)  # type: ignore[arg-type]  # faust types the param as StreamT
+
+    async def run(self, stream: faust.Stream[Any]) -> None:
+        settings = self.settings
+        await self.results_topic.maybe_declare()
+        await self.dead_letter_topic.maybe_declare()
+        processor = self.processor = self.make_processor()
+        dispatcher = self.dispatcher = Dispatcher(settings.batch.concurrency)
+        try:
+            async for events in stream.noack_take(
+                settings.batch.size, within=settings.batch.window_s
+            ):
+                for event in events:
+                    message = event.message
+                    order_key = (
+                        message.key.decode(errors="replace")
+                        if message.key
+                        else f"{message.tp.partition}/{message.offset}"
+                    )
+                    await dispatcher.submit(order_key, self._job(stream, event, processor))
+        finally:
+            try:
+                await asyncio.wait_for(asyncio.shield(dispatcher.drain()), timeout=5)
+            except (TimeoutError, asyncio.CancelledError):
+                await dispatcher.cancel()
+            await processor.client.close()
+
+    def _job(
+        self, stream: faust.Stream[Any], event: Any, processor: TaskProcessor
+    ) -> Callable[[], Any]:
+        async def job() -> None:
+            message = event.message
+            source = Source(topic=message.topic, partition=message.partition, offset=message.offset)
+            outcome = await processor.process(message.value, message.key, source)
+            await self._deliver(outcome)
+            await stream.ack(event)
+
+        return job
+
+    async def _deliver(self, outcome: Outcome) -> None:
+        """Write the outcome and wait for the broker's ack; retry sends, then crash."""
+        topic = self.results_topic if outcome.kind == "result" else self.dead_letter_topic
+        delay = 0.1
+        for attempt in range(1, SEND_ATTEMPTS + 1):
+            try:
+                pending = await topic.send(key=outcome.key.encode(), value=outcome.value)
+                await pending
+                return
+            except KafkaError as exc:
+                if attempt == SEND_ATTEMPTS:
+                    log.critical(
+                        "cannot write %s %s: %r; stopping the worker",
+                        outcome.kind,
+                        outcome.key,
+                        exc,
+                    )
+                    # The record stays unacked, so it is processed again after the restart.
+                    await self.app.crash(exc)
+                    raise
+                log.warning(
+                    "send of %s failed (%r); retry %d in %.1fs", outcome.key, exc, attempt, delay
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)

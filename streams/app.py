@@ -1,0 +1,82 @@
+"""The Faust application: `create_app(settings)`; `app` is built on first access."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import faust
+
+from streams.agents.tasks import TaskAgent
+from streams.llm.openai_client import OpenAIClient
+from streams.processing.processor import Prices, TaskProcessor
+from streams.prompts.registry import PipelineRegistry
+from streams.resilience.retry import RetryPolicy
+from streams.settings import Settings, load_settings
+
+
+def make_processor_factory(settings: Settings, registry: PipelineRegistry) -> Any:
+    """A factory called inside the worker's event loop (the HTTP client binds to it)."""
+    llm = settings.llm
+
+    def make() -> TaskProcessor:
+        client = OpenAIClient(
+            base_url=llm.base_url,
+            api_key=llm.api_key.get_secret_value() if llm.api_key else None,
+            connect_timeout_s=llm.connect_timeout_s,
+            read_timeout_s=llm.read_timeout_s,
+            max_connections=settings.batch.concurrency,
+        )
+        return TaskProcessor(
+            registry,
+            client,
+            default_model=llm.model,
+            policy=RetryPolicy(
+                max_attempts=llm.max_attempts,
+                backoff_base_s=llm.backoff_base_s,
+                backoff_max_s=llm.backoff_max_s,
+            ),
+            deadline_s=llm.task_deadline_s,
+            max_task_bytes=settings.batch.max_task_bytes,
+            prices=Prices(llm.price_per_1k_prompt_usd, llm.price_per_1k_completion_usd),
+        )
+
+    return make
+
+
+def create_app(settings: Settings) -> faust.App:
+    registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+    app = faust.App(
+        settings.app_id,
+        broker=settings.kafka.broker_url,
+        store=settings.store,
+        processing_guarantee=settings.processing_guarantee,
+        topic_partitions=settings.kafka.partitions,
+        topic_replication_factor=settings.kafka.replication_factor,
+        topic_disable_leader=True,
+        broker_session_timeout=settings.kafka.session_timeout_s,
+        broker_heartbeat_interval=max(0.5, settings.kafka.session_timeout_s / 5),
+        broker_commit_interval=settings.kafka.commit_interval_s,
+        # Every task ends well before Faust would call the stream stuck.
+        stream_processing_timeout=settings.llm.task_deadline_s + 60,
+        broker_max_poll_interval=max(300.0, settings.llm.task_deadline_s + 120),
+        stream_buffer_maxsize=max(settings.batch.size * 2, 1024),
+        producer_linger=0.005,
+        consumer_auto_offset_reset="earliest",
+        datadir=str(settings.data_dir),
+        web_port=settings.web_port,
+        web_bind="127.0.0.1",
+        autodiscover=False,
+    )
+    app.llm_streams_settings = settings  # type: ignore[attr-defined]  # for CLI helpers
+    TaskAgent(app, settings, make_processor_factory(settings, registry))
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    # `faust -A streams.app` and `python -m streams` need a module-level app; build it
+    # only when asked so importing this module reads no environment.
+    if name == "app":
+        value = create_app(load_settings())
+        globals()["app"] = value
+        return value
+    raise AttributeError(name)

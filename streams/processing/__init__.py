@@ -1,0 +1,1 @@
+"""Pure async processing steps: no Faust here."""

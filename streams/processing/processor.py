@@ -1,0 +1,218 @@
+"""One task from raw bytes to exactly one outcome: a result or a dead letter."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from streams.errors import Category, DeadlineExceeded, InvalidOutput, StreamsError, TaskError
+from streams.llm.client import LLMClient, LLMRequest, LLMResponse
+from streams.processing.output import parse_output
+from streams.prompts.registry import Pipeline, PipelineRegistry, RenderedPrompt
+from streams.records import (
+    DeadLetter,
+    Result,
+    Source,
+    Task,
+    Usage,
+    decode_task,
+    error_info,
+    now_iso,
+    payload_of,
+    result_key,
+    task_id_hint,
+)
+from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prices:
+    """USD per 1,000 tokens."""
+
+    prompt_per_1k: float = 0.0
+    completion_per_1k: float = 0.0
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return round(
+            prompt_tokens * self.prompt_per_1k / 1000
+            + completion_tokens * self.completion_per_1k / 1000,
+            8,
+        )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What to write for one input record."""
+
+    kind: Literal["result", "dead_letter"]
+    key: str
+    value: bytes
+    task_id: str | None
+    category: str | None = None
+    latency_ms: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+
+
+@dataclass
+class _Spend:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    model: str = ""
+    calls: list[str] = field(default_factory=list)
+
+
+class TaskProcessor:
+    """Decode, render, call with retries, validate; never raises for a bad task."""
+
+    def __init__(
+        self,
+        registry: PipelineRegistry,
+        client: LLMClient,
+        *,
+        default_model: str,
+        policy: RetryPolicy,
+        deadline_s: float,
+        max_task_bytes: int,
+        prices: Prices,
+    ) -> None:
+        self.registry = registry
+        self.client = client
+        self.default_model = default_model
+        self.policy = policy
+        self.deadline_s = deadline_s
+        self.max_task_bytes = max_task_bytes
+        self.prices = prices
+
+    async def process(self, raw: bytes | None, key: bytes | None, source: Source) -> Outcome:
+        started = time.monotonic()
+        attempts = Attempts()
+        spend = _Spend()
+        task: Task | None = None
+        try:
+            task = decode_task(raw, max_bytes=self.max_task_bytes)
+            pipeline = self.registry.get(task.pipeline)
+            version = pipeline.version(task.prompt_version)
+            prompt = version.render(task.input, self.default_model)
+            rkey = result_key(pipeline.name, version.version, task.task_id, task.input)
+            try:
+                async with asyncio.timeout(self.deadline_s):
+                    output = await call_with_retries(
+                        lambda a: self._attempt(pipeline, prompt, a, spend), self.policy, attempts
+                    )
+            except TimeoutError:
+                last = attempts.last_error
+                cause = f"; last error: {last.category.value}: {last.message}" if last else ""
+                raise DeadlineExceeded(
+                    f"task deadline of {self.deadline_s:g}s passed after "
+                    f"{attempts.count} attempt(s){cause}",
+                    code="task_deadline",
+                ) from None
+            latency_ms = (time.monotonic() - started) * 1000
+            cost = self.prices.cost(spend.prompt_tokens, spend.completion_tokens)
+            result = Result(
+                task_id=task.task_id,
+                result_key=rkey,
+                pipeline=pipeline.name,
+                prompt_version=version.version,
+                model=spend.model or prompt.model,
+                output=output,
+                usage=Usage(
+                    prompt_tokens=spend.prompt_tokens, completion_tokens=spend.completion_tokens
+                ),
+                cost_usd=cost,
+                attempts=attempts.count,
+                latency_ms=round(latency_ms, 2),
+                cached=False,
+                source=source,
+                trace_id=None,
+                processed_at=now_iso(),
+            )
+            return Outcome(
+                kind="result",
+                key=rkey,
+                value=orjson.dumps(result.model_dump(mode="json")),
+                task_id=task.task_id,
+                latency_ms=latency_ms,
+                prompt_tokens=spend.prompt_tokens,
+                completion_tokens=spend.completion_tokens,
+                cost_usd=cost,
+            )
+        except TaskError as exc:
+            return self._dead(exc, raw, key, task, source, attempts, spend, started)
+        except Exception as exc:  # a bug must not stop the worker or lose the record
+            log.exception("unexpected error processing %s", source)
+            err = StreamsError(f"internal error: {exc!r}", code="internal_error")
+            return self._dead(err, raw, key, task, source, attempts, spend, started)
+
+    async def _attempt(
+        self, pipeline: Pipeline, prompt: RenderedPrompt, attempts: Attempts, spend: _Spend
+    ) -> dict[str, Any]:
+        messages = list(prompt.messages)
+        last = attempts.last_error
+        if isinstance(last, InvalidOutput) and spend.calls:
+            # One repair: show the model its answer and what was wrong with it.
+            messages += [
+                {"role": "assistant", "content": spend.calls[-1]},
+                {
+                    "role": "user",
+                    "content": f"That answer was rejected: {last.message}. "
+                    "Reply with one corrected JSON object only.",
+                },
+            ]
+        request = LLMRequest(
+            messages=messages,
+            model=prompt.model,
+            params=prompt.params,
+            response_format=prompt.response_format,
+        )
+        response: LLMResponse = await self.client.complete(request)
+        spend.prompt_tokens += response.prompt_tokens
+        spend.completion_tokens += response.completion_tokens
+        spend.model = response.model
+        spend.calls.append(response.content)
+        return parse_output(response, pipeline, prompt.variables)
+
+    def _dead(
+        self,
+        exc: StreamsError,
+        raw: bytes | None,
+        key: bytes | None,
+        task: Task | None,
+        source: Source,
+        attempts: Attempts,
+        spend: _Spend,
+        started: float,
+    ) -> Outcome:
+        task_id = task.task_id if task else task_id_hint(raw, key)
+        letter = DeadLetter(
+            task_id=task_id,
+            error=error_info(exc.category, exc.code, exc.message, exc.retryable),
+            attempts=attempts.count,
+            payload=payload_of(raw),
+            source=source,
+            failed_at=now_iso(),
+        )
+        dl_key = task_id or f"{source.topic}/{source.partition}/{source.offset}"
+        return Outcome(
+            kind="dead_letter",
+            key=dl_key,
+            value=orjson.dumps(letter.model_dump(mode="json")),
+            task_id=task_id,
+            category=exc.category.value,
+            latency_ms=(time.monotonic() - started) * 1000,
+            prompt_tokens=spend.prompt_tokens,
+            completion_tokens=spend.completion_tokens,
+            cost_usd=self.prices.cost(spend.prompt_tokens, spend.completion_tokens),
+        )
+
+
+__all__ = ["Category", "Outcome", "Prices", "TaskProcessor"]

@@ -1,0 +1,232 @@
+"""Load `pipelines/*.yaml`, check slots, render prompts in a sandboxed Jinja2 environment."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import jsonschema
+import yaml
+from jinja2 import StrictUndefined, TemplateError
+from jinja2.sandbox import SandboxedEnvironment
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from streams.errors import ConfigError, InvalidInput
+
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "object": dict,
+    "array": list,
+}
+
+
+class Slot(BaseModel):
+    """A typed template variable taken from the task's `input`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["string", "integer", "number", "boolean", "object", "array"] = "string"
+    required: bool = True
+    default: Any = None
+    enum: list[Any] | None = None
+    max_length: int | None = Field(None, ge=1)
+
+
+class VersionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    system: str
+    template: str
+    slots: dict[str, Slot] = Field(min_length=1)
+    model: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    response_format: Literal["json_schema", "json_object"] = "json_schema"
+    example_input: dict[str, Any] | None = None
+
+
+class PipelineSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    default_version: str
+    output_schema: str
+    quote_fields: list[str] = Field(
+        default_factory=list,
+        description="Output paths `a[].b` whose strings must quote the `quote_source` slot.",
+    )
+    quote_source: str | None = None
+    versions: dict[str, VersionSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _default_exists(self) -> PipelineSpec:
+        if self.default_version not in self.versions:
+            raise ValueError(f"default_version {self.default_version!r} is not in versions")
+        return self
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    messages: list[dict[str, str]]
+    model: str
+    params: dict[str, Any]
+    response_format: dict[str, Any]
+    variables: dict[str, Any]
+
+
+_ENV = SandboxedEnvironment(
+    undefined=StrictUndefined, autoescape=False, keep_trailing_newline=False
+)
+
+
+class PipelineVersion:
+    """One prompt version: compiled templates plus model parameters."""
+
+    def __init__(self, pipeline: Pipeline, version: str, spec: VersionSpec) -> None:
+        self.pipeline = pipeline
+        self.version = version
+        self.spec = spec
+        try:
+            self._system = _ENV.from_string(spec.system)
+            self._user = _ENV.from_string(spec.template)
+        except TemplateError as exc:
+            raise ConfigError(f"pipeline {pipeline.name} {version}: template error: {exc}") from exc
+
+    def bind(self, task_input: dict[str, Any]) -> dict[str, Any]:
+        """Check the input against the slots; return the template variables."""
+        variables: dict[str, Any] = {}
+        for name, slot in self.spec.slots.items():
+            if name not in task_input or task_input[name] is None:
+                if slot.required:
+                    raise InvalidInput(f"input.{name} is required", code="missing_slot")
+                variables[name] = slot.default
+                continue
+            value = task_input[name]
+            expected = _JSON_TYPES[slot.type]
+            if isinstance(value, bool) and slot.type in {"integer", "number"}:
+                expected = ()
+            if not isinstance(value, expected):
+                raise InvalidInput(
+                    f"input.{name} must be {slot.type}, got {type(value).__name__}",
+                    code="slot_type",
+                )
+            if slot.type == "string" and slot.required and not str(value).strip():
+                raise InvalidInput(f"input.{name} is empty", code="empty_slot")
+            if slot.enum is not None and value not in slot.enum:
+                raise InvalidInput(f"input.{name} must be one of {slot.enum}", code="slot_enum")
+            if (
+                slot.max_length is not None
+                and hasattr(value, "__len__")
+                and len(value) > slot.max_length
+            ):
+                raise InvalidInput(
+                    f"input.{name} has length {len(value)}, over {slot.max_length}",
+                    code="slot_too_long",
+                )
+            variables[name] = value
+        return variables
+
+    def render(self, task_input: dict[str, Any], default_model: str) -> RenderedPrompt:
+        variables = self.bind(task_input)
+        try:
+            system = self._system.render(**variables).strip()
+            user = self._user.render(**variables).strip()
+        except TemplateError as exc:
+            raise InvalidInput(f"prompt does not render: {exc}", code="render_error") from exc
+        schema = self.pipeline.output_schema
+        if self.spec.response_format == "json_schema":
+            response_format: dict[str, Any] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": self.pipeline.name.replace("-", "_"),
+                    "schema": schema,
+                    "strict": True,
+                },
+            }
+        else:
+            response_format = {"type": "json_object"}
+        return RenderedPrompt(
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+            model=self.spec.model or default_model,
+            params=dict(self.spec.params),
+            response_format=response_format,
+            variables=variables,
+        )
+
+
+class Pipeline:
+    """A named pipeline: versions, output schema and its compiled validator."""
+
+    def __init__(self, spec: PipelineSpec, output_schema: dict[str, Any]) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.output_schema = output_schema
+        self.validator = jsonschema.Draft202012Validator(output_schema)
+        self.versions = {v: PipelineVersion(self, v, s) for v, s in spec.versions.items()}
+
+    def version(self, requested: str | None) -> PipelineVersion:
+        name = requested or self.spec.default_version
+        try:
+            return self.versions[name]
+        except KeyError:
+            raise InvalidInput(
+                f"pipeline {self.name!r} has no prompt version {name!r} "
+                f"(known: {sorted(self.versions)})",
+                code="unknown_version",
+            ) from None
+
+
+class PipelineRegistry:
+    """Every pipeline of a directory, loaded and checked once at start-up."""
+
+    def __init__(self, pipelines: dict[str, Pipeline]) -> None:
+        self.pipelines = pipelines
+
+    @classmethod
+    def load(cls, pipelines_dir: Path, schemas_dir: Path) -> PipelineRegistry:
+        files = sorted(pipelines_dir.glob("*.yaml")) + sorted(pipelines_dir.glob("*.yml"))
+        if not files:
+            raise ConfigError(f"no pipeline files (*.yaml) in {pipelines_dir}")
+        pipelines: dict[str, Pipeline] = {}
+        for path in files:
+            pipeline = _load_one(path, schemas_dir)
+            if pipeline.name in pipelines:
+                raise ConfigError(f"{path}: pipeline {pipeline.name!r} is defined twice")
+            pipelines[pipeline.name] = pipeline
+        return cls(pipelines)
+
+    def get(self, name: str) -> Pipeline:
+        try:
+            return self.pipelines[name]
+        except KeyError:
+            raise InvalidInput(
+                f"unknown pipeline {name!r} (known: {sorted(self.pipelines)})",
+                code="unknown_pipeline",
+            ) from None
+
+
+def _load_one(path: Path, schemas_dir: Path) -> Pipeline:
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        spec = PipelineSpec.model_validate(raw)
+    except (yaml.YAMLError, ValidationError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    schema_path = schemas_dir / spec.output_schema
+    try:
+        schema = json.loads(schema_path.read_text(encoding="utf-8"))
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except (OSError, ValueError, jsonschema.SchemaError) as exc:
+        raise ConfigError(f"{path}: output schema {schema_path}: {exc}") from exc
+    pipeline = Pipeline(spec, schema)
+    for version in pipeline.versions.values():
+        if version.spec.example_input is not None:
+            try:
+                version.render(version.spec.example_input, "example-model")
+            except InvalidInput as exc:
+                raise ConfigError(f"{path}: {version.version} example_input: {exc}") from exc
+    return pipeline

@@ -1,0 +1,89 @@
+"""Retries of one task's LLM call: only what can succeed, capped by attempts and time.
+
+Retried: rate_limited, timeout, upstream_error; invalid_output at most
+`invalid_output_retries` times. Waits are exponential with full jitter, and a
+provider's Retry-After wins when it is longer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
+
+from streams.errors import Category, RateLimited, StreamsError, Transient
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 4
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 20.0
+    invalid_output_retries: int = 1
+    max_retry_after_s: float = 60.0
+
+    def backoff(self, retry_number: int, rng: random.Random | None = None) -> float:
+        """Full-jitter exponential backoff for the n-th retry (1-based)."""
+        cap = min(self.backoff_max_s, self.backoff_base_s * 2 ** (retry_number - 1))
+        return (rng or random).uniform(0, cap)
+
+
+@dataclass
+class Attempts:
+    """How many attempts a call made; read it after success or failure."""
+
+    count: int = 0
+    last_error: StreamsError | None = None
+
+
+async def call_with_retries(
+    fn: Callable[[Attempts], Awaitable[T]],
+    policy: RetryPolicy,
+    attempts: Attempts,
+    *,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    rng: random.Random | None = None,
+) -> T:
+    """Call `fn` until it succeeds or the policy gives up; re-raise the last error."""
+    invalid_seen = 0
+
+    def should_retry(exc: BaseException) -> bool:
+        nonlocal invalid_seen
+        if not isinstance(exc, Transient):
+            return False
+        if exc.category is Category.INVALID_OUTPUT:
+            invalid_seen += 1
+            return invalid_seen <= policy.invalid_output_retries
+        return True
+
+    def wait(state: RetryCallState) -> float:
+        delay = policy.backoff(state.attempt_number, rng)
+        exc = state.outcome.exception() if state.outcome else None
+        if isinstance(exc, RateLimited) and exc.retry_after is not None:
+            # Spread the herd: every caller throttled at once gets the same hint.
+            hinted = min(exc.retry_after, policy.max_retry_after_s)
+            delay = max(delay, hinted * (rng or random).uniform(1.0, 1.5))
+        return delay
+
+    retrying = AsyncRetrying(
+        retry=retry_if_exception(should_retry),
+        stop=stop_after_attempt(policy.max_attempts),
+        wait=wait,
+        sleep=sleep,
+        reraise=True,
+    )
+    async for attempt in retrying:
+        with attempt:
+            attempts.count = attempt.retry_state.attempt_number
+            try:
+                return await fn(attempts)
+            except StreamsError as exc:
+                attempts.last_error = exc
+                raise
+    raise AssertionError("unreachable: tenacity re-raises the last error")  # pragma: no cover

@@ -1,0 +1,181 @@
+"""Settings, built once from the environment and passed down.
+
+Every field is read from ``LLM_STREAMS_<SECTION>__<FIELD>`` (for example
+``LLM_STREAMS_BATCH__SIZE``); the LLM key and URL also fall back to the OpenAI
+SDK's own ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from streams.errors import ConfigError
+
+ENV_PREFIX = "LLM_STREAMS_"
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def _data_dir(name: str) -> Path:
+    """Where `pipelines/` or `schemas/` live: the checkout, else the copy inside the wheel."""
+    checkout = _PACKAGE_DIR.parent / name
+    if checkout.is_dir():
+        return checkout
+    return _PACKAGE_DIR / "_data" / name
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class KafkaSettings(_Section):
+    broker_url: str = Field(
+        "kafka://127.0.0.1:9092", description="Bootstrap servers, `kafka://host:port[;host:port]`."
+    )
+    partitions: int = Field(4, ge=1, description="Partitions for topics llm-streams creates.")
+    replication_factor: int = Field(1, ge=1, description="Replication of topics it creates.")
+    session_timeout_s: float = Field(
+        10.0, gt=0, description="Consumer group session timeout (Tansu joins take half of it)."
+    )
+    commit_interval_s: float = Field(0.5, gt=0, description="How often acked offsets commit.")
+    idempotent_producer: bool = Field(
+        False, description="Kafka idempotent producer; Tansu cannot do it, keep off there."
+    )
+
+    @field_validator("broker_url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        hosts = bootstrap_servers(v)
+        if not hosts or any(":" not in h for h in hosts.split(",")):
+            raise ValueError("expected kafka://host:port[;host:port...]")
+        return v
+
+
+class TopicSettings(_Section):
+    tasks: str = Field("llm-tasks", min_length=1, description="Live task input topic.")
+    replay: str = Field("llm-tasks-replay", min_length=1, description="Replay lane input topic.")
+    results: str = Field("llm-results", min_length=1, description="Results (compacted).")
+    dead_letters: str = Field("llm-dead-letters", min_length=1, description="Dead letters.")
+    review: str = Field("llm-review", min_length=1, description="Low-confidence results.")
+
+
+class BatchSettings(_Section):
+    size: int = Field(100, ge=1, le=10_000, description="Max records in one micro-batch.")
+    window_s: float = Field(0.05, gt=0, le=60, description="Max wait to fill a micro-batch.")
+    concurrency: int = Field(
+        64, ge=1, le=10_000, description="Max tasks in flight per worker (LLM calls included)."
+    )
+    max_task_bytes: int = Field(
+        65_536, ge=256, description="Task records above this size are dead-lettered."
+    )
+
+
+class LLMSettings(_Section):
+    base_url: str | None = Field(None, description="OpenAI-compatible endpoint; OPENAI_BASE_URL.")
+    api_key: SecretStr | None = Field(None, description="API key; OPENAI_API_KEY.")
+    model: str = Field("gpt-4o-mini", min_length=1, description="Default model.")
+    connect_timeout_s: float = Field(5.0, gt=0, description="Per-attempt connect timeout.")
+    read_timeout_s: float = Field(30.0, gt=0, description="Per-attempt read timeout.")
+    max_attempts: int = Field(4, ge=1, le=20, description="Attempts per task for retryable errors.")
+    backoff_base_s: float = Field(0.5, ge=0, description="First retry's backoff cap.")
+    backoff_max_s: float = Field(20.0, ge=0, description="Largest single backoff.")
+    task_deadline_s: float = Field(120.0, gt=0, description="Total time a task may spend.")
+    price_per_1k_prompt_usd: float = Field(0.00015, ge=0, description="Price table: input.")
+    price_per_1k_completion_usd: float = Field(0.0006, ge=0, description="Price table: output.")
+
+
+class Settings(BaseSettings):
+    """All settings of a worker or a CLI command."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", frozen=True, extra="forbid"
+    )
+
+    app_id: str = Field("llm-streams", min_length=1, description="Consumer group / app id.")
+    kafka: KafkaSettings = KafkaSettings()
+    topics: TopicSettings = TopicSettings()
+    batch: BatchSettings = BatchSettings()
+    llm: LLMSettings = LLMSettings()
+    store: str = Field("memory://", description="Table store: memory:// or rocksdb://[path].")
+    processing_guarantee: Literal["at_least_once", "exactly_once"] = "at_least_once"
+    data_dir: Path = Field(Path("var/llm-streams"), description="Worker state directory.")
+    pipelines_dir: Path = Field(default_factory=lambda: _data_dir("pipelines"))
+    schemas_dir: Path = Field(default_factory=lambda: _data_dir("schemas"))
+    web_port: int = Field(6066, ge=0, le=65535, description="Worker web/metrics port.")
+    log_level: str = Field("info", description="Worker log level.")
+
+    @field_validator("store")
+    @classmethod
+    def _check_store(cls, v: str) -> str:
+        if not (v == "memory://" or v.startswith("rocksdb://")):
+            raise ValueError("expected memory:// or rocksdb://[path]")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_level(cls, v: str) -> str:
+        if v.lower() not in {"debug", "info", "warning", "error", "critical"}:
+            raise ValueError("expected debug|info|warning|error|critical")
+        return v.lower()
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return bootstrap_servers(self.kafka.broker_url)
+
+
+def bootstrap_servers(url: str) -> str:
+    """`kafka://a:1;b:2` (Faust's form) -> `a:1,b:2` (aiokafka's form)."""
+    hosts = [h.strip().removeprefix("kafka://") for h in url.replace(";", ",").split(",")]
+    return ",".join(h for h in hosts if h)
+
+
+def env_name(loc: tuple[int | str, ...]) -> str:
+    """The environment variable that sets the field at `loc`."""
+    return ENV_PREFIX + "__".join(str(p).upper() for p in loc)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build settings from the process environment plus explicit overrides.
+
+    Raises ConfigError naming the environment variable of every invalid field.
+    """
+    llm = dict(overrides.pop("llm", {}) or {})
+    if f"{ENV_PREFIX}LLM__API_KEY" not in os.environ and "OPENAI_API_KEY" in os.environ:
+        llm.setdefault("api_key", os.environ["OPENAI_API_KEY"])
+    if f"{ENV_PREFIX}LLM__BASE_URL" not in os.environ and "OPENAI_BASE_URL" in os.environ:
+        llm.setdefault("base_url", os.environ["OPENAI_BASE_URL"])
+    if llm:
+        overrides["llm"] = llm
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{env_name(e['loc'])}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid settings: {problems}") from exc
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """Environment variables that rebuild `settings` in another process (e.g. a worker)."""
+    env: dict[str, str] = {}
+
+    def put(loc: tuple[str, ...], value: Any) -> None:
+        if value is None:
+            return
+        if isinstance(value, BaseModel):
+            for name in type(value).model_fields:
+                put((*loc, name), getattr(value, name))
+            return
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        elif isinstance(value, bool):
+            value = "true" if value else "false"
+        env[env_name(loc)] = str(value)
+
+    for name in Settings.model_fields:
+        put((name,), getattr(settings, name))
+    return env

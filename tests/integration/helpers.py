@@ -1,0 +1,136 @@
+"""Run workers as real processes and read what they wrote."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from streams.brokers.common import free_port
+from streams.settings import Settings, settings_env
+
+
+class WorkerProcess:
+    """`llm-streams worker` in a child process with the given settings."""
+
+    def __init__(self, settings: Settings, log_path: Path) -> None:
+        self.settings = settings
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> WorkerProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
+        env.update(settings_env(self.settings))
+        env["LLM_STREAMS_WEB_PORT"] = str(free_port())
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "streams.cli", "worker"],
+                env=env, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no commit."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+async def produce(
+    settings: Settings, records: list[tuple[bytes | None, bytes | None]]
+) -> list[tuple[int, int]]:
+    """Send raw records to the tasks topic; return (partition, offset) of each."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=settings.bootstrap_servers, acks="all", linger_ms=5
+    )
+    await producer.start()
+    try:
+        futures = [await producer.send(settings.topics.tasks, key=k, value=v) for k, v in records]
+        metas = await asyncio.gather(*futures)
+        return [(m.partition, m.offset) for m in metas]
+    finally:
+        await producer.stop()
+
+
+@dataclass
+class Collected:
+    results: list[dict[str, Any]] = field(default_factory=list)
+    dead_letters: list[dict[str, Any]] = field(default_factory=list)
+    result_keys: list[str] = field(default_factory=list)
+
+    def sources(self) -> set[tuple[int, int]]:
+        return {
+            (r["source"]["partition"], r["source"]["offset"])
+            for r in self.results + self.dead_letters
+        }
+
+
+async def collect(
+    settings: Settings,
+    expected: set[tuple[int, int]],
+    *,
+    timeout_s: float,
+    worker: WorkerProcess | None = None,
+    settle_s: float = 1.0,
+) -> Collected:
+    """Read results and dead letters until every expected source offset is answered."""
+    consumer = AIOKafkaConsumer(
+        settings.topics.results,
+        settings.topics.dead_letters,
+        bootstrap_servers=settings.bootstrap_servers,
+        group_id=f"collector-{uuid.uuid4().hex[:8]}",
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+    )
+    await consumer.start()
+    got = Collected()
+    deadline = time.monotonic() + timeout_s
+    done_at: float | None = None
+    try:
+        while time.monotonic() < deadline:
+            if worker is not None and not worker.alive():
+                raise AssertionError(f"worker died:\n{worker.log_tail()}")
+            batch = await consumer.getmany(timeout_ms=300)
+            for records in batch.values():
+                for rec in records:
+                    data = orjson.loads(rec.value)
+                    if rec.topic == settings.topics.results:
+                        got.results.append(data)
+                        got.result_keys.append(rec.key.decode())
+                    else:
+                        got.dead_letters.append(data)
+            if expected <= got.sources():
+                done_at = done_at or time.monotonic()
+                if time.monotonic() - done_at >= settle_s:
+                    return got
+        return got
+    finally:
+        await consumer.stop()

@@ -1,0 +1,175 @@
+"""End to end on a real Kafka broker: every record ends as exactly one result or dead letter."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import orjson
+import pytest
+
+from streams.llm.simulator import SimulatorServer
+from tests.integration.helpers import WorkerProcess, collect, produce
+
+pytestmark = pytest.mark.integration
+
+SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
+
+
+def _task(i: int) -> dict[str, Any]:
+    text = random.Random(i).choice(
+        ["Love it, excellent quality!", "Arrived late and the box was crushed.",
+         "快递太慢了，包装也破了。", "ok", "质量很好，非常满意！", "Broke after a week. Refund please."]
+    )  # fmt: skip
+    return {
+        "task_id": f"t-{i:05d}",
+        "pipeline": "comment-analysis",
+        "input": {"text": f"{text} #{i}"},
+    }
+
+
+# One of every kind of bad record, each with what its dead letter must say.
+POISON_KINDS: list[tuple[str, bytes | None, str]] = [
+    ("not_json", b"{not json", "not_json"),
+    ("array", b'[1, 2, 3]', "not_an_object"),
+    ("string", b'"hello"', "not_an_object"),
+    ("missing_task_id", b'{"pipeline": "comment-analysis", "input": {"text": "hi"}}', "invalid_input"),
+    ("empty_task_id", b'{"task_id": "", "pipeline": "comment-analysis", "input": {"text": "hi"}}', "invalid_input"),
+    ("missing_pipeline", b'{"task_id": "x", "input": {"text": "hi"}}', "invalid_input"),
+    ("empty_input", b'{"task_id": "x", "pipeline": "comment-analysis", "input": {}}', "invalid_input"),
+    ("wrong_type", b'{"task_id": "x", "pipeline": "comment-analysis", "input": "text"}', "invalid_input"),
+    ("unknown_pipeline", b'{"task_id": "x", "pipeline": "nope", "input": {"text": "hi"}}', "unknown_pipeline"),
+    ("missing_slot", b'{"task_id": "x", "pipeline": "comment-analysis", "input": {"body": "hi"}}', "missing_slot"),
+    ("slot_type", b'{"task_id": "x", "pipeline": "comment-analysis", "input": {"text": 42}}', "slot_type"),
+    ("too_large", None, "too_large"),
+    ("tombstone", None, "empty_record"),
+]  # fmt: skip
+
+
+def _poison(kind: str, payload: bytes | None, n: int) -> bytes | None:
+    if kind == "too_large":
+        return orjson.dumps(
+            {"task_id": f"big-{n}", "pipeline": "comment-analysis", "input": {"text": "x" * 70_000}}
+        )
+    if kind == "tombstone":
+        return None
+    assert payload is not None
+    return payload.replace(b'"x"', f'"p-{n}"'.encode())
+
+
+async def test_poison_records_and_valid_tasks_each_end_exactly_once(
+    make_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    settings = make_settings(
+        llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
+        batch={"size": 50, "window_s": 0.05, "concurrency": 32},
+    )
+    rng = random.Random(42)
+    records: list[tuple[bytes | None, bytes | None]] = []
+    kinds: list[str | None] = []
+    for i in range(950):
+        task = _task(i)
+        records.append((task["task_id"].encode(), orjson.dumps(task)))
+        kinds.append(None)
+    for n in range(50):  # 5% poison, every kind several times
+        kind, payload, _ = POISON_KINDS[n % len(POISON_KINDS)]
+        records.append((f"poison-{n}".encode(), _poison(kind, payload, n)))
+        kinds.append(kind)
+    order = list(range(len(records)))
+    rng.shuffle(order)
+    records = [records[i] for i in order]
+    kinds = [kinds[i] for i in order]
+
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    try:
+        offsets = await produce(settings, records)
+        got = await collect(settings, set(offsets), timeout_s=180, worker=worker)
+    finally:
+        worker.stop()
+
+    by_source: dict[tuple[int, int], list[tuple[str, dict[str, Any]]]] = defaultdict(list)
+    for r in got.results:
+        by_source[(r["source"]["partition"], r["source"]["offset"])].append(("result", r))
+    for d in got.dead_letters:
+        by_source[(d["source"]["partition"], d["source"]["offset"])].append(("dead", d))
+
+    assert set(by_source) == set(offsets), f"missing: {len(set(offsets) - set(by_source))}"
+    result_schema = orjson.loads((SCHEMAS / "result.schema.json").read_bytes())
+    dl_schema = orjson.loads((SCHEMAS / "dead-letter.schema.json").read_bytes())
+    expected_codes = {k: code for k, _, code in POISON_KINDS}
+    for (key, value), kind, where in zip(records, kinds, offsets, strict=True):
+        outcomes = by_source[where]
+        assert len(outcomes) == 1, f"{key!r} at {where} ended {len(outcomes)} times"
+        what, record = outcomes[0]
+        if kind is None:
+            assert what == "result", record
+            jsonschema.validate(record, result_schema)
+            task = orjson.loads(value or b"")
+            assert record["task_id"] == task["task_id"]
+            assert record["output"]["sentiment"] in {"positive", "negative", "neutral", "mixed"}
+        else:
+            assert what == "dead", record
+            jsonschema.validate(record, dl_schema)
+            assert record["error"]["category"] == "invalid_input"
+            assert record["error"]["retryable"] is False
+            assert record["attempts"] == 0
+            if expected_codes[kind] != "invalid_input":
+                assert record["error"]["code"] == expected_codes[kind], record["error"]
+            assert record["error"]["message"]
+            if value is not None and kind not in ("not_json",):
+                assert record["payload"] == orjson.loads(value)
+            if kind == "not_json":
+                assert "raw_base64" in record["payload"]
+    # Each valid task has exactly one result key, and no simulator call was wasted on poison.
+    keys_by_task: dict[str, set[str]] = defaultdict(set)
+    for r in got.results:
+        keys_by_task[r["task_id"]].add(r["result_key"])
+    assert len(keys_by_task) == 950
+    assert all(len(k) == 1 for k in keys_by_task.values())
+    assert simulator.sim.snapshot()["by_status"] == {"200": 950}
+
+
+async def test_llm_faults_are_retried_or_dead_lettered_with_their_category(
+    make_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    cfg = simulator.sim.config
+    cfg.error_500_rate = 0.15
+    cfg.error_503_rate = 0.05
+    cfg.malformed_rate = 0.15
+    cfg.rpm = 6000  # 100/s with 1 s bursts: the worker's unthrottled calls hit 429s
+    settings = make_settings(
+        llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1",
+             "max_attempts": 4, "backoff_base_s": 0.05, "backoff_max_s": 0.5},
+        batch={"size": 50, "concurrency": 32},
+    )  # fmt: skip
+    tasks = [_task(i) for i in range(400)]
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    try:
+        offsets = await produce(settings, [(t["task_id"].encode(), orjson.dumps(t)) for t in tasks])
+        got = await collect(settings, set(offsets), timeout_s=240, worker=worker)
+    finally:
+        worker.stop()
+
+    stats = simulator.sim.snapshot()
+    assert stats["by_outcome"].get("error_500", 0) > 0
+    assert stats["by_outcome"].get("malformed", 0) > 0
+    assert stats["by_status"].get("429", 0) > 0, stats
+    ended = Counter(r["task_id"] for r in got.results) + Counter(
+        d["task_id"] for d in got.dead_letters
+    )
+    assert set(ended) == {t["task_id"] for t in tasks}
+    assert all(n == 1 for n in ended.values()), [t for t, n in ended.items() if n > 1]
+    # Retries rescued most tasks: with these rates nearly all succeed within 4 attempts.
+    categories = Counter(d["error"]["category"] for d in got.dead_letters)
+    assert len(got.results) > 0.8 * len(tasks), (categories, stats)
+    assert any(r["attempts"] > 1 for r in got.results)
+    for d in got.dead_letters:
+        assert d["error"]["category"] in {"upstream_error", "invalid_output", "rate_limited"}, d
+        assert d["error"]["retryable"] is True
+        if d["error"]["category"] == "invalid_output":
+            assert 2 <= d["attempts"] <= 4, d  # one repair retry, then it gives up
+        else:
+            assert d["attempts"] == 4, d  # max_attempts

@@ -1,0 +1,157 @@
+"""The processor against the simulator through the real OpenAI SDK: every fault ends right."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from streams.llm.openai_client import OpenAIClient
+from streams.llm.simulator import SimulatorServer
+from streams.processing.processor import Prices, TaskProcessor
+from streams.prompts.registry import PipelineRegistry
+from streams.records import Source, result_key
+from streams.resilience.retry import RetryPolicy
+
+ROOT = Path(__file__).resolve().parents[3]
+SRC = Source(topic="t", partition=0, offset=7)
+
+
+@pytest.fixture
+async def processor(simulator: SimulatorServer) -> AsyncIterator[TaskProcessor]:
+    client = OpenAIClient(
+        base_url=simulator.base_url, api_key="k", connect_timeout_s=1, read_timeout_s=0.5
+    )
+    yield TaskProcessor(
+        PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas"),
+        client,
+        default_model="sim-1",
+        policy=RetryPolicy(max_attempts=3, backoff_base_s=0.001, backoff_max_s=0.002),
+        deadline_s=5,
+        max_task_bytes=10_000,
+        prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0),
+    )
+    await client.close()
+
+
+def _task(text: str = "Arrived late, box crushed. Works great though.") -> bytes:
+    return orjson.dumps({"task_id": "t1", "pipeline": "comment-analysis", "input": {"text": text}})
+
+
+async def test_success_yields_a_contract_result(
+    processor: TaskProcessor, simulator: SimulatorServer
+) -> None:
+    out = await processor.process(_task(), b"t1", SRC)
+    assert out.kind == "result"
+    r = orjson.loads(out.value)
+    assert (
+        out.key
+        == r["result_key"]
+        == result_key(
+            "comment-analysis",
+            "v1",
+            "t1",
+            {"text": "Arrived late, box crushed. Works great though."},
+        )
+    )
+    assert r["output"]["sentiment"] == "mixed" and r["attempts"] == 1 and r["model"] == "sim-1"
+    assert r["source"] == {"topic": "t", "partition": 0, "offset": 7}
+    usage = r["usage"]
+    assert r["cost_usd"] == pytest.approx(
+        usage["prompt_tokens"] / 1000 + usage["completion_tokens"] * 2 / 1000
+    )
+
+
+@pytest.mark.parametrize(
+    ("knobs", "category", "attempts", "calls"),
+    [
+        ({"error_500_rate": 1.0}, "upstream_error", 3, 3),
+        ({"error_503_rate": 1.0}, "upstream_error", 3, 3),
+        ({"malformed_rate": 1.0}, "invalid_output", 2, 2),
+        ({"api_key": "other"}, "auth", 1, 1),
+        ({"context_window": 20}, "context_overflow", 1, 1),
+        ({"hang_rate": 1.0, "hang_s": 30}, "timeout", 3, 3),
+    ],
+)
+async def test_faults_end_as_dead_letters_with_category_and_attempts(
+    processor: TaskProcessor,
+    simulator: SimulatorServer,
+    knobs: dict,
+    category: str,
+    attempts: int,
+    calls: int,
+) -> None:
+    simulator.sim.config.update(knobs)
+    out = await processor.process(_task(), b"t1", SRC)
+    assert out.kind == "dead_letter" and out.category == category
+    d = orjson.loads(out.value)
+    assert d["error"]["category"] == category and d["attempts"] == attempts
+    assert d["payload"]["task_id"] == "t1" and d["task_id"] == "t1"
+    stats = simulator.sim.snapshot()
+    assert (
+        stats["requests"] + stats["by_outcome"].get("hang", 0) == calls
+    )  # hung calls have no status
+
+
+async def test_rate_limit_is_waited_out(
+    processor: TaskProcessor, simulator: SimulatorServer
+) -> None:
+    simulator.sim.config.rpm = 600  # 10/s, burst 10
+    outs = [await processor.process(_task(f"comment {i}"), None, SRC) for i in range(12)]
+    assert all(o.kind == "result" for o in outs)
+    assert simulator.sim.snapshot()["by_status"].get("429", 0) >= 1
+
+
+async def test_deadline_bounds_the_whole_task(
+    processor: TaskProcessor, simulator: SimulatorServer
+) -> None:
+    processor.deadline_s = 0.3
+    simulator.sim.config.latency_ms = 2000
+    processor.policy = RetryPolicy(max_attempts=10, backoff_base_s=0.01, backoff_max_s=0.01)
+    out = await processor.process(_task(), b"t1", SRC)
+    assert out.category == "deadline_exceeded"
+    assert "deadline" in orjson.loads(out.value)["error"]["message"]
+
+
+async def test_repair_prompt_recovers_a_malformed_answer(
+    processor: TaskProcessor, simulator: SimulatorServer
+) -> None:
+    simulator.sim.config.malformed_rate = 1.0
+    simulator.sim.config.seed = 0
+    calls = 0
+    original = processor.client.complete
+
+    async def flaky(request):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            simulator.sim.config.malformed_rate = 0.0
+            assert "rejected" in request.messages[-1]["content"]  # the repair turn
+        return await original(request)
+
+    processor.client.complete = flaky  # type: ignore[method-assign]
+    out = await processor.process(_task(), b"t1", SRC)
+    assert out.kind == "result" and orjson.loads(out.value)["attempts"] == 2
+
+
+async def test_bad_input_never_reaches_the_llm(
+    processor: TaskProcessor, simulator: SimulatorServer
+) -> None:
+    out = await processor.process(b"not json", b"k1", SRC)
+    assert out.kind == "dead_letter" and out.category == "invalid_input" and out.task_id == "k1"
+    assert out.key == "k1"
+    out = await processor.process(b"[]", None, SRC)
+    assert out.key == "t/0/7" and out.task_id is None
+    assert simulator.sim.snapshot()["requests"] == 0
+
+
+async def test_unexpected_errors_become_dead_letters(processor: TaskProcessor) -> None:
+    async def broken(request):  # type: ignore[no-untyped-def]
+        raise ZeroDivisionError("bug")
+
+    processor.client.complete = broken  # type: ignore[method-assign]
+    out = await processor.process(_task(), b"t1", SRC)
+    assert out.kind == "dead_letter"
+    assert orjson.loads(out.value)["error"]["code"] == "internal_error"

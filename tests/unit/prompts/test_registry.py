@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from streams.errors import ConfigError, InvalidInput
+from streams.prompts.registry import PipelineRegistry
+from streams.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def registry() -> PipelineRegistry:
+    return PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
+
+
+def test_renders_comment_analysis(registry: PipelineRegistry) -> None:
+    version = registry.get("comment-analysis").version(None)
+    prompt = version.render({"text": "Great blender", "product": "blender", "rating": 5}, "m")
+    assert version.version == "v1"
+    assert prompt.model == "m"
+    assert prompt.messages[0]["role"] == "system" and "sentiment" in prompt.messages[0]["content"]
+    user = prompt.messages[1]["content"]
+    assert (
+        "<comment>Great blender</comment>" in user and "Product: blender" in user and "5/5" in user
+    )
+    assert prompt.response_format["type"] == "json_schema"
+    assert prompt.response_format["json_schema"]["schema"]["required"]
+    assert prompt.params == {"temperature": 0, "max_tokens": 400}
+
+
+def test_optional_slots_take_defaults(registry: PipelineRegistry) -> None:
+    prompt = registry.get("comment-analysis").version("v1").render({"text": "ok"}, "m")
+    assert "Product" not in prompt.messages[1]["content"]
+    assert prompt.variables == {"text": "ok", "product": "", "rating": None}
+
+
+@pytest.mark.parametrize(
+    ("task_input", "code"),
+    [
+        ({"body": "x"}, "missing_slot"),
+        ({"text": 3}, "slot_type"),
+        ({"text": "   "}, "empty_slot"),
+        ({"text": "x" * 8001}, "slot_too_long"),
+        ({"text": "ok", "rating": True}, "slot_type"),
+        ({"text": "ok", "rating": "5"}, "slot_type"),
+    ],
+)
+def test_slot_errors_are_invalid_input(
+    registry: PipelineRegistry, task_input: dict, code: str
+) -> None:
+    with pytest.raises(InvalidInput) as info:
+        registry.get("comment-analysis").version(None).render(task_input, "m")
+    assert info.value.code == code
+
+
+def test_unknown_pipeline_and_version(registry: PipelineRegistry) -> None:
+    with pytest.raises(InvalidInput) as info:
+        registry.get("nope")
+    assert info.value.code == "unknown_pipeline" and "comment-analysis" in info.value.message
+    with pytest.raises(InvalidInput) as info:
+        registry.get("comment-analysis").version("v9")
+    assert info.value.code == "unknown_version"
+
+
+def test_template_sandbox_blocks_attribute_escapes(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text(
+        "name: p\ndefault_version: v1\noutput_schema: comment-analysis.output.schema.json\n"
+        "versions:\n  v1:\n    system: s\n    template: '{{ text.__class__.__mro__ }}'\n"
+        "    slots: {text: {type: string}}\n"
+    )
+    reg = PipelineRegistry.load(tmp_path, ROOT / "schemas")
+    with pytest.raises(InvalidInput) as info:
+        reg.get("p").version(None).render({"text": "x"}, "m")
+    assert info.value.code == "render_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        (
+            "name: p\ndefault_version: v2\noutput_schema: comment-analysis.output.schema.json\n"
+            "versions:\n  v1: {system: s, template: t, slots: {text: {}}}\n",
+            "default_version",
+        ),
+        (
+            "name: p\ndefault_version: v1\noutput_schema: missing.json\n"
+            "versions:\n  v1: {system: s, template: t, slots: {text: {}}}\n",
+            "missing.json",
+        ),
+        (
+            "name: p\ndefault_version: v1\noutput_schema: comment-analysis.output.schema.json\n"
+            "versions:\n  v1: {system: s, template: '{{ text', slots: {text: {}}}\n",
+            "template",
+        ),
+        (
+            "name: p\ndefault_version: v1\noutput_schema: comment-analysis.output.schema.json\n"
+            "versions:\n  v1: {system: s, template: t, slots: {text: {}}, example_input: {}}\n",
+            "example_input",
+        ),
+        (": not yaml : [", "p.yaml"),
+    ],
+)
+def test_bad_pipeline_files_stop_the_start(tmp_path: Path, body: str, words: str) -> None:
+    (tmp_path / "p.yaml").write_text(body)
+    with pytest.raises(ConfigError) as info:
+        PipelineRegistry.load(tmp_path, ROOT / "schemas")
+    assert words in str(info.value)
+
+
+def test_settings_find_the_checkout_pipelines() -> None:
+    s = load_settings()
+    assert (s.pipelines_dir / "comment-analysis.yaml").exists()
