@@ -45,6 +45,7 @@ def make_processor_factory(settings: Settings, registry: PipelineRegistry) -> An
 
 def create_app(settings: Settings) -> faust.App:
     registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)  # Faust makes only the last level
     app = faust.App(
         settings.app_id,
         broker=settings.kafka.broker_url,

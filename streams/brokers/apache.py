@@ -70,6 +70,14 @@ def resolve_jars(target: Path | None = None) -> Path:
     return target
 
 
+def _cluster_id() -> str:
+    """A KRaft cluster id that, like Kafka's own, never starts with "-" (read as a flag)."""
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
+
+
 def _java() -> str:
     home = os.environ.get("JAVA_HOME")
     if home and (Path(home) / "bin" / "java").exists():
@@ -129,7 +137,7 @@ class ApacheKafka:
         config = self._config(self.workdir)
         classpath = f"{jars}/*"
         java = _java()
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = _cluster_id()
         jvm = [java, f"-Xmx{self.heap_mb}m", "-Xms128m", "-XX:+UseSerialGC", "-cp", classpath]
         subprocess.run(
             [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config)],
