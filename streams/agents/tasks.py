@@ -1,10 +1,10 @@
 """The task agent: micro-batches in, one result or dead letter out per record.
 
-Offset safety: the stream runs without automatic acks (`noack_take`); each
-event is acked only after its result or dead letter is acknowledged by the
-broker. Faust commits the highest offset below which every record is acked,
-so the committed offset never passes a record still in flight, however many
-run concurrently.
+Offset safety: the stream runs without automatic acks (`noack_take`). An
+event counts as finished once its result or dead letter is acknowledged by
+the broker, and finished events are acked to Faust in arrival order per
+partition (`InOrderAcks`), so Faust's commit never passes a record still in
+flight, however many run concurrently.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import faust
 from aiokafka.errors import KafkaError
 
 from streams.processing.dispatch import Dispatcher
+from streams.processing.offsets import InOrderAcks, Ticket
 from streams.processing.processor import Outcome, TaskProcessor
 from streams.records import Source
 from streams.settings import Settings
@@ -46,6 +47,7 @@ class TaskAgent:
         self.dead_letter_topic = app.topic(settings.topics.dead_letters, **raw)
         self.processor: TaskProcessor | None = None
         self.dispatcher: Dispatcher | None = None
+        self.acks: InOrderAcks[Any] = InOrderAcks()
         self.agent = app.agent(self.tasks_topic, name="llm-streams.tasks")(self.run)  # type: ignore[arg-type]  # faust types the param as StreamT
 
     async def run(self, stream: faust.Stream[Any]) -> None:
@@ -65,7 +67,8 @@ class TaskAgent:
                         if message.key
                         else f"{message.tp.partition}/{message.offset}"
                     )
-                    await dispatcher.submit(order_key, self._job(stream, event, processor))
+                    ticket = self.acks.started(message.tp, event)
+                    await dispatcher.submit(order_key, self._job(stream, ticket, processor))
         finally:
             try:
                 await asyncio.wait_for(asyncio.shield(dispatcher.drain()), timeout=5)
@@ -74,14 +77,15 @@ class TaskAgent:
             await processor.client.close()
 
     def _job(
-        self, stream: faust.Stream[Any], event: Any, processor: TaskProcessor
+        self, stream: faust.Stream[Any], ticket: Ticket[Any], processor: TaskProcessor
     ) -> Callable[[], Any]:
         async def job() -> None:
-            message = event.message
+            message = ticket.item.message
             source = Source(topic=message.topic, partition=message.partition, offset=message.offset)
             outcome = await processor.process(message.value, message.key, source)
             await self._deliver(outcome)
-            await stream.ack(event)
+            for event in self.acks.finished(ticket):
+                await stream.ack(event)
 
         return job
 
