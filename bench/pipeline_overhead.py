@@ -95,8 +95,9 @@ async def create_topic(bootstrap: str, name: str, partitions: int = 4) -> None:
 
 async def measure(
     bootstrap: str, topics: list[str], n: int, proc: subprocess.Popen[bytes]
-) -> tuple[float, int]:
-    """Records/s between the first and the n-th output; the worker's peak RSS in kB."""
+) -> tuple[float, int, float]:
+    """Records/s between the first and the n-th output; the worker's peak RSS in kB and
+    its CPU milliseconds per record over the same span (less sensitive to a noisy host)."""
     consumer = AIOKafkaConsumer(
         *topics,
         bootstrap_servers=bootstrap,
@@ -105,8 +106,8 @@ async def measure(
         enable_auto_commit=False,
     )
     await consumer.start()
-    seen = 0
-    first = last = 0.0
+    seen = seen_first = 0
+    first = last = cpu_first = cpu_last = 0.0
     deadline = time.monotonic() + 600
     try:
         while seen < n and time.monotonic() < deadline:
@@ -116,14 +117,22 @@ async def measure(
             got = sum(len(v) for v in batch.values())
             if got:
                 now = time.monotonic()
-                first = first or now
-                last = now
+                if not first:
+                    first, cpu_first, seen_first = now, cpu_seconds(proc.pid), got
+                last, cpu_last = now, cpu_seconds(proc.pid)
                 seen += got
     finally:
         await consumer.stop()
     if seen < n:
         raise RuntimeError(f"only {seen}/{n} outputs")
-    return n / max(last - first, 1e-9), peak_rss_kb(proc.pid)
+    span = max(last - first, 1e-9)
+    counted = max(seen - seen_first, 1)
+    return counted / span, peak_rss_kb(proc.pid), (cpu_last - cpu_first) * 1000 / counted
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def peak_rss_kb(pid: int) -> int:
@@ -142,7 +151,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-async def run_passthrough(kafka: ApacheKafka, n: int, logdir: Path) -> tuple[float, int, int]:
+async def run_passthrough(
+    kafka: ApacheKafka, n: int, logdir: Path
+) -> tuple[float, int, float, int]:
     suffix = uuid.uuid4().hex[:6]
     source, sink = f"pt-in-{suffix}", f"pt-out-{suffix}"
     await create_topic(kafka.bootstrap, source)
@@ -162,15 +173,15 @@ async def run_passthrough(kafka: ApacheKafka, n: int, logdir: Path) -> tuple[flo
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=logdir,
         )  # fmt: skip
     try:
-        rate, rss = await measure(kafka.bootstrap, [sink], n, proc)
+        rate, rss, cpu = await measure(kafka.bootstrap, [sink], n, proc)
     finally:
         stop(proc)
-    return rate, rss, size
+    return rate, rss, cpu, size
 
 
 async def run_pipeline(
     kafka: ApacheKafka, n: int, logdir: Path, concurrency: int
-) -> tuple[float, int, dict[str, object]]:
+) -> tuple[float, int, float, dict[str, object]]:
     sim_port = free_port()
     sim = subprocess.Popen(
         [sys.executable, "-m", "streams.cli", "simulate-llm", "--port", str(sim_port)],
@@ -202,7 +213,7 @@ async def run_pipeline(
                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=logdir,
             )  # fmt: skip
         try:
-            rate, rss = await measure(
+            rate, rss, cpu = await measure(
                 kafka.bootstrap, [settings.topics.results, settings.topics.dead_letters], n, proc
             )
         finally:
@@ -213,7 +224,7 @@ async def run_pipeline(
             stats = orjson.loads(r.read())
     finally:
         stop(sim)
-    return rate, rss, stats
+    return rate, rss, cpu, stats
 
 
 async def main() -> None:
@@ -224,13 +235,21 @@ async def main() -> None:
     logdir = Path(tempfile.mkdtemp(prefix="llm-streams-bench-"))
     with ApacheKafka(heap_mb=1024) as kafka:
         await warm_up(kafka, args.tasks)
-        pt_rate, pt_rss, size = await run_passthrough(kafka, args.tasks, logdir)
-        pl_rate, pl_rss, stats = await run_pipeline(kafka, args.tasks, logdir, args.concurrency)
+        pt_rate, pt_rss, pt_cpu, size = await run_passthrough(kafka, args.tasks, logdir)
+        pl_rate, pl_rss, pl_cpu, stats = await run_pipeline(
+            kafka, args.tasks, logdir, args.concurrency
+        )
     print(
         f"records: {args.tasks} tasks of ~{size} bytes, 4 partitions, Apache Kafka 4.1.1 (KRaft), one worker"
     )
-    print(f"bare Faust pass-through : {pt_rate:8.0f} records/s   peak RSS {pt_rss / 1024:6.0f} MB")
-    print(f"llm-streams pipeline    : {pl_rate:8.0f} tasks/s     peak RSS {pl_rss / 1024:6.0f} MB")
+    print(
+        f"bare Faust pass-through : {pt_rate:8.0f} records/s   peak RSS {pt_rss / 1024:6.0f} MB"
+        f"   worker CPU {pt_cpu:.2f} ms/record"
+    )
+    print(
+        f"llm-streams pipeline    : {pl_rate:8.0f} tasks/s     peak RSS {pl_rss / 1024:6.0f} MB"
+        f"   worker CPU {pl_cpu:.2f} ms/task"
+    )
     print(f"ratio pipeline / pass-through: {pl_rate / pt_rate:.2f}")
     print(f"simulator: {stats['by_status']}, duplicate successes {stats['duplicate_successes']}")
     print(f"logs: {logdir}")

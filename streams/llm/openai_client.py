@@ -109,7 +109,12 @@ class OpenAIClient:
             # runs the SDK's typed-dict transform over every message and the whole
             # JSON Schema (~3 ms of CPU per call), which caps a worker near 200 calls/s.
             # Timeouts, auth headers and the SDK's error classes stay the same.
-            raw = await self._client.post("/chat/completions", body=body, cast_to=bytes)
+            raw = await self._client.post(
+                "/chat/completions",
+                content=orjson.dumps(body),
+                options={"headers": {"Content-Type": "application/json"}},
+                cast_to=bytes,
+            )
         except openai.OpenAIError as exc:
             raise map_error(exc) from exc
         return parse_completion(raw, request.model)

@@ -48,7 +48,11 @@ def parse_output(
         raise InvalidOutput(
             f"answer is JSON {type(data).__name__}, not an object", code="not_object"
         )
-    errors = sorted(pipeline.validator.iter_errors(data), key=lambda e: list(e.absolute_path))
+    errors = (
+        []
+        if pipeline.is_valid(data)
+        else sorted(pipeline.validator.iter_errors(data), key=lambda e: list(e.absolute_path))
+    )
     if errors:
         detail = "; ".join(
             f"{'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}"
