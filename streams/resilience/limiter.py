@@ -1,0 +1,267 @@
+"""RPM + TPM limits of one endpoint/model, with priority lanes, that learn the real limit.
+
+Both limits are token buckets refilling continuously at limit/60 per second and
+holding `burst_s` seconds of it, the way providers enforce them (60 RPM admits
+about one request per second, not 60 at once). Calls wait for capacity; they
+never fail for it. Waiters are served by lane (live before replay), then in
+arrival order, so a live call waits for about one slot however long the
+replay queue is.
+
+Learning: `x-ratelimit-limit-*` headers set the ceiling; `x-ratelimit-remaining-*`
+lower our bucket when the provider (shared by other workers on the same key)
+has less left than we think; a 429 cuts the rate multiplicatively and pauses
+everyone until its Retry-After; the rate then recovers additively. Workers
+sharing a key converge to their shares with no shared store (AIMD).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from streams.resilience.clock import Clock, MonotonicClock
+
+log = logging.getLogger(__name__)
+
+
+_EPSILON = 1e-9
+
+
+class Lane(IntEnum):
+    """Lower value = served first."""
+
+    LIVE = 0
+    REPLAY = 1
+
+
+class Bucket:
+    """A token bucket in units per minute; the level may go below zero (debt)."""
+
+    def __init__(self, per_minute: float, burst_s: float, now: float) -> None:
+        self.per_minute = per_minute
+        self.burst_s = burst_s
+        self.level = self.capacity
+        self.stamp = now
+
+    @property
+    def capacity(self) -> float:
+        return max(1.0, self.per_minute * self.burst_s / 60.0)
+
+    def refill(self, now: float) -> None:
+        elapsed = max(0.0, now - self.stamp)
+        self.level = min(self.capacity, self.level + elapsed * self.per_minute / 60.0)
+        self.stamp = now
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until `amount` can be taken (a request larger than the bucket waits for
+        a full bucket, then takes it into debt)."""
+        need = min(amount, self.capacity)
+        missing = need - self.level
+        if missing <= _EPSILON:  # float dust must not turn into an endless 1e-17 s sleep
+            return 0.0
+        return missing * 60.0 / self.per_minute
+
+    def set_rate(self, per_minute: float, now: float) -> None:
+        self.refill(now)
+        self.per_minute = per_minute
+        self.level = min(self.level, self.capacity)
+
+
+@dataclass(order=True)
+class _Waiter:
+    lane: int
+    seq: int
+    tokens: int = field(compare=False)
+    future: asyncio.Future[None] = field(compare=False)
+
+
+@dataclass
+class Permit:
+    """Capacity granted for one call; `reconcile` with the real usage after it."""
+
+    limiter: RateLimiter
+    estimated_tokens: int
+    waited_s: float
+
+    def reconcile(self, actual_tokens: int) -> None:
+        self.limiter._reconcile(self.estimated_tokens, actual_tokens)
+
+
+@dataclass(frozen=True)
+class LimiterSnapshot:
+    rpm: float
+    tpm: float | None
+    rpm_ceiling: float
+    tpm_ceiling: float | None
+    paused_for_s: float
+    waiting: int
+
+
+class RateLimiter:
+    def __init__(
+        self,
+        *,
+        rpm: float,
+        tpm: float | None = None,
+        burst_s: float = 1.0,
+        decrease: float = 0.7,
+        recover_per_s: float = 0.02,
+        floor: float = 0.05,
+        clock: Clock | None = None,
+    ) -> None:
+        if rpm <= 0 or (tpm is not None and tpm <= 0):
+            raise ValueError("limits must be positive")
+        self.clock = clock or MonotonicClock()
+        now = self.clock.now()
+        self.rpm_ceiling = float(rpm)
+        self.tpm_ceiling = float(tpm) if tpm else None
+        self.requests = Bucket(rpm, burst_s, now)
+        self.tokens = Bucket(tpm, burst_s, now) if tpm else None
+        self.decrease = decrease
+        self.recover_per_s = recover_per_s
+        self.floor = floor
+        self.paused_until = now
+        self._last_recover = now
+        self._queue: list[_Waiter] = []
+        self._seq = itertools.count()
+        self._pump: asyncio.Task[None] | None = None
+        self._wakeup = asyncio.Event()
+
+    # -- granting ------------------------------------------------------------
+    async def acquire(self, tokens: int = 0, lane: Lane = Lane.LIVE) -> Permit:
+        started = self.clock.now()
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._queue, _Waiter(int(lane), next(self._seq), tokens, future))
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.create_task(self._run())
+        else:
+            self._wakeup.set()
+        await future
+        return Permit(self, tokens, self.clock.now() - started)
+
+    def _wait_time(self, tokens: int, now: float) -> float:
+        self._recover(now)
+        self.requests.refill(now)
+        wait = max(self.paused_until - now, self.requests.wait_for(1))
+        if self.tokens is not None and tokens:
+            self.tokens.refill(now)
+            wait = max(wait, self.tokens.wait_for(tokens))
+        return wait
+
+    async def _run(self) -> None:
+        while self._queue:
+            head = self._queue[0]
+            if head.future.done():  # cancelled while waiting
+                heapq.heappop(self._queue)
+                continue
+            now = self.clock.now()
+            wait = self._wait_time(head.tokens, now)
+            if wait <= _EPSILON:
+                heapq.heappop(self._queue)
+                self.requests.level -= 1
+                if self.tokens is not None:
+                    self.tokens.level -= head.tokens
+                head.future.set_result(None)
+                continue
+            # Sleep until the head can go, or until a new (maybe higher-lane) waiter comes.
+            self._wakeup.clear()
+            sleeper = asyncio.ensure_future(self.clock.sleep(wait))
+            waker = asyncio.ensure_future(self._wakeup.wait())
+            await asyncio.wait([sleeper, waker], return_when=asyncio.FIRST_COMPLETED)
+            for task in (sleeper, waker):
+                task.cancel()
+
+    def _reconcile(self, estimated: int, actual: int) -> None:
+        if self.tokens is not None:
+            self.tokens.level += estimated - actual
+
+    # -- learning ------------------------------------------------------------
+    def _recover(self, now: float) -> None:
+        elapsed = now - self._last_recover
+        self._last_recover = now
+        if elapsed <= 0 or now < self.paused_until:
+            return
+        step = self.recover_per_s * elapsed
+        if self.requests.per_minute < self.rpm_ceiling:
+            rate = min(self.rpm_ceiling, self.requests.per_minute + step * self.rpm_ceiling)
+            self.requests.set_rate(rate, now)
+        if (
+            self.tokens is not None
+            and self.tpm_ceiling
+            and self.tokens.per_minute < self.tpm_ceiling
+        ):
+            rate = min(self.tpm_ceiling, self.tokens.per_minute + step * self.tpm_ceiling)
+            self.tokens.set_rate(rate, now)
+
+    def throttled(self, retry_after_s: float | None) -> None:
+        """The provider answered 429: cut the rate, and pause everyone until Retry-After."""
+        now = self.clock.now()
+        self.requests.set_rate(
+            max(self.rpm_ceiling * self.floor, self.requests.per_minute * self.decrease), now
+        )
+        self.requests.level = min(self.requests.level, 0.0)
+        if self.tokens is not None and self.tpm_ceiling:
+            self.tokens.set_rate(
+                max(self.tpm_ceiling * self.floor, self.tokens.per_minute * self.decrease), now
+            )
+        if retry_after_s:
+            self.paused_until = max(self.paused_until, now + retry_after_s)
+        self._last_recover = max(now, self.paused_until)
+        log.info(
+            "throttled: rpm now %.0f, paused %.2fs", self.requests.per_minute, retry_after_s or 0
+        )
+        self._wakeup.set()
+
+    def observe(self, headers: Mapping[str, str]) -> None:
+        """Steer the buckets by the provider's `x-ratelimit-*` headers, when it sends them."""
+        now = self.clock.now()
+        self._steer(self.requests, headers, "requests", now, ceiling_attr="rpm_ceiling")
+        if self.tokens is not None:
+            self._steer(self.tokens, headers, "tokens", now, ceiling_attr="tpm_ceiling")
+
+    def _steer(
+        self,
+        bucket: Bucket,
+        headers: Mapping[str, str],
+        kind: str,
+        now: float,
+        *,
+        ceiling_attr: str,
+    ) -> None:
+        limit = _number(headers.get(f"x-ratelimit-limit-{kind}"))
+        remaining = _number(headers.get(f"x-ratelimit-remaining-{kind}"))
+        if limit and limit > 0 and limit != getattr(self, ceiling_attr):
+            log.info(
+                "provider %s limit is %g/min (was %g)", kind, limit, getattr(self, ceiling_attr)
+            )
+            setattr(self, ceiling_attr, limit)
+            if bucket.per_minute > limit:
+                bucket.set_rate(limit, now)
+        if remaining is not None:
+            bucket.refill(now)
+            # The provider's bucket (shared with other clients of the key) has less left.
+            bucket.level = min(bucket.level, remaining * bucket.burst_s / 60.0)
+
+    def snapshot(self) -> LimiterSnapshot:
+        return LimiterSnapshot(
+            rpm=self.requests.per_minute,
+            tpm=self.tokens.per_minute if self.tokens else None,
+            rpm_ceiling=self.rpm_ceiling,
+            tpm_ceiling=self.tpm_ceiling,
+            paused_for_s=max(0.0, self.paused_until - self.clock.now()),
+            waiting=sum(1 for w in self._queue if not w.future.done()),
+        )
+
+
+def _number(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None

@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streams.resilience.clock import FakeClock
+from streams.resilience.limiter import Lane, RateLimiter
+
+
+async def _grants(
+    limiter: RateLimiter, clock: FakeClock, calls: list[tuple[int, Lane]]
+) -> list[tuple[float, int, Lane]]:
+    out: list[tuple[float, int, Lane]] = []
+
+    async def one(i: int, tokens: int, lane: Lane) -> None:
+        await limiter.acquire(tokens, lane)
+        out.append((clock.now(), i, lane))
+
+    await asyncio.gather(*(one(i, t, lane) for i, (t, lane) in enumerate(calls)))
+    return out
+
+
+async def test_sub_minute_enforcement_60_rpm_is_one_per_second() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(rpm=60, burst_s=1.0, clock=clock)
+    grants = await _grants(limiter, clock, [(0, Lane.LIVE)] * 5)
+    times = [t - 1000.0 for t, _, _ in grants]
+    assert times == pytest.approx([0, 1, 2, 3, 4])
+
+
+async def test_tokens_per_minute_bound_big_requests() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(rpm=10_000, tpm=6000, burst_s=1.0, clock=clock)  # 100 tokens/s
+    grants = await _grants(limiter, clock, [(100, Lane.LIVE)] * 4)
+    assert [round(t - 1000.0, 6) for t, _, _ in grants] == [0, 1, 2, 3]
+
+
+async def test_reconcile_returns_unused_tokens() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(rpm=10_000, tpm=6000, clock=clock)
+    permit = await limiter.acquire(100)
+    permit.reconcile(20)  # the call used 20 of the 100 estimated
+    await limiter.acquire(80)
+    assert clock.now() == 1000.0  # no wait: 80 tokens were given back
+
+
+async def test_live_lane_goes_before_a_queued_replay_backlog() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(rpm=60, clock=clock)
+    await limiter.acquire(0, Lane.REPLAY)  # empties the bucket
+    replay = [asyncio.ensure_future(limiter.acquire(0, Lane.REPLAY)) for _ in range(20)]
+    await asyncio.sleep(0)
+    live_started = clock.now()
+    await limiter.acquire(0, Lane.LIVE)
+    assert clock.now() - live_started <= 1.0 + 1e-9  # about one request slot
+    assert sum(f.done() for f in replay) <= 1
+    await asyncio.gather(*replay)
+
+
+async def test_429_cuts_the_rate_pauses_and_recovers_additively() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(rpm=600, clock=clock, decrease=0.5, recover_per_s=0.1)
+    limiter.throttled(retry_after_s=2.0)
+    assert limiter.snapshot().rpm == 300
+    start = clock.now()
+    await limiter.acquire()
+    assert clock.now() - start >= 2.0  # Retry-After honoured by every caller
+    clock.advance(10)
+    await limiter.acquire()
+    assert limiter.snapshot().rpm == 600  # back to the ceiling, additively
+
+
+async def test_headers_set_the_ceiling_and_the_shared_remaining() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(rpm=6000, clock=clock)
+    limiter.observe({"x-ratelimit-limit-requests": "600", "x-ratelimit-remaining-requests": "0"})
+    snap = limiter.snapshot()
+    assert snap.rpm_ceiling == 600 and snap.rpm == 600
+    start = clock.now()
+    await limiter.acquire()  # the provider said nothing is left: wait for a refill
+    assert clock.now() - start == pytest.approx(0.1)
+
+
+def test_limits_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        RateLimiter(rpm=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rpm=st.integers(30, 20_000),
+    burst=st.floats(0.2, 5.0),
+    calls=st.integers(1, 80),
+    gaps=st.lists(st.floats(0, 0.5), min_size=80, max_size=80),
+)
+def test_never_admits_more_than_the_rate_over_any_window(
+    rpm: int, burst: float, calls: int, gaps: list[float]
+) -> None:
+    async def run() -> list[float]:
+        clock = FakeClock()
+        limiter = RateLimiter(rpm=rpm, burst_s=burst, clock=clock)
+        times = []
+        for i in range(calls):
+            clock.advance(gaps[i])
+            await limiter.acquire()
+            times.append(clock.now())
+        return times
+
+    times = asyncio.run(run())
+    capacity = max(1.0, rpm * burst / 60)
+    for i, start in enumerate(times):
+        for j in range(i, len(times)):
+            window = times[j] - start
+            admitted = j - i + 1
+            assert admitted <= capacity + window * rpm / 60 + 1e-6
