@@ -10,13 +10,19 @@ from streams.agents.tasks import TaskAgent
 from streams.llm.openai_client import OpenAIClient
 from streams.processing.processor import Prices, TaskProcessor
 from streams.prompts.registry import PipelineRegistry
+from streams.resilience.breaker import CircuitBreaker
+from streams.resilience.guarded import GuardedClient
+from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
 from streams.settings import Settings, load_settings
+
+UNSET_RPM = 1_000_000.0
 
 
 def make_processor_factory(settings: Settings, registry: PipelineRegistry) -> Any:
     """A factory called inside the worker's event loop (the HTTP client binds to it)."""
     llm = settings.llm
+    res = settings.resilience
 
     def make() -> TaskProcessor:
         client = OpenAIClient(
@@ -26,9 +32,23 @@ def make_processor_factory(settings: Settings, registry: PipelineRegistry) -> An
             read_timeout_s=llm.read_timeout_s,
             max_connections=settings.batch.concurrency,
         )
+        guarded = GuardedClient(
+            client,
+            # Without a configured limit, start unthrottled; the provider's headers
+            # (or its first 429s) then set the real ceiling.
+            limiter=RateLimiter(rpm=llm.rpm or UNSET_RPM, tpm=llm.tpm, burst_s=llm.burst_s),
+            breaker=CircuitBreaker(
+                client.endpoint,
+                window_s=res.breaker_window_s,
+                min_calls=res.breaker_min_calls,
+                failure_rate=res.breaker_failure_rate,
+                open_s=res.breaker_open_s,
+                probes=res.breaker_probes,
+            ),
+        )
         return TaskProcessor(
             registry,
-            client,
+            guarded,
             default_model=llm.model,
             policy=RetryPolicy(
                 max_attempts=llm.max_attempts,

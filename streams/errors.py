@@ -84,9 +84,17 @@ class RateLimited(Transient):
 
     category = Category.RATE_LIMITED
 
-    def __init__(self, message: str, *, retry_after: float | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message, code=code)
         self.retry_after = retry_after
+        self.headers = headers or {}
 
 
 class Timeout(Transient):
@@ -99,3 +107,9 @@ class UpstreamError(Transient):
 
 class DeadlineExceeded(Permanent):
     category = Category.DEADLINE_EXCEEDED
+
+
+class CircuitOpen(Permanent):
+    """The endpoint's circuit stays open past the task's deadline."""
+
+    category = Category.CIRCUIT_OPEN

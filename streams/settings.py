@@ -84,8 +84,27 @@ class LLMSettings(_Section):
     backoff_base_s: float = Field(0.5, ge=0, description="First retry's backoff cap.")
     backoff_max_s: float = Field(20.0, ge=0, description="Largest single backoff.")
     task_deadline_s: float = Field(120.0, gt=0, description="Total time a task may spend.")
+    rpm: float | None = Field(
+        None, gt=0, description="Requests/min to start from; x-ratelimit headers then steer it."
+    )
+    tpm: float | None = Field(
+        None, gt=0, description="Tokens/min to start from; x-ratelimit headers then steer it."
+    )
+    burst_s: float = Field(
+        1.0, gt=0, le=60, description="Seconds of the limit one burst may use (sub-minute)."
+    )
     price_per_1k_prompt_usd: float = Field(0.00015, ge=0, description="Price table: input.")
     price_per_1k_completion_usd: float = Field(0.0006, ge=0, description="Price table: output.")
+
+
+class ResilienceSettings(_Section):
+    breaker_window_s: float = Field(30.0, gt=0, description="Breaker's sliding window.")
+    breaker_min_calls: int = Field(20, ge=1, description="Calls in the window before it judges.")
+    breaker_failure_rate: float = Field(
+        0.5, gt=0, le=1, description="Share of timeouts/5xx in the window that opens it."
+    )
+    breaker_open_s: float = Field(15.0, gt=0, description="Open time before half-open probes.")
+    breaker_probes: int = Field(3, ge=1, description="Probe calls while half-open.")
 
 
 class Settings(BaseSettings):
@@ -100,6 +119,7 @@ class Settings(BaseSettings):
     topics: TopicSettings = TopicSettings()
     batch: BatchSettings = BatchSettings()
     llm: LLMSettings = LLMSettings()
+    resilience: ResilienceSettings = ResilienceSettings()
     store: str = Field("memory://", description="Table store: memory:// or rocksdb://[path].")
     processing_guarantee: Literal["at_least_once", "exactly_once"] = "at_least_once"
     data_dir: Path = Field(Path("var/llm-streams"), description="Worker state directory.")

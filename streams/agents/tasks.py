@@ -21,6 +21,7 @@ from streams.processing.dispatch import Dispatcher
 from streams.processing.offsets import InOrderAcks, Ticket
 from streams.processing.processor import Outcome, TaskProcessor
 from streams.records import Source
+from streams.resilience.limiter import Lane
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ class TaskAgent:
         self.make_processor = make_processor
         # internal=True: Faust creates missing topics with the configured partitions.
         raw: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw", "internal": True}
-        self.tasks_topic = app.topic(settings.topics.tasks, **raw)
+        # One agent reads both lanes; the limiter serves live before replay.
+        self.tasks_topic = app.topic(settings.topics.tasks, settings.topics.replay, **raw)
         self.results_topic = app.topic(settings.topics.results, compacting=True, **raw)
         self.dead_letter_topic = app.topic(settings.topics.dead_letters, **raw)
         self.processor: TaskProcessor | None = None
@@ -82,7 +84,8 @@ class TaskAgent:
         async def job() -> None:
             message = ticket.item.message
             source = Source(topic=message.topic, partition=message.partition, offset=message.offset)
-            outcome = await processor.process(message.value, message.key, source)
+            lane = Lane.REPLAY if message.topic == self.settings.topics.replay else Lane.LIVE
+            outcome = await processor.process(message.value, message.key, source, lane)
             await self._deliver(outcome)
             for event in self.acks.finished(ticket):
                 await stream.ack(event)

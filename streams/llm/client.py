@@ -21,11 +21,18 @@ class LLMResponse:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str
+    #: the provider's `x-ratelimit-*` headers, for the limiter to learn from
+    rate_headers: dict[str, str] = field(default_factory=dict)
 
 
 class LLMClient(Protocol):
     """One attempt at a chat completion; raises streams.errors.TaskError subclasses."""
 
     async def complete(self, request: LLMRequest) -> LLMResponse: ...
+
+    @property
+    def endpoint(self) -> str:
+        """A name of the endpoint for breaker and limiter keys (no secrets)."""
+        ...
 
     async def close(self) -> None: ...

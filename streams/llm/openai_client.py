@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx2  # the SDK's HTTP layer; its Response carries the headers
 import openai
 import orjson
 
@@ -39,6 +40,11 @@ def retry_after_seconds(headers: Any) -> float | None:
         except ValueError:
             return None
     return None
+
+
+def rate_headers(headers: Any) -> dict[str, str]:
+    """The `x-ratelimit-*` headers of a response."""
+    return {k.lower(): v for k, v in headers.items() if k.lower().startswith("x-ratelimit-")}
 
 
 def _error_code(exc: openai.APIStatusError) -> str | None:
@@ -109,21 +115,27 @@ class OpenAIClient:
             # runs the SDK's typed-dict transform over every message and the whole
             # JSON Schema (~3 ms of CPU per call), which caps a worker near 200 calls/s.
             # Timeouts, auth headers and the SDK's error classes stay the same.
-            raw = await self._client.post(
+            response = await self._client.post(
                 "/chat/completions",
                 content=orjson.dumps(body),
                 options={"headers": {"Content-Type": "application/json"}},
-                cast_to=bytes,
+                cast_to=httpx2.Response,
             )
         except openai.OpenAIError as exc:
             raise map_error(exc) from exc
-        return parse_completion(raw, request.model)
+        return parse_completion(response.content, request.model, rate_headers(response.headers))
+
+    @property
+    def endpoint(self) -> str:
+        return str(self._client.base_url)
 
     async def close(self) -> None:
         await self._client.close()
 
 
-def parse_completion(raw: bytes, requested_model: str) -> LLMResponse:
+def parse_completion(
+    raw: bytes, requested_model: str, headers: dict[str, str] | None = None
+) -> LLMResponse:
     """A chat completion body -> LLMResponse; a body that is not one is an upstream error."""
     try:
         data = orjson.loads(raw)
@@ -136,6 +148,7 @@ def parse_completion(raw: bytes, requested_model: str) -> LLMResponse:
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
             completion_tokens=int(usage.get("completion_tokens") or 0),
             finish_reason=str(choice.get("finish_reason") or "stop"),
+            rate_headers=headers or {},
         )
     except (
         orjson.JSONDecodeError,

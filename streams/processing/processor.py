@@ -11,7 +11,7 @@ from typing import Any, Literal
 import orjson
 
 from streams.errors import Category, DeadlineExceeded, InvalidOutput, StreamsError, TaskError
-from streams.llm.client import LLMClient, LLMRequest, LLMResponse
+from streams.llm.client import LLMRequest, LLMResponse
 from streams.processing.output import parse_output
 from streams.prompts.registry import Pipeline, PipelineRegistry, RenderedPrompt
 from streams.records import (
@@ -27,6 +27,8 @@ from streams.records import (
     result_key,
     task_id_hint,
 )
+from streams.resilience.guarded import GuardedClient
+from streams.resilience.limiter import Lane
 from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,7 @@ class TaskProcessor:
     def __init__(
         self,
         registry: PipelineRegistry,
-        client: LLMClient,
+        client: GuardedClient,
         *,
         default_model: str,
         policy: RetryPolicy,
@@ -92,8 +94,11 @@ class TaskProcessor:
         self.max_task_bytes = max_task_bytes
         self.prices = prices
 
-    async def process(self, raw: bytes | None, key: bytes | None, source: Source) -> Outcome:
+    async def process(
+        self, raw: bytes | None, key: bytes | None, source: Source, lane: Lane = Lane.LIVE
+    ) -> Outcome:
         started = time.monotonic()
+        deadline_at = self.client.clock.now() + self.deadline_s
         attempts = Attempts()
         spend = _Spend()
         task: Task | None = None
@@ -106,7 +111,9 @@ class TaskProcessor:
             try:
                 async with asyncio.timeout(self.deadline_s):
                     output = await call_with_retries(
-                        lambda a: self._attempt(pipeline, prompt, a, spend), self.policy, attempts
+                        lambda a: self._attempt(pipeline, prompt, a, spend, lane, deadline_at),
+                        self.policy,
+                        attempts,
                     )
             except TimeoutError:
                 last = attempts.last_error
@@ -154,7 +161,13 @@ class TaskProcessor:
             return self._dead(err, raw, key, task, source, attempts, spend, started)
 
     async def _attempt(
-        self, pipeline: Pipeline, prompt: RenderedPrompt, attempts: Attempts, spend: _Spend
+        self,
+        pipeline: Pipeline,
+        prompt: RenderedPrompt,
+        attempts: Attempts,
+        spend: _Spend,
+        lane: Lane,
+        deadline_at: float,
     ) -> dict[str, Any]:
         messages = list(prompt.messages)
         last = attempts.last_error
@@ -174,7 +187,9 @@ class TaskProcessor:
             params=prompt.params,
             response_format=prompt.response_format,
         )
-        response: LLMResponse = await self.client.complete(request)
+        response: LLMResponse = await self.client.complete(
+            request, lane=lane, deadline_at=deadline_at
+        )
         spend.prompt_tokens += response.prompt_tokens
         spend.completion_tokens += response.completion_tokens
         spend.model = response.model

@@ -179,20 +179,20 @@ async def test_5xx_and_malformed_output_are_retried_or_dead_lettered(
     assert sum(r["usage"]["prompt_tokens"] for r in got.results) <= stats["prompt_tokens"]
 
 
-async def test_429s_are_waited_out_or_dead_lettered_as_rate_limited(
+async def test_unknown_rate_limit_is_learned_without_a_429_storm(
     make_settings: Any, simulator: SimulatorServer, tmp_path: Path
 ) -> None:
-    simulator.sim.config.rpm = 1200  # 20/s, bursts of 20: 32 calls at once must hit 429s
+    simulator.sim.config.rpm = 1200  # 20/s, bursts of 20; the worker is not told
     settings = make_settings(
         llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1",
-             "max_attempts": 3, "backoff_base_s": 0.05, "backoff_max_s": 0.5},
+             "max_attempts": 4, "backoff_base_s": 0.05, "backoff_max_s": 0.5},
         batch={"size": 50, "concurrency": 32},
     )  # fmt: skip
-    _, got = await _run_tasks(settings, tmp_path, 150)
+    tasks, got = await _run_tasks(settings, tmp_path, 300)
 
     stats = simulator.sim.snapshot()
-    assert stats["by_status"]["429"] > 0
-    assert any(r["attempts"] > 1 for r in got.results)  # some succeeded after a 429
-    for d in got.dead_letters:
-        assert d["error"]["category"] == "rate_limited" and d["attempts"] == 3, d
-        assert d["error"]["code"] == "rate_limit_exceeded"
+    # Only the first burst, sent before any answer carried x-ratelimit headers, may be
+    # refused; after that the limiter holds the worker to 20/s.
+    assert stats["by_status"].get("429", 0) <= 32, stats
+    assert len(got.results) == len(tasks), [d["error"] for d in got.dead_letters][:3]
+    assert stats["by_status"]["200"] == len(tasks)

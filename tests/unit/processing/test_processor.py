@@ -13,6 +13,9 @@ from streams.llm.simulator import SimulatorServer
 from streams.processing.processor import Prices, TaskProcessor
 from streams.prompts.registry import PipelineRegistry
 from streams.records import Source, result_key
+from streams.resilience.breaker import CircuitBreaker
+from streams.resilience.guarded import GuardedClient
+from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -24,9 +27,12 @@ async def processor(simulator: SimulatorServer) -> AsyncIterator[TaskProcessor]:
     client = OpenAIClient(
         base_url=simulator.base_url, api_key="k", connect_timeout_s=1, read_timeout_s=0.5
     )
+    guarded = GuardedClient(
+        client, limiter=RateLimiter(rpm=1_000_000), breaker=CircuitBreaker("sim", min_calls=1000)
+    )
     yield TaskProcessor(
         PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas"),
-        client,
+        guarded,
         default_model="sim-1",
         policy=RetryPolicy(max_attempts=3, backoff_base_s=0.001, backoff_max_s=0.002),
         deadline_s=5,
@@ -95,13 +101,15 @@ async def test_faults_end_as_dead_letters_with_category_and_attempts(
     )  # hung calls have no status
 
 
-async def test_rate_limit_is_waited_out(
+async def test_rate_limit_is_learned_and_respected_without_429s(
     processor: TaskProcessor, simulator: SimulatorServer
 ) -> None:
     simulator.sim.config.rpm = 600  # 10/s, burst 10
     outs = [await processor.process(_task(f"comment {i}"), None, SRC) for i in range(12)]
     assert all(o.kind == "result" for o in outs)
-    assert simulator.sim.snapshot()["by_status"].get("429", 0) >= 1
+    # The first answer's x-ratelimit headers taught the limiter; the burst waited instead.
+    assert simulator.sim.snapshot()["by_status"] == {"200": 12}
+    assert processor.client.limiter.snapshot().rpm_ceiling == 600
 
 
 async def test_deadline_bounds_the_whole_task(
@@ -121,7 +129,7 @@ async def test_repair_prompt_recovers_a_malformed_answer(
     simulator.sim.config.malformed_rate = 1.0
     simulator.sim.config.seed = 0
     calls = 0
-    original = processor.client.complete
+    original = processor.client.client.complete
 
     async def flaky(request):  # type: ignore[no-untyped-def]
         nonlocal calls
@@ -131,7 +139,7 @@ async def test_repair_prompt_recovers_a_malformed_answer(
             assert "rejected" in request.messages[-1]["content"]  # the repair turn
         return await original(request)
 
-    processor.client.complete = flaky  # type: ignore[method-assign]
+    processor.client.client.complete = flaky  # type: ignore[method-assign]
     out = await processor.process(_task(), b"t1", SRC)
     assert out.kind == "result" and orjson.loads(out.value)["attempts"] == 2
 
@@ -151,7 +159,36 @@ async def test_unexpected_errors_become_dead_letters(processor: TaskProcessor) -
     async def broken(request):  # type: ignore[no-untyped-def]
         raise ZeroDivisionError("bug")
 
-    processor.client.complete = broken  # type: ignore[method-assign]
+    processor.client.client.complete = broken  # type: ignore[method-assign]
     out = await processor.process(_task(), b"t1", SRC)
     assert out.kind == "dead_letter"
     assert orjson.loads(out.value)["error"]["code"] == "internal_error"
+
+
+async def test_rate_limits_that_outlast_the_attempts_end_as_rate_limited(
+    processor: TaskProcessor,
+) -> None:
+    from streams.errors import RateLimited
+
+    calls = 0
+
+    async def always_429(request):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        raise RateLimited("HTTP 429", retry_after=0.01, code="rate_limit_exceeded")
+
+    processor.client.client.complete = always_429  # type: ignore[method-assign]
+    out = await processor.process(_task(), b"t1", SRC)
+    d = orjson.loads(out.value)
+    assert d["error"]["category"] == "rate_limited" and d["error"]["retryable"] is True
+    assert d["attempts"] == 3 == calls
+    assert processor.client.limiter.snapshot().rpm < 1_000_000  # each 429 cut the rate
+
+
+async def test_an_open_circuit_past_the_deadline_is_circuit_open(processor: TaskProcessor) -> None:
+    breaker = processor.client.breaker
+    breaker.open_s = 3600
+    breaker._open(breaker.clock.now())
+    out = await processor.process(_task(), b"t1", SRC)
+    d = orjson.loads(out.value)
+    assert d["error"]["category"] == "circuit_open" and d["attempts"] == 1

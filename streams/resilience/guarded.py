@@ -1,0 +1,89 @@
+"""The guarded call: circuit breaker -> rate limiter -> one LLM attempt -> learn.
+
+One per endpoint/model in a worker, shared by all its tasks. The retry policy
+sits above it (each attempt comes through here), so every attempt waits for
+capacity, is counted by the breaker, and teaches the limiter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from streams.errors import (
+    CircuitOpen,
+    RateLimited,
+    StreamsError,
+    Timeout,
+    UpstreamError,
+)
+from streams.llm.client import LLMClient, LLMRequest, LLMResponse
+from streams.llm.tokens import count_messages
+from streams.resilience.breaker import CircuitBreaker
+from streams.resilience.clock import Clock, MonotonicClock
+from streams.resilience.limiter import Lane, RateLimiter
+
+DEFAULT_MAX_TOKENS = 1024
+
+
+class GuardedClient:
+    def __init__(
+        self,
+        client: LLMClient,
+        *,
+        limiter: RateLimiter,
+        breaker: CircuitBreaker,
+        clock: Clock | None = None,
+        count_prompt: Callable[[list[dict[str, str]]], int] = count_messages,
+    ) -> None:
+        self.client = client
+        self.limiter = limiter
+        self.breaker = breaker
+        self.clock = clock or MonotonicClock()
+        self.count_prompt = count_prompt
+
+    def estimate(self, request: LLMRequest) -> int:
+        """Tokens a call may use: prompt (offline tokenizer) + its completion budget."""
+        budget = request.params.get("max_completion_tokens") or request.params.get("max_tokens")
+        return self.count_prompt(request.messages) + int(budget or DEFAULT_MAX_TOKENS)
+
+    async def complete(
+        self, request: LLMRequest, *, lane: Lane = Lane.LIVE, deadline_at: float | None = None
+    ) -> LLMResponse:
+        await self._wait_for_circuit(deadline_at)
+        estimate = self.estimate(request)
+        permit = await self.limiter.acquire(estimate, lane)
+        try:
+            response = await self.client.complete(request)
+        except RateLimited as exc:
+            if exc.headers:
+                self.limiter.observe(exc.headers)
+            self.limiter.throttled(exc.retry_after)
+            self.breaker.release()  # throttling says nothing about the endpoint's health
+            permit.reconcile(0)  # refused before any token was used
+            raise
+        except (Timeout, UpstreamError) as exc:
+            self.breaker.record(ok=False)
+            permit.reconcile(estimate)
+            raise exc
+        except StreamsError:
+            self.breaker.record(ok=True)  # our request was wrong; the endpoint is fine
+            permit.reconcile(0)
+            raise
+        self.breaker.record(ok=True)
+        if response.rate_headers:
+            self.limiter.observe(response.rate_headers)
+        permit.reconcile(response.prompt_tokens + response.completion_tokens)
+        return response
+
+    async def _wait_for_circuit(self, deadline_at: float | None) -> None:
+        while not self.breaker.allow():
+            retry_at = self.breaker.retry_at()
+            if deadline_at is not None and retry_at >= deadline_at:
+                raise CircuitOpen(
+                    f"circuit for {self.breaker.name} is open until after the task's deadline",
+                    code="circuit_open",
+                )
+            await self.clock.sleep(max(0.01, retry_at - self.clock.now()))
+
+    async def close(self) -> None:
+        await self.client.close()

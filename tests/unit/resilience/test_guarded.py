@@ -1,0 +1,92 @@
+"""The guarded client against the simulator: limiter learning, breaker during an outage."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from streams.errors import CircuitOpen, RateLimited, UpstreamError
+from streams.llm.client import LLMRequest
+from streams.llm.openai_client import OpenAIClient
+from streams.llm.simulator import SimulatorServer
+from streams.resilience.breaker import CircuitBreaker, State
+from streams.resilience.guarded import GuardedClient
+from streams.resilience.limiter import RateLimiter
+
+REQ = LLMRequest(
+    messages=[{"role": "user", "content": "<comment>great</comment>"}],
+    model="sim-1",
+    params={"max_tokens": 50},
+)
+
+
+@pytest.fixture
+async def client(simulator: SimulatorServer) -> AsyncIterator[OpenAIClient]:
+    c = OpenAIClient(
+        base_url=simulator.base_url, api_key="k", connect_timeout_s=1, read_timeout_s=1
+    )
+    yield c
+    await c.close()
+
+
+async def test_headers_teach_the_limiter_the_real_limit(
+    simulator: SimulatorServer, client: OpenAIClient
+) -> None:
+    simulator.sim.config.rpm = 600
+    simulator.sim.config.tpm = 600_000
+    guarded = GuardedClient(
+        client, limiter=RateLimiter(rpm=100_000, tpm=10_000_000), breaker=CircuitBreaker("sim")
+    )
+    await guarded.complete(REQ)
+    snap = guarded.limiter.snapshot()
+    assert snap.rpm_ceiling == 600 and snap.rpm == 600
+    assert snap.tpm_ceiling == 600_000
+
+
+async def test_with_learned_limits_a_burst_gets_no_429(
+    simulator: SimulatorServer, client: OpenAIClient
+) -> None:
+    simulator.sim.config.rpm = 1200  # 20/s, bursts of 20
+    guarded = GuardedClient(client, limiter=RateLimiter(rpm=1200), breaker=CircuitBreaker("sim"))
+    await asyncio.gather(*(guarded.complete(REQ) for _ in range(40)))
+    stats = simulator.sim.snapshot()
+    assert stats["by_status"] == {"200": 40}
+
+
+async def test_a_429_throttles_the_limiter(
+    simulator: SimulatorServer, client: OpenAIClient
+) -> None:
+    simulator.sim.config.rpm = 60
+    guarded = GuardedClient(client, limiter=RateLimiter(rpm=100_000), breaker=CircuitBreaker("sim"))
+    await guarded.complete(REQ)
+    with pytest.raises(RateLimited) as info:
+        await guarded.client.complete(REQ)  # straight to the endpoint: 429 with headers
+    guarded.limiter.observe(info.value.headers)
+    guarded.limiter.throttled(info.value.retry_after)
+    snap = guarded.limiter.snapshot()
+    assert snap.rpm_ceiling == 60 and snap.rpm < 60 and snap.paused_for_s > 0
+    assert guarded.breaker.state is State.CLOSED  # throttling is not an outage
+
+
+async def test_outage_opens_the_breaker_and_calls_stop(
+    simulator: SimulatorServer, client: OpenAIClient
+) -> None:
+    breaker = CircuitBreaker(
+        "sim", window_s=60, min_calls=5, failure_rate=0.5, open_s=0.3, probes=2
+    )
+    guarded = GuardedClient(client, limiter=RateLimiter(rpm=100_000), breaker=breaker)
+    simulator.sim.config.error_503_rate = 1.0
+    for _ in range(5):
+        with pytest.raises(UpstreamError):
+            await guarded.complete(REQ)
+    assert breaker.state is State.OPEN
+    with pytest.raises(CircuitOpen):  # its deadline comes before the circuit may close
+        await guarded.complete(REQ, deadline_at=guarded.clock.now() + 0.1)
+    assert simulator.sim.snapshot()["requests"] == 5  # no call while open
+    simulator.sim.config.error_503_rate = 0.0  # the endpoint recovers
+    results = await asyncio.gather(*(guarded.complete(REQ) for _ in range(6)))
+    assert len(results) == 6 and breaker.state is State.CLOSED
+    # After the open period: first the probes, then the rest once they succeeded.
+    assert simulator.sim.snapshot()["by_status"] == {"200": 6, "503": 5}
