@@ -16,8 +16,6 @@ from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
 from streams.settings import Settings, load_settings
 
-UNSET_RPM = 1_000_000.0
-
 
 def make_processor_factory(settings: Settings, registry: PipelineRegistry) -> Any:
     """A factory called inside the worker's event loop (the HTTP client binds to it)."""
@@ -34,9 +32,9 @@ def make_processor_factory(settings: Settings, registry: PipelineRegistry) -> An
         )
         guarded = GuardedClient(
             client,
-            # Without a configured limit, start unthrottled; the provider's headers
-            # (or its first 429s) then set the real ceiling.
-            limiter=RateLimiter(rpm=llm.rpm or UNSET_RPM, tpm=llm.tpm, burst_s=llm.burst_s),
+            # Without a configured limit the first call goes alone and the provider's
+            # x-ratelimit headers set the ceiling (or none: unlimited).
+            limiter=RateLimiter(rpm=llm.rpm, tpm=llm.tpm, burst_s=llm.burst_s),
             breaker=CircuitBreaker(
                 client.endpoint,
                 window_s=res.breaker_window_s,
@@ -58,6 +56,7 @@ def make_processor_factory(settings: Settings, registry: PipelineRegistry) -> An
             deadline_s=llm.task_deadline_s,
             max_task_bytes=settings.batch.max_task_bytes,
             prices=Prices(llm.price_per_1k_prompt_usd, llm.price_per_1k_completion_usd),
+            context_window=llm.context_window,
         )
 
     return make

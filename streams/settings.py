@@ -90,6 +90,9 @@ class LLMSettings(_Section):
     tpm: float | None = Field(
         None, gt=0, description="Tokens/min to start from; x-ratelimit headers then steer it."
     )
+    context_window: int = Field(
+        128_000, ge=256, description="Model context window: bounds a truncation retry's budget."
+    )
     burst_s: float = Field(
         1.0, gt=0, le=60, description="Seconds of the limit one burst may use (sub-minute)."
     )

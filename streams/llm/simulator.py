@@ -340,7 +340,13 @@ class Simulator:
             if 0 <= roll < cfg.malformed_rate:
                 content = content[: max(1, len(content) // 2)]
                 self.by_outcome["malformed"] += 1
-            completion_tokens = min(max_tokens, self.count_tokens(content))
+            finish_reason = "stop"
+            completion_tokens = self.count_tokens(content)
+            if completion_tokens > max_tokens:  # cut at the budget, as models do
+                content = content[: max(1, len(content) * max_tokens // completion_tokens)]
+                completion_tokens = max_tokens
+                finish_reason = "length"
+                self.by_outcome["truncated"] += 1
             fingerprint = hashlib.sha256(orjson.dumps([model, messages])).hexdigest()
             self.answered[fingerprint] += 1
             self.prompt_tokens += prompt_tokens
@@ -355,7 +361,7 @@ class Simulator:
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": content, "refusal": None},
-                        "finish_reason": "stop",
+                        "finish_reason": finish_reason,
                         "logprobs": None,
                     }
                 ],

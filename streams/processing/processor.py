@@ -70,6 +70,7 @@ class _Spend:
     completion_tokens: int = 0
     model: str = ""
     calls: list[str] = field(default_factory=list)
+    last_prompt_tokens: int = 0
 
 
 class TaskProcessor:
@@ -85,7 +86,9 @@ class TaskProcessor:
         deadline_s: float,
         max_task_bytes: int,
         prices: Prices,
+        context_window: int = 128_000,
     ) -> None:
+        self.context_window = context_window
         self.registry = registry
         self.client = client
         self.default_model = default_model
@@ -170,8 +173,14 @@ class TaskProcessor:
         deadline_at: float,
     ) -> dict[str, Any]:
         messages = list(prompt.messages)
+        params = prompt.params
         last = attempts.last_error
-        if isinstance(last, InvalidOutput) and spend.calls:
+        if isinstance(last, InvalidOutput) and last.code == "truncated":
+            # Cut at max_tokens: the same prompt with 1.5x the budget, within the window.
+            budget = int(params.get("max_tokens") or spend.completion_tokens or 256)
+            room = self.context_window - spend.last_prompt_tokens
+            params = {**params, "max_tokens": max(1, min(int(budget * 1.5), room))}
+        elif isinstance(last, InvalidOutput) and spend.calls:
             # One repair: show the model its answer and what was wrong with it.
             messages += [
                 {"role": "assistant", "content": spend.calls[-1]},
@@ -184,12 +193,13 @@ class TaskProcessor:
         request = LLMRequest(
             messages=messages,
             model=prompt.model,
-            params=prompt.params,
+            params=params,
             response_format=prompt.response_format,
         )
         response: LLMResponse = await self.client.complete(
             request, lane=lane, deadline_at=deadline_at
         )
+        spend.last_prompt_tokens = response.prompt_tokens
         spend.prompt_tokens += response.prompt_tokens
         spend.completion_tokens += response.completion_tokens
         spend.model = response.model

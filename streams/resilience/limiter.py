@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 
 _EPSILON = 1e-9
+UNKNOWN_RPM = 1_000_000.0  # no limit known and none learned: effectively unlimited
+PROBE_POLL_S = 0.05
 
 
 class Lane(IntEnum):
@@ -40,21 +42,41 @@ class Lane(IntEnum):
 
 
 class Bucket:
-    """A token bucket in units per minute; the level may go below zero (debt)."""
+    """A token bucket in units per minute; the level may go below zero (debt).
 
-    def __init__(self, per_minute: float, burst_s: float, now: float) -> None:
+    It runs a hair inside the provider's own bucket: one unit less of burst
+    (`headroom`) and `safety` of the rate, so calls that reach the provider a few
+    milliseconds apart from when we let them go still find capacity there.
+    """
+
+    def __init__(
+        self,
+        per_minute: float,
+        burst_s: float,
+        now: float,
+        *,
+        headroom: float = 1.0,
+        safety: float = 0.995,
+    ) -> None:
         self.per_minute = per_minute
         self.burst_s = burst_s
+        self.headroom = headroom
+        self.safety = safety
         self.level = self.capacity
         self.stamp = now
 
     @property
     def capacity(self) -> float:
-        return max(1.0, self.per_minute * self.burst_s / 60.0)
+        full = self.per_minute * self.burst_s / 60.0
+        return max(1.0, full - self.headroom if full - self.headroom >= 1.0 else full)
+
+    @property
+    def _per_second(self) -> float:
+        return self.per_minute * self.safety / 60.0
 
     def refill(self, now: float) -> None:
         elapsed = max(0.0, now - self.stamp)
-        self.level = min(self.capacity, self.level + elapsed * self.per_minute / 60.0)
+        self.level = min(self.capacity, self.level + elapsed * self._per_second)
         self.stamp = now
 
     def wait_for(self, amount: float) -> float:
@@ -64,7 +86,7 @@ class Bucket:
         missing = need - self.level
         if missing <= _EPSILON:  # float dust must not turn into an endless 1e-17 s sleep
             return 0.0
-        return missing * 60.0 / self.per_minute
+        return missing / self._per_second
 
     def set_rate(self, per_minute: float, now: float) -> None:
         self.refill(now)
@@ -106,22 +128,30 @@ class RateLimiter:
     def __init__(
         self,
         *,
-        rpm: float,
+        rpm: float | None,
         tpm: float | None = None,
         burst_s: float = 1.0,
         decrease: float = 0.7,
         recover_per_s: float = 0.02,
         floor: float = 0.05,
+        headroom: float = 1.0,
+        safety: float = 0.995,
         clock: Clock | None = None,
     ) -> None:
-        if rpm <= 0 or (tpm is not None and tpm <= 0):
+        if (rpm is not None and rpm <= 0) or (tpm is not None and tpm <= 0):
             raise ValueError("limits must be positive")
         self.clock = clock or MonotonicClock()
         now = self.clock.now()
+        # Unknown limit: one call goes first (slow start) and its answer's headers set
+        # the ceiling, so a cold worker does not fire a whole batch into a 429 wall.
+        self.probing = rpm is None
+        self._probe_out = False
+        rpm = rpm or UNKNOWN_RPM
         self.rpm_ceiling = float(rpm)
         self.tpm_ceiling = float(tpm) if tpm else None
-        self.requests = Bucket(rpm, burst_s, now)
-        self.tokens = Bucket(tpm, burst_s, now) if tpm else None
+        self._margins = {"headroom": headroom, "safety": safety}
+        self.requests = Bucket(rpm, burst_s, now, **self._margins)
+        self.tokens = Bucket(tpm, burst_s, now, **self._margins) if tpm else None
         self.decrease = decrease
         self.recover_per_s = recover_per_s
         self.floor = floor
@@ -145,6 +175,8 @@ class RateLimiter:
         return Permit(self, tokens, self.clock.now() - started)
 
     def _wait_time(self, tokens: int, now: float) -> float:
+        if self.probing and self._probe_out:
+            return PROBE_POLL_S  # until the first answer (or its 429) teaches us the limit
         self._recover(now)
         self.requests.refill(now)
         wait = max(self.paused_until - now, self.requests.wait_for(1))
@@ -163,6 +195,7 @@ class RateLimiter:
             wait = self._wait_time(head.tokens, now)
             if wait <= _EPSILON:
                 heapq.heappop(self._queue)
+                self._probe_out = self.probing
                 self.requests.level -= 1
                 if self.tokens is not None:
                     self.tokens.level -= head.tokens
@@ -179,6 +212,13 @@ class RateLimiter:
     def _reconcile(self, estimated: int, actual: int) -> None:
         if self.tokens is not None:
             self.tokens.level += estimated - actual
+        self._learned()
+
+    def _learned(self) -> None:
+        """The first answer is in: stop probing (with or without headers)."""
+        if self.probing:
+            self.probing = False
+            self._wakeup.set()
 
     # -- learning ------------------------------------------------------------
     def _recover(self, now: float) -> None:
@@ -221,6 +261,14 @@ class RateLimiter:
         """Steer the buckets by the provider's `x-ratelimit-*` headers, when it sends them."""
         now = self.clock.now()
         self._steer(self.requests, headers, "requests", now, ceiling_attr="rpm_ceiling")
+        if any(k.startswith("x-ratelimit-") for k in headers):
+            self._learned()
+        if self.tokens is None:
+            # A token limit we were not told about: start a bucket at the provider's figure.
+            tpm = _number(headers.get("x-ratelimit-limit-tokens"))
+            if tpm and tpm > 0:
+                self.tokens = Bucket(tpm, self.requests.burst_s, now, **self._margins)
+                self.tpm_ceiling = tpm
         if self.tokens is not None:
             self._steer(self.tokens, headers, "tokens", now, ceiling_attr="tpm_ceiling")
 

@@ -192,3 +192,33 @@ async def test_an_open_circuit_past_the_deadline_is_circuit_open(processor: Task
     out = await processor.process(_task(), b"t1", SRC)
     d = orjson.loads(out.value)
     assert d["error"]["category"] == "circuit_open" and d["attempts"] == 1
+
+
+async def test_a_truncated_answer_is_retried_once_with_a_larger_budget(
+    processor: TaskProcessor, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    import shutil
+
+    pipeline = (ROOT / "pipelines" / "comment-analysis.yaml").read_text()
+    (tmp_path / "p").mkdir()
+    # Answers here take ~45 tokens: 36 cuts them; 36 x 1.5 = 54 fits.
+    (tmp_path / "p" / "c.yaml").write_text(pipeline.replace("max_tokens: 400", "max_tokens: 36"))
+    shutil.copytree(ROOT / "schemas", tmp_path / "s")
+    processor.registry = PipelineRegistry.load(tmp_path / "p", tmp_path / "s")
+    seen: list[int] = []
+    original = processor.client.client.complete
+
+    async def spy(request):  # type: ignore[no-untyped-def]
+        seen.append(request.params["max_tokens"])
+        return await original(request)
+
+    processor.client.client.complete = spy  # type: ignore[method-assign]
+    out = await processor.process(_task("Arrived late, box crushed."), b"t1", SRC)
+    assert seen == [36, 54]
+    assert out.kind == "result", orjson.loads(out.value)
+    assert simulator.sim.snapshot()["by_outcome"]["truncated"] == 1
+    processor.context_window = 60  # now 1.5x does not fit: the budget stops at the window
+    seen.clear()
+    out = await processor.process(_task("Arrived late, box crushed. Works great."), b"t2", SRC)
+    assert seen[0] == 36 and seen[1] < 54
+    assert out.kind == "dead_letter" and out.category == "invalid_output"

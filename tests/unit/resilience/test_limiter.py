@@ -10,6 +10,11 @@ from streams.resilience.clock import FakeClock
 from streams.resilience.limiter import Lane, RateLimiter
 
 
+def exact(**kw: object) -> RateLimiter:
+    """A limiter without the safety margins, for exact timing arithmetic."""
+    return RateLimiter(headroom=0.0, safety=1.0, **kw)  # type: ignore[arg-type]
+
+
 async def _grants(
     limiter: RateLimiter, clock: FakeClock, calls: list[tuple[int, Lane]]
 ) -> list[tuple[float, int, Lane]]:
@@ -25,7 +30,7 @@ async def _grants(
 
 async def test_sub_minute_enforcement_60_rpm_is_one_per_second() -> None:
     clock = FakeClock()
-    limiter = RateLimiter(rpm=60, burst_s=1.0, clock=clock)
+    limiter = exact(rpm=60, burst_s=1.0, clock=clock)
     grants = await _grants(limiter, clock, [(0, Lane.LIVE)] * 5)
     times = [t - 1000.0 for t, _, _ in grants]
     assert times == pytest.approx([0, 1, 2, 3, 4])
@@ -33,14 +38,14 @@ async def test_sub_minute_enforcement_60_rpm_is_one_per_second() -> None:
 
 async def test_tokens_per_minute_bound_big_requests() -> None:
     clock = FakeClock()
-    limiter = RateLimiter(rpm=10_000, tpm=6000, burst_s=1.0, clock=clock)  # 100 tokens/s
+    limiter = exact(rpm=10_000, tpm=6000, burst_s=1.0, clock=clock)  # 100 tokens/s
     grants = await _grants(limiter, clock, [(100, Lane.LIVE)] * 4)
     assert [round(t - 1000.0, 6) for t, _, _ in grants] == [0, 1, 2, 3]
 
 
 async def test_reconcile_returns_unused_tokens() -> None:
     clock = FakeClock()
-    limiter = RateLimiter(rpm=10_000, tpm=6000, clock=clock)
+    limiter = exact(rpm=10_000, tpm=6000, clock=clock)
     permit = await limiter.acquire(100)
     permit.reconcile(20)  # the call used 20 of the 100 estimated
     await limiter.acquire(80)
@@ -49,7 +54,7 @@ async def test_reconcile_returns_unused_tokens() -> None:
 
 async def test_live_lane_goes_before_a_queued_replay_backlog() -> None:
     clock = FakeClock()
-    limiter = RateLimiter(rpm=60, clock=clock)
+    limiter = exact(rpm=60, clock=clock)
     await limiter.acquire(0, Lane.REPLAY)  # empties the bucket
     replay = [asyncio.ensure_future(limiter.acquire(0, Lane.REPLAY)) for _ in range(20)]
     await asyncio.sleep(0)
@@ -62,7 +67,7 @@ async def test_live_lane_goes_before_a_queued_replay_backlog() -> None:
 
 async def test_429_cuts_the_rate_pauses_and_recovers_additively() -> None:
     clock = FakeClock()
-    limiter = RateLimiter(rpm=600, clock=clock, decrease=0.5, recover_per_s=0.1)
+    limiter = exact(rpm=600, clock=clock, decrease=0.5, recover_per_s=0.1)
     limiter.throttled(retry_after_s=2.0)
     assert limiter.snapshot().rpm == 300
     start = clock.now()
@@ -75,7 +80,7 @@ async def test_429_cuts_the_rate_pauses_and_recovers_additively() -> None:
 
 async def test_headers_set_the_ceiling_and_the_shared_remaining() -> None:
     clock = FakeClock()
-    limiter = RateLimiter(rpm=6000, clock=clock)
+    limiter = exact(rpm=6000, clock=clock)
     limiter.observe({"x-ratelimit-limit-requests": "600", "x-ratelimit-remaining-requests": "0"})
     snap = limiter.snapshot()
     assert snap.rpm_ceiling == 600 and snap.rpm == 600
@@ -87,6 +92,15 @@ async def test_headers_set_the_ceiling_and_the_shared_remaining() -> None:
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ValueError):
         RateLimiter(rpm=0)
+
+
+async def test_default_margins_stay_inside_the_providers_bucket() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(rpm=1200, clock=clock)  # provider: 20/s, bursts of 20
+    grants = await _grants(limiter, clock, [(0, Lane.LIVE)] * 60)
+    times = [t - 1000.0 for t, _, _ in grants]
+    assert sum(1 for t in times if t == 0) == 19  # one unit of burst headroom
+    assert 0.99 * 20 <= (60 - 19) / times[-1] <= 20  # 99.5% of the rate after the burst
 
 
 @settings(max_examples=40, deadline=None)
@@ -101,7 +115,7 @@ def test_never_admits_more_than_the_rate_over_any_window(
 ) -> None:
     async def run() -> list[float]:
         clock = FakeClock()
-        limiter = RateLimiter(rpm=rpm, burst_s=burst, clock=clock)
+        limiter = exact(rpm=rpm, burst_s=burst, clock=clock)
         times = []
         for i in range(calls):
             clock.advance(gaps[i])
@@ -116,3 +130,34 @@ def test_never_admits_more_than_the_rate_over_any_window(
             window = times[j] - start
             admitted = j - i + 1
             assert admitted <= capacity + window * rpm / 60 + 1e-6
+
+
+async def test_unknown_limit_sends_one_call_first_then_follows_the_headers() -> None:
+    clock = FakeClock()
+    limiter = exact(rpm=None, clock=clock)
+    first = await limiter.acquire(100)
+    others = [asyncio.ensure_future(limiter.acquire(100)) for _ in range(5)]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not any(f.done() for f in others)  # slow start: nothing else until we learn
+    limiter.observe(
+        {
+            "x-ratelimit-limit-requests": "120",
+            "x-ratelimit-remaining-requests": "119",
+            "x-ratelimit-limit-tokens": "60000",
+            "x-ratelimit-remaining-tokens": "59000",
+        }
+    )
+    first.reconcile(100)
+    await asyncio.gather(*others)
+    snap = limiter.snapshot()
+    assert snap.rpm_ceiling == 120 and snap.tpm_ceiling == 60000
+    assert clock.now() - 1000.0 >= 1.5  # 2/s after the first: the other 5 took > 1.5 s
+
+
+async def test_unknown_limit_without_headers_becomes_unlimited() -> None:
+    clock = FakeClock()
+    limiter = exact(rpm=None, clock=clock)
+    (await limiter.acquire()).reconcile(0)
+    await asyncio.gather(*(limiter.acquire() for _ in range(50)))
+    assert clock.now() - 1000.0 < 0.2
