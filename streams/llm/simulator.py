@@ -125,6 +125,8 @@ class Simulator:
         self.completion_tokens = 0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.started = time.monotonic()
+        self.per_second: dict[int, Counter[int]] = {}
         self._sem: asyncio.Semaphore | None = None
         self._sem_size = 0
         self.count_tokens = counter()
@@ -149,6 +151,11 @@ class Simulator:
             "completion_tokens": self.completion_tokens,
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight,
+            "now_s": time.monotonic() - self.started,
+            "per_second": {
+                str(sec): {str(k): v for k, v in c.items()}
+                for sec, c in sorted(self.per_second.items())
+            },
         }
 
     async def stats(self, request: web.Request) -> web.Response:
@@ -170,6 +177,7 @@ class Simulator:
         self.answered.clear()
         self.prompt_tokens = self.completion_tokens = 0
         self.max_in_flight = self.in_flight
+        self.per_second.clear()
         return web.json_response(self.snapshot())
 
     async def models(self, request: web.Request) -> web.Response:
@@ -194,6 +202,10 @@ class Simulator:
     def _count(self, status: int, outcome: str) -> None:
         self.by_status[status] += 1
         self.by_outcome[outcome] += 1
+        second = int(time.monotonic() - self.started)
+        self.per_second.setdefault(second, Counter())[status] += 1
+        if len(self.per_second) > 900:  # keep the last 15 minutes
+            del self.per_second[min(self.per_second)]
 
     def _limit_headers(self) -> dict[str, str]:
         cfg = self.config

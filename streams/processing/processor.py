@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import orjson
 
-from streams.errors import Category, DeadlineExceeded, InvalidOutput, StreamsError, TaskError
+from streams.errors import DeadlineExceeded, InvalidOutput, StreamsError, TaskError
 from streams.llm.client import LLMRequest, LLMResponse
 from streams.processing.output import parse_output
 from streams.prompts.registry import Pipeline, PipelineRegistry, RenderedPrompt
@@ -240,4 +240,4 @@ class TaskProcessor:
         )
 
 
-__all__ = ["Category", "Outcome", "Prices", "TaskProcessor"]
+__all__ = ["Outcome", "Prices", "TaskProcessor"]

@@ -132,7 +132,8 @@ class RateLimiter:
         tpm: float | None = None,
         burst_s: float = 1.0,
         decrease: float = 0.7,
-        recover_per_s: float = 0.02,
+        decrease_informed: float = 0.9,
+        recover_per_s: float = 0.05,
         floor: float = 0.05,
         headroom: float = 1.0,
         safety: float = 0.995,
@@ -153,6 +154,8 @@ class RateLimiter:
         self.requests = Bucket(rpm, burst_s, now, **self._margins)
         self.tokens = Bucket(tpm, burst_s, now, **self._margins) if tpm else None
         self.decrease = decrease
+        self.decrease_informed = decrease_informed
+        self.informed = False  # the provider sends x-ratelimit-* headers
         self.recover_per_s = recover_per_s
         self.floor = floor
         self.paused_until = now
@@ -241,13 +244,16 @@ class RateLimiter:
     def throttled(self, retry_after_s: float | None) -> None:
         """The provider answered 429: cut the rate, and pause everyone until Retry-After."""
         now = self.clock.now()
+        # A provider that reports its limit and remaining capacity already steers the
+        # buckets; a 429 then means jitter or a neighbour's burst, so cut gently.
+        factor = self.decrease_informed if self.informed else self.decrease
         self.requests.set_rate(
-            max(self.rpm_ceiling * self.floor, self.requests.per_minute * self.decrease), now
+            max(self.rpm_ceiling * self.floor, self.requests.per_minute * factor), now
         )
         self.requests.level = min(self.requests.level, 0.0)
         if self.tokens is not None and self.tpm_ceiling:
             self.tokens.set_rate(
-                max(self.tpm_ceiling * self.floor, self.tokens.per_minute * self.decrease), now
+                max(self.tpm_ceiling * self.floor, self.tokens.per_minute * factor), now
             )
         if retry_after_s:
             self.paused_until = max(self.paused_until, now + retry_after_s)
@@ -262,6 +268,7 @@ class RateLimiter:
         now = self.clock.now()
         self._steer(self.requests, headers, "requests", now, ceiling_attr="rpm_ceiling")
         if any(k.startswith("x-ratelimit-") for k in headers):
+            self.informed = True
             self._learned()
         if self.tokens is None:
             # A token limit we were not told about: start a bucket at the provider's figure.

@@ -161,3 +161,17 @@ async def test_unknown_limit_without_headers_becomes_unlimited() -> None:
     (await limiter.acquire()).reconcile(0)
     await asyncio.gather(*(limiter.acquire() for _ in range(50)))
     assert clock.now() - 1000.0 < 0.2
+
+
+async def test_a_429_from_an_informed_provider_cuts_gently_both_buckets() -> None:
+    clock = FakeClock()
+    limiter = exact(rpm=None, clock=clock)
+    limiter.observe({"x-ratelimit-limit-requests": "600", "x-ratelimit-limit-tokens": "60000"})
+    limiter.throttled(retry_after_s=1.0)
+    snap = limiter.snapshot()
+    assert snap.rpm == pytest.approx(540) and snap.tpm == pytest.approx(54000)  # x0.9, not x0.7
+    uninformed = exact(rpm=600, tpm=60000, clock=clock)
+    uninformed.throttled(retry_after_s=None)
+    assert uninformed.snapshot().rpm == pytest.approx(
+        420
+    ) and uninformed.snapshot().tpm == pytest.approx(42000)
