@@ -11,8 +11,8 @@ from streams.llm.openai_client import OpenAIClient
 from streams.processing.processor import Prices, TaskProcessor
 from streams.prompts.registry import PipelineRegistry
 from streams.resilience.breaker import CircuitBreaker
-from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
+from streams.resilience.pool import ClientPool
 from streams.resilience.retry import RetryPolicy
 from streams.settings import Settings, load_settings
 
@@ -23,20 +23,21 @@ def make_processor_factory(settings: Settings, registry: PipelineRegistry) -> An
     res = settings.resilience
 
     def make() -> TaskProcessor:
-        client = OpenAIClient(
+        pool = ClientPool(
             base_url=llm.base_url,
             api_key=llm.api_key.get_secret_value() if llm.api_key else None,
-            connect_timeout_s=llm.connect_timeout_s,
-            read_timeout_s=llm.read_timeout_s,
-            max_connections=settings.batch.concurrency,
-        )
-        guarded = GuardedClient(
-            client,
+            make_http=lambda url, key: OpenAIClient(
+                base_url=url,
+                api_key=key,
+                connect_timeout_s=llm.connect_timeout_s,
+                read_timeout_s=llm.read_timeout_s,
+                max_connections=settings.batch.concurrency,
+            ),
             # Without a configured limit the first call goes alone and the provider's
             # x-ratelimit headers set the ceiling (or none: unlimited).
-            limiter=RateLimiter(rpm=llm.rpm, tpm=llm.tpm, burst_s=llm.burst_s),
-            breaker=CircuitBreaker(
-                client.endpoint,
+            make_limiter=lambda: RateLimiter(rpm=llm.rpm, tpm=llm.tpm, burst_s=llm.burst_s),
+            make_breaker=lambda name: CircuitBreaker(
+                name,
                 window_s=res.breaker_window_s,
                 min_calls=res.breaker_min_calls,
                 failure_rate=res.breaker_failure_rate,
@@ -44,6 +45,7 @@ def make_processor_factory(settings: Settings, registry: PipelineRegistry) -> An
                 probes=res.breaker_probes,
             ),
         )
+        guarded = pool.primary(llm.model)
         return TaskProcessor(
             registry,
             guarded,
@@ -57,6 +59,8 @@ def make_processor_factory(settings: Settings, registry: PipelineRegistry) -> An
             max_task_bytes=settings.batch.max_task_bytes,
             prices=Prices(llm.price_per_1k_prompt_usd, llm.price_per_1k_completion_usd),
             context_window=llm.context_window,
+            clients=pool.for_fallback,
+            close=pool.close,
         )
 
     return make

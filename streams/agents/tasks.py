@@ -76,7 +76,7 @@ class TaskAgent:
                 await asyncio.wait_for(asyncio.shield(dispatcher.drain()), timeout=5)
             except (TimeoutError, asyncio.CancelledError):
                 await dispatcher.cancel()
-            await processor.client.close()
+            await processor.close()
 
     def _job(
         self, stream: faust.Stream[Any], ticket: Ticket[Any], processor: TaskProcessor

@@ -5,15 +5,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import orjson
 
-from streams.errors import DeadlineExceeded, InvalidOutput, StreamsError, TaskError
+from streams.errors import (
+    BadRequest,
+    CircuitOpen,
+    DeadlineExceeded,
+    InvalidOutput,
+    StreamsError,
+    TaskError,
+)
 from streams.llm.client import LLMRequest, LLMResponse
 from streams.processing.output import parse_output
-from streams.prompts.registry import Pipeline, PipelineRegistry, RenderedPrompt
+from streams.prompts.registry import (
+    Fallback,
+    Pipeline,
+    PipelineRegistry,
+    PipelineVersion,
+    RenderedPrompt,
+)
 from streams.records import (
     DeadLetter,
     Result,
@@ -87,8 +101,9 @@ class TaskProcessor:
         max_task_bytes: int,
         prices: Prices,
         context_window: int = 128_000,
+        clients: Callable[[Fallback], GuardedClient] | None = None,
+        close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        self.context_window = context_window
         self.registry = registry
         self.client = client
         self.default_model = default_model
@@ -96,6 +111,13 @@ class TaskProcessor:
         self.deadline_s = deadline_s
         self.max_task_bytes = max_task_bytes
         self.prices = prices
+        self.context_window = context_window
+        self.clients = clients
+        self._close = close
+
+    async def close(self) -> None:
+        """Close every HTTP client the processor used."""
+        await (self._close() if self._close is not None else self.client.close())
 
     async def process(
         self, raw: bytes | None, key: bytes | None, source: Source, lane: Lane = Lane.LIVE
@@ -113,10 +135,8 @@ class TaskProcessor:
             rkey = result_key(pipeline.name, version.version, task.task_id, task.input)
             try:
                 async with asyncio.timeout(self.deadline_s):
-                    output = await call_with_retries(
-                        lambda a: self._attempt(pipeline, prompt, a, spend, lane, deadline_at),
-                        self.policy,
-                        attempts,
+                    output = await self._call(
+                        pipeline, version, prompt, attempts, spend, lane, deadline_at
                     )
             except TimeoutError:
                 last = attempts.last_error
@@ -163,6 +183,52 @@ class TaskProcessor:
             err = StreamsError(f"internal error: {exc!r}", code="internal_error")
             return self._dead(err, raw, key, task, source, attempts, spend, started)
 
+    async def _call(
+        self,
+        pipeline: Pipeline,
+        version: PipelineVersion,
+        prompt: RenderedPrompt,
+        attempts: Attempts,
+        spend: _Spend,
+        lane: Lane,
+        deadline_at: float,
+    ) -> dict[str, Any]:
+        """The primary model with retries, then each fallback on the configured categories."""
+        candidates: list[tuple[GuardedClient, RenderedPrompt]] = [(self.client, prompt)]
+        for fb in version.spec.fallbacks:
+            candidates.append((self.fallback_client(fb), replace(prompt, model=fb.model)))
+
+        def attempt_on(
+            client: GuardedClient, candidate: RenderedPrompt, wait: bool
+        ) -> Callable[[Attempts], Awaitable[dict[str, Any]]]:
+            async def run(a: Attempts) -> dict[str, Any]:
+                return await self._attempt(
+                    pipeline, candidate, a, spend, lane, deadline_at, client, wait_for_circuit=wait
+                )
+
+            return run
+
+        for i, (client, candidate) in enumerate(candidates):
+            has_next = i + 1 < len(candidates)
+            try:
+                # With a fallback ready, an open circuit moves on at once instead of waiting.
+                return await call_with_retries(
+                    attempt_on(client, candidate, not has_next), self.policy, attempts
+                )
+            except TaskError as exc:
+                if not has_next or exc.category.value not in version.spec.fallback_on:
+                    raise
+                log.warning("%s failed with %s; falling back to %s", candidate.model,
+                            exc.category.value, candidates[i + 1][1].model)  # fmt: skip
+                attempts.previous = attempts.count
+                attempts.last_error = None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def fallback_client(self, fallback: Fallback) -> GuardedClient:
+        if self.clients is None:
+            raise BadRequest("fallback models need a client pool", code="no_client_pool")
+        return self.clients(fallback)
+
     async def _attempt(
         self,
         pipeline: Pipeline,
@@ -171,6 +237,9 @@ class TaskProcessor:
         spend: _Spend,
         lane: Lane,
         deadline_at: float,
+        client: GuardedClient | None = None,
+        *,
+        wait_for_circuit: bool = True,
     ) -> dict[str, Any]:
         messages = list(prompt.messages)
         params = prompt.params
@@ -196,9 +265,13 @@ class TaskProcessor:
             params=params,
             response_format=prompt.response_format,
         )
-        response: LLMResponse = await self.client.complete(
-            request, lane=lane, deadline_at=deadline_at
-        )
+        try:
+            response: LLMResponse = await (client or self.client).complete(
+                request, lane=lane, deadline_at=deadline_at, wait_for_circuit=wait_for_circuit
+            )
+        except CircuitOpen:
+            attempts.count -= 1  # refused locally: no call was made
+            raise
         spend.last_prompt_tokens = response.prompt_tokens
         spend.prompt_tokens += response.prompt_tokens
         spend.completion_tokens += response.completion_tokens

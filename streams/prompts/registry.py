@@ -38,6 +38,25 @@ class Slot(BaseModel):
     max_length: int | None = Field(None, ge=1)
 
 
+FallbackCategory = Literal[
+    "circuit_open", "upstream_error", "timeout", "rate_limited", "invalid_output"
+]
+
+
+def _default_fallback_on() -> list[FallbackCategory]:
+    return ["circuit_open", "upstream_error", "timeout"]
+
+
+class Fallback(BaseModel):
+    """A model (on the same or another OpenAI-compatible endpoint) to try next."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1)
+    base_url: str | None = None
+    api_key_env: str | None = Field(None, description="Variable holding that endpoint's key.")
+
+
 class VersionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -45,6 +64,8 @@ class VersionSpec(BaseModel):
     template: str
     slots: dict[str, Slot] = Field(min_length=1)
     model: str | None = None
+    fallbacks: list[Fallback] = Field(default_factory=list)
+    fallback_on: list[FallbackCategory] = Field(default_factory=_default_fallback_on)
     params: dict[str, Any] = Field(default_factory=dict)
     response_format: Literal["json_schema", "json_object"] = "json_schema"
     example_input: dict[str, Any] | None = None

@@ -47,8 +47,17 @@ class GuardedClient:
         return self.count_prompt(request.messages) + int(budget or DEFAULT_MAX_TOKENS)
 
     async def complete(
-        self, request: LLMRequest, *, lane: Lane = Lane.LIVE, deadline_at: float | None = None
+        self,
+        request: LLMRequest,
+        *,
+        lane: Lane = Lane.LIVE,
+        deadline_at: float | None = None,
+        wait_for_circuit: bool = True,
     ) -> LLMResponse:
+        """One attempt. With `wait_for_circuit=False` (a fallback is ready) an open
+        circuit raises CircuitOpen at once instead of waiting for it to close."""
+        if not wait_for_circuit and not self.breaker.allow():
+            raise CircuitOpen(f"circuit for {self.breaker.name} is open", code="circuit_open")
         await self._wait_for_circuit(deadline_at)
         estimate = self.estimate(request)
         permit = await self.limiter.acquire(estimate, lane)

@@ -40,6 +40,8 @@ class Attempts:
 
     count: int = 0
     last_error: StreamsError | None = None
+    #: attempts spent on earlier models (fallbacks count on from there)
+    previous: int = 0
 
 
 async def call_with_retries(
@@ -80,7 +82,7 @@ async def call_with_retries(
     )
     async for attempt in retrying:
         with attempt:
-            attempts.count = attempt.retry_state.attempt_number
+            attempts.count = attempts.previous + attempt.retry_state.attempt_number
             try:
                 return await fn(attempts)
             except StreamsError as exc:

@@ -191,7 +191,7 @@ async def test_an_open_circuit_past_the_deadline_is_circuit_open(processor: Task
     breaker._open(breaker.clock.now())
     out = await processor.process(_task(), b"t1", SRC)
     d = orjson.loads(out.value)
-    assert d["error"]["category"] == "circuit_open" and d["attempts"] == 1
+    assert d["error"]["category"] == "circuit_open" and d["attempts"] == 0  # no call made
 
 
 async def test_a_truncated_answer_is_retried_once_with_a_larger_budget(

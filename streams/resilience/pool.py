@@ -1,0 +1,63 @@
+"""One guarded client per endpoint and model: the primary and any fallbacks.
+
+Breakers are per endpoint (an outage hits every model behind it); limiters per
+endpoint and model (providers limit each model separately); HTTP clients per
+endpoint and key.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from streams.llm.client import LLMClient
+from streams.prompts.registry import Fallback
+from streams.resilience.breaker import CircuitBreaker
+from streams.resilience.guarded import GuardedClient
+from streams.resilience.limiter import RateLimiter
+
+
+class ClientPool:
+    def __init__(
+        self,
+        *,
+        base_url: str | None,
+        api_key: str | None,
+        make_http: Callable[[str | None, str | None], LLMClient],
+        make_limiter: Callable[[], RateLimiter],
+        make_breaker: Callable[[str], CircuitBreaker],
+    ) -> None:
+        self.base_url = base_url
+        self.api_key = api_key
+        self.make_http = make_http
+        self.make_limiter = make_limiter
+        self.make_breaker = make_breaker
+        self._http: dict[tuple[str | None, str | None], LLMClient] = {}
+        self._breakers: dict[str, CircuitBreaker] = {}
+        self._guarded: dict[tuple[str | None, str | None, str], GuardedClient] = {}
+
+    def get(self, base_url: str | None, api_key: str | None, model: str) -> GuardedClient:
+        key = (base_url, api_key, model)
+        if key not in self._guarded:
+            http = self._http.get((base_url, api_key))
+            if http is None:
+                http = self._http[(base_url, api_key)] = self.make_http(base_url, api_key)
+            name = http.endpoint
+            breaker = self._breakers.get(name)
+            if breaker is None:
+                breaker = self._breakers[name] = self.make_breaker(name)
+            self._guarded[key] = GuardedClient(http, limiter=self.make_limiter(), breaker=breaker)
+        return self._guarded[key]
+
+    def primary(self, model: str) -> GuardedClient:
+        return self.get(self.base_url, self.api_key, model)
+
+    def for_fallback(self, fallback: Fallback) -> GuardedClient:
+        if fallback.base_url is None:
+            return self.get(self.base_url, self.api_key, fallback.model)
+        key = os.environ.get(fallback.api_key_env) if fallback.api_key_env else None
+        return self.get(fallback.base_url, key, fallback.model)
+
+    async def close(self) -> None:
+        for http in self._http.values():
+            await http.close()
