@@ -65,7 +65,21 @@ def counter(encoding: str = "o200k_base") -> Callable[[str], int]:
         return lambda text: max(1, len(text) // 4)
 
 
+@functools.lru_cache(maxsize=512)
+def _count_shared(text: str, encoding: str) -> int:
+    return counter(encoding)(text)
+
+
 def count_messages(messages: list[dict[str, str]], encoding: str = "o200k_base") -> int:
-    """Prompt tokens of chat messages, with OpenAI's per-message overhead (3 + 3 priming)."""
+    """Prompt tokens of chat messages, with OpenAI's per-message overhead (3 + 3 priming).
+
+    System prompts repeat for every task of a pipeline version: their counts are cached.
+    """
     count = counter(encoding)
-    return 3 + sum(4 + count(m.get("content", "")) for m in messages)
+    total = 3
+    for m in messages:
+        content = m.get("content", "")
+        total += 4 + (
+            _count_shared(content, encoding) if m.get("role") == "system" else count(content)
+        )
+    return total

@@ -59,7 +59,8 @@ class GuardedClient:
         if not wait_for_circuit and not self.breaker.allow():
             raise CircuitOpen(f"circuit for {self.breaker.name} is open", code="circuit_open")
         await self._wait_for_circuit(deadline_at)
-        estimate = self.estimate(request)
+        # Counting tokens costs CPU; only a token limit needs the estimate.
+        estimate = self.estimate(request) if self.limiter.tokens is not None else 0
         permit = await self.limiter.acquire(estimate, lane)
         try:
             response = await self.client.complete(request)

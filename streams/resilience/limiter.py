@@ -168,6 +168,9 @@ class RateLimiter:
     # -- granting ------------------------------------------------------------
     async def acquire(self, tokens: int = 0, lane: Lane = Lane.LIVE) -> Permit:
         started = self.clock.now()
+        if not self._queue and self._wait_time(tokens, started) <= _EPSILON:
+            self._grant(tokens)  # nobody waiting and capacity free: no queue round trip
+            return Permit(self, tokens, 0.0)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._queue, _Waiter(int(lane), next(self._seq), tokens, future))
         if self._pump is None or self._pump.done():
@@ -176,6 +179,12 @@ class RateLimiter:
             self._wakeup.set()
         await future
         return Permit(self, tokens, self.clock.now() - started)
+
+    def _grant(self, tokens: int) -> None:
+        self._probe_out = self.probing
+        self.requests.level -= 1
+        if self.tokens is not None:
+            self.tokens.level -= tokens
 
     def _wait_time(self, tokens: int, now: float) -> float:
         if self.probing and self._probe_out:
@@ -198,10 +207,7 @@ class RateLimiter:
             wait = self._wait_time(head.tokens, now)
             if wait <= _EPSILON:
                 heapq.heappop(self._queue)
-                self._probe_out = self.probing
-                self.requests.level -= 1
-                if self.tokens is not None:
-                    self.tokens.level -= head.tokens
+                self._grant(head.tokens)
                 head.future.set_result(None)
                 continue
             # Sleep until the head can go, or until a new (maybe higher-lane) waiter comes.

@@ -90,3 +90,13 @@ async def test_outage_opens_the_breaker_and_calls_stop(
     assert len(results) == 6 and breaker.state is State.CLOSED
     # After the open period: first the probes, then the rest once they succeeded.
     assert simulator.sim.snapshot()["by_status"] == {"200": 6, "503": 5}
+
+
+async def test_token_estimate_is_reconciled_with_the_real_usage(client: OpenAIClient) -> None:
+    limiter = RateLimiter(rpm=100_000, tpm=600_000, headroom=0, safety=1.0)
+    guarded = GuardedClient(client, limiter=limiter, breaker=CircuitBreaker("sim"))
+    assert limiter.tokens is not None
+    full = limiter.tokens.level
+    response = await guarded.complete(REQ)
+    assert guarded.estimate(REQ) > response.prompt_tokens + response.completion_tokens
+    assert full - limiter.tokens.level == response.prompt_tokens + response.completion_tokens
