@@ -17,8 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from streams.errors import Category, InvalidInput
 
-CONTRACT_VERSION = 1
-
 
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -47,8 +47,6 @@ class TaskAgent:
         self.tasks_topic = app.topic(settings.topics.tasks, settings.topics.replay, **raw)
         self.results_topic = app.topic(settings.topics.results, compacting=True, **raw)
         self.dead_letter_topic = app.topic(settings.topics.dead_letters, **raw)
-        self.processor: TaskProcessor | None = None
-        self.dispatcher: Dispatcher | None = None
         self.acks: InOrderAcks[Any] = InOrderAcks()
         self.agent = app.agent(self.tasks_topic, name="llm-streams.tasks")(self.run)  # type: ignore[arg-type]  # faust types the param as StreamT
 
@@ -56,8 +54,8 @@ class TaskAgent:
         settings = self.settings
         await self.results_topic.maybe_declare()
         await self.dead_letter_topic.maybe_declare()
-        processor = self.processor = self.make_processor()
-        dispatcher = self.dispatcher = Dispatcher(settings.batch.concurrency)
+        processor = self.make_processor()
+        dispatcher = Dispatcher(settings.batch.concurrency)
         try:
             async for events in stream.noack_take(
                 settings.batch.size, within=settings.batch.window_s
