@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import faust
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from streams.agents.tasks import TaskAgent
 from streams.llm.openai_client import OpenAIClient
+from streams.metrics import Metrics
 from streams.processing.processor import Prices, TaskProcessor
 from streams.prompts.registry import PipelineRegistry
 from streams.resilience.breaker import CircuitBreaker
@@ -17,7 +19,9 @@ from streams.resilience.retry import RetryPolicy
 from streams.settings import Settings, load_settings
 
 
-def make_processor_factory(settings: Settings, registry: PipelineRegistry) -> Any:
+def make_processor_factory(
+    settings: Settings, registry: PipelineRegistry, metrics: Metrics | None = None
+) -> Any:
     """A factory called inside the worker's event loop (the HTTP client binds to it)."""
     llm = settings.llm
     res = settings.resilience
@@ -44,6 +48,7 @@ def make_processor_factory(settings: Settings, registry: PipelineRegistry) -> An
                 open_s=res.breaker_open_s,
                 probes=res.breaker_probes,
             ),
+            metrics=metrics,
         )
         guarded = pool.primary(llm.model)
         return TaskProcessor(
@@ -61,6 +66,7 @@ def make_processor_factory(settings: Settings, registry: PipelineRegistry) -> An
             context_window=llm.context_window,
             clients=pool.for_fallback,
             close=pool.close,
+            metrics=metrics,
         )
 
     return make
@@ -92,7 +98,15 @@ def create_app(settings: Settings) -> faust.App:
         autodiscover=False,
     )
     app.llm_streams_settings = settings  # type: ignore[attr-defined]  # for CLI helpers
-    TaskAgent(app, settings, make_processor_factory(settings, registry))
+    metrics = Metrics()
+    app.llm_streams_metrics = metrics  # type: ignore[attr-defined]
+    TaskAgent(app, settings, make_processor_factory(settings, registry, metrics), metrics)
+
+    @app.page("/metrics")
+    async def metrics_page(web: Any, request: Any) -> Any:
+        # aiohttp refuses a charset inside content_type=, so the header is set whole.
+        return web.bytes(metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     return app
 
 

@@ -20,6 +20,7 @@ from streams.errors import (
     TaskError,
 )
 from streams.llm.client import LLMRequest, LLMResponse
+from streams.metrics import Metrics
 from streams.processing.output import parse_output
 from streams.prompts.registry import (
     Fallback,
@@ -73,6 +74,7 @@ class Outcome:
     task_id: str | None
     category: str | None = None
     latency_ms: float = 0.0
+    attempts: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cost_usd: float = 0.0
@@ -103,6 +105,7 @@ class TaskProcessor:
         context_window: int = 128_000,
         clients: Callable[[Fallback], GuardedClient] | None = None,
         close: Callable[[], Awaitable[None]] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.registry = registry
         self.client = client
@@ -114,6 +117,7 @@ class TaskProcessor:
         self.context_window = context_window
         self.clients = clients
         self._close = close
+        self.metrics = metrics
 
     async def close(self) -> None:
         """Close every HTTP client the processor used."""
@@ -148,6 +152,7 @@ class TaskProcessor:
                 ) from None
             latency_ms = (time.monotonic() - started) * 1000
             cost = self.prices.cost(spend.prompt_tokens, spend.completion_tokens)
+            self._count_cost(pipeline.name, spend, cost)
             result = Result(
                 task_id=task.task_id,
                 result_key=rkey,
@@ -172,6 +177,7 @@ class TaskProcessor:
                 value=orjson.dumps(result.model_dump(mode="json")),
                 task_id=task.task_id,
                 latency_ms=latency_ms,
+                attempts=attempts.count,
                 prompt_tokens=spend.prompt_tokens,
                 completion_tokens=spend.completion_tokens,
                 cost_usd=cost,
@@ -244,6 +250,8 @@ class TaskProcessor:
         messages = list(prompt.messages)
         params = prompt.params
         last = attempts.last_error
+        if last is not None and self.metrics is not None:
+            self.metrics.retries.labels(last.category.value).inc()
         if isinstance(last, InvalidOutput) and last.code == "truncated":
             # Cut at max_tokens: the same prompt with 1.5x the budget, within the window.
             budget = int(params.get("max_tokens") or spend.completion_tokens or 256)
@@ -277,7 +285,21 @@ class TaskProcessor:
         spend.completion_tokens += response.completion_tokens
         spend.model = response.model
         spend.calls.append(response.content)
-        return parse_output(response, pipeline, prompt.variables)
+        try:
+            output = parse_output(response, pipeline, prompt.variables)
+        except InvalidOutput:
+            self._count_output(response.model, ok=False)
+            raise
+        self._count_output(response.model, ok=True)
+        return output
+
+    def _count_output(self, model: str, *, ok: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.outputs.labels(model, "pass" if ok else "fail").inc()
+
+    def _count_cost(self, pipeline: str, spend: _Spend, cost: float) -> None:
+        if self.metrics is not None and cost > 0:
+            self.metrics.cost.labels(pipeline, spend.model or self.default_model).inc(cost)
 
     def _dead(
         self,
@@ -300,6 +322,9 @@ class TaskProcessor:
             failed_at=now_iso(),
         )
         dl_key = task_id or f"{source.topic}/{source.partition}/{source.offset}"
+        cost = self.prices.cost(spend.prompt_tokens, spend.completion_tokens)
+        if task is not None:
+            self._count_cost(task.pipeline, spend, cost)
         return Outcome(
             kind="dead_letter",
             key=dl_key,
@@ -307,9 +332,10 @@ class TaskProcessor:
             task_id=task_id,
             category=exc.category.value,
             latency_ms=(time.monotonic() - started) * 1000,
+            attempts=attempts.count,
             prompt_tokens=spend.prompt_tokens,
             completion_tokens=spend.completion_tokens,
-            cost_usd=self.prices.cost(spend.prompt_tokens, spend.completion_tokens),
+            cost_usd=cost,
         )
 
 

@@ -18,6 +18,7 @@ from streams.errors import (
 )
 from streams.llm.client import LLMClient, LLMRequest, LLMResponse
 from streams.llm.tokens import count_messages
+from streams.metrics import Metrics
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.clock import Clock, MonotonicClock
 from streams.resilience.limiter import Lane, RateLimiter
@@ -34,12 +35,14 @@ class GuardedClient:
         breaker: CircuitBreaker,
         clock: Clock | None = None,
         count_prompt: Callable[[list[dict[str, str]]], int] = count_messages,
+        metrics: Metrics | None = None,
     ) -> None:
         self.client = client
         self.limiter = limiter
         self.breaker = breaker
         self.clock = clock or MonotonicClock()
         self.count_prompt = count_prompt
+        self.metrics = metrics
 
     def estimate(self, request: LLMRequest) -> int:
         """Tokens a call may use: prompt (offline tokenizer) + its completion budget."""
@@ -62,6 +65,7 @@ class GuardedClient:
         # Counting tokens costs CPU; only a token limit needs the estimate.
         estimate = self.estimate(request) if self.limiter.tokens is not None else 0
         permit = await self.limiter.acquire(estimate, lane)
+        started = self.clock.now()
         try:
             response = await self.client.complete(request)
         except RateLimited as exc:
@@ -70,20 +74,48 @@ class GuardedClient:
             self.limiter.throttled(exc.retry_after)
             self.breaker.release()  # throttling says nothing about the endpoint's health
             permit.reconcile(0)  # refused before any token was used
+            self._count(request.model, lane, permit.waited_s, started, exc)
+            if self.metrics is not None:
+                self.metrics.limiter_throttled.labels(request.model).inc()
             raise
         except (Timeout, UpstreamError) as exc:
             self.breaker.record(ok=False)
             permit.reconcile(estimate)
+            self._count(request.model, lane, permit.waited_s, started, exc)
             raise exc
-        except StreamsError:
+        except StreamsError as exc:
             self.breaker.record(ok=True)  # our request was wrong; the endpoint is fine
             permit.reconcile(0)
+            self._count(request.model, lane, permit.waited_s, started, exc)
             raise
         self.breaker.record(ok=True)
         if response.rate_headers:
             self.limiter.observe(response.rate_headers)
         permit.reconcile(response.prompt_tokens + response.completion_tokens)
+        self._count(request.model, lane, permit.waited_s, started, None, response)
         return response
+
+    def _count(
+        self,
+        model: str,
+        lane: Lane,
+        waited_s: float,
+        started: float,
+        error: StreamsError | None,
+        response: LLMResponse | None = None,
+    ) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.limiter_wait.labels(lane.name.lower()).observe(waited_s)
+        m.llm_seconds.labels(model).observe(self.clock.now() - started)
+        if error is not None:
+            m.llm_requests.labels(model, "error", error.category.value).inc()
+            return
+        m.llm_requests.labels(model, "ok", "").inc()
+        if response is not None:
+            m.tokens.labels(model, "prompt").inc(response.prompt_tokens)
+            m.tokens.labels(model, "completion").inc(response.completion_tokens)
 
     async def _wait_for_circuit(self, deadline_at: float | None) -> None:
         while not self.breaker.allow():

@@ -308,6 +308,10 @@ class RateLimiter:
             # The provider's bucket (shared with other clients of the key) has less left.
             bucket.level = min(bucket.level, remaining * bucket.burst_s / 60.0)
 
+    def rates(self) -> tuple[float, float | None]:
+        """Current requests and tokens per minute (tokens None without a token limit)."""
+        return self.requests.per_minute, self.tokens.per_minute if self.tokens else None
+
     def snapshot(self) -> LimiterSnapshot:
         return LimiterSnapshot(
             rpm=self.requests.per_minute,

@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 
 from streams.llm.client import LLMClient
+from streams.metrics import Metrics
 from streams.prompts.registry import Fallback
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.guarded import GuardedClient
@@ -26,12 +27,14 @@ class ClientPool:
         make_http: Callable[[str | None, str | None], LLMClient],
         make_limiter: Callable[[], RateLimiter],
         make_breaker: Callable[[str], CircuitBreaker],
+        metrics: Metrics | None = None,
     ) -> None:
         self.base_url = base_url
         self.api_key = api_key
         self.make_http = make_http
         self.make_limiter = make_limiter
         self.make_breaker = make_breaker
+        self.metrics = metrics
         self._http: dict[tuple[str | None, str | None], LLMClient] = {}
         self._breakers: dict[str, CircuitBreaker] = {}
         self._guarded: dict[tuple[str | None, str | None, str], GuardedClient] = {}
@@ -46,7 +49,16 @@ class ClientPool:
             breaker = self._breakers.get(name)
             if breaker is None:
                 breaker = self._breakers[name] = self.make_breaker(name)
-            self._guarded[key] = GuardedClient(http, limiter=self.make_limiter(), breaker=breaker)
+                if self.metrics is not None:
+                    metrics = self.metrics
+                    breaker.on_change = lambda n, _old, new: metrics.breaker_changed(n, new.value)
+                    metrics.breaker_changed(name, breaker.state.value)
+            limiter = self.make_limiter()
+            if self.metrics is not None:
+                self.metrics.watch_limiter(model, limiter.rates)
+            self._guarded[key] = GuardedClient(
+                http, limiter=limiter, breaker=breaker, metrics=self.metrics
+            )
         return self._guarded[key]
 
     def primary(self, model: str) -> GuardedClient:

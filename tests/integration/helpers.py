@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from prometheus_client.parser import text_string_to_metric_families
 
 from streams.brokers.common import free_port
 from streams.settings import Settings, settings_env
@@ -27,11 +29,13 @@ class WorkerProcess:
         self.settings = settings
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        self.web_port = 0
 
     def start(self) -> WorkerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
         env.update(settings_env(self.settings))
-        env["LLM_STREAMS_WEB_PORT"] = str(free_port())
+        self.web_port = free_port()
+        env["LLM_STREAMS_WEB_PORT"] = str(self.web_port)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "streams.cli", "worker"],
@@ -54,6 +58,17 @@ class WorkerProcess:
                 self.proc.kill()
                 self.proc.wait()
 
+    async def scrape(self) -> Scrape:
+        """The worker's /metrics, parsed."""
+        url = f"http://127.0.0.1:{self.web_port}/metrics"
+
+        def get() -> str:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                assert response.headers["Content-Type"].startswith("text/plain")
+                return str(response.read().decode())
+
+        return Scrape(await asyncio.to_thread(get))
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -62,6 +77,29 @@ class WorkerProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+
+class Scrape:
+    """Samples of one /metrics scrape."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.samples = [
+            (sample.name, sample.labels, sample.value)
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        ]
+
+    def value(self, name: str, **labels: str) -> float:
+        """Sum of the samples named `name` whose labels include `labels` (0 if none)."""
+        return sum(
+            v
+            for n, have, v in self.samples
+            if n == name and all(have.get(k) == want for k, want in labels.items())
+        )
+
+    def has(self, name: str) -> bool:
+        return any(n == name for n, _, _ in self.samples)
 
 
 async def produce(

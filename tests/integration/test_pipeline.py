@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from streams.llm.simulator import SimulatorServer
-from tests.integration.helpers import WorkerProcess, collect, produce
+from tests.integration.helpers import Scrape, WorkerProcess, collect, produce
 
 pytestmark = pytest.mark.integration
 
@@ -87,6 +87,7 @@ async def test_poison_records_and_valid_tasks_each_end_exactly_once(
     try:
         offsets = await produce(settings, records)
         got = await collect(settings, set(offsets), timeout_s=180, worker=worker)
+        metrics = await worker.scrape()
     finally:
         worker.stop()
 
@@ -130,14 +131,29 @@ async def test_poison_records_and_valid_tasks_each_end_exactly_once(
     assert len(keys_by_task) == 950
     assert all(len(k) == 1 for k in keys_by_task.values())
     assert simulator.sim.snapshot()["by_status"] == {"200": 950}
+    # The worker's own account agrees with what it wrote.
+    assert metrics.value("llm_streams_tasks_received_total", lane="live") == 1000
+    assert metrics.value("llm_streams_tasks_completed_total", outcome="result") == 950
+    assert metrics.value("llm_streams_tasks_completed_total", outcome="dead_letter") == 50
+    assert metrics.value("llm_streams_dead_letters_total", category="invalid_input") == 50
+    assert metrics.value("llm_streams_llm_requests_total", status="ok") == 950
+    assert metrics.value("llm_streams_llm_requests_total", status="error") == 0
+    assert metrics.value("llm_streams_tasks_in_flight") == 0
+    assert metrics.value("llm_streams_tasks_unfinished") == 0
+    assert metrics.value("llm_streams_end_to_end_seconds_count") == 1000
+    assert metrics.value("llm_streams_batch_size_sum") == 1000
+    assert "task_id" not in metrics.text and "t-00001" not in metrics.text  # bounded labels
 
 
-async def _run_tasks(settings: Any, tmp_path: Path, n: int) -> tuple[list[dict[str, Any]], Any]:
+async def _run_tasks(
+    settings: Any, tmp_path: Path, n: int
+) -> tuple[list[dict[str, Any]], Any, Scrape]:
     tasks = [_task(i) for i in range(n)]
     worker = WorkerProcess(settings, tmp_path / "worker.log").start()
     try:
         offsets = await produce(settings, [(t["task_id"].encode(), orjson.dumps(t)) for t in tasks])
         got = await collect(settings, set(offsets), timeout_s=240, worker=worker)
+        metrics = await worker.scrape()
     finally:
         worker.stop()
     ended = Counter(r["task_id"] for r in got.results) + Counter(
@@ -145,7 +161,7 @@ async def _run_tasks(settings: Any, tmp_path: Path, n: int) -> tuple[list[dict[s
     )
     assert set(ended) == {t["task_id"] for t in tasks}
     assert all(n == 1 for n in ended.values()), [t for t, n in ended.items() if n > 1]
-    return tasks, got
+    return tasks, got, metrics
 
 
 async def test_5xx_and_malformed_output_are_retried_or_dead_lettered(
@@ -160,7 +176,7 @@ async def test_5xx_and_malformed_output_are_retried_or_dead_lettered(
              "max_attempts": 4, "backoff_base_s": 0.05, "backoff_max_s": 0.5},
         batch={"size": 50, "concurrency": 32},
     )  # fmt: skip
-    tasks, got = await _run_tasks(settings, tmp_path, 400)
+    tasks, got, metrics = await _run_tasks(settings, tmp_path, 400)
 
     stats = simulator.sim.snapshot()
     assert stats["by_outcome"]["error_500"] > 0 and stats["by_outcome"]["error_503"] > 0
@@ -178,6 +194,31 @@ async def test_5xx_and_malformed_output_are_retried_or_dead_lettered(
     # Retries and failed calls are paid for: the results carry the tokens of every answer.
     assert sum(r["usage"]["prompt_tokens"] for r in got.results) <= stats["prompt_tokens"]
 
+    # /metrics counts every fault the simulator injected, and what each cost.
+    out = stats["by_outcome"]
+    errors = "llm_streams_llm_requests_total"
+    assert metrics.value(errors, status="error", category="upstream_error") == (
+        out["error_500"] + out["error_503"]
+    )
+    assert metrics.value(errors, status="ok") == stats["by_status"]["200"]
+    bad_answers = out["malformed"] + out.get("truncated", 0)
+    assert metrics.value("llm_streams_outputs_total", verdict="fail") == bad_answers
+    dead = Counter(d["error"]["category"] for d in got.dead_letters)
+    for category in ("upstream_error", "invalid_output"):
+        assert metrics.value("llm_streams_dead_letters_total", category=category) == dead[category]
+    # Every failed attempt is retried unless it was the task's last one.
+    assert metrics.value("llm_streams_retries_total") == (
+        out["error_500"] + out["error_503"] + bad_answers - len(got.dead_letters)
+    )
+    assert metrics.value("llm_streams_tasks_completed_total", outcome="result") == len(got.results)
+    # Cost = tokens x the price table (defaults: $0.00015 / $0.0006 per 1k).
+    prompt = metrics.value("llm_streams_tokens_total", kind="prompt")
+    completion = metrics.value("llm_streams_tokens_total", kind="completion")
+    assert prompt == stats["prompt_tokens"] and completion == stats["completion_tokens"]
+    assert metrics.value("llm_streams_cost_usd_total") == pytest.approx(
+        prompt * 0.00015 / 1000 + completion * 0.0006 / 1000, rel=1e-6
+    )
+
 
 async def test_unknown_rate_limit_is_learned_without_a_429_storm(
     make_settings: Any, simulator: SimulatorServer, tmp_path: Path
@@ -188,7 +229,7 @@ async def test_unknown_rate_limit_is_learned_without_a_429_storm(
              "max_attempts": 4, "backoff_base_s": 0.05, "backoff_max_s": 0.5},
         batch={"size": 50, "concurrency": 32},
     )  # fmt: skip
-    tasks, got = await _run_tasks(settings, tmp_path, 300)
+    tasks, got, metrics = await _run_tasks(settings, tmp_path, 300)
 
     stats = simulator.sim.snapshot()
     # Only the first burst, sent before any answer carried x-ratelimit headers, may be
@@ -196,3 +237,11 @@ async def test_unknown_rate_limit_is_learned_without_a_429_storm(
     assert stats["by_status"].get("429", 0) <= 32, stats
     assert len(got.results) == len(tasks), [d["error"] for d in got.dead_letters][:3]
     assert stats["by_status"]["200"] == len(tasks)
+    # Each 429 is counted, cut the limiter's rate, and was retried.
+    refused = stats["by_status"].get("429", 0)
+    assert metrics.value("llm_streams_llm_requests_total", category="rate_limited") == refused
+    assert metrics.value("llm_streams_limiter_throttled_total") == refused
+    assert metrics.value("llm_streams_retries_total", category="rate_limited") == refused
+    # The limiter learned the provider's 1,200/min from its headers.
+    learned = metrics.value("llm_streams_limiter_rate_per_minute", unit="requests")
+    assert 0 < learned <= 1200

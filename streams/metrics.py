@@ -1,0 +1,143 @@
+"""Prometheus series of one worker, all named `llm_streams_*`, in a registry of its own.
+
+Labels stay bounded: lane, outcome, category, model, endpoint, pipeline, topic and
+partition; never a task id. The worker serves them at `/metrics` on its web port.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# LLM latencies: tens of milliseconds for a cached answer to minutes for a long one.
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 5000)
+
+BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.tasks_received = Counter(
+            "llm_streams_tasks_received", "Records taken from the input topics.", ["lane"],
+            registry=r)  # fmt: skip
+        self.tasks_completed = Counter(
+            "llm_streams_tasks_completed", "Records finished (outcome written and acked).",
+            ["lane", "outcome"], registry=r)  # fmt: skip
+        self.dead_letters = Counter(
+            "llm_streams_dead_letters", "Dead letters written, by error category.",
+            ["category"], registry=r)  # fmt: skip
+        self.in_flight = Gauge(
+            "llm_streams_tasks_in_flight", "Tasks being processed now.", registry=r)  # fmt: skip
+        self.unfinished = Gauge(
+            "llm_streams_tasks_unfinished",
+            "Records taken from the stream and not yet acked (in flight or waiting for a slot).",
+            registry=r)  # fmt: skip
+        self.llm_requests = Counter(
+            "llm_streams_llm_requests", "LLM attempts, by model, status (ok|error) and category.",
+            ["model", "status", "category"], registry=r)  # fmt: skip
+        self.llm_seconds = Histogram(
+            "llm_streams_llm_call_seconds", "Duration of one LLM attempt.", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.limiter_wait = Histogram(
+            "llm_streams_limiter_wait_seconds", "Wait for rate-limit capacity per attempt.",
+            ["lane"], buckets=WAIT_BUCKETS, registry=r)  # fmt: skip
+        self.queue_wait = Histogram(
+            "llm_streams_queue_wait_seconds", "From taken off the stream to processing start.",
+            ["lane"], buckets=WAIT_BUCKETS, registry=r)  # fmt: skip
+        self.end_to_end = Histogram(
+            "llm_streams_end_to_end_seconds", "From the record's timestamp to its outcome acked.",
+            ["lane", "outcome"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.tokens = Counter(
+            "llm_streams_tokens", "Tokens used, by model and kind (prompt|completion).",
+            ["model", "kind"], registry=r)  # fmt: skip
+        self.cost = Counter(
+            "llm_streams_cost_usd", "Spend in USD from the price table, retries included.",
+            ["pipeline", "model"], registry=r)  # fmt: skip
+        self.retries = Counter(
+            "llm_streams_retries", "Attempts after a task's first, by the error that caused them.",
+            ["category"], registry=r)  # fmt: skip
+        self.outputs = Counter(
+            "llm_streams_outputs", "Answers received, by content verdict (pass|fail).",
+            ["model", "verdict"], registry=r)  # fmt: skip
+        self.batch_size = Histogram(
+            "llm_streams_batch_size", "Records per micro-batch.", buckets=BATCH_BUCKETS,
+            registry=r)  # fmt: skip
+        self.batch_fill = Histogram(
+            "llm_streams_batch_fill_seconds", "Time to fill one micro-batch.",
+            buckets=WAIT_BUCKETS, registry=r)  # fmt: skip
+        self.breaker_state = Gauge(
+            "llm_streams_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open.",
+            ["endpoint"], registry=r)  # fmt: skip
+        self.breaker_transitions = Counter(
+            "llm_streams_breaker_transitions", "Breaker transitions, by endpoint and new state.",
+            ["endpoint", "to"], registry=r)  # fmt: skip
+        self.limiter_rate = Gauge(
+            "llm_streams_limiter_rate_per_minute", "Current (learned) limiter rate.",
+            ["model", "unit"], registry=r)  # fmt: skip
+        self.limiter_throttled = Counter(
+            "llm_streams_limiter_throttled", "429 answers that cut the limiter's rate.",
+            ["model"], registry=r)  # fmt: skip
+        self.cache_hits = Counter(
+            "llm_streams_cache_hits", "Tasks answered without an LLM call.", ["pipeline"],
+            registry=r)  # fmt: skip
+
+    def breaker_changed(self, endpoint: str, new_state: str) -> None:
+        self.breaker_state.labels(endpoint).set(BREAKER_STATES[new_state])
+        self.breaker_transitions.labels(endpoint, new_state).inc()
+
+    def watch_limiter(self, model: str, rates: Callable[[], tuple[float, float | None]]) -> None:
+        """Report a limiter's current requests/tokens per minute at every scrape."""
+        self.limiter_rate.labels(model, "requests").set_function(lambda: rates()[0])
+        self.limiter_rate.labels(model, "tokens").set_function(lambda: rates()[1] or 0.0)
+
+    def watch_stream(self, read: Callable[[], dict[str, Any]]) -> None:
+        """Consumer-side gauges read at scrape time (see `StreamCollector`)."""
+        self.registry.register(StreamCollector(read))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class StreamCollector(Collector):
+    """Lag per partition, partitions paused for backpressure and the stream buffer.
+
+    `read` returns {"lag": {(topic, partition): n}, "paused": n, "buffered": n}
+    from the Faust consumer; it runs at scrape time only.
+    """
+
+    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+        self.read = read
+
+    def describe(self) -> Iterable[Any]:
+        return []  # values exist only once the consumer runs
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            state = self.read()
+        except Exception:  # no consumer yet (starting, rebalancing): report nothing
+            return
+        lag = GaugeMetricFamily(
+            "llm_streams_consumer_lag", "Records behind the partition's end (committed offset).",
+            labels=["topic", "partition"])  # fmt: skip
+        for (topic, partition), value in sorted(state.get("lag", {}).items()):
+            lag.add_metric([topic, str(partition)], value)
+        yield lag
+        yield GaugeMetricFamily(
+            "llm_streams_backpressure_paused_partitions",
+            "Partitions whose fetching is paused because the stream buffer is full.",
+            value=state.get("paused", 0))  # fmt: skip
+        yield GaugeMetricFamily(
+            "llm_streams_stream_buffered_records",
+            "Records fetched into the stream buffer, not yet taken by the agent.",
+            value=state.get("buffered", 0))  # fmt: skip
+
+
+__all__ = ["LATENCY_BUCKETS", "Metrics", "StreamCollector"]
