@@ -89,7 +89,11 @@ def create_app(settings: Settings) -> faust.App:
         # Every task ends well before Faust would call the stream stuck.
         stream_processing_timeout=settings.llm.task_deadline_s + 60,
         broker_max_poll_interval=max(300.0, settings.llm.task_deadline_s + 120),
-        stream_buffer_maxsize=max(settings.batch.size * 2, 1024),
+        # Backpressure: once the stream buffer holds `buffer` records Faust stops fetching
+        # the partition; one poll returns at most `buffer` records, so fetched-but-unprocessed
+        # records stay under ~2 x buffer however slow the LLM is.
+        stream_buffer_maxsize=max(settings.batch.buffer, settings.batch.size),
+        broker_max_poll_records=max(settings.batch.buffer, settings.batch.size),
         producer_linger=0.005,
         consumer_auto_offset_reset="earliest",
         datadir=str(settings.data_dir),

@@ -72,6 +72,12 @@ class BatchSettings(_Section):
     max_task_bytes: int = Field(
         65_536, ge=256, description="Task records above this size are dead-lettered."
     )
+    buffer: int = Field(
+        1024,
+        ge=1,
+        le=1_000_000,
+        description="Records fetched ahead of the agent; beyond it fetching pauses (backpressure).",
+    )
 
 
 class LLMSettings(_Section):

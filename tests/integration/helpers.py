@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,8 +139,10 @@ async def collect(
     timeout_s: float,
     worker: WorkerProcess | None = None,
     settle_s: float = 1.0,
+    until: Callable[[Collected], bool] | None = None,
 ) -> Collected:
-    """Read results and dead letters until every expected source offset is answered."""
+    """Read results and dead letters until every expected source offset is answered
+    (and `until`, when given, holds), then `settle_s` more to catch duplicates."""
     consumer = AIOKafkaConsumer(
         settings.topics.results,
         settings.topics.dead_letters,
@@ -165,7 +168,7 @@ async def collect(
                         got.result_keys.append(rec.key.decode())
                     else:
                         got.dead_letters.append(data)
-            if expected <= got.sources():
+            if expected <= got.sources() and (until is None or until(got)):
                 done_at = done_at or time.monotonic()
                 if time.monotonic() - done_at >= settle_s:
                     return got
