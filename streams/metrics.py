@@ -85,6 +85,9 @@ class Metrics:
         self.limiter_throttled = Counter(
             "llm_streams_limiter_throttled", "429 answers that cut the limiter's rate.",
             ["model"], registry=r)  # fmt: skip
+        self.mitigations = Counter(
+            "llm_streams_mitigations", "Prompts shortened to fit the context window.",
+            ["pipeline", "kind"], registry=r)  # fmt: skip
         self.cache_hits = Counter(
             "llm_streams_cache_hits", "Tasks answered without an LLM call.", ["pipeline"],
             registry=r)  # fmt: skip

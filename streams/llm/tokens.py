@@ -65,6 +65,37 @@ def counter(encoding: str = "o200k_base") -> Callable[[str], int]:
         return lambda text: max(1, len(text) // 4)
 
 
+@functools.cache
+def _codec(encoding: str) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]] | None:
+    try:
+        import tiktoken
+
+        _seed_cache(encoding)
+        enc = tiktoken.get_encoding(encoding)
+        return enc.encode_ordinary, enc.decode
+    except Exception:  # counter() has already warned
+        return None
+
+
+def truncate_tokens(
+    text: str, max_tokens: int, *, keep: str = "head", encoding: str = "o200k_base"
+) -> str:
+    """The first (keep="head") or last ("tail") `max_tokens` tokens of `text`."""
+    if max_tokens <= 0:
+        return ""
+    codec = _codec(encoding)
+    if codec is None:  # the chars/4 estimate, applied the same way
+        chars = max_tokens * 4
+        return text[:chars] if keep == "head" else text[-chars:]
+    encode, decode = codec
+    tokens = encode(text)
+    if len(tokens) <= max_tokens:
+        return text
+    kept = tokens[:max_tokens] if keep == "head" else tokens[-max_tokens:]
+    # A cut may split a multi-byte character: drop the replacement characters it leaves.
+    return decode(kept).strip("\ufffd")
+
+
 @functools.lru_cache(maxsize=512)
 def _count_shared(text: str, encoding: str) -> int:
     return counter(encoding)(text)

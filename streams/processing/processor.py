@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -14,12 +15,14 @@ import orjson
 from streams.errors import (
     BadRequest,
     CircuitOpen,
+    ContextOverflow,
     DeadlineExceeded,
     InvalidOutput,
     StreamsError,
     TaskError,
 )
 from streams.llm.client import LLMRequest, LLMResponse
+from streams.llm.tokens import count_messages, counter, truncate_tokens
 from streams.metrics import Metrics
 from streams.processing.output import parse_output
 from streams.prompts.registry import (
@@ -42,11 +45,16 @@ from streams.records import (
     result_key,
     task_id_hint,
 )
-from streams.resilience.guarded import GuardedClient
+from streams.resilience.guarded import DEFAULT_MAX_TOKENS, GuardedClient
 from streams.resilience.limiter import Lane
 from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries
 
 log = logging.getLogger(__name__)
+
+# OpenAI's context_length_exceeded message: "This model's maximum context length is N
+# tokens. However, you requested M tokens (P in the messages, C in the completion)."
+_WINDOW_RE = re.compile(r"maximum context length is (\d+)")
+_REQUESTED_RE = re.compile(r"\((\d+) in the messages, (\d+) in the completion\)")
 
 
 @dataclass(frozen=True)
@@ -139,9 +147,17 @@ class TaskProcessor:
             rkey = result_key(pipeline.name, version.version, task.task_id, task.input)
             try:
                 async with asyncio.timeout(self.deadline_s):
-                    output = await self._call(
-                        pipeline, version, prompt, attempts, spend, lane, deadline_at
-                    )
+                    try:
+                        output = await self._call(
+                            pipeline, version, prompt, attempts, spend, lane, deadline_at
+                        )
+                    except ContextOverflow as exc:
+                        # The pipeline's mitigation, if it has one: shorten, then one more try.
+                        prompt = self._shorten(pipeline, version, task, prompt, exc)
+                        attempts.previous, attempts.last_error = attempts.count, None
+                        output = await self._call(
+                            pipeline, version, prompt, attempts, spend, lane, deadline_at
+                        )
             except TimeoutError:
                 last = attempts.last_error
                 cause = f"; last error: {last.category.value}: {last.message}" if last else ""
@@ -229,6 +245,47 @@ class TaskProcessor:
                 attempts.previous = attempts.count
                 attempts.last_error = None
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _shorten(
+        self,
+        pipeline: Pipeline,
+        version: PipelineVersion,
+        task: Task,
+        prompt: RenderedPrompt,
+        exc: ContextOverflow,
+    ) -> RenderedPrompt:
+        """The prompt with the policy's slot cut to fit the context window, or `exc`."""
+        policy = version.spec.on_context_overflow
+        if policy is None:
+            raise exc
+        window_match = _WINDOW_RE.search(exc.message)
+        window = int(window_match.group(1)) if window_match else self.context_window
+        params = prompt.params
+        budget = int(
+            params.get("max_completion_tokens") or params.get("max_tokens") or DEFAULT_MAX_TOKENS
+        )
+        asked = _REQUESTED_RE.search(exc.message)
+        prompt_tokens = int(asked.group(1)) if asked else count_messages(prompt.messages)
+        text = str(prompt.variables.get(policy.slot) or "")
+        text_tokens = counter()(text)
+        # Cut the excess plus a margin for tokenizer differences; at least a quarter when
+        # the provider's numbers say it fits (they count differently from us).
+        excess = max(prompt_tokens + budget - window, text_tokens // 4)
+        keep = text_tokens - excess - (32 + window // 100)
+        if keep < 1:
+            raise ContextOverflow(
+                f"{exc.message} (truncating input.{policy.slot} cannot make it fit)",
+                code="context_overflow_unmitigated",
+            ) from exc
+        shortened = truncate_tokens(text, keep, keep=policy.keep)
+        log.warning(
+            "task %s: prompt over the %d-token window; input.%s cut from %d to %d tokens",
+            task.task_id, window, policy.slot, text_tokens, keep,
+        )  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.mitigations.labels(pipeline.name, "truncate").inc()
+        task_input = {**task.input, policy.slot: shortened}
+        return replace(version.render(task_input, self.default_model), model=prompt.model)
 
     def fallback_client(self, fallback: Fallback) -> GuardedClient:
         if self.clients is None:

@@ -57,6 +57,18 @@ class Fallback(BaseModel):
     api_key_env: str | None = Field(None, description="Variable holding that endpoint's key.")
 
 
+class OverflowPolicy(BaseModel):
+    """What to do when a prompt does not fit the model's context window."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    strategy: Literal["truncate"] = Field(
+        description="truncate: cut the slot's text to fit, then retry once."
+    )
+    slot: str = Field(min_length=1, description="The string slot to shorten.")
+    keep: Literal["head", "tail"] = "head"
+
+
 class VersionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -69,6 +81,16 @@ class VersionSpec(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
     response_format: Literal["json_schema", "json_object"] = "json_schema"
     example_input: dict[str, Any] | None = None
+    on_context_overflow: OverflowPolicy | None = None
+
+    @model_validator(mode="after")
+    def _overflow_slot_is_text(self) -> VersionSpec:
+        policy = self.on_context_overflow
+        if policy is not None:
+            slot = self.slots.get(policy.slot)
+            if slot is None or slot.type != "string":
+                raise ValueError(f"on_context_overflow.slot {policy.slot!r} is not a string slot")
+        return self
 
 
 class PipelineSpec(BaseModel):

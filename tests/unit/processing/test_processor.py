@@ -222,3 +222,63 @@ async def test_a_truncated_answer_is_retried_once_with_a_larger_budget(
     out = await processor.process(_task("Arrived late, box crushed. Works great."), b"t2", SRC)
     assert seen[0] == 36 and seen[1] < 54
     assert out.kind == "dead_letter" and out.category == "invalid_output"
+
+
+async def test_context_overflow_truncates_the_slot_and_retries_once(
+    processor: TaskProcessor, simulator: SimulatorServer
+) -> None:
+    simulator.sim.config.context_window = 1000  # system prompt + 400 completion leave ~400
+    words = " ".join(f"The blender part {i} was fine." for i in range(220))  # ~1,800 tokens
+    text = "Arrived late. " + words
+    assert len(text) < 8000  # within the slot's max_length: only the window is too small
+    out = await processor.process(_task(text), b"t1", SRC)
+    assert out.kind == "result", orjson.loads(out.value)
+    r = orjson.loads(out.value)
+    assert r["attempts"] == 2  # the refused call, then the shortened one
+    # The key stays the task's own (computed from the input as sent, not the cut one).
+    assert out.key == result_key("comment-analysis", "v1", "t1", {"text": text})
+    stats = simulator.sim.snapshot()
+    assert stats["by_outcome"] == {"context_overflow": 1, "ok": 1}
+
+
+async def test_context_overflow_that_no_cut_can_fix_is_dead_lettered(
+    processor: TaskProcessor, simulator: SimulatorServer
+) -> None:
+    simulator.sim.config.context_window = 300  # smaller than the system prompt + budget
+    out = await processor.process(_task("Fine. " * 100), b"t1", SRC)
+    assert out.kind == "dead_letter"
+    error = orjson.loads(out.value)["error"]
+    assert error["category"] == "context_overflow"
+    assert error["code"] == "context_overflow_unmitigated"
+    assert "cannot make it fit" in error["message"]
+    assert simulator.sim.snapshot()["requests"] == 1  # no second call was made
+
+
+async def test_context_overflow_without_a_policy_is_dead_lettered_at_once(
+    simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    spec = (ROOT / "pipelines" / "comment-analysis.yaml").read_text()
+    policy = "    on_context_overflow: {strategy: truncate, slot: text, keep: head}\n"
+    assert policy in spec
+    (tmp_path / "comment-analysis.yaml").write_text(spec.replace(policy, ""))
+    simulator.sim.config.context_window = 1000
+    client = OpenAIClient(
+        base_url=simulator.base_url, api_key="k", connect_timeout_s=1, read_timeout_s=2
+    )
+    processor = TaskProcessor(
+        PipelineRegistry.load(tmp_path, ROOT / "schemas"),
+        GuardedClient(client, limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("sim")),
+        default_model="sim-1",
+        policy=RetryPolicy(max_attempts=3),
+        deadline_s=5,
+        max_task_bytes=10_000,
+        prices=Prices(),
+    )
+    try:
+        out = await processor.process(_task("Too long. " * 700), b"t1", SRC)
+    finally:
+        await client.close()
+    assert out.kind == "dead_letter"
+    error = orjson.loads(out.value)["error"]
+    assert (error["category"], error["code"]) == ("context_overflow", "context_length_exceeded")
+    assert simulator.sim.snapshot()["requests"] == 1

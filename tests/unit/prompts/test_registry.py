@@ -100,6 +100,12 @@ def test_template_sandbox_blocks_attribute_escapes(tmp_path: Path) -> None:
             "versions:\n  v1: {system: s, template: t, slots: {text: {}}, example_input: {}}\n",
             "example_input",
         ),
+        (
+            "name: p\ndefault_version: v1\noutput_schema: comment-analysis.output.schema.json\n"
+            "versions:\n  v1: {system: s, template: t, slots: {n: {type: integer}},\n"
+            "       on_context_overflow: {strategy: truncate, slot: n}}\n",
+            "on_context_overflow.slot",
+        ),
         (": not yaml : [", "p.yaml"),
     ],
 )
