@@ -33,7 +33,11 @@ def worker() -> None:
     """Run a worker (Faust) with the settings from the environment."""
     from streams.cli.worker import run_worker
 
-    run_worker(settings_or_exit())
+    try:
+        run_worker(settings_or_exit())
+    except ConfigError as exc:  # the broker's topics or features do not fit the settings
+        click.echo(f"llm-streams: {exc}", err=True)
+        sys.exit(2)
 
 
 @cli.command()

@@ -14,14 +14,15 @@ log = logging.getLogger(__name__)
 
 def run_worker(settings: Settings) -> None:
     from streams.app import create_app
+    from streams.topics import check_transactions, ensure_topics
 
-    if settings.processing_guarantee == "exactly_once":
-        log.warning(
-            "processing_guarantee=exactly_once needs a broker with transactions (Apache Kafka, "
-            "Redpanda); Tansu has none and the worker will stop at start there"
-        )
     loop = _new_loop()
     asyncio.set_event_loop(loop)
+    # Before Faust starts: topics exist, co-partitioned; transactions when asked for.
+    loop.run_until_complete(ensure_topics(settings))
+    if settings.processing_guarantee == "exactly_once":
+        loop.run_until_complete(check_transactions(settings))
+        log.info("exactly_once: results, dead letters, state and offsets commit atomically")
     app = create_app(settings)
     worker = faust.Worker(app, loop=loop, loglevel=settings.log_level)
     # Faust's progress spinner sets the root logger to DEBUG so it can spin on every

@@ -48,3 +48,70 @@ class InOrderAcks(Generic[T]):
 
     def outstanding(self, partition: Hashable) -> int:
         return len(self._pending.get(partition, ()))
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What to do with a record the stream delivered."""
+
+    duplicate: bool = False
+    ack_now: bool = False  # a duplicate whose original is already acked
+    seek_to: int | None = None  # the stream skipped offsets from here: seek back
+
+
+class StreamGuard(Generic[T]):
+    """Watches the offsets a stream delivers, per partition, for two Faust failures.
+
+    Holes: after a restart with tables, Faust 0.15.3 now and then never delivers
+    a run of records (its fetcher races the seek to the committed offsets); its
+    commit guard then stops that partition's commits for good. A hole is seen
+    when a record arrives past the next expected offset (the committed offset,
+    or the one after the last record taken); the caller seeks back to the hole's
+    start, once per hole (transaction markers and compaction leave real holes,
+    which then just come back as the record that revealed them).
+
+    Duplicates: records already taken (re-delivered by that seek or after a
+    rebalance) are not processed again; each is acked after its original.
+    """
+
+    def __init__(self) -> None:
+        self._next: dict[Hashable, int] = {}
+        # offset -> duplicates waiting for the original's ack (None once acked)
+        self._taken: dict[Hashable, dict[int, list[T] | None]] = {}
+        self._sought: dict[Hashable, set[int]] = {}
+
+    def admit(self, partition: Hashable, offset: int, item: T, committed: int | None) -> Admission:
+        taken = self._taken.setdefault(partition, {})
+        if offset in taken:
+            waiting = taken[offset]
+            if waiting is None:
+                return Admission(duplicate=True, ack_now=True)
+            waiting.append(item)
+            return Admission(duplicate=True)
+        expected = self._next.get(partition, committed)
+        if expected is not None and committed is not None:
+            expected = max(expected, committed)
+        taken[offset] = []
+        self._next[partition] = max(offset + 1, self._next.get(partition, 0))
+        sought = self._sought.setdefault(partition, set())
+        if expected is not None and offset > expected and expected not in sought:
+            sought.add(expected)
+            return Admission(seek_to=expected)
+        return Admission()
+
+    def acked(self, partition: Hashable, offset: int) -> list[T]:
+        """The original at `offset` was acked: its duplicates to ack now."""
+        taken = self._taken.get(partition, {})
+        waiting = taken.get(offset) or []
+        taken[offset] = None
+        return waiting
+
+    def prune(self, partition: Hashable, committed: int) -> None:
+        """Forget acked offsets below the committed one (they never come back)."""
+        taken = self._taken.get(partition)
+        if taken:
+            for offset in [o for o, w in taken.items() if o < committed and w is None]:
+                del taken[offset]
+        sought = self._sought.get(partition)
+        if sought:
+            sought.difference_update({o for o in sought if o < committed})
