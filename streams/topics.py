@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import uuid
 
-from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
@@ -75,22 +72,3 @@ async def _check_partitions(admin: AIOKafkaAdminClient, settings: Settings) -> N
             "tables need the task, replay, results and dead-letter topics co-partitioned. "
             "Set LLM_STREAMS_KAFKA__PARTITIONS to theirs or repartition them."
         )
-
-
-async def check_transactions(settings: Settings, *, timeout_s: float = 20.0) -> None:
-    """Raise ConfigError unless the broker grants a transactional producer."""
-    producer = AIOKafkaProducer(
-        bootstrap_servers=settings.bootstrap_servers,
-        transactional_id=f"{settings.app_id}-probe-{uuid.uuid4().hex[:8]}",
-        request_timeout_ms=int(timeout_s * 1000),
-    )
-    try:
-        await asyncio.wait_for(producer.start(), timeout_s)
-    except Exception as exc:
-        raise ConfigError(
-            "LLM_STREAMS_PROCESSING_GUARANTEE=exactly_once needs Kafka transactions, and the "
-            f"broker at {settings.bootstrap_servers} refused a transactional producer "
-            f"({exc!r}). Tansu (the demo broker) has none: use at_least_once there."
-        ) from exc
-    finally:
-        await producer.stop()

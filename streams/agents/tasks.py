@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import faust
@@ -75,6 +75,7 @@ class TaskAgent:
         self.cache = ContentCache()
         self.acks: InOrderAcks[Any] = InOrderAcks()
         self.guard: StreamGuard[Any] = StreamGuard()
+        self._faust_add_gap: Callable[[Any, int, int], Awaitable[None]] | None = None
         self.agent = app.agent(self.tasks_topic, name="llm-streams.tasks")(self.run)  # type: ignore[arg-type]  # faust types the param as StreamT
         self.metrics.watch_stream(self.stream_state)
 
@@ -100,6 +101,27 @@ class TaskAgent:
             "buffered": cast(Any, stream.channel).queue.qsize() if stream is not None else 0,
         }
 
+    def _take_over_gaps(self) -> None:
+        """Keep Faust from treating a jump in our input offsets as a gap.
+
+        Faust 0.15.3's fetcher marks offsets it jumped over as gaps and commits past
+        them; it jumps over records it never delivered, too (see `StreamGuard`), and a
+        kill before they run again loses them. For the task topics the guard seeks back
+        instead and hands Faust only the offsets it confirmed empty. (Private Faust API,
+        kept to this one place.)
+        """
+        consumer: Any = self.app.consumer
+        original = getattr(consumer, "_llm_streams_add_gap", None) or consumer._add_gap
+        inputs = {self.settings.topics.tasks, self.settings.topics.replay}
+
+        async def add_gap(tp: Any, offset_from: int, offset_to: int) -> None:
+            if tp.topic not in inputs:
+                await original(tp, offset_from, offset_to)
+
+        self._faust_add_gap = original
+        consumer._llm_streams_add_gap = original
+        consumer._add_gap = add_gap
+
     async def _admit(self, stream: faust.Stream[Any], event: Any) -> bool:
         """Should the agent process this record? Duplicates are not processed (acked
         after their original); a hole before it makes the consumer seek back."""
@@ -108,6 +130,9 @@ class TaskAgent:
         consumer = self.app.consumer
         committed = getattr(consumer, "_committed_offset", {}).get(tp)
         admission = self.guard.admit(tp, message.offset, event, committed)
+        for first, last in admission.gaps:  # confirmed empty: Faust may commit past them
+            if self._faust_add_gap is not None:
+                await self._faust_add_gap(tp, first, last)
         if admission.duplicate:
             self.metrics.redelivered.inc()
             if admission.ack_now:
@@ -132,6 +157,7 @@ class TaskAgent:
         processor = self.make_processor()
         dispatcher = Dispatcher(settings.batch.concurrency)
         self._stream = stream
+        self._take_over_gaps()
         m = self.metrics
         try:
             waiting_since = time.monotonic()
@@ -194,16 +220,21 @@ class TaskAgent:
             try:
                 prepared = processor.prepare(message.value, message.key, source)
                 if isinstance(prepared, Outcome):  # bad input: a dead letter, unless written
-                    outcome: Outcome | None = (
-                        None if self._written(self.tables.dead_letters, prepared.key, source)
-                        else prepared
-                    )  # fmt: skip
-                    task = None
+                    outcome: Outcome | None = prepared
+                    if self._written(self.tables.dead_letters, prepared.key, source):
+                        outcome = None
+                    else:
+                        await self._deliver(prepared, None, source)
                 else:
-                    task = prepared
-                    outcome = await self._answer(prepared, processor, lane)
-                if outcome is not None:
-                    await self._deliver(outcome, task, source)
+                    outcome, written = await self._answer(prepared, processor, lane)
+                    if not written:
+                        await self._deliver(outcome, prepared, source)
+                    elif self._state_missing(prepared, outcome):
+                        # Written by a run killed before its state was: write that now.
+                        state = self._state_after(outcome, prepared, source)
+                        await self.tables.put_state(state)
+                    if written:
+                        outcome = None
             finally:
                 m.in_flight.dec()
             kind = outcome.kind if outcome is not None else "already_done"
@@ -222,19 +253,25 @@ class TaskAgent:
 
         return job
 
-    async def _answer(self, prep: Prepared, processor: TaskProcessor, lane: Lane) -> Outcome | None:
-        """The outcome to write for a valid task, or None when it is already written."""
+    async def _answer(
+        self, prep: Prepared, processor: TaskProcessor, lane: Lane
+    ) -> tuple[Outcome, bool]:
+        """The outcome of a valid task, and whether an earlier run of this very record
+        (before a crash or rebalance) already wrote it."""
         tables = self.tables
         stored = tables.results.get(prep.result_key.encode())
         if stored is not None:
             earlier = orjson.loads(stored)
             if earlier.get("source") == prep.source.model_dump():
-                return None  # this very record ran before (crash, rebalance): written then
+                return self._stored(prep, "result", prep.result_key, stored, earlier), True
             # Answered before for another record of the task: the answer, without a call.
             self.metrics.cache_hits.labels(prep.pipeline.name, "result").inc()
-            return processor.from_cache(prep, earlier["output"], earlier["model"])
-        if self._written(tables.dead_letters, prep.task.task_id, prep.source):
-            return None  # dead-lettered by an earlier run of this record
+            return processor.from_cache(prep, earlier["output"], earlier["model"]), False
+        dead = tables.dead_letters.get(prep.task.task_id.encode())
+        if dead is not None:
+            letter = orjson.loads(dead)
+            if letter.get("source") == prep.source.model_dump():
+                return self._stored(prep, "dead_letter", prep.task.task_id, dead, letter), True
 
         async def call() -> tuple[Outcome, tuple[dict[str, Any], str] | None]:
             outcome = await processor.answer(prep, lane)
@@ -246,8 +283,25 @@ class TaskAgent:
         if shared:  # an identical input of another task was answered (or in flight)
             output, model = value
             self.metrics.cache_hits.labels(prep.pipeline.name, "content").inc()
-            return processor.from_cache(prep, output, model)
-        return cast(Outcome, value)
+            return processor.from_cache(prep, output, model), False
+        return cast(Outcome, value), False
+
+    @staticmethod
+    def _stored(prep: Prepared, kind: str, key: str, raw: bytes, record: dict[str, Any]) -> Outcome:
+        """An outcome as an earlier run wrote it."""
+        category = (record.get("error") or {}).get("category")
+        return Outcome(kind="result" if kind == "result" else "dead_letter", key=key,
+                       value=raw, task_id=prep.task.task_id, category=category,
+                       attempts=int(record.get("attempts", 0)))  # fmt: skip
+
+    def _state_missing(self, prep: Prepared, outcome: Outcome) -> bool:
+        state = self.tables.state(prep.task.task_id)
+        want = Status.SUCCEEDED if outcome.kind == "result" else Status.DEAD_LETTERED
+        return (
+            state is None
+            or state.status is not want
+            or (outcome.kind == "result" and state.result_key != prep.result_key)
+        )
 
     @staticmethod
     def _written(table: Any, key: str, source: Source) -> bool:

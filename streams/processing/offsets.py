@@ -57,6 +57,7 @@ class Admission:
     duplicate: bool = False
     ack_now: bool = False  # a duplicate whose original is already acked
     seek_to: int | None = None  # the stream skipped offsets from here: seek back
+    gaps: tuple[tuple[int, int], ...] = ()  # confirmed empty offset ranges (inclusive)
 
 
 class StreamGuard(Generic[T]):
@@ -70,6 +71,11 @@ class StreamGuard(Generic[T]):
     start, once per hole (transaction markers and compaction leave real holes,
     which then just come back as the record that revealed them).
 
+    Faust would count such a jump as a gap (as for compaction) and commit past
+    it, so the caller keeps Faust's own gap filling off for its input topics:
+    offsets the seek back confirms empty come back in `Admission.gaps` for the
+    caller to hand to Faust.
+
     Duplicates: records already taken (re-delivered by that seek or after a
     rebalance) are not processed again; each is acked after its original.
     """
@@ -79,15 +85,18 @@ class StreamGuard(Generic[T]):
         # offset -> duplicates waiting for the original's ack (None once acked)
         self._taken: dict[Hashable, dict[int, list[T] | None]] = {}
         self._sought: dict[Hashable, set[int]] = {}
+        # offset that revealed a hole -> the hole's first offset
+        self._holes: dict[Hashable, dict[int, int]] = {}
 
     def admit(self, partition: Hashable, offset: int, item: T, committed: int | None) -> Admission:
         taken = self._taken.setdefault(partition, {})
         if offset in taken:
+            gaps = self._confirmed_gaps(partition, offset, taken)
             waiting = taken[offset]
             if waiting is None:
-                return Admission(duplicate=True, ack_now=True)
+                return Admission(duplicate=True, ack_now=True, gaps=gaps)
             waiting.append(item)
-            return Admission(duplicate=True)
+            return Admission(duplicate=True, gaps=gaps)
         expected = self._next.get(partition, committed)
         if expected is not None and committed is not None:
             expected = max(expected, committed)
@@ -96,8 +105,27 @@ class StreamGuard(Generic[T]):
         sought = self._sought.setdefault(partition, set())
         if expected is not None and offset > expected and expected not in sought:
             sought.add(expected)
+            self._holes.setdefault(partition, {})[offset] = expected
             return Admission(seek_to=expected)
         return Admission()
+
+    def _confirmed_gaps(
+        self, partition: Hashable, offset: int, taken: dict[int, list[T] | None]
+    ) -> tuple[tuple[int, int], ...]:
+        """The record that revealed a hole came again after the seek back: whatever in
+        the hole did not come with it does not exist (markers, compaction)."""
+        start = self._holes.get(partition, {}).pop(offset, None)
+        if start is None:
+            return ()
+        gaps: list[tuple[int, int]] = []
+        for o in range(start, offset):
+            if o in taken:
+                continue
+            if gaps and gaps[-1][1] == o - 1:
+                gaps[-1] = (gaps[-1][0], o)
+            else:
+                gaps.append((o, o))
+        return tuple(gaps)
 
     def acked(self, partition: Hashable, offset: int) -> list[T]:
         """The original at `offset` was acked: its duplicates to ack now."""
@@ -115,3 +143,7 @@ class StreamGuard(Generic[T]):
         sought = self._sought.get(partition)
         if sought:
             sought.difference_update({o for o in sought if o < committed})
+        holes = self._holes.get(partition)
+        if holes:
+            for revealing in [r for r in holes if r < committed]:
+                del holes[revealing]

@@ -63,7 +63,7 @@ def test_guard_asks_to_seek_back_once_per_hole() -> None:
     assert guard.admit("p", 15, "b'", committed=10) == Admission(duplicate=True)
     # A real hole (a transaction marker) seen again is not sought twice.
     assert guard.admit("p", 18, "c", committed=10) == Admission(seek_to=16)
-    assert guard.admit("p", 18, "c'", committed=10) == Admission(duplicate=True)
+    assert guard.admit("p", 18, "c'", committed=10) == Admission(duplicate=True, gaps=((16, 17),))
     assert guard.admit("p", 19, "d", committed=10) == Admission()
 
 
@@ -112,3 +112,15 @@ def test_guard_processes_each_offset_once_and_acks_every_duplicate(deliveries: l
         acked_dups += len(guard.acked("p", offset))
     assert sorted(processed) == sorted(set(deliveries))
     assert acked_dups == dups
+
+
+def test_guard_confirms_what_the_seek_back_found_empty() -> None:
+    guard: StreamGuard[str] = StreamGuard()
+    guard.admit("p", 10, "a", committed=10)
+    assert guard.admit("p", 16, "b", committed=10) == Admission(seek_to=11)
+    # The seek back brings 12 and 14 only: 11, 13 and 15 are markers or compacted.
+    assert guard.admit("p", 12, "c", committed=10) == Admission()
+    assert guard.admit("p", 14, "d", committed=10) == Admission()
+    assert guard.admit("p", 16, "b'", committed=10) == Admission(
+        duplicate=True, gaps=((11, 11), (13, 13), (15, 15))
+    )
