@@ -58,8 +58,8 @@ class Status(StrEnum):
 class HistoryEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    prompt_version: str | None
-    result_key: str | None
+    prompt_version: str | None = None
+    result_key: str | None = None
     status: Status
     at: str
     note: str | None = None

@@ -20,6 +20,9 @@ def test_state_round_trips_and_keeps_a_bounded_history() -> None:
     assert len(state.history) == HISTORY_LIMIT
     assert state.history[-1].result_key == f"rk1-{HISTORY_LIMIT + 4}"
     assert TaskState.loads(state.dumps()) == state
+    # A dead letter's move has no result key; it round-trips too.
+    failed = state.moved(Status.DEAD_LETTERED, result_key=None, last_error={"category": "timeout"})
+    assert TaskState.loads(failed.dumps()) == failed
 
 
 async def test_identical_inputs_share_one_call() -> None:
