@@ -122,6 +122,18 @@ class TaskAgent:
         consumer._llm_streams_add_gap = original
         consumer._add_gap = add_gap
 
+    async def _seek_unfilled_holes(self, every_s: float = 1.0, after_s: float = 2.0) -> None:
+        """Seek again over holes a first seek did not fill (runs beside the agent loop,
+        which may be blocked on a full dispatcher)."""
+        while True:
+            await asyncio.sleep(every_s)
+            for tp, offset in self.guard.unfilled(time.monotonic(), after_s):
+                log.warning("%s: offset %d still missing; seeking back again", tp, offset)
+                try:
+                    await self.app.consumer.seek(cast(Any, tp), offset)
+                except Exception as exc:  # not assigned any more, consumer restarting
+                    log.warning("seek of %s to %d failed: %r", tp, offset, exc)
+
     async def _admit(self, stream: faust.Stream[Any], event: Any) -> bool:
         """Should the agent process this record? Duplicates are not processed (acked
         after their original); a hole before it makes the consumer seek back."""
@@ -129,7 +141,7 @@ class TaskAgent:
         tp = message.tp
         consumer = self.app.consumer
         committed = getattr(consumer, "_committed_offset", {}).get(tp)
-        admission = self.guard.admit(tp, message.offset, event, committed)
+        admission = self.guard.admit(tp, message.offset, event, committed, time.monotonic())
         for first, last in admission.gaps:  # confirmed empty: Faust may commit past them
             if self._faust_add_gap is not None:
                 await self._faust_add_gap(tp, first, last)
@@ -158,6 +170,7 @@ class TaskAgent:
         dispatcher = Dispatcher(settings.batch.concurrency)
         self._stream = stream
         self._take_over_gaps()
+        healer = asyncio.create_task(self._seek_unfilled_holes())
         m = self.metrics
         try:
             waiting_since = time.monotonic()
@@ -183,6 +196,7 @@ class TaskAgent:
                     )
                 waiting_since = time.monotonic()
         finally:
+            healer.cancel()
             try:
                 await asyncio.wait_for(asyncio.shield(dispatcher.drain()), timeout=5)
             except (TimeoutError, asyncio.CancelledError):

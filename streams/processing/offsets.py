@@ -87,8 +87,17 @@ class StreamGuard(Generic[T]):
         self._sought: dict[Hashable, set[int]] = {}
         # offset that revealed a hole -> the hole's first offset
         self._holes: dict[Hashable, dict[int, int]] = {}
+        # the same holes -> when they were last sought (see `unfilled`)
+        self._sought_at: dict[Hashable, dict[int, float]] = {}
 
-    def admit(self, partition: Hashable, offset: int, item: T, committed: int | None) -> Admission:
+    def admit(
+        self,
+        partition: Hashable,
+        offset: int,
+        item: T,
+        committed: int | None,
+        now: float = 0.0,
+    ) -> Admission:
         taken = self._taken.setdefault(partition, {})
         if offset in taken:
             gaps = self._confirmed_gaps(partition, offset, taken)
@@ -106,6 +115,7 @@ class StreamGuard(Generic[T]):
         if expected is not None and offset > expected and expected not in sought:
             sought.add(expected)
             self._holes.setdefault(partition, {})[offset] = expected
+            self._sought_at.setdefault(partition, {})[offset] = now
             return Admission(seek_to=expected)
         return Admission()
 
@@ -115,6 +125,7 @@ class StreamGuard(Generic[T]):
         """The record that revealed a hole came again after the seek back: whatever in
         the hole did not come with it does not exist (markers, compaction)."""
         start = self._holes.get(partition, {}).pop(offset, None)
+        self._sought_at.get(partition, {}).pop(offset, None)
         if start is None:
             return ()
         gaps: list[tuple[int, int]] = []
@@ -126,6 +137,24 @@ class StreamGuard(Generic[T]):
             else:
                 gaps.append((o, o))
         return tuple(gaps)
+
+    def unfilled(self, now: float, after_s: float) -> list[tuple[Hashable, int]]:
+        """Holes sought more than `after_s` ago that are still open: (partition, first
+        missing offset) to seek to again. Faust drops records below its read offset,
+        so a seek can lose the race with a fetch still in flight; a later one wins."""
+        again: list[tuple[Hashable, int]] = []
+        for partition, holes in self._holes.items():
+            taken = self._taken.get(partition, {})
+            times = self._sought_at.setdefault(partition, {})
+            for revealing, start in list(holes.items()):
+                missing = next((o for o in range(start, revealing) if o not in taken), None)
+                if missing is None:  # every record of it came: nothing left to confirm
+                    del holes[revealing]
+                    times.pop(revealing, None)
+                elif now - times.get(revealing, now) >= after_s:
+                    times[revealing] = now
+                    again.append((partition, missing))
+        return again
 
     def acked(self, partition: Hashable, offset: int) -> list[T]:
         """The original at `offset` was acked: its duplicates to ack now."""
@@ -147,3 +176,4 @@ class StreamGuard(Generic[T]):
         if holes:
             for revealing in [r for r in holes if r < committed]:
                 del holes[revealing]
+                self._sought_at.get(partition, {}).pop(revealing, None)

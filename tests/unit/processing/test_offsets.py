@@ -124,3 +124,16 @@ def test_guard_confirms_what_the_seek_back_found_empty() -> None:
     assert guard.admit("p", 16, "b'", committed=10) == Admission(
         duplicate=True, gaps=((11, 11), (13, 13), (15, 15))
     )
+
+
+def test_guard_seeks_again_over_a_hole_the_first_seek_did_not_fill() -> None:
+    guard: StreamGuard[str] = StreamGuard()
+    guard.admit("p", 10, "a", committed=10, now=0.0)
+    assert guard.admit("p", 20, "b", committed=10, now=0.0) == Admission(seek_to=11)
+    assert guard.unfilled(now=1.0, after_s=2.0) == []  # give the first seek its time
+    guard.admit("p", 11, "c", committed=10, now=1.5)  # part of the hole came, then none
+    assert guard.unfilled(now=2.5, after_s=2.0) == [("p", 12)]
+    assert guard.unfilled(now=3.0, after_s=2.0) == []  # just sought again
+    for o in range(12, 20):
+        guard.admit("p", o, f"e{o}", committed=10, now=4.0)
+    assert guard.unfilled(now=10.0, after_s=2.0) == []  # filled: nothing to seek
