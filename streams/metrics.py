@@ -34,13 +34,6 @@ class Metrics:
         self.dead_letters = Counter(
             "llm_streams_dead_letters", "Dead letters written, by error category.",
             ["category"], registry=r)  # fmt: skip
-        self.redelivered = Counter(
-            "llm_streams_redelivered_records",
-            "Records delivered again while already taken (not processed twice).",
-            registry=r)  # fmt: skip
-        self.stream_holes = Counter(
-            "llm_streams_stream_holes",
-            "Runs of offsets the stream skipped, answered by a seek back.", registry=r)  # fmt: skip
         self.in_flight = Gauge(
             "llm_streams_tasks_in_flight", "Tasks being processed now.", registry=r)  # fmt: skip
         self.unfinished = Gauge(
@@ -96,10 +89,8 @@ class Metrics:
             "llm_streams_mitigations", "Prompts shortened to fit the context window.",
             ["pipeline", "kind"], registry=r)  # fmt: skip
         self.cache_hits = Counter(
-            "llm_streams_cache_hits",
-            "Tasks answered without an LLM call: kind=result (the task was answered before) "
-            "or content (an identical input of another task was).",
-            ["pipeline", "kind"], registry=r)  # fmt: skip
+            "llm_streams_cache_hits", "Tasks answered without an LLM call.", ["pipeline"],
+            registry=r)  # fmt: skip
 
     def breaker_changed(self, endpoint: str, new_state: str) -> None:
         self.breaker_state.labels(endpoint).set(BREAKER_STATES[new_state])

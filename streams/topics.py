@@ -8,7 +8,6 @@ import logging
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
-from streams.errors import ConfigError
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -44,31 +43,12 @@ async def ensure_topics(settings: Settings, *, timeout_s: float = 30.0) -> list[
             for name, config in topic_specs(settings).items()
             if name not in existing
         ]
+        if not wanted:
+            return []
+        with contextlib.suppress(TopicAlreadyExistsError):  # a concurrent worker made it
+            await admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000))
         created = [t.name for t in wanted]
-        if wanted:
-            with contextlib.suppress(TopicAlreadyExistsError):  # a concurrent worker made it
-                await admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000))
-            log.info("created topics %s", created)
-        await _check_partitions(admin, settings)
+        log.info("created topics %s", created)
         return created
     finally:
         await admin.close()
-
-
-async def _check_partitions(admin: AIOKafkaAdminClient, settings: Settings) -> None:
-    """The state tables are co-partitioned with the task topics: every topic they
-    read or write needs `kafka.partitions` partitions."""
-    t = settings.topics
-    names = [t.tasks, t.replay, t.results, t.dead_letters]
-    found: dict[str, int] = {}
-    for description in await admin.describe_topics(names):
-        if description.get("error_code", 0) == 0:
-            found[description["topic"]] = len(description["partitions"])
-    wrong = {name: n for name, n in found.items() if n != settings.kafka.partitions}
-    if wrong:
-        raise ConfigError(
-            f"topics {wrong} have a partition count other than "
-            f"LLM_STREAMS_KAFKA__PARTITIONS={settings.kafka.partitions}; the task-state "
-            "tables need the task, replay, results and dead-letter topics co-partitioned. "
-            "Set LLM_STREAMS_KAFKA__PARTITIONS to theirs or repartition them."
-        )

@@ -7,34 +7,21 @@ import logging
 
 import faust
 
-from streams.errors import ConfigError
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Measured on Apache Kafka 4.1.1 with faust-streaming 0.15.3 + aiokafka 0.14: under
-# exactly_once the worker runs, but after a restart its transactional commits stall
-# (table writes wait on a transaction lock forever), so it stops making progress.
-# Refusing is better than a worker that hangs; at_least_once with the state tables
-# already writes nothing twice for a record whose answer reached the results topic.
-EXACTLY_ONCE_UNAVAILABLE = (
-    "LLM_STREAMS_PROCESSING_GUARANTEE=exactly_once is not available yet: with Faust "
-    "0.15.3 the transactional commit stalls after a worker restart. Use at_least_once "
-    "(the default): re-runs of a record whose result was written write nothing, and any "
-    "repeat carries the same result key and output."
-)
-
 
 def run_worker(settings: Settings) -> None:
     from streams.app import create_app
-    from streams.topics import ensure_topics
 
+    if settings.processing_guarantee == "exactly_once":
+        log.warning(
+            "processing_guarantee=exactly_once needs a broker with transactions (Apache Kafka, "
+            "Redpanda); Tansu has none and the worker will stop at start there"
+        )
     loop = _new_loop()
     asyncio.set_event_loop(loop)
-    if settings.processing_guarantee == "exactly_once":
-        raise ConfigError(EXACTLY_ONCE_UNAVAILABLE)
-    # Before Faust starts: the topics exist, co-partitioned with the state tables.
-    loop.run_until_complete(ensure_topics(settings))
     app = create_app(settings)
     worker = faust.Worker(app, loop=loop, loglevel=settings.log_level)
     # Faust's progress spinner sets the root logger to DEBUG so it can spin on every

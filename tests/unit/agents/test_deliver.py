@@ -1,5 +1,5 @@
-"""Writing an outcome through the tables: a failed changelog write is written again, and a
-worker that cannot write stops (the record stays unacked, so it runs again after the restart)."""
+"""Writing an outcome to Kafka: retried with backoff, and a worker that cannot write stops
+(the record stays unacked, so it is processed again after the restart)."""
 
 from __future__ import annotations
 
@@ -13,27 +13,22 @@ from aiokafka.errors import KafkaTimeoutError
 from streams.agents import tasks as tasks_module
 from streams.agents.tasks import SEND_ATTEMPTS, TaskAgent
 from streams.processing.processor import Outcome
-from streams.records import Source
 from streams.settings import load_settings
 
 OUTCOME = Outcome(kind="result", key="rk1-x", value=b"{}", task_id="t1")
-SOURCE = Source(topic="t", partition=0, offset=1)
 
 
-class FlakyTable:
-    """Stands in for a DurableTable whose changelog writes fail `failures` times."""
-
+class FlakyTopic:
     def __init__(self, failures: int) -> None:
         self.failures = failures
-        self.puts: list[tuple[bytes, bytes]] = []
+        self.sends = 0
 
-    def put(self, key: bytes, value: bytes) -> asyncio.Future[None]:
-        self.puts.append((key, value))
+    async def send(self, **kwargs: Any) -> asyncio.Future[None]:
+        self.sends += 1
+        if self.sends <= self.failures:
+            raise KafkaTimeoutError("broker away")
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if len(self.puts) <= self.failures:
-            done.set_exception(KafkaTimeoutError("broker away"))
-        else:
-            done.set_result(None)
+        done.set_result(None)
         return done
 
 
@@ -47,11 +42,11 @@ def agent(monkeypatch: pytest.MonkeyPatch) -> TaskAgent:
     return TaskAgent(app, load_settings(), make_processor=lambda: None)  # type: ignore[arg-type,return-value]
 
 
-async def test_a_failed_write_is_written_again_until_the_broker_takes_it(agent: TaskAgent) -> None:
-    table = FlakyTable(failures=3)
-    agent.tables.results = table  # type: ignore[assignment]
-    await agent._deliver(OUTCOME, None, SOURCE)
-    assert table.puts == [(b"rk1-x", b"{}")] * 4
+async def test_a_failed_send_is_retried_until_the_broker_takes_it(agent: TaskAgent) -> None:
+    topic = FlakyTopic(failures=3)
+    agent.results_topic = topic  # type: ignore[assignment]
+    await agent._deliver(OUTCOME)
+    assert topic.sends == 4
 
 
 async def test_a_worker_that_cannot_write_crashes_instead_of_acking(
@@ -63,23 +58,9 @@ async def test_a_worker_that_cannot_write_crashes_instead_of_acking(
         crashed.append(exc)
 
     monkeypatch.setattr(agent.app, "crash", crash)
-    table = FlakyTable(failures=1000)
-    agent.tables.dead_letters = table  # type: ignore[assignment]
-    dead = Outcome(kind="dead_letter", key="t1", value=b"{}", task_id="t1")
+    topic = FlakyTopic(failures=1000)
+    agent.dead_letter_topic = topic  # type: ignore[assignment]
     with pytest.raises(KafkaTimeoutError):
-        await agent._deliver(dead, None, SOURCE)
-    assert len(table.puts) == SEND_ATTEMPTS
+        await agent._deliver(Outcome(kind="dead_letter", key="t1", value=b"{}", task_id="t1"))
+    assert topic.sends == SEND_ATTEMPTS
     assert len(crashed) == 1
-
-
-def test_the_tables_share_the_task_topics_partitions(agent: TaskAgent) -> None:
-    tables: Any = agent.tables
-    names = {t.name: t for t in agent.app.tables.values()}
-    assert set(names) >= {"llm-streams-results", "llm-streams-dead-letters",
-                          "llm-streams-task-state"}  # fmt: skip
-    # The results and dead-letter topics ARE the changelogs: one write, nothing extra.
-    assert tables.results.changelog_topic.get_topic_name() == agent.settings.topics.results
-    assert (
-        tables.dead_letters.changelog_topic.get_topic_name() == agent.settings.topics.dead_letters
-    )
-    assert all(t.partitions == agent.settings.kafka.partitions for t in names.values())
