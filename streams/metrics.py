@@ -34,6 +34,10 @@ class Metrics:
         self.dead_letters = Counter(
             "llm_streams_dead_letters", "Dead letters written, by error category.",
             ["category"], registry=r)  # fmt: skip
+        self.state_loaded = Counter(
+            "llm_streams_state_loaded_records",
+            "Records read back into the task store when a partition was assigned, by map.",
+            ["map"], registry=r)  # fmt: skip
         self.in_flight = Gauge(
             "llm_streams_tasks_in_flight", "Tasks being processed now.", registry=r)  # fmt: skip
         self.unfinished = Gauge(
@@ -89,8 +93,10 @@ class Metrics:
             "llm_streams_mitigations", "Prompts shortened to fit the context window.",
             ["pipeline", "kind"], registry=r)  # fmt: skip
         self.cache_hits = Counter(
-            "llm_streams_cache_hits", "Tasks answered without an LLM call.", ["pipeline"],
-            registry=r)  # fmt: skip
+            "llm_streams_cache_hits",
+            "Tasks answered without an LLM call: kind=result (the task was answered before) "
+            "or content (an identical input of another task was).",
+            ["pipeline", "kind"], registry=r)  # fmt: skip
 
     def breaker_changed(self, endpoint: str, new_state: str) -> None:
         self.breaker_state.labels(endpoint).set(BREAKER_STATES[new_state])

@@ -121,6 +121,17 @@ def result_key(pipeline: str, prompt_version: str, task_id: str, task_input: dic
     return "rk1-" + h.hexdigest()[:40]
 
 
+def content_key(pipeline: str, prompt_version: str, task_input: dict[str, Any]) -> str:
+    """Key of what is asked, whoever asks: identical inputs under one version share it."""
+    h = hashlib.sha256()
+    for part in (pipeline, prompt_version):
+        encoded = part.encode()
+        h.update(len(encoded).to_bytes(4, "big"))
+        h.update(encoded)
+    h.update(canonical_input(task_input))
+    return "ck1-" + h.hexdigest()[:40]
+
+
 def payload_of(raw: bytes | None) -> Any:
     """The original record as JSON when it is JSON, else its bytes in base64."""
     if raw is not None:

@@ -8,9 +8,15 @@ import logging
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
+from streams.errors import ConfigError
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+def state_topic(settings: Settings) -> str:
+    """The task store's task-state topic (compacted, co-partitioned with the tasks)."""
+    return f"{settings.app_id}-task-state-changelog"
 
 
 def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
@@ -22,6 +28,7 @@ def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
         t.results: {"cleanup.policy": "compact"},
         t.dead_letters: {},
         t.review: {},
+        state_topic(settings): {"cleanup.policy": "compact"},
     }
 
 
@@ -43,12 +50,31 @@ async def ensure_topics(settings: Settings, *, timeout_s: float = 30.0) -> list[
             for name, config in topic_specs(settings).items()
             if name not in existing
         ]
-        if not wanted:
-            return []
-        with contextlib.suppress(TopicAlreadyExistsError):  # a concurrent worker made it
-            await admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000))
         created = [t.name for t in wanted]
-        log.info("created topics %s", created)
+        if wanted:
+            with contextlib.suppress(TopicAlreadyExistsError):  # a concurrent worker made it
+                await admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000))
+            log.info("created topics %s", created)
+        await _check_partitions(admin, settings)
         return created
     finally:
         await admin.close()
+
+
+async def _check_partitions(admin: AIOKafkaAdminClient, settings: Settings) -> None:
+    """The task store is co-partitioned with the task topics: every topic it reads or
+    writes needs `kafka.partitions` partitions."""
+    t = settings.topics
+    names = [t.tasks, t.replay, t.results, t.dead_letters, state_topic(settings)]
+    found: dict[str, int] = {}
+    for description in await admin.describe_topics(names):
+        if description.get("error_code", 0) == 0:
+            found[description["topic"]] = len(description["partitions"])
+    wrong = {name: n for name, n in found.items() if n != settings.kafka.partitions}
+    if wrong:
+        raise ConfigError(
+            f"topics {wrong} have a partition count other than "
+            f"LLM_STREAMS_KAFKA__PARTITIONS={settings.kafka.partitions}; the task store "
+            "needs the task, replay, results and dead-letter topics co-partitioned. "
+            "Set LLM_STREAMS_KAFKA__PARTITIONS to theirs or repartition them."
+        )

@@ -5,6 +5,12 @@ event counts as finished once its result or dead letter is acknowledged by
 the broker, and finished events are acked to Faust in arrival order per
 partition (`InOrderAcks`), so Faust's commit never passes a record still in
 flight, however many run concurrently.
+
+Outcomes are written through the task store (`streams.state`), whose maps are
+backed by the results, dead-letter and task-state topics: a record that runs
+again (after a crash or a rebalance) finds its answer there and writes
+nothing; a new record for an answered task gets the stored answer back
+(`cached: true`), and identical inputs of different tasks share one LLM call.
 """
 
 from __future__ import annotations
@@ -16,15 +22,18 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import faust
+import orjson
 from aiokafka.errors import KafkaError
 
 from streams.metrics import Metrics
 from streams.processing.dispatch import Dispatcher
 from streams.processing.offsets import InOrderAcks, Ticket
-from streams.processing.processor import Outcome, TaskProcessor
+from streams.processing.processor import Outcome, Prepared, TaskProcessor
 from streams.records import Source
 from streams.resilience.limiter import Lane
 from streams.settings import Settings
+from streams.state import ContentCache, Kind, Status, TaskState, TaskStore
+from streams.topics import state_topic
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +59,15 @@ class TaskAgent:
         raw: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw", "internal": True}
         # One agent reads both lanes; the limiter serves live before replay.
         self.tasks_topic = app.topic(settings.topics.tasks, settings.topics.replay, **raw)
-        self.results_topic = app.topic(settings.topics.results, compacting=True, **raw)
-        self.dead_letter_topic = app.topic(settings.topics.dead_letters, **raw)
+        parts: dict[str, Any] = {**raw, "partitions": settings.kafka.partitions}
+        self.results_topic = app.topic(settings.topics.results, compacting=True, **parts)
+        self.dead_letter_topic = app.topic(settings.topics.dead_letters, **parts)
+        self.state_topic = app.topic(state_topic(settings), compacting=True, **parts)
+        self.store = TaskStore(settings, self._send, self.metrics)
+        self.cache = ContentCache()
         self.acks: InOrderAcks[Any] = InOrderAcks()
+        self._inputs = {settings.topics.tasks, settings.topics.replay}
+        app.on_partitions_assigned.connect(self._on_assigned)  # type: ignore[arg-type]  # faust types receivers as taking only keyword args after the sender
         self.agent = app.agent(self.tasks_topic, name="llm-streams.tasks")(self.run)  # type: ignore[arg-type]  # faust types the param as StreamT
         self.metrics.watch_stream(self.stream_state)
 
@@ -75,13 +90,25 @@ class TaskAgent:
             "buffered": cast(Any, stream.channel).queue.qsize() if stream is not None else 0,
         }
 
+    async def _on_assigned(self, sender: Any, assigned: set[Any], **kwargs: Any) -> None:
+        """Faust's rebalance signal: own the store partitions of the task partitions."""
+        self.store.assign({tp.partition for tp in assigned if tp.topic in self._inputs})
+
+    async def _send(self, topic: str, key: bytes, value: bytes, partition: int) -> None:
+        """One write to `partition` of `topic`, returned once the broker acked it."""
+        target = {
+            self.results_topic.get_topic_name(): self.results_topic,
+            self.dead_letter_topic.get_topic_name(): self.dead_letter_topic,
+            self.state_topic.get_topic_name(): self.state_topic,
+        }[topic]
+        pending = await target.send(key=key, value=value, partition=partition)
+        await pending
+
     def lane_of(self, topic: str) -> Lane:
         return Lane.REPLAY if topic == self.settings.topics.replay else Lane.LIVE
 
     async def run(self, stream: faust.Stream[Any]) -> None:
         settings = self.settings
-        await self.results_topic.maybe_declare()
-        await self.dead_letter_topic.maybe_declare()
         processor = self.make_processor()
         dispatcher = Dispatcher(settings.batch.concurrency)
         self._stream = stream
@@ -113,6 +140,7 @@ class TaskAgent:
             except (TimeoutError, asyncio.CancelledError):
                 await dispatcher.cancel()
             await processor.close()
+            await self.store.close()
 
     def _job(
         self,
@@ -122,39 +150,148 @@ class TaskAgent:
         taken_at: float,
     ) -> Callable[[], Any]:
         async def job() -> None:
+            try:
+                await run()
+            except Exception as exc:
+                # Not a task's fault (the processor turns those into dead letters): the
+                # store or the broker. The record stays unacked, and a worker that kept
+                # going would stall its partition's commits; stop and run it again.
+                log.critical("job for %s failed: %r; stopping the worker", ticket.item, exc)
+                await self.app.crash(exc)
+                raise
+
+        async def run() -> None:
             m = self.metrics
-            message = ticket.item.message
+            event = ticket.item
+            message = event.message
             source = Source(topic=message.topic, partition=message.partition, offset=message.offset)
             lane = self.lane_of(message.topic)
             lane_name = lane.name.lower()
             m.queue_wait.labels(lane_name).observe(time.monotonic() - taken_at)
             m.in_flight.inc()
             try:
-                outcome = await processor.process(message.value, message.key, source, lane)
-                await self._deliver(outcome)
+                await self.store.ready(message.partition)  # its answers loaded
+                prepared = processor.prepare(message.value, message.key, source)
+                if isinstance(prepared, Outcome):  # bad input: a dead letter, unless written
+                    outcome: Outcome | None = prepared
+                    if self._written(Kind.DEAD_LETTERS, prepared.key, source):
+                        outcome = None
+                    else:
+                        await self._deliver(prepared, None, source)
+                else:
+                    outcome, written = await self._answer(prepared, processor, lane)
+                    if not written:
+                        await self._deliver(outcome, prepared, source)
+                    elif self._state_missing(prepared, outcome):
+                        # Written by a run killed before its state was: write that now.
+                        state = self._state_after(outcome, prepared, source)
+                        await self.store.put_state(source.partition, state)
+                    if written:
+                        outcome = None
             finally:
                 m.in_flight.dec()
-            m.tasks_completed.labels(lane_name, outcome.kind).inc()
-            if outcome.category is not None:
+            kind = outcome.kind if outcome is not None else "already_done"
+            m.tasks_completed.labels(lane_name, kind).inc()
+            if outcome is not None and outcome.category is not None:
                 m.dead_letters.labels(outcome.category).inc()
             if message.timestamp:  # seconds since the epoch, set by the producer or broker
-                m.end_to_end.labels(lane_name, outcome.kind).observe(
+                m.end_to_end.labels(lane_name, kind).observe(
                     max(0.0, time.time() - message.timestamp)
                 )
-            for event in self.acks.finished(ticket):
-                await stream.ack(event)
+            for done in self.acks.finished(ticket):
+                await stream.ack(done)
                 m.unfinished.dec()
 
         return job
 
-    async def _deliver(self, outcome: Outcome) -> None:
-        """Write the outcome and wait for the broker's ack; retry sends, then crash."""
-        topic = self.results_topic if outcome.kind == "result" else self.dead_letter_topic
+    async def _answer(
+        self, prep: Prepared, processor: TaskProcessor, lane: Lane
+    ) -> tuple[Outcome, bool]:
+        """The outcome of a valid task, and whether an earlier run of this very record
+        (before a crash or rebalance) already wrote it."""
+        store, p = self.store, prep.source.partition
+        stored = store.get(Kind.RESULTS, p, prep.result_key.encode())
+        if stored is not None:
+            earlier = orjson.loads(stored)
+            if earlier.get("source") == prep.source.model_dump():
+                return self._stored(prep, "result", prep.result_key, stored, earlier), True
+            # Answered before for another record of the task: the answer, without a call.
+            self.metrics.cache_hits.labels(prep.pipeline.name, "result").inc()
+            return processor.from_cache(prep, earlier["output"], earlier["model"]), False
+        dead = store.get(Kind.DEAD_LETTERS, p, prep.task.task_id.encode())
+        if dead is not None:
+            letter = orjson.loads(dead)
+            if letter.get("source") == prep.source.model_dump():
+                return self._stored(prep, "dead_letter", prep.task.task_id, dead, letter), True
+
+        async def call() -> tuple[Outcome, tuple[dict[str, Any], str] | None]:
+            outcome = await processor.answer(prep, lane)
+            if outcome.kind == "result" and outcome.output is not None and outcome.model:
+                return outcome, (outcome.output, outcome.model)
+            return outcome, None
+
+        value, shared = await self.cache.shared(prep.content_key, call)
+        if shared:  # an identical input of another task was answered (or in flight)
+            output, model = value
+            self.metrics.cache_hits.labels(prep.pipeline.name, "content").inc()
+            return processor.from_cache(prep, output, model), False
+        return cast(Outcome, value), False
+
+    @staticmethod
+    def _stored(prep: Prepared, kind: str, key: str, raw: bytes, record: dict[str, Any]) -> Outcome:
+        """An outcome as an earlier run wrote it."""
+        category = (record.get("error") or {}).get("category")
+        return Outcome(kind="result" if kind == "result" else "dead_letter", key=key,
+                       value=raw, task_id=prep.task.task_id, category=category,
+                       attempts=int(record.get("attempts", 0)))  # fmt: skip
+
+    def _state_missing(self, prep: Prepared, outcome: Outcome) -> bool:
+        state = self.store.state(prep.source.partition, prep.task.task_id)
+        want = Status.SUCCEEDED if outcome.kind == "result" else Status.DEAD_LETTERED
+        return (
+            state is None
+            or state.status is not want
+            or (outcome.kind == "result" and state.result_key != prep.result_key)
+        )
+
+    def _written(self, kind: Kind, key: str, source: Source) -> bool:
+        """Did an earlier run of this very record write `key`?"""
+        stored = self.store.get(kind, source.partition, key.encode())
+        return stored is not None and orjson.loads(stored).get("source") == source.model_dump()
+
+    def _state_after(self, outcome: Outcome, prep: Prepared, source: Source) -> TaskState:
+        before = self.store.state(source.partition, prep.task.task_id) or TaskState(
+            task_id=prep.task.task_id, status=Status.RECEIVED, updated_at=""
+        )
+        result = outcome.kind == "result"
+        error = orjson.loads(outcome.value).get("error") if not result else None
+        return before.moved(
+            Status.SUCCEEDED if result else Status.DEAD_LETTERED,
+            note="cached" if result and outcome.attempts == 0 else None,
+            attempts=outcome.attempts,
+            input_hash=prep.content_key,
+            pipeline=prep.pipeline.name,
+            prompt_version=prep.version.version,
+            result_key=prep.result_key if result else before.result_key,
+            result_topic=self.settings.topics.results if result else before.result_topic,
+            result_partition=source.partition if result else before.result_partition,
+            source=source,
+            last_error=error,
+        )
+
+    async def _deliver(self, outcome: Outcome, prep: Prepared | None, source: Source) -> None:
+        """Write the outcome (and the task's state) through the store and wait for the
+        broker's acks; a failed write is written again, and a worker that cannot write
+        stops without acking, so the record runs again after the restart."""
+        kind = Kind.RESULTS if outcome.kind == "result" else Kind.DEAD_LETTERS
+        p = source.partition
         delay = 0.1
         for attempt in range(1, SEND_ATTEMPTS + 1):
             try:
-                pending = await topic.send(key=outcome.key.encode(), value=outcome.value)
-                await pending
+                writes = [self.store.put(kind, p, outcome.key.encode(), outcome.value)]
+                if prep is not None:
+                    writes.append(self.store.put_state(p, self._state_after(outcome, prep, source)))
+                await asyncio.gather(*writes)
                 return
             except KafkaError as exc:
                 if attempt == SEND_ATTEMPTS:
@@ -168,7 +305,7 @@ class TaskAgent:
                     await self.app.crash(exc)
                     raise
                 log.warning(
-                    "send of %s failed (%r); retry %d in %.1fs", outcome.key, exc, attempt, delay
+                    "write of %s failed (%r); retry %d in %.1fs", outcome.key, exc, attempt, delay
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)

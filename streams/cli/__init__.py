@@ -33,7 +33,11 @@ def worker() -> None:
     """Run a worker (Faust) with the settings from the environment."""
     from streams.cli.worker import run_worker
 
-    run_worker(settings_or_exit())
+    try:
+        run_worker(settings_or_exit())
+    except ConfigError as exc:  # the broker's topics or features do not fit the settings
+        click.echo(f"llm-streams: {exc}", err=True)
+        sys.exit(2)
 
 
 @cli.command()
@@ -119,6 +123,79 @@ def demo(count: int, timeout: float, quiet: bool) -> None:
     from streams.cli.demo import run_demo
 
     sys.exit(run_demo(count=count, timeout_s=timeout, quiet=quiet))
+
+
+@cli.command()
+@click.argument("task_id")
+def status(task_id: str) -> None:
+    """Show a task's state and history (from the task-state table's changelog)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from streams.cli.ops import task_state
+
+    settings = settings_or_exit()
+    state = asyncio.run(task_state(settings, task_id))
+    if state is None:
+        click.echo(f"no state for task {task_id!r}", err=True)
+        sys.exit(1)
+    console = Console()
+    history = state.pop("history", [])
+    for key, value in state.items():
+        console.print(f"[bold]{key:<17}[/bold] {value}", highlight=False)
+    table = Table("at", "status", "prompt version", "result key", "note")
+    for h in history:
+        table.add_row(h["at"], h["status"], h.get("prompt_version") or "",
+                      h.get("result_key") or "", h.get("note") or "")  # fmt: skip
+    console.print(table)
+
+
+@cli.command()
+@click.option(
+    "--category",
+    "categories",
+    multiple=True,
+    required=True,
+    type=click.Choice(
+        [
+            "rate_limited",
+            "timeout",
+            "upstream_error",
+            "circuit_open",
+            "deadline_exceeded",
+            "invalid_output",
+        ]
+    ),
+    help="Retryable categories to re-queue (repeat the option for several).",
+)
+@click.option("--since", default=None, help="Only dead letters since this ISO time (UTC).")
+@click.option("--dry-run", is_flag=True, help="Print what would be re-queued.")
+def redrive(categories: tuple[str, ...], since: str | None, dry_run: bool) -> None:
+    """Re-queue dead letters of retryable categories once their cause is gone.
+
+    Each keeps its task_id and lands as a normal result; a task answered since, or
+    already re-queued, is skipped.
+    """
+    from datetime import UTC, datetime
+
+    from streams.cli.ops import redrive as run_redrive
+
+    settings = settings_or_exit()
+    when = None
+    if since:
+        try:
+            when = datetime.fromisoformat(since)
+        except ValueError:
+            click.echo(f"--since: not an ISO time: {since!r}", err=True)
+            sys.exit(2)
+        when = when if when.tzinfo else when.replace(tzinfo=UTC)
+    plan = asyncio.run(run_redrive(settings, set(categories), when, dry_run))
+    verb = "would re-queue" if dry_run else "re-queued"
+    click.echo(
+        f"{verb} {len(plan.requeue)} task(s); skipped: {plan.skipped_category} other category, "
+        f"{plan.skipped_answered} answered or re-queued since, {plan.skipped_before} before "
+        f"--since, {plan.skipped_not_a_task} not a task"
+    )
 
 
 @cli.group()

@@ -38,6 +38,7 @@ from streams.records import (
     Source,
     Task,
     Usage,
+    content_key,
     decode_task,
     error_info,
     now_iso,
@@ -86,6 +87,24 @@ class Outcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cost_usd: float = 0.0
+    output: dict[str, Any] | None = None
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A decoded, rendered task: what answering it needs, and its keys."""
+
+    task: Task
+    pipeline: Pipeline
+    version: PipelineVersion
+    prompt: RenderedPrompt
+    result_key: str
+    content_key: str
+    raw: bytes | None
+    key: bytes | None
+    source: Source
+    started: float
 
 
 @dataclass
@@ -134,17 +153,47 @@ class TaskProcessor:
     async def process(
         self, raw: bytes | None, key: bytes | None, source: Source, lane: Lane = Lane.LIVE
     ) -> Outcome:
+        """Prepare, then answer with the LLM: one outcome for one record."""
+        prepared = self.prepare(raw, key, source)
+        if isinstance(prepared, Outcome):
+            return prepared
+        return await self.answer(prepared, lane)
+
+    def prepare(self, raw: bytes | None, key: bytes | None, source: Source) -> Prepared | Outcome:
+        """Decode and render a record: a task ready to answer, or its dead letter."""
         started = time.monotonic()
-        deadline_at = self.client.clock.now() + self.deadline_s
-        attempts = Attempts()
-        spend = _Spend()
         task: Task | None = None
         try:
             task = decode_task(raw, max_bytes=self.max_task_bytes)
             pipeline = self.registry.get(task.pipeline)
             version = pipeline.version(task.prompt_version)
             prompt = version.render(task.input, self.default_model)
-            rkey = result_key(pipeline.name, version.version, task.task_id, task.input)
+            return Prepared(
+                task=task,
+                pipeline=pipeline,
+                version=version,
+                prompt=prompt,
+                result_key=result_key(pipeline.name, version.version, task.task_id, task.input),
+                content_key=content_key(pipeline.name, version.version, task.input),
+                raw=raw,
+                key=key,
+                source=source,
+                started=started,
+            )
+        except TaskError as exc:
+            return self._dead(exc, raw, key, task, source, Attempts(), _Spend(), started)
+        except Exception as exc:  # a bug must not stop the worker or lose the record
+            log.exception("unexpected error preparing %s", source)
+            err = StreamsError(f"internal error: {exc!r}", code="internal_error")
+            return self._dead(err, raw, key, task, source, Attempts(), _Spend(), started)
+
+    async def answer(self, prep: Prepared, lane: Lane = Lane.LIVE) -> Outcome:
+        """Call the LLM (retries, fallbacks, mitigation) and validate: result or dead letter."""
+        task, pipeline, version, prompt = prep.task, prep.pipeline, prep.version, prep.prompt
+        deadline_at = self.client.clock.now() + self.deadline_s
+        attempts = Attempts()
+        spend = _Spend()
+        try:
             try:
                 async with asyncio.timeout(self.deadline_s):
                     try:
@@ -166,44 +215,74 @@ class TaskProcessor:
                     f"{attempts.count} attempt(s){cause}",
                     code="task_deadline",
                 ) from None
-            latency_ms = (time.monotonic() - started) * 1000
             cost = self.prices.cost(spend.prompt_tokens, spend.completion_tokens)
             self._count_cost(pipeline.name, spend, cost)
-            result = Result(
-                task_id=task.task_id,
-                result_key=rkey,
-                pipeline=pipeline.name,
-                prompt_version=version.version,
+            return self._result(
+                prep,
+                output,
                 model=spend.model or prompt.model,
-                output=output,
                 usage=Usage(
                     prompt_tokens=spend.prompt_tokens, completion_tokens=spend.completion_tokens
                 ),
-                cost_usd=cost,
+                cost=cost,
                 attempts=attempts.count,
-                latency_ms=round(latency_ms, 2),
                 cached=False,
-                source=source,
-                trace_id=None,
-                processed_at=now_iso(),
-            )
-            return Outcome(
-                kind="result",
-                key=rkey,
-                value=orjson.dumps(result.model_dump(mode="json")),
-                task_id=task.task_id,
-                latency_ms=latency_ms,
-                attempts=attempts.count,
-                prompt_tokens=spend.prompt_tokens,
-                completion_tokens=spend.completion_tokens,
-                cost_usd=cost,
             )
         except TaskError as exc:
-            return self._dead(exc, raw, key, task, source, attempts, spend, started)
+            return self._dead(exc, prep.raw, prep.key, task, prep.source, attempts, spend,
+                              prep.started)  # fmt: skip
         except Exception as exc:  # a bug must not stop the worker or lose the record
-            log.exception("unexpected error processing %s", source)
+            log.exception("unexpected error processing %s", prep.source)
             err = StreamsError(f"internal error: {exc!r}", code="internal_error")
-            return self._dead(err, raw, key, task, source, attempts, spend, started)
+            return self._dead(err, prep.raw, prep.key, task, prep.source, attempts, spend,
+                              prep.started)  # fmt: skip
+
+    def from_cache(self, prep: Prepared, output: dict[str, Any], model: str) -> Outcome:
+        """A result answered without an LLM call (same input answered before): no cost."""
+        return self._result(prep, output, model=model, usage=Usage(prompt_tokens=0,
+                            completion_tokens=0), cost=0.0, attempts=0, cached=True)  # fmt: skip
+
+    def _result(
+        self,
+        prep: Prepared,
+        output: dict[str, Any],
+        *,
+        model: str,
+        usage: Usage,
+        cost: float,
+        attempts: int,
+        cached: bool,
+    ) -> Outcome:
+        latency_ms = (time.monotonic() - prep.started) * 1000
+        result = Result(
+            task_id=prep.task.task_id,
+            result_key=prep.result_key,
+            pipeline=prep.pipeline.name,
+            prompt_version=prep.version.version,
+            model=model,
+            output=output,
+            usage=usage,
+            cost_usd=cost,
+            attempts=attempts,
+            latency_ms=round(latency_ms, 2),
+            cached=cached,
+            source=prep.source,
+            trace_id=None,
+            processed_at=now_iso(),
+        )
+        return Outcome(
+            kind="result",
+            key=prep.result_key,
+            value=orjson.dumps(result.model_dump(mode="json")),
+            task_id=prep.task.task_id,
+            latency_ms=latency_ms,
+            attempts=attempts,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cost_usd=cost,
+            output=output,
+            model=model,
+        )
 
     async def _call(
         self,
@@ -396,4 +475,4 @@ class TaskProcessor:
         )
 
 
-__all__ = ["Outcome", "Prices", "TaskProcessor"]
+__all__ = ["Outcome", "Prepared", "Prices", "TaskProcessor"]

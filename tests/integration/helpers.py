@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from streams.brokers.common import free_port
 from streams.settings import Settings, settings_env
+from streams.topics import ensure_topics
 
 
 class WorkerProcess:
@@ -107,6 +108,7 @@ async def produce(
     settings: Settings, records: list[tuple[bytes | None, bytes | None]]
 ) -> list[tuple[int, int]]:
     """Send raw records to the tasks topic; return (partition, offset) of each."""
+    await ensure_topics(settings)  # co-partitioned, before the broker auto-creates them
     producer = AIOKafkaProducer(
         bootstrap_servers=settings.bootstrap_servers, acks="all", linger_ms=5
     )

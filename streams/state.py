@@ -1,0 +1,328 @@
+"""Task state and the answers the worker already has, kept beside the stream.
+
+`TaskStore` holds three maps per task partition, each backed by a topic and
+co-partitioned with the task topics (a task's entries live in the partition
+its record came from):
+
+* results: result_key -> result record, backed by the results topic itself,
+  so writing a result and recording it are one write;
+* dead letters: dead-letter key -> dead-letter record, on the dead-letter topic;
+* task state: task_id -> `TaskState` (status, keys, last error, history), on
+  `<app_id>-task-state-changelog` (compacted).
+
+At-least-once: the input offset commits only after these writes are acked, so
+after a crash a record runs again, finds its answer and writes nothing more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from enum import StrEnum
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from pydantic import BaseModel, ConfigDict, Field
+
+from streams.metrics import Metrics
+from streams.records import Source, now_iso
+from streams.settings import Settings
+from streams.topics import state_topic
+
+log = logging.getLogger(__name__)
+
+HISTORY_LIMIT = 20
+
+
+class Status(StrEnum):
+    RECEIVED = "received"
+    PROCESSING = "processing"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    DEAD_LETTERED = "dead_lettered"
+
+
+class HistoryEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_version: str | None = None
+    result_key: str | None = None
+    status: Status
+    at: str
+    note: str | None = None
+
+
+class TaskState(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task_id: str
+    status: Status
+    stage: str = "main"
+    attempts: int = 0
+    input_hash: str | None = None
+    pipeline: str | None = None
+    prompt_version: str | None = None
+    result_key: str | None = None
+    result_topic: str | None = None
+    result_partition: int | None = None
+    source: Source | None = None
+    last_error: dict[str, Any] | None = None
+    updated_at: str
+    history: list[HistoryEntry] = Field(default_factory=list)
+
+    def dumps(self) -> bytes:
+        return orjson.dumps(self.model_dump(mode="json", exclude_none=True))
+
+    @classmethod
+    def loads(cls, raw: bytes) -> TaskState:
+        return cls.model_validate(orjson.loads(raw))
+
+    def moved(self, status: Status, note: str | None = None, **changes: Any) -> TaskState:
+        """This state moved to `status`, with the move appended to its history."""
+        at = now_iso()
+        entry = HistoryEntry(
+            prompt_version=changes.get("prompt_version", self.prompt_version),
+            result_key=changes.get("result_key", self.result_key),
+            status=status,
+            at=at,
+            note=note,
+        )
+        history = [*self.history, entry][-HISTORY_LIMIT:]
+        return self.model_copy(
+            update={**changes, "status": status, "updated_at": at, "history": history}
+        )
+
+
+class Kind(StrEnum):
+    """The three maps of the store, each backed by its own topic."""
+
+    RESULTS = "results"
+    DEAD_LETTERS = "dead_letters"
+    TASKS = "tasks"
+
+
+Send = Callable[[str, bytes, bytes, int], Awaitable[None]]
+
+
+class TaskStore:
+    """Answers and task states of the partitions this worker owns, backed by topics.
+
+    Entry `key` of partition `p` lives in partition `p` of its topic: results in
+    the results topic (keyed by result_key, compacted), dead letters in the
+    dead-letter topic, task states in the task-state topic. The worker reads a
+    partition's three topics to their end when it is assigned the task
+    partition `p`, before any record of `p` is answered (`ready`), and drops
+    them when `p` goes to another worker.
+
+    Faust tables would do the same, but their recovery (faust-streaming 0.15.3)
+    interleaves with the agent's fetches and, after a restart, now and then
+    skips a run of task records and commits past them: a lost task. This store
+    reads with its own consumer and never touches the group's consumer.
+    """
+
+    def __init__(self, settings: Settings, send: Send, metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.topics = {
+            Kind.RESULTS: settings.topics.results,
+            Kind.DEAD_LETTERS: settings.topics.dead_letters,
+            Kind.TASKS: state_topic(settings),
+        }
+        self._send = send
+        self.metrics = metrics
+        self._maps: dict[int, dict[Kind, dict[bytes, bytes]]] = {}
+        self._ready: dict[int, asyncio.Event] = {}
+        self._loading: dict[int, asyncio.Task[None]] = {}
+
+    # -- ownership ---------------------------------------------------------------------
+
+    def assign(self, partitions: set[int]) -> None:
+        """The worker now owns exactly these partitions: load new ones, drop the rest."""
+        for p in set(self._maps) - partitions:
+            task = self._loading.pop(p, None)
+            if task is not None:
+                task.cancel()
+            del self._maps[p]
+            self._ready.pop(p, None)
+        for p in sorted(partitions - set(self._maps)):
+            self._maps[p] = {kind: {} for kind in Kind}
+            self._ready[p] = asyncio.Event()
+            self._loading[p] = asyncio.create_task(self._load(p), name=f"load-state-{p}")
+
+    async def ready(self, partition: int) -> None:
+        """Wait until partition's entries are loaded (at once when they are)."""
+        event = self._ready.get(partition)
+        if event is None:  # not assigned (yet): load it now rather than answer blind
+            self.assign(set(self._maps) | {partition})
+            event = self._ready[partition]
+        await event.wait()
+
+    def owned(self) -> set[int]:
+        return set(self._maps)
+
+    async def close(self) -> None:
+        for task in self._loading.values():
+            task.cancel()
+        await asyncio.gather(*self._loading.values(), return_exceptions=True)
+        self._loading.clear()
+
+    async def _load(self, partition: int) -> None:
+        maps = self._maps[partition]
+        started = time.monotonic()
+        delay = 0.5
+        while True:
+            try:
+                counts = await load_partition(self.settings, self.topics, partition, maps)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # broker away: keep trying, records of p wait
+                log.warning("loading state of partition %d failed (%r); again in %.1fs",
+                            partition, exc, delay)  # fmt: skip
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+        log.info("state of partition %d loaded in %.2fs: %s", partition,
+                 time.monotonic() - started, counts)  # fmt: skip
+        if self.metrics is not None:
+            for kind, n in counts.items():
+                self.metrics.state_loaded.labels(kind.value).inc(n)
+        self._loading.pop(partition, None)
+        self._ready[partition].set()
+
+    # -- reads and writes --------------------------------------------------------------
+
+    def get(self, kind: Kind, partition: int, key: bytes) -> bytes | None:
+        maps = self._maps.get(partition)
+        return maps[kind].get(key) if maps is not None else None
+
+    def state(self, partition: int, task_id: str) -> TaskState | None:
+        raw = self.get(Kind.TASKS, partition, task_id.encode())
+        return TaskState.loads(raw) if raw is not None else None
+
+    async def put(self, kind: Kind, partition: int, key: bytes, value: bytes) -> None:
+        """Write to the topic, and once the broker has it, to the map."""
+        await self._send(self.topics[kind], key, value, partition)
+        maps = self._maps.get(partition)
+        if maps is not None:  # still ours
+            maps[kind][key] = value
+
+    async def put_state(self, partition: int, state: TaskState) -> None:
+        await self.put(Kind.TASKS, partition, state.task_id.encode(), state.dumps())
+
+
+async def load_partition(
+    settings: Settings,
+    topics: dict[Kind, str],
+    partition: int,
+    maps: dict[Kind, dict[bytes, bytes]],
+) -> dict[Kind, int]:
+    """Read partition `partition` of each topic from its start to its end into `maps`
+    (latest value per key; a null value deletes). Returns records read per kind."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.bootstrap_servers,
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+        client_id=f"{settings.app_id}-state-{partition}",
+        max_partition_fetch_bytes=4 * 1024 * 1024,
+    )
+    await consumer.start()
+    try:
+        kind_of = {TopicPartition(topic, partition): kind for kind, topic in topics.items()}
+        tps = list(kind_of)
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        counts = dict.fromkeys(topics, 0)
+        remaining = {tp for tp in tps if ends[tp] > 0}
+        while remaining:
+            batch = await consumer.getmany(*remaining, timeout_ms=500)
+            for tp, records in batch.items():
+                target = maps[kind_of[tp]]
+                counts[kind_of[tp]] += len(records)
+                for record in records:
+                    if record.key is None:
+                        continue
+                    if record.value is None:
+                        target.pop(record.key, None)
+                    else:
+                        target[record.key] = record.value
+            for tp in list(remaining):
+                # The fetch high watermark, not only ListOffsets: Tansu's ListOffsets
+                # LATEST can fall short of the end (KNOWLEDGE.md).
+                high = consumer.highwater(tp)
+                if high is not None and await consumer.position(tp) >= max(ends[tp], high):
+                    remaining.discard(tp)
+        return counts
+    finally:
+        await consumer.stop()
+
+
+class ContentCache:
+    """Answers by content key, shared by identical inputs (any task id) in this worker.
+
+    Bounded LRU of outputs, plus single flight: while one task's call for a
+    content key runs, identical tasks wait for it instead of calling again.
+    """
+
+    def __init__(self, max_entries: int = 50_000) -> None:
+        self.max_entries = max_entries
+        self._done: OrderedDict[str, tuple[dict[str, Any], str]] = OrderedDict()
+        self._running: dict[str, asyncio.Future[tuple[dict[str, Any], str] | None]] = {}
+
+    def get(self, key: str) -> tuple[dict[str, Any], str] | None:
+        hit = self._done.get(key)
+        if hit is not None:
+            self._done.move_to_end(key)
+        return hit
+
+    def put(self, key: str, output: dict[str, Any], model: str) -> None:
+        self._done[key] = (output, model)
+        self._done.move_to_end(key)
+        while len(self._done) > self.max_entries:
+            self._done.popitem(last=False)
+
+    async def shared(
+        self, key: str, call: Callable[[], Awaitable[tuple[Any, tuple[dict[str, Any], str] | None]]]
+    ) -> tuple[Any, bool]:
+        """`call()` once per key at a time. Returns (what call returned, False) for the
+        caller that made the call, or (the cached answer, True) for those that waited.
+        When the call gives no answer (a dead letter), a waiter makes its own call."""
+        while True:
+            hit = self.get(key)
+            if hit is not None:
+                return hit, True
+            running = self._running.get(key)
+            if running is None:
+                break
+            waited = await asyncio.shield(running)
+            if waited is not None:
+                return waited, True
+        future: asyncio.Future[tuple[dict[str, Any], str] | None] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._running[key] = future
+        answer: tuple[dict[str, Any], str] | None = None
+        try:
+            value, answer = await call()
+            if answer is not None:
+                self.put(key, *answer)
+            return value, False
+        finally:
+            del self._running[key]
+            future.set_result(answer)
+
+
+__all__ = [
+    "ContentCache",
+    "HistoryEntry",
+    "Kind",
+    "Status",
+    "TaskState",
+    "TaskStore",
+    "load_partition",
+]

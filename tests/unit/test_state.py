@@ -1,0 +1,71 @@
+"""Task state records and the content cache (single flight + LRU)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from streams.records import Source
+from streams.state import HISTORY_LIMIT, ContentCache, Status, TaskState
+
+
+def test_state_round_trips_and_keeps_a_bounded_history() -> None:
+    state = TaskState(task_id="t1", status=Status.RECEIVED, updated_at="")
+    for i in range(HISTORY_LIMIT + 5):
+        state = state.moved(
+            Status.SUCCEEDED, prompt_version=f"v{i}", result_key=f"rk1-{i}",
+            source=Source(topic="t", partition=0, offset=i),
+        )  # fmt: skip
+    assert state.status is Status.SUCCEEDED and state.prompt_version == f"v{HISTORY_LIMIT + 4}"
+    assert len(state.history) == HISTORY_LIMIT
+    assert state.history[-1].result_key == f"rk1-{HISTORY_LIMIT + 4}"
+    assert TaskState.loads(state.dumps()) == state
+    # A dead letter's move has no result key; it round-trips too.
+    failed = state.moved(Status.DEAD_LETTERED, result_key=None, last_error={"category": "timeout"})
+    assert TaskState.loads(failed.dumps()) == failed
+
+
+async def test_identical_inputs_share_one_call() -> None:
+    cache = ContentCache()
+    calls = 0
+    release = asyncio.Event()
+
+    async def call() -> tuple[Any, tuple[dict[str, Any], str] | None]:
+        nonlocal calls
+        calls += 1
+        await release.wait()
+        return "outcome", ({"sentiment": "positive"}, "m")
+
+    tasks = [asyncio.create_task(cache.shared("ck1-a", call)) for _ in range(5)]
+    await asyncio.sleep(0.01)
+    release.set()
+    results = await asyncio.gather(*tasks)
+    assert calls == 1
+    assert results.count(("outcome", False)) == 1  # the caller that made the call
+    assert results.count((({"sentiment": "positive"}, "m"), True)) == 4
+    # Later identical inputs hit the cache without a call.
+    assert await cache.shared("ck1-a", call) == (({"sentiment": "positive"}, "m"), True)
+    assert calls == 1
+
+
+async def test_a_failed_call_lets_waiters_call_themselves() -> None:
+    cache = ContentCache()
+    calls = 0
+
+    async def dead() -> tuple[Any, tuple[dict[str, Any], str] | None]:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.01)
+        return "dead letter", None
+
+    first, second = await asyncio.gather(cache.shared("ck1-b", dead), cache.shared("ck1-b", dead))
+    assert first == second == ("dead letter", False)
+    assert calls == 2
+
+
+def test_cache_is_bounded() -> None:
+    cache = ContentCache(max_entries=3)
+    for i in range(5):
+        cache.put(f"k{i}", {"i": i}, "m")
+    assert cache.get("k0") is None and cache.get("k1") is None
+    assert cache.get("k4") == ({"i": 4}, "m")
