@@ -19,6 +19,11 @@ def state_topic(settings: Settings) -> str:
     return f"{settings.app_id}-task-state-changelog"
 
 
+def replays_topic(settings: Settings) -> str:
+    """Replay checkpoints, keyed by replay id (compacted)."""
+    return f"{settings.app_id}-replays"
+
+
 def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
     """Topic name -> config. Results are keyed by result_key and compacted."""
     t = settings.topics
@@ -29,6 +34,7 @@ def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
         t.dead_letters: {},
         t.review: {},
         state_topic(settings): {"cleanup.policy": "compact"},
+        replays_topic(settings): {"cleanup.policy": "compact"},
     }
 
 

@@ -30,6 +30,7 @@ from streams.processing.dispatch import Dispatcher
 from streams.processing.offsets import InOrderAcks, Ticket
 from streams.processing.processor import Outcome, Prepared, TaskProcessor
 from streams.records import Source
+from streams.replay import FORCE_HEADER
 from streams.resilience.limiter import Lane
 from streams.settings import Settings
 from streams.state import ContentCache, Kind, Status, TaskState, TaskStore
@@ -38,6 +39,17 @@ from streams.topics import state_topic
 log = logging.getLogger(__name__)
 
 SEND_ATTEMPTS = 8
+
+
+def header(message: Any, name: str) -> bytes | None:
+    """A record header's value (the last one of that name), or None."""
+    headers = message.headers or ()
+    items = headers.items() if isinstance(headers, dict) else headers
+    found = None
+    for key, value in items:
+        if key == name:
+            found = value
+    return found
 
 
 class TaskAgent:
@@ -179,7 +191,8 @@ class TaskAgent:
                     else:
                         await self._deliver(prepared, None, source)
                 else:
-                    outcome, written = await self._answer(prepared, processor, lane)
+                    force = header(message, FORCE_HEADER) == b"1"
+                    outcome, written = await self._answer(prepared, processor, lane, force)
                     if not written:
                         await self._deliver(outcome, prepared, source)
                     elif self._state_missing(prepared, outcome):
@@ -205,19 +218,20 @@ class TaskAgent:
         return job
 
     async def _answer(
-        self, prep: Prepared, processor: TaskProcessor, lane: Lane
+        self, prep: Prepared, processor: TaskProcessor, lane: Lane, force: bool = False
     ) -> tuple[Outcome, bool]:
         """The outcome of a valid task, and whether an earlier run of this very record
-        (before a crash or rebalance) already wrote it."""
+        (before a crash or rebalance) already wrote it. `force` (a forced replay) asks
+        the LLM again even when the task or an identical input was answered."""
         store, p = self.store, prep.source.partition
         stored = store.get(Kind.RESULTS, p, prep.result_key.encode())
         if stored is not None:
             earlier = orjson.loads(stored)
             if earlier.get("source") == prep.source.model_dump():
                 return self._stored(prep, "result", prep.result_key, stored, earlier), True
-            # Answered before for another record of the task: the answer, without a call.
-            self.metrics.cache_hits.labels(prep.pipeline.name, "result").inc()
-            return processor.from_cache(prep, earlier["output"], earlier["model"]), False
+            if not force:  # answered before for another record of the task: no call
+                self.metrics.cache_hits.labels(prep.pipeline.name, "result").inc()
+                return processor.from_cache(prep, earlier["output"], earlier["model"]), False
         dead = store.get(Kind.DEAD_LETTERS, p, prep.task.task_id.encode())
         if dead is not None:
             letter = orjson.loads(dead)
@@ -230,6 +244,11 @@ class TaskAgent:
                 return outcome, (outcome.output, outcome.model)
             return outcome, None
 
+        if force:
+            outcome, answer = await call()
+            if answer is not None:
+                self.cache.put(prep.content_key, *answer)
+            return outcome, False
         value, shared = await self.cache.shared(prep.content_key, call)
         if shared:  # an identical input of another task was answered (or in flight)
             output, model = value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,18 @@ def settings_or_exit(**overrides: Any) -> Settings:
     except ConfigError as exc:
         click.echo(f"llm-streams: {exc}", err=True)
         sys.exit(2)
+
+
+def iso_time_or_exit(option: str, value: str | None) -> datetime | None:
+    """An ISO 8601 time (UTC when it names no zone), or a message and exit status 2."""
+    if not value:
+        return None
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        click.echo(f"{option}: not an ISO time: {value!r}", err=True)
+        sys.exit(2)
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
 @click.group()
@@ -176,19 +189,10 @@ def redrive(categories: tuple[str, ...], since: str | None, dry_run: bool) -> No
     Each keeps its task_id and lands as a normal result; a task answered since, or
     already re-queued, is skipped.
     """
-    from datetime import UTC, datetime
-
     from streams.cli.ops import redrive as run_redrive
 
     settings = settings_or_exit()
-    when = None
-    if since:
-        try:
-            when = datetime.fromisoformat(since)
-        except ValueError:
-            click.echo(f"--since: not an ISO time: {since!r}", err=True)
-            sys.exit(2)
-        when = when if when.tzinfo else when.replace(tzinfo=UTC)
+    when = iso_time_or_exit("--since", since)
     plan = asyncio.run(run_redrive(settings, set(categories), when, dry_run))
     verb = "would re-queue" if dry_run else "re-queued"
     click.echo(
@@ -196,6 +200,48 @@ def redrive(categories: tuple[str, ...], since: str | None, dry_run: bool) -> No
         f"{plan.skipped_answered} answered or re-queued since, {plan.skipped_before} before "
         f"--since, {plan.skipped_not_a_task} not a task"
     )
+
+
+@cli.command()
+@click.option("--source", default=None, help="Topic to replay (default: the tasks topic).")
+@click.option("--from", "since", default=None, help="Replay records from this ISO time.")
+@click.option("--to", "until", default=None, help="... up to this ISO time (default: now).")
+@click.option(
+    "--from-offset", "from_offsets", multiple=True, metavar="P:O",
+    help="Start partition P at offset O (repeatable; other partitions start at --from).",
+)  # fmt: skip
+@click.option("--pipeline", default=None, help="Only tasks of this pipeline.")
+@click.option("--prompt-version", default=None, help="Answer under this version (new keys).")
+@click.option("--force", is_flag=True, help="Ask the LLM again even for answered tasks.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and cost estimate only.")
+def replay(
+    source: str | None, since: str | None, until: str | None, from_offsets: tuple[str, ...],
+    pipeline: str | None, prompt_version: str | None, force: bool, dry_run: bool,
+) -> None:  # fmt: skip
+    """Re-run a historical range of a task topic through the replay lane.
+
+    Tasks already answered under the same result key are skipped (a new prompt
+    version gives new keys). Run the same command again to resume a killed replay.
+    """
+    from streams.cli.replay import run_replay_command
+
+    settings = settings_or_exit()
+    offsets: dict[int, int] = {}
+    for spec in from_offsets:
+        p, _, o = spec.partition(":")
+        if not (p.isdigit() and o.isdigit()):
+            click.echo(f"--from-offset: expected PARTITION:OFFSET, got {spec!r}", err=True)
+            sys.exit(2)
+        offsets[int(p)] = int(o)
+    start = iso_time_or_exit("--from", since)
+    if start is None and not offsets:
+        click.echo("replay: give --from TIME or --from-offset P:O", err=True)
+        sys.exit(2)
+    sys.exit(run_replay_command(
+        settings, source=source or settings.topics.tasks, since=start,
+        until=iso_time_or_exit("--to", until), from_offsets=offsets, pipeline=pipeline,
+        prompt_version=prompt_version, force=force, dry_run=dry_run,
+    ))  # fmt: skip
 
 
 @cli.group()

@@ -1,0 +1,88 @@
+"""`llm-streams replay`: progress bar with ETA, cost estimate, summary."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from streams.errors import ConfigError, TaskError
+from streams.prompts.registry import PipelineRegistry
+from streams.replay import Checkpoint, Replayer, ReplayRequest
+from streams.settings import Settings
+
+
+def run_replay_command(
+    settings: Settings,
+    *,
+    source: str,
+    since: datetime | None,
+    until: datetime | None,
+    from_offsets: dict[int, int],
+    pipeline: str | None,
+    prompt_version: str | None,
+    force: bool,
+    dry_run: bool,
+) -> int:
+    console = Console(stderr=True)
+    request = ReplayRequest(
+        source=source, since=since, until=until, from_offsets=from_offsets,
+        pipeline=pipeline, prompt_version=prompt_version, force=force,
+    )  # fmt: skip
+    try:
+        registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+        replayer = Replayer(settings, request, registry)
+    except (ConfigError, TaskError) as exc:
+        console.print(f"replay: {exc}", highlight=False)
+        return 2
+    columns = (
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("sent {task.fields[sent]} · skipped {task.fields[skipped]} · "
+                   "est. ${task.fields[cost]:.4f}"),
+        TimeElapsedColumn(), TimeRemainingColumn(),
+    )  # fmt: skip
+    with Progress(*columns, console=console, transient=False) as progress:
+        bar = progress.add_task(
+            "estimating" if dry_run else "replaying", total=None, sent=0, skipped=0, cost=0.0
+        )
+
+        def show(cp: Checkpoint) -> None:
+            c = cp.counts
+            progress.update(bar, total=cp.total, completed=cp.progressed, sent=c.published,
+                            skipped=c.answered + c.filtered + c.invalid,
+                            cost=c.cost_usd(settings))  # fmt: skip
+
+        try:
+            cp = asyncio.run(replayer.run(dry_run=dry_run, on_progress=show))
+        except ConfigError as exc:
+            progress.stop()
+            console.print(f"replay: {exc}", highlight=False)
+            return 2
+    c = cp.counts
+    verb = "would send" if dry_run else "sent"
+    out = Console(soft_wrap=True)  # one line per fact, for people and scripts
+    out.print(
+        f"replay {cp.replay_id} of {cp.source}: {c.read} record(s) read, {verb} {c.published} "
+        f"to {settings.topics.replay}; skipped {c.answered} already answered, {c.filtered} "
+        f"of other pipelines, {c.invalid} invalid",
+        highlight=False,
+    )
+    out.print(
+        f"estimated cost ${c.cost_usd(settings):.4f} ({c.prompt_tokens} prompt tokens counted, "
+        f"~{c.completion_tokens:.0f} completion tokens estimated)",
+        highlight=False,
+    )
+    if replayer.finished_before:
+        out.print(f"(replay {cp.replay_id} had finished before; nothing sent now)", highlight=False)
+    elif replayer.resumed_at:
+        out.print(f"(resumed from its checkpoint at {replayer.resumed_at})", highlight=False)
+    return 0

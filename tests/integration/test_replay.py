@@ -1,0 +1,188 @@
+"""Replay of a task topic's history through the replay lane, on real Kafka.
+
+Answered tasks are skipped; a new prompt version answers everything again under
+new keys; a killed replay resumes from its checkpoint; the same replay run twice
+sends nothing twice; `--force` asks the LLM again under the same keys.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+
+from streams.llm.simulator import SimulatorServer
+from streams.prompts.registry import PipelineRegistry
+from streams.replay import (
+    FORCE_HEADER,
+    REPLAY_ID_HEADER,
+    REPLAY_OF_HEADER,
+    Checkpoint,
+    Replayer,
+    ReplayRequest,
+    scan,
+)
+from streams.settings import Settings, settings_env
+from tests.integration.helpers import WorkerProcess, collect, produce
+
+pytestmark = pytest.mark.integration
+
+TASKS = 1200
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _pipelines_with_v2(tmp_path: Path) -> Path:
+    """The shipped pipeline plus a v2 with another system prompt (a prompt improved)."""
+    spec = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
+    v2 = dict(spec["versions"]["v1"])
+    v2["system"] = v2["system"] + "Be brief.\n"
+    spec["versions"]["v2"] = v2
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    (folder / "comment-analysis.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    return folder
+
+
+def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
+    env.update(settings_env(settings))
+    return subprocess.run([sys.executable, "-m", "streams.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+async def _replay_records(settings: Settings) -> list[Any]:
+    return [r async for batch in scan(settings, settings.topics.replay) for r in batch]
+
+
+async def test_replay_skips_answered_resumes_after_a_kill_and_force_asks_again(
+    make_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    settings = make_settings(
+        llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
+        pipelines_dir=_pipelines_with_v2(tmp_path),
+    )
+    registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+    tasks = [{"task_id": f"h-{i:05d}", "pipeline": "comment-analysis",
+              "input": {"text": f"Old comment {i}: the lid cracked after {i} days."}}
+             for i in range(TASKS)]  # fmt: skip
+    records: list[tuple[bytes | None, bytes | None]] = [
+        (t["task_id"].encode(), orjson.dumps(t)) for t in tasks
+    ]
+    records.append((b"bad-1", b"{not json"))  # history holds bad records too
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    try:
+        offsets = await produce(settings, records)
+        first = await collect(settings, set(offsets), timeout_s=180, worker=worker)
+        assert len(first.results) == TASKS and len(first.dead_letters) == 1
+        v1_keys = {r["task_id"]: r["result_key"] for r in first.results}
+        calls_v1 = simulator.sim.snapshot()["requests"]
+
+        everything = ReplayRequest(source=settings.topics.tasks,
+                                   since=datetime.now(UTC) - timedelta(hours=1))  # fmt: skip
+        # Same version: every task is answered already; nothing is sent.
+        same = await Replayer(settings, everything, registry).run(dry_run=False)
+        assert same.done and same.counts.answered == TASKS and same.counts.published == 0
+        assert same.counts.invalid == 1 and same.counts.read == TASKS + 1
+        assert await _replay_records(settings) == []
+
+        # Dry run under v2: the plan and its estimate, nothing sent.
+        v2 = ReplayRequest(source=settings.topics.tasks, from_offsets={p: 0 for p in range(4)},
+                           prompt_version="v2")  # fmt: skip
+        dry = await Replayer(settings, v2, registry).run(dry_run=True)
+        assert dry.counts.published == TASKS and dry.counts.answered == 0
+        assert dry.counts.prompt_tokens > TASKS * 50 and dry.counts.cost_usd(settings) > 0
+        # The completion estimate comes from the v1 results' real usage.
+        mean_v1 = sum(r["usage"]["completion_tokens"] for r in first.results) / TASKS
+        assert dry.counts.completion_tokens == pytest.approx(mean_v1 * TASKS)
+        assert await _replay_records(settings) == []
+
+        # v2 for real, killed part way (after a checkpoint), then run again: it resumes.
+        def kill_midway(cp: Checkpoint) -> None:
+            if cp.progressed >= 500:
+                raise Interrupted
+
+        with pytest.raises(Interrupted):
+            await Replayer(settings, v2, registry, chunk=100).run(
+                dry_run=False, on_progress=kill_midway
+            )
+        sent_before_kill = len(await _replay_records(settings))
+        assert 400 <= sent_before_kill < TASKS
+        resumed = Replayer(settings, v2, registry, chunk=100)
+        cp = await resumed.run(dry_run=False)
+        assert resumed.resumed_at and cp.done
+        replayed = await _replay_records(settings)
+        origins = Counter(dict(r.headers)[REPLAY_OF_HEADER] for r in replayed)
+        assert len(origins) == TASKS  # every valid task of the range, the bad one not
+        assert len(replayed) - TASKS < 100  # re-sent: at most the chunk after the checkpoint
+        assert {dict(r.headers)[REPLAY_ID_HEADER] for r in replayed} == {v2.replay_id().encode()}
+        assert all(orjson.loads(r.value)["prompt_version"] == "v2" for r in replayed)
+
+        got = await collect(settings, set(), timeout_s=180, worker=worker,
+                            until=lambda c: len({r["task_id"] for r in c.results
+                                                 if r["prompt_version"] == "v2"}) == TASKS)  # fmt: skip
+        v2_results = [r for r in got.results if r["prompt_version"] == "v2"]
+        v2_keys = {r["task_id"]: r["result_key"] for r in v2_results}
+        assert len(v2_keys) == TASKS
+        assert all(v2_keys[t] != v1_keys[t] for t in v2_keys)  # new version, new keys
+        assert all(len({r["result_key"] for r in v2_results if r["task_id"] == t}) == 1
+                   for t in list(v2_keys)[:50])  # fmt: skip
+        # One LLM call per task: records re-sent by the resume were answered from the store.
+        calls_v2 = simulator.sim.snapshot()["requests"] - calls_v1
+        assert calls_v2 == TASKS, calls_v2
+        assert all(r["source"]["topic"] == settings.topics.replay for r in v2_results)
+
+        # The same replay again: finished, nothing sent.
+        again = Replayer(settings, v2, registry)
+        await again.run(dry_run=False)
+        assert again.finished_before and len(await _replay_records(settings)) == len(replayed)
+
+        # Force, partition 0 only, under v1: the LLM is asked again, same keys.
+        in_p0 = {t["task_id"] for (p, _), t in zip(offsets[:TASKS], tasks, strict=True) if p == 0}
+        force = ReplayRequest(source=settings.topics.tasks, from_offsets={0: 0},
+                              prompt_version="v1", force=True)  # fmt: skip
+        forced = await Replayer(settings, force, registry).run(dry_run=False)
+        assert forced.counts.published == len(in_p0) > 0
+        forced_records = [r for r in await _replay_records(settings)
+                          if dict(r.headers)[REPLAY_ID_HEADER] == force.replay_id().encode()]  # fmt: skip
+        assert len(forced_records) == len(in_p0)
+        assert all(dict(r.headers).get(FORCE_HEADER) == b"1" for r in forced_records)
+        before = simulator.sim.snapshot()["requests"]
+        got = await collect(settings, set(), timeout_s=120, worker=worker,
+                            until=lambda c: len([r for r in c.results if r["prompt_version"] == "v1"
+                                                 and r["source"]["topic"] == settings.topics.replay])
+                            >= len(in_p0))  # fmt: skip
+        again_v1 = [r for r in got.results if r["prompt_version"] == "v1"
+                    and r["source"]["topic"] == settings.topics.replay]  # fmt: skip
+        assert {r["task_id"] for r in again_v1} == in_p0
+        assert all(r["result_key"] == v1_keys[r["task_id"]] and not r["cached"] for r in again_v1)
+        assert simulator.sim.snapshot()["requests"] - before == len(in_p0)
+
+        # The command line: a dry run prints the plan and the estimate, sends nothing.
+        shown = _cli(settings, "replay", "--from-offset", "0:0", "--prompt-version", "v2",
+                     "--dry-run")  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        assert f"would send 0 to {settings.topics.replay}" in shown.stdout, shown.stdout
+        assert f"skipped {len(in_p0)} already answered" in shown.stdout
+        assert "estimated cost $" in shown.stdout
+        bad = _cli(settings, "replay", "--prompt-version", "v2")
+        assert bad.returncode == 2 and "--from" in bad.stderr
+
+        # A range after the last record: nothing to replay.
+        later = ReplayRequest(source=settings.topics.tasks,
+                              since=datetime.now(UTC) + timedelta(hours=1))  # fmt: skip
+        empty = await Replayer(settings, later, registry).run(dry_run=True)
+        assert empty.total == 0 and empty.counts.read == 0
+    finally:
+        worker.stop()
