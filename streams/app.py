@@ -75,6 +75,7 @@ def make_processor_factory(
 def create_app(settings: Settings) -> faust.App:
     registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # Faust makes only the last level
+    buffer = max(settings.batch.buffer, settings.batch.size)
     app = faust.App(
         settings.app_id,
         broker=settings.kafka.broker_url,
@@ -89,11 +90,14 @@ def create_app(settings: Settings) -> faust.App:
         # Every task ends well before Faust would call the stream stuck.
         stream_processing_timeout=settings.llm.task_deadline_s + 60,
         broker_max_poll_interval=max(300.0, settings.llm.task_deadline_s + 120),
-        # Backpressure: once the stream buffer holds `buffer` records Faust stops fetching
-        # the partition; one poll returns at most `buffer` records, so fetched-but-unprocessed
-        # records stay under ~2 x buffer however slow the LLM is.
-        stream_buffer_maxsize=max(settings.batch.buffer, settings.batch.size),
-        broker_max_poll_records=max(settings.batch.buffer, settings.batch.size),
+        # Backpressure: Faust pauses a partition once its stream's buffer is 80% full
+        # (mode's FlowControlQueue), so fetched-but-unprocessed records stay under about
+        # `buffer` however slow the LLM is. The buffer must never fill up: then Faust's
+        # conductor waits on it and delivers nothing else, and live records would queue
+        # behind a full replay lane. Each poll after the 80% mark pauses at least one more
+        # partition, so polls of 20% / partitions records always fit.
+        stream_buffer_maxsize=buffer,
+        broker_max_poll_records=max(1, buffer // (5 * settings.kafka.partitions)),
         producer_linger=0.005,
         consumer_auto_offset_reset="earliest",
         datadir=str(settings.data_dir),

@@ -53,6 +53,10 @@ class Metrics:
         self.limiter_wait = Histogram(
             "llm_streams_limiter_wait_seconds", "Wait for rate-limit capacity per attempt.",
             ["lane"], buckets=WAIT_BUCKETS, registry=r)  # fmt: skip
+        self.taken_after = Histogram(
+            "llm_streams_taken_after_seconds",
+            "From the record's timestamp to the agent taking it (time in Kafka and in the "
+            "fetch buffers).", ["lane"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.queue_wait = Histogram(
             "llm_streams_queue_wait_seconds", "From taken off the stream to processing start.",
             ["lane"], buckets=WAIT_BUCKETS, registry=r)  # fmt: skip

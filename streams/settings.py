@@ -72,6 +72,12 @@ class BatchSettings(_Section):
     max_task_bytes: int = Field(
         65_536, ge=256, description="Task records above this size are dead-lettered."
     )
+    live_reserve: float = Field(
+        0.25,
+        ge=0,
+        lt=1,
+        description="Share of `concurrency` the replay lane never uses, kept for live tasks.",
+    )
     buffer: int = Field(
         1024,
         ge=1,

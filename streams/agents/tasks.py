@@ -26,7 +26,7 @@ import orjson
 from aiokafka.errors import KafkaError
 
 from streams.metrics import Metrics
-from streams.processing.dispatch import Dispatcher
+from streams.processing.dispatch import Dispatcher, LaneSlots
 from streams.processing.offsets import InOrderAcks, Ticket
 from streams.processing.processor import Outcome, Prepared, TaskProcessor
 from streams.records import Source
@@ -66,11 +66,19 @@ class TaskAgent:
         self.settings = settings
         self.make_processor = make_processor
         self.metrics = metrics or Metrics()
-        self._stream: faust.Stream[Any] | None = None
+        self._streams: dict[Lane, faust.Stream[Any]] = {}
         # internal=True: Faust creates missing topics with the configured partitions.
         raw: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw", "internal": True}
-        # One agent reads both lanes; the limiter serves live before replay.
-        self.tasks_topic = app.topic(settings.topics.tasks, settings.topics.replay, **raw)
+        # One agent per lane, each with its own stream buffer, so a live record never
+        # waits behind replay records; they share the concurrency slots (live first, replay
+        # never the live reserve) and the rate limiter (which serves live first).
+        self.live_topic = app.topic(settings.topics.tasks, **raw)
+        self.replay_topic = app.topic(settings.topics.replay, **raw)
+        batch = settings.batch
+        reserve = min(batch.concurrency - 1, round(batch.concurrency * batch.live_reserve))
+        self.slots = LaneSlots(batch.concurrency, reserve)
+        self._processor: TaskProcessor | None = None
+        self._running_lanes = 0
         parts: dict[str, Any] = {**raw, "partitions": settings.kafka.partitions}
         self.results_topic = app.topic(settings.topics.results, compacting=True, **parts)
         self.dead_letter_topic = app.topic(settings.topics.dead_letters, **parts)
@@ -80,7 +88,10 @@ class TaskAgent:
         self.acks: InOrderAcks[Any] = InOrderAcks()
         self._inputs = {settings.topics.tasks, settings.topics.replay}
         app.on_partitions_assigned.connect(self._on_assigned)  # type: ignore[arg-type]  # faust types receivers as taking only keyword args after the sender
-        self.agent = app.agent(self.tasks_topic, name="llm-streams.tasks")(self.run)  # type: ignore[arg-type]  # faust types the param as StreamT
+        # faust types the agent function's param as StreamT
+        self.live_agent = app.agent(self.live_topic, name="llm-streams.tasks")(self.run_live)  # type: ignore[arg-type]
+        replay_agent = app.agent(self.replay_topic, name="llm-streams.replay")
+        self.replay_agent = replay_agent(self.run_replay)  # type: ignore[arg-type]
         self.metrics.watch_stream(self.stream_state)
 
     def stream_state(self) -> dict[str, Any]:
@@ -95,11 +106,12 @@ class TaskAgent:
                 continue
             committed = committed_offsets.get(tp)
             lag[(tp.topic, tp.partition)] = max(0, highwater - (committed or 0))
-        stream = self._stream
         return {
             "lag": lag,
             "paused": len(getattr(consumer, "_buffered_partitions", ())),
-            "buffered": cast(Any, stream.channel).queue.qsize() if stream is not None else 0,
+            "buffered": sum(
+                cast(Any, stream.channel).queue.qsize() for stream in self._streams.values()
+            ),
         }
 
     async def _on_assigned(self, sender: Any, assigned: set[Any], **kwargs: Any) -> None:
@@ -119,11 +131,21 @@ class TaskAgent:
     def lane_of(self, topic: str) -> Lane:
         return Lane.REPLAY if topic == self.settings.topics.replay else Lane.LIVE
 
-    async def run(self, stream: faust.Stream[Any]) -> None:
+    async def run_live(self, stream: faust.Stream[Any]) -> None:
+        await self._run(stream, Lane.LIVE)
+
+    async def run_replay(self, stream: faust.Stream[Any]) -> None:
+        await self._run(stream, Lane.REPLAY)
+
+    async def _run(self, stream: faust.Stream[Any], lane: Lane) -> None:
         settings = self.settings
-        processor = self.make_processor()
-        dispatcher = Dispatcher(settings.batch.concurrency)
-        self._stream = stream
+        if self._processor is None:  # one for both lanes: one limiter, one breaker
+            self._processor = self.make_processor()
+        processor = self._processor
+        self._running_lanes += 1
+        dispatcher = Dispatcher(slots=self.slots, lane=lane)
+        self._streams[lane] = stream
+        lane_name = lane.name.lower()
         m = self.metrics
         try:
             waiting_since = time.monotonic()
@@ -134,7 +156,11 @@ class TaskAgent:
                 m.batch_fill.observe(time.monotonic() - waiting_since)
                 for event in events:
                     message = event.message
-                    m.tasks_received.labels(self.lane_of(message.topic).name.lower()).inc()
+                    m.tasks_received.labels(lane_name).inc()
+                    if message.timestamp:
+                        m.taken_after.labels(lane_name).observe(
+                            max(0.0, time.time() - message.timestamp)
+                        )
                     m.unfinished.inc()
                     order_key = (
                         message.key.decode(errors="replace")
@@ -151,8 +177,11 @@ class TaskAgent:
                 await asyncio.wait_for(asyncio.shield(dispatcher.drain()), timeout=5)
             except (TimeoutError, asyncio.CancelledError):
                 await dispatcher.cancel()
-            await processor.close()
-            await self.store.close()
+            self._running_lanes -= 1
+            if self._running_lanes == 0:  # the last lane out closes what they share
+                self._processor = None
+                await processor.close()
+                await self.store.close()
 
     def _job(
         self,
