@@ -207,7 +207,9 @@ class TaskStore:
         await self._send(self.topics[kind], key, value, partition)
         maps = self._maps.get(partition)
         if maps is not None:  # still ours
-            maps[kind][key] = value
+            # A copy: bytes made by orjson.dumps keep about 4 KB of memory each however
+            # short they are (measured: 4.2 KB per 335-byte value vs 0.46 KB copied).
+            maps[kind][key] = bytes(memoryview(value))
 
     async def put_state(self, partition: int, state: TaskState) -> None:
         await self.put(Kind.TASKS, partition, state.task_id.encode(), state.dumps())

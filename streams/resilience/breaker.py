@@ -51,6 +51,7 @@ class CircuitBreaker:
         self.opened_at = 0.0
         self.transitions = 0
         self._calls: deque[tuple[float, bool]] = deque()
+        self._failed = 0  # failures in `_calls`, kept as calls come and go (O(1) per call)
         self._probes_sent = 0
         self._probes_ok = 0
 
@@ -94,19 +95,21 @@ class CircuitBreaker:
             self._probes_ok += 1
             if self._probes_ok >= self.probes:
                 self._calls.clear()
+                self._failed = 0
                 self._move(State.CLOSED)
             return
         if self.state is State.OPEN:
             return  # a straggler that started before the circuit opened
-        self._calls.append((now, ok))
-        while self._calls and self._calls[0][0] < now - self.window_s:
-            self._calls.popleft()
-        if len(self._calls) >= self.min_calls:
-            failed = sum(1 for _, good in self._calls if not good)
-            if failed / len(self._calls) >= self.failure_rate:
-                self._open(now)
+        calls = self._calls
+        calls.append((now, ok))
+        self._failed += not ok
+        while calls and calls[0][0] < now - self.window_s:
+            self._failed -= not calls.popleft()[1]
+        if len(calls) >= self.min_calls and self._failed / len(calls) >= self.failure_rate:
+            self._open(now)
 
     def _open(self, now: float) -> None:
         self.opened_at = now
         self._calls.clear()
+        self._failed = 0
         self._move(State.OPEN)

@@ -61,3 +61,30 @@ def test_half_open_probes_close_it_or_reopen_it() -> None:
         State.CLOSED,
     ]
     assert b.transitions == 5
+
+
+def test_the_running_failure_count_matches_the_window_at_every_call() -> None:
+    """Calls arrive and expire at random; the breaker opens exactly when a recount
+    of the window says it should (its count is kept incrementally, O(1) per call)."""
+    import random
+
+    rng = random.Random(3)
+    clock = FakeClock()
+    b = CircuitBreaker("sim", window_s=10, min_calls=20, failure_rate=0.3, open_s=1000,
+                       clock=clock)  # fmt: skip
+    window: list[tuple[float, bool]] = []
+    opened = 0
+    for _ in range(5000):
+        clock.advance(rng.uniform(0, 0.2))
+        ok = rng.random() > 0.25
+        b.record(ok)
+        window = [(t, g) for t, g in window if t >= clock.now() - 10] + [(clock.now(), ok)]
+        failed = sum(1 for _, g in window if not g)
+        should_open = len(window) >= 20 and failed / len(window) >= 0.3
+        assert (b.state is State.OPEN) == should_open
+        if should_open:  # start again from a closed breaker with an empty window
+            opened += 1
+            b = CircuitBreaker("sim", window_s=10, min_calls=20, failure_rate=0.3,
+                               open_s=1000, clock=clock)  # fmt: skip
+            window = []
+    assert opened >= 3  # both outcomes were exercised
