@@ -25,6 +25,7 @@ import faust
 import orjson
 from aiokafka.errors import KafkaError
 
+from streams.backtrack import BACKTRACK_HEADER
 from streams.metrics import Metrics
 from streams.processing.dispatch import Dispatcher, LaneSlots
 from streams.processing.offsets import InOrderAcks, Ticket
@@ -39,6 +40,7 @@ from streams.topics import state_topic
 log = logging.getLogger(__name__)
 
 SEND_ATTEMPTS = 8
+BACKTRACK_NOTES = {b"restore": "backtrack: restored", b"rerun": "backtrack: re-run"}
 
 
 def header(message: Any, name: str) -> bytes | None:
@@ -220,10 +222,12 @@ class TaskAgent:
                     else:
                         await self._deliver(prepared, None, source)
                 else:
-                    force = header(message, FORCE_HEADER) == b"1"
+                    backtrack = header(message, BACKTRACK_HEADER)
+                    force = header(message, FORCE_HEADER) == b"1" or backtrack == b"rerun"
                     outcome, written = await self._answer(prepared, processor, lane, force)
                     if not written:
-                        await self._deliver(outcome, prepared, source)
+                        note = BACKTRACK_NOTES.get(backtrack or b"")
+                        await self._deliver(outcome, prepared, source, note)
                     elif self._state_missing(prepared, outcome):
                         # Written by a run killed before its state was: write that now.
                         state = self._state_after(outcome, prepared, source)
@@ -307,7 +311,9 @@ class TaskAgent:
         stored = self.store.get(kind, source.partition, key.encode())
         return stored is not None and orjson.loads(stored).get("source") == source.model_dump()
 
-    def _state_after(self, outcome: Outcome, prep: Prepared, source: Source) -> TaskState:
+    def _state_after(
+        self, outcome: Outcome, prep: Prepared, source: Source, note: str | None = None
+    ) -> TaskState:
         before = self.store.state(source.partition, prep.task.task_id) or TaskState(
             task_id=prep.task.task_id, status=Status.RECEIVED, updated_at=""
         )
@@ -315,7 +321,7 @@ class TaskAgent:
         error = orjson.loads(outcome.value).get("error") if not result else None
         return before.moved(
             Status.SUCCEEDED if result else Status.DEAD_LETTERED,
-            note="cached" if result and outcome.attempts == 0 else None,
+            note=note or ("cached" if result and outcome.attempts == 0 else None),
             attempts=outcome.attempts,
             input_hash=prep.content_key,
             pipeline=prep.pipeline.name,
@@ -327,7 +333,9 @@ class TaskAgent:
             last_error=error,
         )
 
-    async def _deliver(self, outcome: Outcome, prep: Prepared | None, source: Source) -> None:
+    async def _deliver(
+        self, outcome: Outcome, prep: Prepared | None, source: Source, note: str | None = None
+    ) -> None:
         """Write the outcome (and the task's state) through the store and wait for the
         broker's acks; a failed write is written again, and a worker that cannot write
         stops without acking, so the record runs again after the restart."""
@@ -338,7 +346,8 @@ class TaskAgent:
             try:
                 writes = [self.store.put(kind, p, outcome.key.encode(), outcome.value)]
                 if prep is not None:
-                    writes.append(self.store.put_state(p, self._state_after(outcome, prep, source)))
+                    state = self._state_after(outcome, prep, source, note)
+                    writes.append(self.store.put_state(p, state))
                 await asyncio.gather(*writes)
                 return
             except KafkaError as exc:

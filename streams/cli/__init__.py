@@ -244,6 +244,108 @@ def replay(
     ))  # fmt: skip
 
 
+@cli.command()
+@click.argument("task_ids", nargs=-1)
+@click.option("--pipeline", default=None, help="Only tasks of this pipeline.")
+@click.option("--version", "current", default=None, help="Only tasks now answered under this.")
+@click.option("--since", default=None, help="Only tasks whose state changed since this ISO time.")
+@click.option("--until", default=None, help="... and before this ISO time.")
+@click.option(
+    "--restore",
+    "restore_version",
+    default=None,
+    metavar="VERSION",
+    help="Restore the result this prompt version gave (no LLM call).",
+)
+@click.option("--rerun", is_flag=True, help="Answer again with the LLM (under --as-version).")
+@click.option("--as-version", default=None, help="With --rerun: the version to answer under.")
+@click.option("--dry-run", is_flag=True, help="Print what would be sent.")
+def backtrack(
+    task_ids: tuple[str, ...], pipeline: str | None, current: str | None, since: str | None,
+    until: str | None, restore_version: str | None, rerun: bool, as_version: str | None,
+    dry_run: bool,
+) -> None:  # fmt: skip
+    """Put tasks back to an earlier prompt version's result, or answer them again.
+
+    Select by TASK_IDS and/or --pipeline/--version/--since/--until. The worker
+    applies it in order with the task's other records and notes it in the
+    task's history (`llm-streams status TASK_ID`).
+    """
+    from streams.backtrack import Selection, plan_backtrack, send_backtrack
+    from streams.prompts.registry import PipelineRegistry
+
+    if bool(restore_version) == rerun:
+        click.echo("backtrack: give exactly one of --restore VERSION or --rerun", err=True)
+        sys.exit(2)
+    settings = settings_or_exit()
+    selection = Selection(task_ids=frozenset(task_ids), pipeline=pipeline, prompt_version=current,
+                          since=iso_time_or_exit("--since", since),
+                          until=iso_time_or_exit("--until", until))  # fmt: skip
+    action: Any = "restore" if restore_version else "rerun"
+    try:
+        registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+        plan = asyncio.run(plan_backtrack(settings, registry, selection, action,
+                                          restore_version or as_version))  # fmt: skip
+    except ConfigError as exc:
+        click.echo(f"backtrack: {exc}", err=True)
+        sys.exit(2)
+    sent = 0 if dry_run else asyncio.run(send_backtrack(settings, plan, action))
+    verb = "would send" if dry_run else "sent"
+    click.echo(f"{verb} {len(plan.send) if dry_run else sent} task(s) to {action}")
+    if plan.no_result:
+        click.echo(f"skipped {len(plan.no_result)} never answered under {restore_version}: "
+                   f"{', '.join(plan.no_result[:10])}")  # fmt: skip
+    if plan.no_source:
+        click.echo(f"skipped {len(plan.no_source)} whose last record is gone or unreadable: "
+                   f"{', '.join(plan.no_source[:10])}")  # fmt: skip
+    if plan.missing_ids:
+        click.echo(f"no state for {len(plan.missing_ids)}: {', '.join(plan.missing_ids[:10])}")
+
+
+@cli.command()
+@click.option("--pipeline", required=True, help="Pipeline whose results to compare.")
+@click.option("--from-version", required=True, help="The earlier prompt version.")
+@click.option("--to-version", required=True, help="The later prompt version.")
+def diff(pipeline: str, from_version: str, to_version: str) -> None:
+    """Summarise how outputs changed between two versions (tasks answered under both)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from streams.diff import summarise, version_pairs
+    from streams.errors import TaskError
+    from streams.prompts.registry import PipelineRegistry
+
+    settings = settings_or_exit()
+    try:
+        registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+        schema = registry.get(pipeline).output_schema
+    except (ConfigError, TaskError) as exc:
+        click.echo(f"diff: {exc}", err=True)
+        sys.exit(2)
+    pairs, only_from, only_to = asyncio.run(
+        version_pairs(settings, pipeline, from_version, to_version)
+    )
+    console = Console(soft_wrap=True)
+    console.print(f"{pipeline}: {len(pairs)} task(s) answered under both {from_version} and "
+                  f"{to_version}; {only_from} only under {from_version}, {only_to} only under "
+                  f"{to_version}", highlight=False)  # fmt: skip
+    if not pairs:
+        return
+    table = Table("field", "changed", "details")
+    for d in summarise(pairs, schema):
+        if d.kind == "label":
+            flips = ", ".join(f"{a}→{b} {n}" for (a, b), n in d.flips.most_common(5))
+            detail = f"flips: {flips or 'none'}"
+        elif d.kind == "number":
+            detail = f"mean shift {d.mean_shift:+.3f}, mean |shift| {d.mean_abs_shift:.3f}"
+        elif d.kind == "list":
+            detail = f"mean Jaccard similarity {d.mean_jaccard:.2f}"
+        else:
+            detail = ""
+        table.add_row(d.name, f"{d.changed_share:.1%} of {d.compared}", detail)
+    console.print(table)
+
+
 @cli.group()
 def pipelines() -> None:
     """Pipeline files."""

@@ -179,6 +179,32 @@ async def test_replay_skips_answered_resumes_after_a_kill_and_force_asks_again(
         bad = _cli(settings, "replay", "--prompt-version", "v2")
         assert bad.returncode == 2 and "--from" in bad.stderr
 
+        # Backtrack: three tasks back to their v1 answers (no LLM call), seen in their history.
+        picked = ["h-00003", "h-00500", "h-01100"]
+        before = simulator.sim.snapshot()["requests"]
+        restore = _cli(settings, "backtrack", *picked, "h-99999", "--restore", "v1")
+        assert restore.returncode == 0, restore.stderr
+        assert "sent 3 task(s) to restore" in restore.stdout and "no state for 1" in restore.stdout
+        got = await collect(settings, set(), timeout_s=120, worker=worker,
+                            until=lambda c: {r["task_id"] for r in c.results if r["cached"]
+                                             and r["prompt_version"] == "v1"} >= set(picked))  # fmt: skip
+        restored = [r for r in got.results if r["cached"] and r["prompt_version"] == "v1"]
+        assert {r["task_id"] for r in restored} == set(picked)
+        assert all(r["result_key"] == v1_keys[r["task_id"]] for r in restored)
+        assert simulator.sim.snapshot()["requests"] == before  # answered from the store
+        shown = _cli(settings, "status", "h-00500")
+        assert shown.returncode == 0, shown.stderr
+        assert "backtrack: restored" in shown.stdout and v1_keys["h-00500"] in shown.stdout
+        never = _cli(settings, "backtrack", "h-00004", "--restore", "v3")
+        assert never.returncode == 2 and "no prompt version 'v3'" in never.stderr + never.stdout
+
+        # Diff of the two versions over the tasks answered under both.
+        compared = _cli(settings, "diff", "--pipeline", "comment-analysis",
+                        "--from-version", "v1", "--to-version", "v2")  # fmt: skip
+        assert compared.returncode == 0, compared.stderr
+        assert f"{TASKS} task(s) answered under both v1 and v2" in compared.stdout
+        assert "sentiment" in compared.stdout and "confidence" in compared.stdout
+
         # A range after the last record: nothing to replay.
         later = ReplayRequest(source=settings.topics.tasks,
                               since=datetime.now(UTC) + timedelta(hours=1))  # fmt: skip
