@@ -79,7 +79,7 @@ def create_app(settings: Settings) -> faust.App:
     app = faust.App(
         settings.app_id,
         broker=settings.kafka.broker_url,
-        store=settings.store,
+        store="memory://",  # no Faust tables: the task store (streams.state) keeps the state
         processing_guarantee=settings.processing_guarantee,
         topic_partitions=settings.kafka.partitions,
         topic_replication_factor=settings.kafka.replication_factor,

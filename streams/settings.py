@@ -135,7 +135,10 @@ class Settings(BaseSettings):
     batch: BatchSettings = BatchSettings()
     llm: LLMSettings = LLMSettings()
     resilience: ResilienceSettings = ResilienceSettings()
-    store: str = Field("memory://", description="Table store: memory:// or rocksdb://[path].")
+    store: str = Field(
+        "memory://",
+        description="Task store maps: memory:// or rocksdb://[path] (default: data dir/store).",
+    )
     processing_guarantee: Literal["at_least_once", "exactly_once"] = "at_least_once"
     data_dir: Path = Field(Path("var/llm-streams"), description="Worker state directory.")
     pipelines_dir: Path = Field(default_factory=lambda: _data_dir("pipelines"))

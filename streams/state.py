@@ -20,8 +20,9 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -133,7 +134,8 @@ class TaskStore:
         }
         self._send = send
         self.metrics = metrics
-        self._maps: dict[int, dict[Kind, dict[bytes, bytes]]] = {}
+        self._maps: dict[int, dict[Kind, Map]] = {}
+        self._rocks_dir = rocks_dir(settings)
         self._ready: dict[int, asyncio.Event] = {}
         self._loading: dict[int, asyncio.Task[None]] = {}
 
@@ -145,10 +147,10 @@ class TaskStore:
             task = self._loading.pop(p, None)
             if task is not None:
                 task.cancel()
-            del self._maps[p]
+            close_maps(self._maps.pop(p))
             self._ready.pop(p, None)
         for p in sorted(partitions - set(self._maps)):
-            self._maps[p] = {kind: {} for kind in Kind}
+            self._maps[p] = open_maps(self._rocks_dir, p)
             self._ready[p] = asyncio.Event()
             self._loading[p] = asyncio.create_task(self._load(p), name=f"load-state-{p}")
 
@@ -168,6 +170,10 @@ class TaskStore:
             task.cancel()
         await asyncio.gather(*self._loading.values(), return_exceptions=True)
         self._loading.clear()
+        for maps in self._maps.values():
+            close_maps(maps)
+        self._maps.clear()
+        self._ready.clear()
 
     async def _load(self, partition: int) -> None:
         maps = self._maps[partition]
@@ -215,11 +221,47 @@ class TaskStore:
         await self.put(Kind.TASKS, partition, state.task_id.encode(), state.dumps())
 
 
+Map = MutableMapping[bytes, bytes]
+
+
+def rocks_dir(settings: Settings) -> Path | None:
+    """Where the maps live on disk (`LLM_STREAMS_STORE=rocksdb://[path]`), or None: memory."""
+    if not settings.store.startswith("rocksdb://"):
+        return None
+    path = settings.store.removeprefix("rocksdb://")
+    return Path(path) if path else settings.data_dir / "store"
+
+
+def open_maps(base: Path | None, partition: int) -> dict[Kind, Map]:
+    """Empty maps for a partition: dicts, or RocksDB files (rocksdict) emptied first, since
+    the topics are the truth and are read again on every assignment."""
+    if base is None:
+        return {kind: {} for kind in Kind}
+    from rocksdict import Options, Rdict
+
+    maps: dict[Kind, Map] = {}
+    for kind in Kind:
+        path = base / f"p{partition}-{kind.value}"
+        if path.exists():
+            Rdict.destroy(str(path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # raw_mode: keys and values are our bytes as they are (no pickling).
+        maps[kind] = Rdict(str(path), options=Options(raw_mode=True))  # type: ignore[assignment]  # Rdict has the mapping methods used here but is no MutableMapping subclass
+    return maps
+
+
+def close_maps(maps: dict[Kind, Map]) -> None:
+    for m in maps.values():
+        close = getattr(m, "close", None)
+        if close is not None:
+            close()
+
+
 async def load_partition(
     settings: Settings,
     topics: dict[Kind, str],
     partition: int,
-    maps: dict[Kind, dict[bytes, bytes]],
+    maps: dict[Kind, Map],
 ) -> dict[Kind, int]:
     """Read partition `partition` of each topic from its start to its end into `maps`
     (latest value per key; a null value deletes). Returns records read per kind."""
@@ -250,7 +292,8 @@ async def load_partition(
                     if record.key is None:
                         continue
                     if record.value is None:
-                        target.pop(record.key, None)
+                        if record.key in target:
+                            del target[record.key]
                     else:
                         target[record.key] = record.value
             for tp in list(remaining):

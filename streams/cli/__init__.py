@@ -153,6 +153,8 @@ def status(task_id: str) -> None:
         click.echo(f"no state for task {task_id!r}", err=True)
         sys.exit(1)
     console = Console()
+    if not console.is_terminal:  # piped: no 80-column wrap of keys and notes
+        console = Console(width=200)
     history = state.pop("history", [])
     for key, value in state.items():
         console.print(f"[bold]{key:<17}[/bold] {value}", highlight=False)

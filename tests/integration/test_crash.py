@@ -69,6 +69,7 @@ async def test_ten_sigkills_lose_nothing_and_repeat_only_uncommitted_work(
         llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
         batch={"size": 50, "concurrency": 32},
         kafka={"session_timeout_s": 6, "commit_interval_s": 0.2},
+        store="rocksdb://",  # the disk-backed maps, killed and reopened ten times
     )
     tasks = [{"task_id": f"c-{i:05d}", "pipeline": "comment-analysis",
               "input": {"text": f"Comment {i}: the zip broke on day {i % 30}."}}

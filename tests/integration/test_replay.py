@@ -152,13 +152,13 @@ async def test_replay_skips_answered_resumes_after_a_kill_and_force_asks_again(
         in_p0 = {t["task_id"] for (p, _), t in zip(offsets[:TASKS], tasks, strict=True) if p == 0}
         force = ReplayRequest(source=settings.topics.tasks, from_offsets={0: 0},
                               prompt_version="v1", force=True)  # fmt: skip
+        before = simulator.sim.snapshot()["requests"]  # (the worker starts on them at once)
         forced = await Replayer(settings, force, registry).run(dry_run=False)
         assert forced.counts.published == len(in_p0) > 0
         forced_records = [r for r in await _replay_records(settings)
                           if dict(r.headers)[REPLAY_ID_HEADER] == force.replay_id().encode()]  # fmt: skip
         assert len(forced_records) == len(in_p0)
         assert all(dict(r.headers).get(FORCE_HEADER) == b"1" for r in forced_records)
-        before = simulator.sim.snapshot()["requests"]
         got = await collect(settings, set(), timeout_s=120, worker=worker,
                             until=lambda c: len([r for r in c.results if r["prompt_version"] == "v1"
                                                  and r["source"]["topic"] == settings.topics.replay])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 from streams.records import Source
@@ -69,3 +70,27 @@ def test_cache_is_bounded() -> None:
         cache.put(f"k{i}", {"i": i}, "m")
     assert cache.get("k0") is None and cache.get("k1") is None
     assert cache.get("k4") == ({"i": 4}, "m")
+
+
+def test_rocksdb_maps_start_empty_on_every_assignment(tmp_path: Any) -> None:
+    from streams.settings import load_settings
+    from streams.state import Kind, close_maps, open_maps, rocks_dir
+
+    assert rocks_dir(load_settings()) is None  # memory:// by default
+    settings = load_settings(store="rocksdb://", data_dir=tmp_path)
+    base = rocks_dir(settings)
+    assert base == tmp_path / "store"
+    maps = open_maps(base, 3)
+    maps[Kind.RESULTS][b"rk1-a"] = b"{}"
+    assert maps[Kind.RESULTS].get(b"rk1-a") == b"{}" and b"rk1-a" in maps[Kind.RESULTS]
+    del maps[Kind.RESULTS][b"rk1-a"]
+    assert maps[Kind.RESULTS].get(b"rk1-a") is None
+    maps[Kind.TASKS][b"t1"] = b"state"
+    close_maps(maps)
+    assert (tmp_path / "store" / "p3-tasks").exists()
+    # The topics are the truth: a new assignment reads them into empty maps.
+    again = open_maps(base, 3)
+    assert again[Kind.TASKS].get(b"t1") is None
+    close_maps(again)
+    assert load_settings(store="rocksdb:///srv/x").store == "rocksdb:///srv/x"
+    assert rocks_dir(load_settings(store="rocksdb:///srv/x")) == Path("/srv/x")
