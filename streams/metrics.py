@@ -96,6 +96,9 @@ class Metrics:
         self.mitigations = Counter(
             "llm_streams_mitigations", "Prompts shortened to fit the context window.",
             ["pipeline", "kind"], registry=r)  # fmt: skip
+        self.redactions = Counter(
+            "llm_streams_pii_redactions", "Personal data replaced before prompts, by kind.",
+            ["pipeline", "kind"], registry=r)  # fmt: skip
         self.cache_hits = Counter(
             "llm_streams_cache_hits",
             "Tasks answered without an LLM call: kind=result (the task was answered before) "

@@ -168,6 +168,9 @@ class TaskProcessor:
             pipeline = self.registry.get(task.pipeline)
             version = pipeline.version(task.prompt_version)
             prompt = version.render(task.input, self.default_model)
+            if prompt.redactions and self.metrics is not None:
+                for kind, n in prompt.redactions.items():
+                    self.metrics.redactions.labels(pipeline.name, kind).inc(n)
             return Prepared(
                 task=task,
                 pipeline=pipeline,
