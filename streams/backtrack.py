@@ -152,7 +152,7 @@ async def plan_backtrack(
             plan.no_source.append(task_id)
             continue
         try:
-            target = pipeline.version(version or task.prompt_version)
+            target = pipeline.version(version or task.prompt_version, task.task_id)
         except TaskError as exc:  # the version asked for does not exist: say so, send nothing
             raise ConfigError(str(exc)) from None
         key = result_key(pipeline.name, target.version, task.task_id, task.input)

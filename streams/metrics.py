@@ -96,6 +96,11 @@ class Metrics:
         self.mitigations = Counter(
             "llm_streams_mitigations", "Prompts shortened to fit the context window.",
             ["pipeline", "kind"], registry=r)  # fmt: skip
+        self.versions_chosen = Counter(
+            "llm_streams_prompt_versions",
+            "Tasks by the prompt version they got and how: pinned by the task, split "
+            "(A/B traffic bucket) or default.", ["pipeline", "version", "chosen_by"],
+            registry=r)  # fmt: skip
         self.redactions = Counter(
             "llm_streams_pii_redactions", "Personal data replaced before prompts, by kind.",
             ["pipeline", "kind"], registry=r)  # fmt: skip

@@ -358,7 +358,7 @@ class Replayer:
                 counts.filtered += 1
                 return None
             pipeline = self.registry.get(task.pipeline)
-            version = pipeline.version(request.prompt_version or task.prompt_version)
+            version = pipeline.version(request.prompt_version or task.prompt_version, task.task_id)
             key = result_key(pipeline.name, version.version, task.task_id, task.input)
             if key.encode() in self._keys and not request.force:
                 counts.answered += 1

@@ -367,7 +367,15 @@ def pipelines_validate(directory: Path | None) -> None:
         sys.exit(1)
     for name, p in sorted(registry.pipelines.items()):
         versions = ", ".join(sorted(p.versions))
-        click.echo(f"ok  {name}: versions {versions} (default {p.spec.default_version})")
+        split = (
+            ", traffic " + " / ".join(f"{v} {w:g}" for v, w in sorted(p.spec.traffic.items()))
+            if p.spec.traffic
+            else ""
+        )
+        click.echo(f"ok  {name}: versions {versions} (default {p.spec.default_version}{split})")
+        for v, spec in sorted(p.spec.versions.items()):
+            for warning in spec.warnings():
+                click.echo(f"warn {name} {v}: {warning}")
 
 
 def main() -> None:

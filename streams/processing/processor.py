@@ -166,8 +166,12 @@ class TaskProcessor:
         try:
             task = decode_task(raw, max_bytes=self.max_task_bytes)
             pipeline = self.registry.get(task.pipeline)
-            version = pipeline.version(task.prompt_version)
+            version = pipeline.version(task.prompt_version, task.task_id)
             prompt = version.render(task.input, self.default_model)
+            if self.metrics is not None:
+                chosen_by = ("pinned" if task.prompt_version else
+                             "split" if pipeline.spec.traffic else "default")  # fmt: skip
+                self.metrics.versions_chosen.labels(pipeline.name, version.version, chosen_by).inc()
             if prompt.redactions and self.metrics is not None:
                 for kind, n in prompt.redactions.items():
                     self.metrics.redactions.labels(pipeline.name, kind).inc(n)

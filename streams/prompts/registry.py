@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import Counter
@@ -87,6 +88,35 @@ class VersionSpec(BaseModel):
     on_context_overflow: OverflowPolicy | None = None
 
     @model_validator(mode="after")
+    def _params_make_sense(self) -> VersionSpec:
+        """Refuse sampling settings that are out of range or work against each other."""
+        p = self.params
+        temperature, top_p, max_tokens = p.get("temperature"), p.get("top_p"), p.get("max_tokens")
+        if temperature is not None and not 0 <= temperature <= 2:
+            raise ValueError(f"params.temperature {temperature} is outside 0..2")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"params.top_p {top_p} is outside (0, 1]")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"params.max_tokens {max_tokens!r} must be a positive integer")
+        if (temperature or 0) > 0.8 and max_tokens is not None and max_tokens < 50:
+            raise ValueError(
+                f"params: temperature {temperature} with max_tokens {max_tokens} contradict "
+                "each other (wide sampling, too little room for a JSON answer); lower the "
+                "temperature or raise max_tokens"
+            )
+        return self
+
+    def warnings(self) -> list[str]:
+        """Allowed, but worth a second look."""
+        p = self.params
+        found = []
+        if p.get("temperature", 0) > 0 and p.get("top_p", 1) < 1:
+            found.append("both temperature and top_p change sampling; tune one of them")
+        if p.get("temperature", 0) > 1.2:
+            found.append(f"temperature {p['temperature']} makes JSON answers fail validation often")
+        return found
+
+    @model_validator(mode="after")
     def _overflow_slot_is_text(self) -> VersionSpec:
         policy = self.on_context_overflow
         if policy is not None:
@@ -135,12 +165,23 @@ class PipelineSpec(BaseModel):
     )
     quote_source: str | None = None
     preprocess: PreprocessSpec = Field(default_factory=PreprocessSpec)
+    traffic: dict[str, float] | None = Field(
+        None,
+        description="A/B split: version -> weight. Tasks that pin no version are bucketed "
+        "by a hash of their task_id, so a task always gets the same version.",
+    )
     versions: dict[str, VersionSpec] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _default_exists(self) -> PipelineSpec:
         if self.default_version not in self.versions:
             raise ValueError(f"default_version {self.default_version!r} is not in versions")
+        if self.traffic is not None:
+            unknown = set(self.traffic) - set(self.versions)
+            if unknown:
+                raise ValueError(f"traffic names versions {sorted(unknown)} not in versions")
+            if any(w < 0 for w in self.traffic.values()) or sum(self.traffic.values()) <= 0:
+                raise ValueError("traffic weights must be >= 0 with a positive sum")
         return self
 
 
@@ -260,9 +301,31 @@ class Pipeline:
         self.validator = jsonschema.Draft202012Validator(output_schema)
         self.is_valid = jsonschema_rs.validator_for(output_schema).is_valid
         self.versions = {v: PipelineVersion(self, v, s) for v, s in spec.versions.items()}
+        total = sum((spec.traffic or {}).values())
+        self._split: list[tuple[float, str]] = []
+        edge = 0.0
+        for name, weight in sorted((spec.traffic or {}).items()):
+            if weight > 0:
+                edge += weight / total
+                self._split.append((edge, name))
 
-    def version(self, requested: str | None) -> PipelineVersion:
-        name = requested or self.spec.default_version
+    def bucket(self, task_id: str) -> str:
+        """The version of the traffic split this task id falls in (stable across runs)."""
+        digest = hashlib.sha256(f"{self.name}\x1f{task_id}".encode()).digest()
+        point = int.from_bytes(digest[:8], "big") / 2**64
+        for edge, name in self._split:
+            if point < edge:
+                return name
+        return self._split[-1][1]
+
+    def version(self, requested: str | None, task_id: str | None = None) -> PipelineVersion:
+        """The version asked for; else, with a traffic split and a task id, the task's
+        bucket; else the default."""
+        name = (
+            requested
+            or (self.bucket(task_id) if task_id is not None and self._split else None)
+            or self.spec.default_version
+        )
         try:
             return self.versions[name]
         except KeyError:

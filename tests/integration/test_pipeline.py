@@ -142,6 +142,8 @@ async def test_poison_records_and_valid_tasks_each_end_exactly_once(
     assert metrics.value("llm_streams_tasks_unfinished") == 0
     assert metrics.value("llm_streams_end_to_end_seconds_count") == 1000
     assert metrics.value("llm_streams_batch_size_sum") == 1000
+    versions = "llm_streams_prompt_versions_total"
+    assert metrics.value(versions, version="v1", chosen_by="default") == 950
     assert "task_id" not in metrics.text and "t-00001" not in metrics.text  # bounded labels
 
 

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import copy
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from streams.errors import ConfigError, InvalidInput
 from streams.prompts.registry import PipelineRegistry
@@ -119,3 +123,62 @@ def test_bad_pipeline_files_stop_the_start(tmp_path: Path, body: str, words: str
 def test_settings_find_the_checkout_pipelines() -> None:
     s = load_settings()
     assert (s.pipelines_dir / "comment-analysis.yaml").exists()
+
+
+def _spec_with(tmp_path: Path, **changes: Any) -> Path:
+    spec = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
+    v2 = copy.deepcopy(spec["versions"]["v1"])
+    v2["system"] += "Be brief.\n"
+    spec["versions"]["v2"] = v2
+    for key, value in changes.items():
+        if key.startswith("v1_"):
+            spec["versions"]["v1"][key[3:]] = value
+        else:
+            spec[key] = value
+    folder = tmp_path / "pipelines"
+    folder.mkdir(exist_ok=True)
+    (folder / "comment-analysis.yaml").write_text(yaml.safe_dump(spec))
+    return folder
+
+
+def test_traffic_split_buckets_each_task_the_same_way_in_proportion(tmp_path: Path) -> None:
+    folder = _spec_with(tmp_path, traffic={"v1": 90, "v2": 10})
+    pipeline = PipelineRegistry.load(folder, ROOT / "schemas").get("comment-analysis")
+    chosen = Counter(pipeline.version(None, f"task-{i}").version for i in range(20_000))
+    assert 0.88 < chosen["v1"] / 20_000 < 0.92 and chosen["v2"] + chosen["v1"] == 20_000
+    again = PipelineRegistry.load(folder, ROOT / "schemas").get("comment-analysis")
+    assert all(pipeline.version(None, f"t{i}").version == again.version(None, f"t{i}").version
+               for i in range(500))  # fmt: skip
+    # A pinned version wins; without a task id, the default.
+    assert pipeline.version("v2", "task-1").version == "v2"
+    assert pipeline.version(None).version == "v1"
+
+
+def test_a_split_naming_unknown_versions_or_with_no_weight_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not in versions"):
+        PipelineRegistry.load(_spec_with(tmp_path, traffic={"v3": 1}), ROOT / "schemas")
+    with pytest.raises(ConfigError, match="positive sum"):
+        PipelineRegistry.load(_spec_with(tmp_path, traffic={"v1": 0}), ROOT / "schemas")
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"temperature": 0.9, "max_tokens": 40}, "contradict"),
+        ({"temperature": 2.5}, "outside 0..2"),
+        ({"top_p": 0}, "outside \\(0, 1\\]"),
+        ({"max_tokens": 0}, "positive integer"),
+    ],
+)
+def test_contradictory_or_out_of_range_parameters_are_refused(
+    tmp_path: Path, params: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        PipelineRegistry.load(_spec_with(tmp_path, v1_params=params), ROOT / "schemas")
+
+
+def test_doubtful_parameters_load_with_a_warning(tmp_path: Path) -> None:
+    folder = _spec_with(tmp_path, v1_params={"temperature": 1.3, "top_p": 0.9, "max_tokens": 400})
+    pipeline = PipelineRegistry.load(folder, ROOT / "schemas").get("comment-analysis")
+    warnings = pipeline.spec.versions["v1"].warnings()
+    assert any("top_p" in w for w in warnings) and any("1.3" in w for w in warnings)
