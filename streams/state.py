@@ -72,6 +72,9 @@ class TaskState(BaseModel):
     result_partition: int | None = None
     source: Source | None = None
     last_error: dict[str, Any] | None = None
+    # Multi-stage pipelines, after a failed stage: the answers of the stages before it
+    # (by stage name), for the input hash and version above; a re-run starts from there.
+    stage_outputs: dict[str, Any] | None = None
     updated_at: str
     history: list[HistoryEntry] = Field(default_factory=list)
 

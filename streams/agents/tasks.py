@@ -271,8 +271,10 @@ class TaskAgent:
             if letter.get("source") == prep.source.model_dump():
                 return self._stored(prep, "dead_letter", prep.task.task_id, dead, letter), True
 
+        earlier = self._earlier_stages(prep)
+
         async def call() -> tuple[Outcome, tuple[dict[str, Any], str] | None]:
-            outcome = await processor.answer(prep, lane)
+            outcome = await processor.answer(prep, lane, earlier)
             if outcome.kind == "result" and outcome.output is not None and outcome.model:
                 return outcome, (outcome.output, outcome.model)
             return outcome, None
@@ -296,6 +298,21 @@ class TaskAgent:
         return Outcome(kind="result" if kind == "result" else "dead_letter", key=key,
                        value=raw, task_id=prep.task.task_id, category=category,
                        attempts=int(record.get("attempts", 0)))  # fmt: skip
+
+    def _earlier_stages(self, prep: Prepared) -> dict[str, Any] | None:
+        """Answers of the stages an earlier run of this task got before a later stage
+        failed, when they are for the same input and version."""
+        if not prep.pipeline.stages:
+            return None
+        state = self.store.state(prep.source.partition, prep.task.task_id)
+        if (
+            state is None
+            or not state.stage_outputs
+            or state.input_hash != prep.content_key
+            or state.prompt_version != prep.version.version
+        ):
+            return None
+        return state.stage_outputs
 
     def _state_missing(self, prep: Prepared, outcome: Outcome) -> bool:
         state = self.store.state(prep.source.partition, prep.task.task_id)
@@ -331,6 +348,8 @@ class TaskAgent:
             result_partition=source.partition if result else before.result_partition,
             source=source,
             last_error=error,
+            stage=outcome.stage,
+            stage_outputs=None if result else outcome.stages,
         )
 
     async def _deliver(

@@ -40,6 +40,7 @@ class SimConfig:
     tpm: int = 0  # 0 = no token limit
     burst_s: float = 1.0  # enforcement window: 60 RPM admits ~1 per second, not 60 at once
     error_500_rate: float = 0.0
+    error_500_models: list[str] = field(default_factory=list)  # these models always answer 500
     error_503_rate: float = 0.0
     hang_rate: float = 0.0
     hang_s: float = 600.0
@@ -328,7 +329,7 @@ class Simulator:
                 self.by_outcome["hang"] += 1
                 await asyncio.sleep(cfg.hang_s)
             roll -= cfg.hang_rate
-            if 0 <= roll < cfg.error_500_rate:
+            if 0 <= roll < cfg.error_500_rate or model in cfg.error_500_models:
                 self._count(500, "error_500")
                 return _error(
                     500,

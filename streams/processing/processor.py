@@ -25,6 +25,7 @@ from streams.llm.client import LLMRequest, LLMResponse
 from streams.llm.tokens import count_messages, counter, truncate_tokens
 from streams.metrics import Metrics
 from streams.processing.output import parse_output
+from streams.processing.stages import MAIN, StageFailed, run_stages
 from streams.prompts.registry import (
     Fallback,
     Pipeline,
@@ -89,6 +90,10 @@ class Outcome:
     cost_usd: float = 0.0
     output: dict[str, Any] | None = None
     model: str | None = None
+    # Multi-stage pipelines: every answer known so far by stage name (kept in the task
+    # state, so a re-run resumes from the stage that failed), and where it ended.
+    stages: dict[str, Any] | None = None
+    stage: str = "main"
 
 
 @dataclass(frozen=True)
@@ -194,26 +199,52 @@ class TaskProcessor:
             err = StreamsError(f"internal error: {exc!r}", code="internal_error")
             return self._dead(err, raw, key, task, source, Attempts(), _Spend(), started)
 
-    async def answer(self, prep: Prepared, lane: Lane = Lane.LIVE) -> Outcome:
-        """Call the LLM (retries, fallbacks, mitigation) and validate: result or dead letter."""
+    async def answer(
+        self, prep: Prepared, lane: Lane = Lane.LIVE, earlier: dict[str, Any] | None = None
+    ) -> Outcome:
+        """Call the LLM (retries, fallbacks, mitigation) and validate: result or dead letter.
+
+        `earlier`: answers by stage of an earlier run of this task and version that
+        failed at a later stage; they are used, not asked again."""
         task, pipeline, version, prompt = prep.task, prep.pipeline, prep.version, prep.prompt
         deadline_at = self.client.clock.now() + self.deadline_s
         attempts = Attempts()
         spend = _Spend()
+        done: dict[str, Any] = dict(earlier or {}) if pipeline.stages else {}
+        kept = done if pipeline.stages else None
         try:
             try:
                 async with asyncio.timeout(self.deadline_s):
-                    try:
-                        output = await self._call(
-                            pipeline, version, prompt, attempts, spend, lane, deadline_at
-                        )
-                    except ContextOverflow as exc:
-                        # The pipeline's mitigation, if it has one: shorten, then one more try.
-                        prompt = self._shorten(pipeline, version, task, prompt, exc)
-                        attempts.previous, attempts.last_error = attempts.count, None
-                        output = await self._call(
-                            pipeline, version, prompt, attempts, spend, lane, deadline_at
-                        )
+                    if MAIN in done:
+                        output = done[MAIN]
+                    else:
+                        try:
+                            output = await self._call(
+                                pipeline, version, prompt, attempts, spend, lane, deadline_at
+                            )
+                        except ContextOverflow as exc:
+                            # The pipeline's mitigation, if any: shorten, then one more try.
+                            prompt = self._shorten(pipeline, version, task, prompt, exc)
+                            attempts.previous, attempts.last_error = attempts.count, None
+                            output = await self._call(
+                                pipeline, version, prompt, attempts, spend, lane, deadline_at
+                            )
+                        done[MAIN] = output
+                    if pipeline.stages:
+
+                        async def call(
+                            p: Pipeline, v: PipelineVersion, r: RenderedPrompt
+                        ) -> dict[str, Any]:
+                            # A stage's attempts count on from the ones before it.
+                            attempts.previous, attempts.last_error = attempts.count, None
+                            return await self._call(p, v, r, attempts, spend, lane, deadline_at)
+
+                        answers = await run_stages(
+                            pipeline.stages, variables=prompt.variables, output=output,
+                            done=done, task_id=task.task_id, default_model=self.default_model,
+                            call=call,
+                        )  # fmt: skip
+                        output = {**output, "stages": answers}
             except TimeoutError:
                 last = attempts.last_error
                 cause = f"; last error: {last.category.value}: {last.message}" if last else ""
@@ -234,10 +265,15 @@ class TaskProcessor:
                 cost=cost,
                 attempts=attempts.count,
                 cached=False,
+                stages=kept,
             )
         except TaskError as exc:
-            return self._dead(exc, prep.raw, prep.key, task, prep.source, attempts, spend,
+            dead = self._dead(exc, prep.raw, prep.key, task, prep.source, attempts, spend,
                               prep.started)  # fmt: skip
+            if kept is None:
+                return dead
+            failed_at = exc.stage if isinstance(exc, StageFailed) else MAIN
+            return replace(dead, stages=kept, stage=failed_at)
         except Exception as exc:  # a bug must not stop the worker or lose the record
             log.exception("unexpected error processing %s", prep.source)
             err = StreamsError(f"internal error: {exc!r}", code="internal_error")
@@ -259,6 +295,7 @@ class TaskProcessor:
         cost: float,
         attempts: int,
         cached: bool,
+        stages: dict[str, Any] | None = None,
     ) -> Outcome:
         latency_ms = (time.monotonic() - prep.started) * 1000
         result = Result(
@@ -289,6 +326,8 @@ class TaskProcessor:
             cost_usd=cost,
             output=output,
             model=model,
+            stages=stages,
+            stage=prep.pipeline.stages[-1].name if prep.pipeline.stages else MAIN,
         )
 
     async def _call(

@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -13,7 +14,7 @@ from typing import Any, Literal, get_args
 import jsonschema
 import jsonschema_rs
 import yaml
-from jinja2 import StrictUndefined, TemplateError
+from jinja2 import StrictUndefined, TemplateError, Undefined
 from jinja2.sandbox import SandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -126,6 +127,23 @@ class VersionSpec(BaseModel):
         return self
 
 
+class StageSpec(BaseModel):
+    """A follow-up stage: another pipeline run on this one's answer.
+
+    `when` and each `input` value are Jinja expressions over `input` (this task's
+    slots, cleaned and redacted), `output` (the first stage's answer) and
+    `stages` (answers of the stages before, by name; null when skipped).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_-]*$")
+    pipeline: str = Field(min_length=1)
+    version: str | None = None
+    when: str | None = None
+    input: dict[str, str] = Field(min_length=1)
+
+
 PiiKind = Literal["email", "cn_id", "bank_card", "phone"]
 
 
@@ -165,6 +183,10 @@ class PipelineSpec(BaseModel):
     )
     quote_source: str | None = None
     preprocess: PreprocessSpec = Field(default_factory=PreprocessSpec)
+    stages: list[StageSpec] = Field(
+        default_factory=list,
+        description="Stages after the first, in order; their answers land under output.stages.",
+    )
     traffic: dict[str, float] | None = Field(
         None,
         description="A/B split: version -> weight. Tasks that pin no version are bucketed "
@@ -176,6 +198,9 @@ class PipelineSpec(BaseModel):
     def _default_exists(self) -> PipelineSpec:
         if self.default_version not in self.versions:
             raise ValueError(f"default_version {self.default_version!r} is not in versions")
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names) or "main" in names:
+            raise ValueError("stage names must be unique and not 'main'")
         if self.traffic is not None:
             unknown = set(self.traffic) - set(self.versions)
             if unknown:
@@ -301,6 +326,7 @@ class Pipeline:
         self.validator = jsonschema.Draft202012Validator(output_schema)
         self.is_valid = jsonschema_rs.validator_for(output_schema).is_valid
         self.versions = {v: PipelineVersion(self, v, s) for v, s in spec.versions.items()}
+        self.stages: list[Stage] = []  # resolved by the registry once every pipeline loaded
         total = sum((spec.traffic or {}).values())
         self._split: list[tuple[float, str]] = []
         edge = 0.0
@@ -336,6 +362,49 @@ class Pipeline:
             ) from None
 
 
+@dataclass(frozen=True)
+class Stage:
+    """A resolved stage: its pipeline, and its expressions compiled."""
+
+    name: str
+    pipeline: Pipeline
+    version: str | None
+    when: Callable[..., Any] | None
+    inputs: dict[str, Callable[..., Any]]
+
+    def applies(self, context: dict[str, Any]) -> bool:
+        return self.when is None or bool(self.when(**context))
+
+    def build_input(self, context: dict[str, Any]) -> dict[str, Any]:
+        built = {}
+        for slot, expression in self.inputs.items():
+            value = expression(**context)
+            built[slot] = None if isinstance(value, Undefined) else value
+        return built
+
+
+def _resolve_stages(pipeline: Pipeline, pipelines: dict[str, Pipeline]) -> None:
+    stages = []
+    for spec in pipeline.spec.stages:
+        where = f"pipeline {pipeline.name} stage {spec.name}"
+        target = pipelines.get(spec.pipeline)
+        if target is None:
+            raise ConfigError(f"{where}: unknown pipeline {spec.pipeline!r}")
+        if target.spec.stages:
+            raise ConfigError(f"{where}: pipeline {spec.pipeline!r} has stages itself")
+        if spec.version is not None and spec.version not in target.versions:
+            raise ConfigError(f"{where}: {spec.pipeline!r} has no version {spec.version!r}")
+        try:
+            when = _ENV.compile_expression(spec.when) if spec.when else None
+            inputs: dict[str, Callable[..., Any]] = {
+                k: _ENV.compile_expression(v) for k, v in spec.input.items()
+            }
+        except TemplateError as exc:
+            raise ConfigError(f"{where}: expression error: {exc}") from exc
+        stages.append(Stage(spec.name, target, spec.version, when, inputs))
+    pipeline.stages = stages
+
+
 class PipelineRegistry:
     """Every pipeline of a directory, loaded and checked once at start-up."""
 
@@ -353,6 +422,8 @@ class PipelineRegistry:
             if pipeline.name in pipelines:
                 raise ConfigError(f"{path}: pipeline {pipeline.name!r} is defined twice")
             pipelines[pipeline.name] = pipeline
+        for pipeline in pipelines.values():
+            _resolve_stages(pipeline, pipelines)
         return cls(pipelines)
 
     def get(self, name: str) -> Pipeline:
