@@ -145,6 +145,9 @@ class Settings(BaseSettings):
     schemas_dir: Path = Field(default_factory=lambda: _data_dir("schemas"))
     web_port: int = Field(6066, ge=0, le=65535, description="Worker web/metrics port.")
     log_level: str = Field("info", description="Worker log level.")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Worker log lines: text, or JSON objects with task_id."
+    )
 
     @field_validator("store")
     @classmethod

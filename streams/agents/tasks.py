@@ -26,6 +26,7 @@ import orjson
 from aiokafka.errors import KafkaError
 
 from streams.backtrack import BACKTRACK_HEADER
+from streams.logs import current_task_id
 from streams.metrics import Metrics
 from streams.processing.dispatch import Dispatcher, LaneSlots
 from streams.processing.offsets import InOrderAcks, Ticket
@@ -207,6 +208,8 @@ class TaskAgent:
             m = self.metrics
             event = ticket.item
             message = event.message
+            # Log lines written for this record carry its task id (the key).
+            current_task_id.set(message.key.decode(errors="replace") if message.key else None)
             source = Source(topic=message.topic, partition=message.partition, offset=message.offset)
             lane = self.lane_of(message.topic)
             lane_name = lane.name.lower()
@@ -240,6 +243,12 @@ class TaskAgent:
             m.tasks_completed.labels(lane_name, kind).inc()
             if outcome is not None and outcome.category is not None:
                 m.dead_letters.labels(outcome.category).inc()
+                error = orjson.loads(outcome.value).get("error") or {}
+                log.info(
+                    "dead letter %s/%s after %d attempt(s) for %s/%d/%d: %s",
+                    error.get("category"), error.get("code"), outcome.attempts,
+                    source.topic, source.partition, source.offset, error.get("message"),
+                )  # fmt: skip
             if message.timestamp:  # seconds since the epoch, set by the producer or broker
                 m.end_to_end.labels(lane_name, kind).observe(
                     max(0.0, time.time() - message.timestamp)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import faust
 
 from streams.errors import ConfigError
+from streams.logs import logging_config
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -36,12 +38,35 @@ def run_worker(settings: Settings) -> None:
     # Before Faust starts: the topics exist, co-partitioned with the task store.
     loop.run_until_complete(ensure_topics(settings))
     app = create_app(settings)
-    worker = faust.Worker(app, loop=loop, loglevel=settings.log_level)
+    worker = faust.Worker(
+        app, loop=loop, loglevel=settings.log_level,
+        logging_config=logging_config(settings.log_level, settings.log_format, secrets(settings)),
+    )  # fmt: skip
     # Faust's progress spinner sets the root logger to DEBUG so it can spin on every
     # record; then each debug call in aiokafka, the SDK and Faust builds a LogRecord
     # (~5% of a worker's CPU at high rates). Without it the level is what was asked.
     worker.spinner = None
     worker.execute_from_commandline()
+
+
+def secrets(settings: Settings) -> list[str]:
+    """Keys the logs must never show: the LLM key and every fallback endpoint's key."""
+    found = []
+    if settings.llm.api_key is not None:
+        found.append(settings.llm.api_key.get_secret_value())
+    try:
+        from streams.prompts.registry import PipelineRegistry
+
+        registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+    except ConfigError:
+        return found  # the worker will say what is wrong when it loads them
+    for pipeline in registry.pipelines.values():
+        for version in pipeline.versions.values():
+            for fallback in version.spec.fallbacks:
+                key = os.environ.get(fallback.api_key_env) if fallback.api_key_env else None
+                if key:
+                    found.append(key)
+    return found
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
