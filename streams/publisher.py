@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from streams.errors import InvalidInput
 from streams.records import Task
 from streams.settings import Settings
+from streams.tracing import headers_for
 
 
 class TaskPublisher:
@@ -61,7 +62,10 @@ class TaskPublisher:
         """Validate and send one task (wait=False returns once it is buffered)."""
         task = data if isinstance(data, Task) else self.build(data)
         value = orjson.dumps(task.model_dump(mode="json", exclude_none=True))
-        fut = await self._producer.send(self.topic, key=task.task_id.encode(), value=value)
+        # The caller's trace (if a span is current) goes on through the worker.
+        fut = await self._producer.send(
+            self.topic, key=task.task_id.encode(), value=value, headers=headers_for() or None
+        )
         if wait:
             await fut
         return task

@@ -122,6 +122,16 @@ class ResilienceSettings(_Section):
     breaker_probes: int = Field(3, ge=1, description="Probe calls while half-open.")
 
 
+class TracingSettings(_Section):
+    exporter: Literal["none", "otlp", "file"] = Field(
+        "none",
+        description="Where spans go: nowhere (trace ids still flow), OTLP over HTTP "
+        "(OTEL_EXPORTER_OTLP_ENDPOINT etc. as the exporter reads them), or a JSON-lines file.",
+    )
+    file: Path | None = Field(None, description="With exporter=file: the file spans go to.")
+    service_name: str = Field("llm-streams", min_length=1, description="service.name resource.")
+
+
 class Settings(BaseSettings):
     """All settings of a worker or a CLI command."""
 
@@ -135,6 +145,7 @@ class Settings(BaseSettings):
     batch: BatchSettings = BatchSettings()
     llm: LLMSettings = LLMSettings()
     resilience: ResilienceSettings = ResilienceSettings()
+    tracing: TracingSettings = TracingSettings()
     store: str = Field(
         "memory://",
         description="Task store maps: memory:// or rocksdb://[path] (default: data dir/store).",

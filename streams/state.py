@@ -109,7 +109,7 @@ class Kind(StrEnum):
     TASKS = "tasks"
 
 
-Send = Callable[[str, bytes, bytes, int], Awaitable[None]]
+Send = Callable[[str, bytes, bytes, int, list[tuple[str, bytes]] | None], Awaitable[None]]
 
 
 class TaskStore:
@@ -211,9 +211,16 @@ class TaskStore:
         raw = self.get(Kind.TASKS, partition, task_id.encode())
         return TaskState.loads(raw) if raw is not None else None
 
-    async def put(self, kind: Kind, partition: int, key: bytes, value: bytes) -> None:
+    async def put(
+        self,
+        kind: Kind,
+        partition: int,
+        key: bytes,
+        value: bytes,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> None:
         """Write to the topic, and once the broker has it, to the map."""
-        await self._send(self.topics[kind], key, value, partition)
+        await self._send(self.topics[kind], key, value, partition, headers)
         maps = self._maps.get(partition)
         if maps is not None:  # still ours
             # A copy: bytes made by orjson.dumps keep about 4 KB of memory each however

@@ -24,6 +24,8 @@ from typing import Any, cast
 import faust
 import orjson
 from aiokafka.errors import KafkaError
+from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import Status as SpanStatus
 
 from streams.backtrack import BACKTRACK_HEADER
 from streams.logs import current_task_id
@@ -37,6 +39,7 @@ from streams.resilience.limiter import Lane
 from streams.settings import Settings
 from streams.state import ContentCache, Kind, Status, TaskState, TaskStore
 from streams.topics import state_topic
+from streams.tracing import TRACER, context_from_headers, headers_for
 
 log = logging.getLogger(__name__)
 
@@ -121,14 +124,21 @@ class TaskAgent:
         """Faust's rebalance signal: own the store partitions of the task partitions."""
         self.store.assign({tp.partition for tp in assigned if tp.topic in self._inputs})
 
-    async def _send(self, topic: str, key: bytes, value: bytes, partition: int) -> None:
+    async def _send(
+        self,
+        topic: str,
+        key: bytes,
+        value: bytes,
+        partition: int,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> None:
         """One write to `partition` of `topic`, returned once the broker acked it."""
         target = {
             self.results_topic.get_topic_name(): self.results_topic,
             self.dead_letter_topic.get_topic_name(): self.dead_letter_topic,
             self.state_topic.get_topic_name(): self.state_topic,
         }[topic]
-        pending = await target.send(key=key, value=value, partition=partition)
+        pending = await target.send(key=key, value=value, partition=partition, headers=headers)
         await pending
 
     def lane_of(self, topic: str) -> Lane:
@@ -213,49 +223,75 @@ class TaskAgent:
             source = Source(topic=message.topic, partition=message.partition, offset=message.offset)
             lane = self.lane_of(message.topic)
             lane_name = lane.name.lower()
-            m.queue_wait.labels(lane_name).observe(time.monotonic() - taken_at)
-            m.in_flight.inc()
-            try:
-                await self.store.ready(message.partition)  # its answers loaded
-                prepared = processor.prepare(message.value, message.key, source)
-                if isinstance(prepared, Outcome):  # bad input: a dead letter, unless written
-                    outcome: Outcome | None = prepared
-                    if self._written(Kind.DEAD_LETTERS, prepared.key, source):
-                        outcome = None
+            # A span per record, continuing the producer's trace (W3C traceparent header).
+            with TRACER.start_as_current_span(
+                f"process {message.topic}",
+                context=context_from_headers(message.headers),
+                kind=SpanKind.CONSUMER,
+                attributes={
+                    "messaging.system": "kafka",
+                    "messaging.operation.type": "process",
+                    "messaging.destination.name": message.topic,
+                    "messaging.destination.partition.id": str(message.partition),
+                    "messaging.kafka.offset": message.offset,
+                    "llm_streams.task_id": message.key.decode(errors="replace")
+                    if message.key
+                    else "",
+                    "llm_streams.lane": lane_name,
+                },
+            ) as span:
+                m.queue_wait.labels(lane_name).observe(time.monotonic() - taken_at)
+                m.in_flight.inc()
+                try:
+                    await self.store.ready(message.partition)  # its answers loaded
+                    prepared = processor.prepare(message.value, message.key, source)
+                    if isinstance(prepared, Outcome):  # bad input: a dead letter, unless written
+                        outcome: Outcome | None = prepared
+                        if self._written(Kind.DEAD_LETTERS, prepared.key, source):
+                            outcome = None
+                        else:
+                            await self._deliver(prepared, None, source)
                     else:
-                        await self._deliver(prepared, None, source)
-                else:
-                    backtrack = header(message, BACKTRACK_HEADER)
-                    force = header(message, FORCE_HEADER) == b"1" or backtrack == b"rerun"
-                    outcome, written = await self._answer(prepared, processor, lane, force)
-                    if not written:
-                        note = BACKTRACK_NOTES.get(backtrack or b"")
-                        await self._deliver(outcome, prepared, source, note)
-                    elif self._state_missing(prepared, outcome):
-                        # Written by a run killed before its state was: write that now.
-                        state = self._state_after(outcome, prepared, source)
-                        await self.store.put_state(source.partition, state)
-                    if written:
-                        outcome = None
-            finally:
-                m.in_flight.dec()
-            kind = outcome.kind if outcome is not None else "already_done"
-            m.tasks_completed.labels(lane_name, kind).inc()
-            if outcome is not None and outcome.category is not None:
-                m.dead_letters.labels(outcome.category).inc()
-                error = orjson.loads(outcome.value).get("error") or {}
-                log.info(
-                    "dead letter %s/%s after %d attempt(s) for %s/%d/%d: %s",
-                    error.get("category"), error.get("code"), outcome.attempts,
-                    source.topic, source.partition, source.offset, error.get("message"),
-                )  # fmt: skip
-            if message.timestamp:  # seconds since the epoch, set by the producer or broker
-                m.end_to_end.labels(lane_name, kind).observe(
-                    max(0.0, time.time() - message.timestamp)
-                )
-            for done in self.acks.finished(ticket):
-                await stream.ack(done)
-                m.unfinished.dec()
+                        span.set_attributes({
+                            "llm_streams.pipeline": prepared.pipeline.name,
+                            "llm_streams.prompt_version": prepared.version.version,
+                            "llm_streams.result_key": prepared.result_key,
+                        })  # fmt: skip
+                        backtrack = header(message, BACKTRACK_HEADER)
+                        force = header(message, FORCE_HEADER) == b"1" or backtrack == b"rerun"
+                        outcome, written = await self._answer(prepared, processor, lane, force)
+                        if not written:
+                            note = BACKTRACK_NOTES.get(backtrack or b"")
+                            await self._deliver(outcome, prepared, source, note)
+                        elif self._state_missing(prepared, outcome):
+                            # Written by a run killed before its state was: write that now.
+                            state = self._state_after(outcome, prepared, source)
+                            await self.store.put_state(source.partition, state)
+                        if written:
+                            outcome = None
+                finally:
+                    m.in_flight.dec()
+                kind = outcome.kind if outcome is not None else "already_done"
+                span.set_attribute("llm_streams.outcome", kind)
+                if outcome is not None and outcome.category is not None:
+                    span.set_attribute("error.type", outcome.category)
+                    span.set_status(SpanStatus(StatusCode.ERROR, outcome.category))
+                m.tasks_completed.labels(lane_name, kind).inc()
+                if outcome is not None and outcome.category is not None:
+                    m.dead_letters.labels(outcome.category).inc()
+                    error = orjson.loads(outcome.value).get("error") or {}
+                    log.info(
+                        "dead letter %s/%s after %d attempt(s) for %s/%d/%d: %s",
+                        error.get("category"), error.get("code"), outcome.attempts,
+                        source.topic, source.partition, source.offset, error.get("message"),
+                    )  # fmt: skip
+                if message.timestamp:  # seconds since the epoch, set by the producer or broker
+                    m.end_to_end.labels(lane_name, kind).observe(
+                        max(0.0, time.time() - message.timestamp)
+                    )
+                for done in self.acks.finished(ticket):
+                    await stream.ack(done)
+                    m.unfinished.dec()
 
         return job
 
@@ -372,7 +408,11 @@ class TaskAgent:
         delay = 0.1
         for attempt in range(1, SEND_ATTEMPTS + 1):
             try:
-                writes = [self.store.put(kind, p, outcome.key.encode(), outcome.value)]
+                # The trace goes on in the outcome's headers (the task's span is current).
+                trace_headers = headers_for()
+                writes = [
+                    self.store.put(kind, p, outcome.key.encode(), outcome.value, trace_headers)
+                ]
                 if prep is not None:
                     state = self._state_after(outcome, prep, source, note)
                     writes.append(self.store.put_state(p, state))

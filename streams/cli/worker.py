@@ -37,6 +37,9 @@ def run_worker(settings: Settings) -> None:
         raise ConfigError(EXACTLY_ONCE_UNAVAILABLE)
     # Before Faust starts: the topics exist, co-partitioned with the task store.
     loop.run_until_complete(ensure_topics(settings))
+    from streams.tracing import setup_tracing
+
+    setup_tracing(settings)
     app = create_app(settings)
     worker = faust.Worker(
         app, loop=loop, loglevel=settings.log_level,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import orjson
+from opentelemetry.trace import SpanKind
 
 from streams.errors import (
     BadRequest,
@@ -50,6 +51,7 @@ from streams.records import (
 from streams.resilience.guarded import DEFAULT_MAX_TOKENS, GuardedClient
 from streams.resilience.limiter import Lane
 from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries
+from streams.tracing import TRACER, current_trace_id, mark_error, stage_span
 
 log = logging.getLogger(__name__)
 
@@ -218,17 +220,18 @@ class TaskProcessor:
                     if MAIN in done:
                         output = done[MAIN]
                     else:
-                        try:
-                            output = await self._call(
-                                pipeline, version, prompt, attempts, spend, lane, deadline_at
-                            )
-                        except ContextOverflow as exc:
-                            # The pipeline's mitigation, if any: shorten, then one more try.
-                            prompt = self._shorten(pipeline, version, task, prompt, exc)
-                            attempts.previous, attempts.last_error = attempts.count, None
-                            output = await self._call(
-                                pipeline, version, prompt, attempts, spend, lane, deadline_at
-                            )
+                        with stage_span(MAIN, pipeline.name, version.version):
+                            try:
+                                output = await self._call(
+                                    pipeline, version, prompt, attempts, spend, lane, deadline_at
+                                )
+                            except ContextOverflow as exc:
+                                # The pipeline's mitigation, if any: shorten, try once more.
+                                prompt = self._shorten(pipeline, version, task, prompt, exc)
+                                attempts.previous, attempts.last_error = attempts.count, None
+                                output = await self._call(
+                                    pipeline, version, prompt, attempts, spend, lane, deadline_at
+                                )
                         done[MAIN] = output
                     if pipeline.stages:
 
@@ -311,7 +314,7 @@ class TaskProcessor:
             latency_ms=round(latency_ms, 2),
             cached=cached,
             source=prep.source,
-            trace_id=None,
+            trace_id=current_trace_id(),
             processed_at=now_iso(),
         )
         return Outcome(
@@ -455,25 +458,48 @@ class TaskProcessor:
             params=params,
             response_format=prompt.response_format,
         )
-        try:
-            response: LLMResponse = await (client or self.client).complete(
-                request, lane=lane, deadline_at=deadline_at, wait_for_circuit=wait_for_circuit
-            )
-        except CircuitOpen:
-            attempts.count -= 1  # refused locally: no call was made
-            raise
-        spend.last_prompt_tokens = response.prompt_tokens
-        spend.prompt_tokens += response.prompt_tokens
-        spend.completion_tokens += response.completion_tokens
-        spend.model = response.model
-        spend.calls.append(response.content)
-        try:
-            output = parse_output(response, pipeline, prompt.variables)
-        except InvalidOutput:
-            self._count_output(response.model, ok=False)
-            raise
-        self._count_output(response.model, ok=True)
-        return output
+        with TRACER.start_as_current_span(
+            f"chat {prompt.model}",
+            kind=SpanKind.CLIENT,
+            attributes={
+                "gen_ai.operation.name": "chat",
+                "gen_ai.system": "openai",
+                "gen_ai.request.model": prompt.model,
+                "gen_ai.request.max_tokens": int(params.get("max_tokens") or 0),
+                "llm_streams.attempt": attempts.count,
+                "llm_streams.lane": lane.name.lower(),
+            },
+            record_exception=False,
+        ) as span:
+            try:
+                response: LLMResponse = await (client or self.client).complete(
+                    request, lane=lane, deadline_at=deadline_at, wait_for_circuit=wait_for_circuit
+                )
+            except CircuitOpen:
+                attempts.count -= 1  # refused locally: no call was made
+                mark_error(span, CircuitOpen("circuit open"))
+                raise
+            except StreamsError as exc:
+                mark_error(span, exc)
+                raise
+            span.set_attributes({
+                "gen_ai.response.model": response.model,
+                "gen_ai.usage.input_tokens": response.prompt_tokens,
+                "gen_ai.usage.output_tokens": response.completion_tokens,
+            })  # fmt: skip
+            spend.last_prompt_tokens = response.prompt_tokens
+            spend.prompt_tokens += response.prompt_tokens
+            spend.completion_tokens += response.completion_tokens
+            spend.model = response.model
+            spend.calls.append(response.content)
+            try:
+                output = parse_output(response, pipeline, prompt.variables)
+            except InvalidOutput as exc:
+                self._count_output(response.model, ok=False)
+                mark_error(span, exc)
+                raise
+            self._count_output(response.model, ok=True)
+            return output
 
     def _count_output(self, model: str, *, ok: bool) -> None:
         if self.metrics is not None:

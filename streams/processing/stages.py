@@ -16,6 +16,7 @@ from jinja2 import TemplateError
 
 from streams.errors import Category, Permanent, TaskError
 from streams.prompts.registry import Pipeline, PipelineVersion, RenderedPrompt, Stage
+from streams.tracing import stage_span
 
 MAIN = "main"  # the first stage's name in task states
 
@@ -69,7 +70,8 @@ async def run_stages(
         version = stage.pipeline.version(stage.version, task_id)
         try:
             prompt = version.render(stage_input, default_model)
-            answer = await call(stage.pipeline, version, prompt)
+            with stage_span(stage.name, stage.pipeline.name, version.version):
+                answer = await call(stage.pipeline, version, prompt)
         except TaskError as exc:
             raise StageFailed(stage.name, exc) from exc
         answers[stage.name] = done[stage.name] = answer

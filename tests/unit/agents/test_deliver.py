@@ -29,7 +29,9 @@ class FlakyBroker:
         self.failures = failures
         self.sends: list[tuple[str, bytes, bytes, int]] = []
 
-    async def send(self, topic: str, key: bytes, value: bytes, partition: int) -> None:
+    async def send(
+        self, topic: str, key: bytes, value: bytes, partition: int, headers: Any = None
+    ) -> None:
         self.sends.append((topic, key, value, partition))
         if len(self.sends) <= self.failures:
             raise KafkaTimeoutError("broker away")

@@ -1,0 +1,115 @@
+"""OpenTelemetry spans: one per task (continuing the producer's trace from the record's
+W3C `traceparent` header), one per stage, one per LLM attempt; the result record carries
+the trace id and the trace context goes on in the outcome record's headers.
+
+The official `opentelemetry-instrumentation-openai-v2` wraps `chat.completions.create`;
+the adapter calls the SDK's `post()` (see streams/llm/openai_client.py), so the attempt
+spans are written here with the GenAI semantic conventions' attribute names
+(`gen_ai.request.model`, `gen_ai.usage.input_tokens`, ...). Spans are made in the job's
+asyncio task (contextvars), not on Faust's consumer thread, so none is orphaned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any, TextIO
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.propagators.textmap import DefaultGetter
+from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from streams.errors import StreamsError
+from streams.settings import Settings
+
+TRACER = trace.get_tracer("llm-streams")
+PROPAGATOR = TraceContextTextMapPropagator()
+HEADERS = ("traceparent", "tracestate")
+
+
+def setup_tracing(settings: Settings) -> None:
+    """A tracer provider for this process: always (so trace ids exist and propagate),
+    exporting only when configured."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        ConsoleSpanExporter,
+        SimpleSpanProcessor,
+    )
+
+    t = settings.tracing
+    provider = TracerProvider(resource=Resource.create({"service.name": t.service_name}))
+    if t.exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    elif t.exporter == "file":
+        if t.file is None:
+            raise ValueError("LLM_STREAMS_TRACING__FILE is needed with exporter=file")
+        out: TextIO = open(t.file, "a", encoding="utf-8")  # noqa: SIM115  # lives as long as the process
+        exporter = ConsoleSpanExporter(out=out, formatter=lambda s: s.to_json(indent=None) + "\n")
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+
+
+def context_from_headers(headers: Any) -> otel_context.Context:
+    """The trace context a producer put in a record's headers (or an empty one)."""
+    items: Iterable[tuple[str, Any]] = (
+        headers.items() if isinstance(headers, dict) else (headers or ())
+    )
+    carrier: dict[str, str] = {}
+    for key, value in items:
+        name = key.lower() if isinstance(key, str) else bytes(key).decode(errors="replace")
+        if name in HEADERS and value is not None:
+            carrier[name] = value.decode(errors="replace") if isinstance(value, bytes) else value
+    return PROPAGATOR.extract(carrier, getter=DefaultGetter())
+
+
+def headers_for(span: Span | None = None) -> list[tuple[str, bytes]]:
+    """W3C trace context headers of `span` (default: the current one); none if invalid."""
+    ctx = trace.set_span_in_context(span) if span is not None else None
+    carrier: dict[str, str] = {}
+    PROPAGATOR.inject(carrier, context=ctx)
+    return [(k, v.encode()) for k, v in carrier.items()]
+
+
+def current_trace_id() -> str | None:
+    span_context = trace.get_current_span().get_span_context()
+    return format(span_context.trace_id, "032x") if span_context.is_valid else None
+
+
+def mark_error(span: Span, exc: StreamsError) -> None:
+    """An attempt or stage span that ended in an error of our taxonomy."""
+    span.set_attribute("error.type", exc.category.value)
+    span.set_attribute("llm_streams.error.code", exc.code)
+    span.set_status(Status(StatusCode.ERROR, exc.message[:200]))
+
+
+@contextlib.contextmanager
+def stage_span(stage: str, pipeline: str, version: str) -> Iterator[Span]:
+    with TRACER.start_as_current_span(
+        f"stage {stage}",
+        attributes={"llm_streams.stage": stage, "llm_streams.pipeline": pipeline,
+                    "llm_streams.prompt_version": version},
+        record_exception=False,
+    ) as span:  # fmt: skip
+        try:
+            yield span
+        except StreamsError as exc:
+            mark_error(span, exc)
+            raise
+
+
+__all__ = [
+    "PROPAGATOR",
+    "TRACER",
+    "context_from_headers",
+    "current_trace_id",
+    "headers_for",
+    "mark_error",
+    "setup_tracing",
+    "stage_span",
+]
