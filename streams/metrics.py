@@ -101,6 +101,9 @@ class Metrics:
             "Tasks by the prompt version they got and how: pinned by the task, split "
             "(A/B traffic bucket) or default.", ["pipeline", "version", "chosen_by"],
             registry=r)  # fmt: skip
+        self.reviews = Counter(
+            "llm_streams_reviews", "Results also sent to the review topic, by reason.",
+            ["pipeline", "reason"], registry=r)  # fmt: skip
         self.redactions = Counter(
             "llm_streams_pii_redactions", "Personal data replaced before prompts, by kind.",
             ["pipeline", "kind"], registry=r)  # fmt: skip

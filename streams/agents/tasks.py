@@ -89,6 +89,7 @@ class TaskAgent:
         self.results_topic = app.topic(settings.topics.results, compacting=True, **parts)
         self.dead_letter_topic = app.topic(settings.topics.dead_letters, **parts)
         self.state_topic = app.topic(state_topic(settings), compacting=True, **parts)
+        self.review_topic = app.topic(settings.topics.review, **parts)
         self.store = TaskStore(settings, self._send, self.metrics)
         self.cache = ContentCache()
         self.acks: InOrderAcks[Any] = InOrderAcks()
@@ -137,9 +138,21 @@ class TaskAgent:
             self.results_topic.get_topic_name(): self.results_topic,
             self.dead_letter_topic.get_topic_name(): self.dead_letter_topic,
             self.state_topic.get_topic_name(): self.state_topic,
+            self.review_topic.get_topic_name(): self.review_topic,
         }[topic]
         pending = await target.send(key=key, value=value, partition=partition, headers=headers)
         await pending
+
+    async def _send_review(
+        self, outcome: Outcome, prep: Prepared, partition: int, headers: list[tuple[str, bytes]]
+    ) -> None:
+        """The result again, on the review topic, with why a person should look at it."""
+        value = orjson.loads(outcome.value)
+        value["review"] = {"reasons": list(outcome.review)}
+        await self._send(self.settings.topics.review, outcome.key.encode(), orjson.dumps(value),
+                         partition, headers)  # fmt: skip
+        for reason in outcome.review:
+            self.metrics.reviews.labels(prep.pipeline.name, reason).inc()
 
     def lane_of(self, topic: str) -> Lane:
         return Lane.REPLAY if topic == self.settings.topics.replay else Lane.LIVE
@@ -416,6 +429,8 @@ class TaskAgent:
                 if prep is not None:
                     state = self._state_after(outcome, prep, source, note)
                     writes.append(self.store.put_state(p, state))
+                if outcome.review and prep is not None:
+                    writes.append(self._send_review(outcome, prep, p, trace_headers))
                 await asyncio.gather(*writes)
                 return
             except KafkaError as exc:

@@ -96,6 +96,7 @@ class Outcome:
     # state, so a re-run resumes from the stage that failed), and where it ended.
     stages: dict[str, Any] | None = None
     stage: str = "main"
+    review: tuple[str, ...] = ()  # reasons this result also goes to the review topic
 
 
 @dataclass(frozen=True)
@@ -331,6 +332,7 @@ class TaskProcessor:
             model=model,
             stages=stages,
             stage=prep.pipeline.stages[-1].name if prep.pipeline.stages else MAIN,
+            review=tuple(prep.pipeline.review_reasons(prep.prompt.variables, output)),
         )
 
     async def _call(

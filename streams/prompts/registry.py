@@ -144,6 +144,19 @@ class StageSpec(BaseModel):
     input: dict[str, str] = Field(min_length=1)
 
 
+class ReviewSpec(BaseModel):
+    """Results a person should look at: they also go to the review topic, with reasons."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    confidence_below: float | None = Field(None, ge=0, le=1)
+    confidence_field: str = "confidence"
+    rules: dict[str, str] = Field(
+        default_factory=dict,
+        description="name -> Jinja expression over `input` and `output`; true flags it.",
+    )
+
+
 PiiKind = Literal["email", "cn_id", "bank_card", "phone"]
 
 
@@ -183,6 +196,7 @@ class PipelineSpec(BaseModel):
     )
     quote_source: str | None = None
     preprocess: PreprocessSpec = Field(default_factory=PreprocessSpec)
+    review: ReviewSpec | None = None
     stages: list[StageSpec] = Field(
         default_factory=list,
         description="Stages after the first, in order; their answers land under output.stages.",
@@ -327,6 +341,13 @@ class Pipeline:
         self.is_valid = jsonschema_rs.validator_for(output_schema).is_valid
         self.versions = {v: PipelineVersion(self, v, s) for v, s in spec.versions.items()}
         self.stages: list[Stage] = []  # resolved by the registry once every pipeline loaded
+        try:
+            self._review_rules = {
+                name: _ENV.compile_expression(expr)
+                for name, expr in (spec.review.rules if spec.review else {}).items()
+            }
+        except TemplateError as exc:
+            raise ConfigError(f"pipeline {spec.name}: review rule: {exc}") from exc
         total = sum((spec.traffic or {}).values())
         self._split: list[tuple[float, str]] = []
         edge = 0.0
@@ -334,6 +355,28 @@ class Pipeline:
             if weight > 0:
                 edge += weight / total
                 self._split.append((edge, name))
+
+    def review_reasons(self, variables: dict[str, Any], output: dict[str, Any]) -> list[str]:
+        """Why this answer needs a person (empty: it does not)."""
+        review = self.spec.review
+        if review is None:
+            return []
+        reasons = []
+        confidence = output.get(review.confidence_field)
+        if (
+            review.confidence_below is not None
+            and isinstance(confidence, int | float)
+            and confidence < review.confidence_below
+        ):
+            reasons.append("low_confidence")
+        for name, rule in self._review_rules.items():
+            try:
+                hit = bool(rule(input=variables, output=output))
+            except (TemplateError, TypeError, ValueError):
+                hit = False  # a rule that cannot judge this answer does not flag it
+            if hit:
+                reasons.append(name)
+        return reasons
 
     def bucket(self, task_id: str) -> str:
         """The version of the traffic split this task id falls in (stable across runs)."""

@@ -182,3 +182,20 @@ def test_doubtful_parameters_load_with_a_warning(tmp_path: Path) -> None:
     pipeline = PipelineRegistry.load(folder, ROOT / "schemas").get("comment-analysis")
     warnings = pipeline.spec.versions["v1"].warnings()
     assert any("top_p" in w for w in warnings) and any("1.3" in w for w in warnings)
+
+
+def test_review_flags_low_confidence_and_rule_hits(registry: PipelineRegistry) -> None:
+    pipeline = registry.get("comment-analysis")
+    happy = {"sentiment": "positive", "confidence": 0.9}
+    assert pipeline.review_reasons({"rating": 5, "text": "t"}, happy) == []
+    assert pipeline.review_reasons({"rating": 1, "text": "t"}, happy) == ["rating_contradicts"]
+    unsure = {"sentiment": "negative", "confidence": 0.2}
+    assert pipeline.review_reasons({"rating": 5, "text": "t"}, unsure) == [
+        "low_confidence", "rating_contradicts"]  # fmt: skip
+    assert pipeline.review_reasons({"rating": None, "text": "t"}, happy) == []
+
+
+def test_a_review_rule_that_does_not_compile_is_refused(tmp_path: Path) -> None:
+    folder = _spec_with(tmp_path, review={"rules": {"broken": "output.sentiment =="}})
+    with pytest.raises(ConfigError, match="review rule"):
+        PipelineRegistry.load(folder, ROOT / "schemas")
