@@ -22,8 +22,8 @@ unit: $(BIN)/llm-streams
 	$(BIN)/python -m pytest tests/unit
 
 lint: $(BIN)/llm-streams
-	$(BIN)/ruff check streams tests bench
-	$(BIN)/ruff format --check streams tests bench
+	$(BIN)/ruff check streams tests bench deploy
+	$(BIN)/ruff format --check streams tests bench deploy
 	$(BIN)/mypy
 
 format: $(BIN)/llm-streams

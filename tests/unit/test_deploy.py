@@ -3,15 +3,19 @@ recording rules they define), so a renamed metric cannot silently blank a panel 
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from streams.metrics import Metrics
 from streams.settings import load_settings
+from streams.topics import topic_specs
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 METRIC = re.compile(r"\bllm_streams_[a-z0-9_]+\b")
@@ -69,3 +73,115 @@ def test_the_scrape_config_points_at_the_workers_web_port() -> None:
     (job,) = prom["scrape_configs"]
     assert job["metrics_path"] == "/metrics"
     assert job["dns_sd_configs"][0]["port"] == load_settings().web_port
+
+
+# -- docker-compose.yml and deploy/k8s: valid files that match what the code reads -----
+
+ROOT = DEPLOY.parent
+_DEFAULT = re.compile(r"\$\{[A-Z_]+:-([^}]*)\}")
+
+
+def _settings_from(env: dict[str, str], monkeypatch: Any) -> Any:
+    for var in list(os.environ):
+        if var.startswith("LLM_STREAMS_") or var.startswith("OPENAI_"):
+            monkeypatch.delenv(var, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, _DEFAULT.sub(r"\1", str(value)))
+    return load_settings()  # raises ConfigError naming a variable the code does not read
+
+
+def test_compose_file_is_valid_and_matches_the_settings(monkeypatch: Any) -> None:
+    from compose_spec import PyCompose
+
+    compose = PyCompose.from_yaml((ROOT / "docker-compose.yml").read_text()).to_dict()
+    services = compose["services"]
+    assert set(services) >= {"kafka", "topic-init", "worker", "llm-sim", "prometheus", "grafana"}
+    worker = services["worker"]
+    settings = _settings_from(worker["environment"], monkeypatch)
+    assert settings.bootstrap_servers == "kafka:9092"
+    assert "PLAINTEXT://kafka:9092" in services["kafka"]["environment"]["KAFKA_ADVERTISED_LISTENERS"]
+    assert str(settings.web_port) in [str(p) for p in worker["expose"]]
+    assert "ports" not in worker  # no fixed host port: `--scale worker=N` works
+    assert services["llm-sim"]["profiles"] == ["simulator"]
+    # topic-init creates every topic the worker uses, with its partitions and compaction.
+    script = "\n".join(services["topic-init"]["command"])
+    assert services["topic-init"]["environment"]["PARTITIONS"] == str(settings.kafka.partitions)
+    created = dict(re.findall(r"^create (\S+)(.*)$", script, flags=re.MULTILINE))
+    specs = topic_specs(settings)
+    assert set(created) == set(specs)
+    for name, config in specs.items():
+        assert ("cleanup.policy=compact" in created[name]) == (config.get("cleanup.policy") == "compact")
+    # Prometheus scrapes the worker service; the mounted files exist.
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert prom["scrape_configs"][0]["dns_sd_configs"][0]["names"] == ["worker"]
+    for service in ("prometheus", "grafana"):
+        for volume in services[service]["volumes"]:
+            source = volume["source"] if isinstance(volume, dict) else volume.split(":")[0]
+            assert (ROOT / source).exists(), source
+
+
+def test_a_wrong_compose_field_is_caught() -> None:
+    from compose_spec import PyCompose
+
+    text = (ROOT / "docker-compose.yml").read_text().replace("    restart: unless-stopped",
+                                                             "    restart: sometimes")  # fmt: skip
+    with pytest.raises(ValueError, match="restart"):
+        PyCompose.from_yaml(text)
+
+
+def _k8s_docs() -> list[dict[str, Any]]:
+    return [d for f in sorted((DEPLOY / "k8s").glob("*.yaml"))
+            for d in yaml.safe_load_all(f.read_text()) if d]  # fmt: skip
+
+
+def test_k8s_manifests_validate_against_the_kubernetes_schemas() -> None:
+    import kubernetes_validate
+
+    checked = 0
+    for doc in _k8s_docs():
+        if doc["apiVersion"].startswith(("keda.sh/", "monitoring.coreos.com/")):
+            continue  # CRDs: checked against the rest below
+        kubernetes_validate.validate(doc, "1.37.0", strict=True)
+        checked += 1
+    assert checked >= 5
+    statefulset = next(d for d in _k8s_docs() if d["kind"] == "StatefulSet")
+    wrong = copy.deepcopy(statefulset)
+    wrong["spec"]["replica"] = 3  # a typo must fail the check
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(wrong, "1.37.0", strict=True)
+
+
+def test_k8s_pieces_agree_with_each_other_and_the_settings(monkeypatch: Any) -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _k8s_docs()}
+    env = docs[("ConfigMap", "llm-streams-settings")]["data"]
+    settings = _settings_from(env, monkeypatch)
+    statefulset = docs[("StatefulSet", "llm-streams-worker")]
+    service = docs[("Service", "llm-streams-worker")]
+    scaled = docs[("ScaledObject", "llm-streams-worker")]
+    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                               "name": "llm-streams-worker"}  # fmt: skip
+    assert scaled["spec"]["maxReplicaCount"] == settings.kafka.partitions
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["metadata"]["consumerGroup"] == settings.app_id
+    assert trigger["metadata"]["topic"] == settings.topics.tasks
+    labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"] == labels
+    monitor = docs[("ServiceMonitor", "llm-streams-worker")]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    container = statefulset["spec"]["template"]["spec"]["containers"][0]
+    assert container["ports"][0]["containerPort"] == settings.web_port
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert str(settings.data_dir) in mounts and str(settings.pipelines_dir) in mounts
+
+
+def test_the_pipelines_configmap_is_up_to_date() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render", DEPLOY / "k8s" / "render_pipelines.py")
+    assert spec is not None and spec.loader is not None
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    assert (DEPLOY / "k8s" / "pipelines.yaml").read_text() == render.configmap(), (
+        "run: python deploy/k8s/render_pipelines.py"
+    )
