@@ -99,7 +99,9 @@ def test_compose_file_is_valid_and_matches_the_settings(monkeypatch: Any) -> Non
     worker = services["worker"]
     settings = _settings_from(worker["environment"], monkeypatch)
     assert settings.bootstrap_servers == "kafka:9092"
-    assert "PLAINTEXT://kafka:9092" in services["kafka"]["environment"]["KAFKA_ADVERTISED_LISTENERS"]
+    assert (
+        "PLAINTEXT://kafka:9092" in services["kafka"]["environment"]["KAFKA_ADVERTISED_LISTENERS"]
+    )
     assert str(settings.web_port) in [str(p) for p in worker["expose"]]
     assert "ports" not in worker  # no fixed host port: `--scale worker=N` works
     assert services["llm-sim"]["profiles"] == ["simulator"]
@@ -110,7 +112,9 @@ def test_compose_file_is_valid_and_matches_the_settings(monkeypatch: Any) -> Non
     specs = topic_specs(settings)
     assert set(created) == set(specs)
     for name, config in specs.items():
-        assert ("cleanup.policy=compact" in created[name]) == (config.get("cleanup.policy") == "compact")
+        assert ("cleanup.policy=compact" in created[name]) == (
+            config.get("cleanup.policy") == "compact"
+        )
     # Prometheus scrapes the worker service; the mounted files exist.
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     assert prom["scrape_configs"][0]["dns_sd_configs"][0]["names"] == ["worker"]
@@ -167,7 +171,9 @@ def test_k8s_pieces_agree_with_each_other_and_the_settings(monkeypatch: Any) -> 
     labels = statefulset["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"] == labels
     monitor = docs[("ServiceMonitor", "llm-streams-worker")]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
     assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
     container = statefulset["spec"]["template"]["spec"]["containers"][0]
     assert container["ports"][0]["containerPort"] == settings.web_port
