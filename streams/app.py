@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import faust
+import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from streams.agents.tasks import TaskAgent
@@ -17,6 +18,7 @@ from streams.resilience.limiter import RateLimiter
 from streams.resilience.pool import ClientPool
 from streams.resilience.retry import RetryPolicy
 from streams.settings import Settings, load_settings
+from streams.status import StatusView, render_html
 
 
 def make_processor_factory(
@@ -102,7 +104,7 @@ def create_app(settings: Settings) -> faust.App:
         consumer_auto_offset_reset="earliest",
         datadir=str(settings.data_dir),
         web_port=settings.web_port,
-        web_bind="127.0.0.1",
+        web_bind=settings.web_bind,
         autodiscover=False,
     )
     app.llm_streams_settings = settings  # type: ignore[attr-defined]  # for CLI helpers
@@ -114,6 +116,17 @@ def create_app(settings: Settings) -> faust.App:
     async def metrics_page(web: Any, request: Any) -> Any:
         # aiohttp refuses a charset inside content_type=, so the header is set whole.
         return web.bytes(metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    status = StatusView(metrics)
+
+    @app.page("/status.json")
+    async def status_json(web: Any, request: Any) -> Any:
+        return web.bytes(orjson.dumps(status.snapshot()),
+                         headers={"Content-Type": "application/json"})  # fmt: skip
+
+    @app.page("/status")
+    async def status_page(web: Any, request: Any) -> Any:
+        return web.html(render_html(status.snapshot()))
 
     return app
 

@@ -155,6 +155,9 @@ class Settings(BaseSettings):
     pipelines_dir: Path = Field(default_factory=lambda: _data_dir("pipelines"))
     schemas_dir: Path = Field(default_factory=lambda: _data_dir("schemas"))
     web_port: int = Field(6066, ge=0, le=65535, description="Worker web/metrics port.")
+    web_bind: str = Field(
+        "127.0.0.1", description="Address the web port binds: 0.0.0.0 in containers."
+    )
     log_level: str = Field("info", description="Worker log level.")
     log_format: Literal["text", "json"] = Field(
         "text", description="Worker log lines: text, or JSON objects with task_id."

@@ -139,15 +139,24 @@ def demo(count: int, timeout: float, quiet: bool) -> None:
 
 
 @cli.command()
-@click.argument("task_id")
-def status(task_id: str) -> None:
-    """Show a task's state and history (from the task-state table's changelog)."""
+@click.argument("task_id", required=False)
+@click.option("--url", default=None, help="A worker's status (default: this host's web port).")
+@click.option("--once", is_flag=True, help="Print the worker's status once and exit.")
+@click.option("--every", default=2.0, show_default=True, help="Refresh period (s).")
+def status(task_id: str | None, url: str | None, once: bool, every: float) -> None:
+    """A task's state and history (TASK_ID), or a worker's live status (no TASK_ID):
+    throughput, lag, breaker, limiter, p50/p95/p99, cost so far, top dead letters."""
     from rich.console import Console
     from rich.table import Table
 
     from streams.cli.ops import task_state
 
     settings = settings_or_exit()
+    if task_id is None:
+        from streams.cli.live import watch
+
+        target = url or f"http://127.0.0.1:{settings.web_port}/status.json"
+        sys.exit(watch(target, once=once, every_s=every))
     state = asyncio.run(task_state(settings, task_id))
     if state is None:
         click.echo(f"no state for task {task_id!r}", err=True)

@@ -104,6 +104,7 @@ def test_compose_file_is_valid_and_matches_the_settings(monkeypatch: Any) -> Non
     )
     assert str(settings.web_port) in [str(p) for p in worker["expose"]]
     assert "ports" not in worker  # no fixed host port: `--scale worker=N` works
+    assert settings.web_bind == "0.0.0.0"  # reachable by Prometheus from other containers
     assert services["llm-sim"]["profiles"] == ["simulator"]
     # topic-init creates every topic the worker uses, with its partitions and compaction.
     script = "\n".join(services["topic-init"]["command"])
@@ -175,6 +176,7 @@ def test_k8s_pieces_agree_with_each_other_and_the_settings(monkeypatch: Any) -> 
         monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     )
     assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert settings.web_bind == "0.0.0.0"  # probes and scrapes come from outside the pod
     container = statefulset["spec"]["template"]["spec"]["containers"][0]
     assert container["ports"][0]["containerPort"] == settings.web_port
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
