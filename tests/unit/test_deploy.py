@@ -193,3 +193,26 @@ def test_the_pipelines_configmap_is_up_to_date() -> None:
     assert (DEPLOY / "k8s" / "pipelines.yaml").read_text() == render.configmap(), (
         "run: python deploy/k8s/render_pipelines.py"
     )
+
+
+def test_the_image_lock_pins_every_runtime_dependency_within_its_range() -> None:
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins: dict[str, str] = {}
+    for line in (DEPLOY / "requirements.lock").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[canonicalize_name(name)] = version
+    for spec in project["dependencies"]:
+        req = Requirement(spec)
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} is not pinned in deploy/requirements.lock"
+        assert req.specifier.contains(pins[name], prereleases=True), (req, pins[name])
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "-c /tmp/requirements.lock" in dockerfile and "USER streams" in dockerfile
