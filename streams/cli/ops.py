@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
+from streams.replay import scan
 from streams.settings import Settings
 from streams.topics import state_topic
 
@@ -23,46 +22,9 @@ REDRIVE_HEADER = "llm-streams-redrive-of"
 
 
 async def read_all(settings: Settings, topic: str) -> list[ConsumerRecord[bytes, bytes]]:
-    """Every record of `topic` up to its current end (read_committed)."""
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.bootstrap_servers,
-        group_id=None,
-        enable_auto_commit=False,
-        isolation_level="read_committed",
-        client_id=f"llm-streams-ops-{uuid.uuid4().hex[:6]}",
-    )
-    await consumer.start()
-    try:
-        tps = [TopicPartition(topic, p) for p in await _partitions(settings, topic)]
-        if not tps:
-            return []
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await consumer.end_offsets(tps)
-        records: list[ConsumerRecord[bytes, bytes]] = []
-        remaining = {tp for tp in tps if ends[tp] > 0}
-        while remaining:
-            batch = await consumer.getmany(*remaining, timeout_ms=1000)
-            for recs in batch.values():
-                records.extend(recs)
-            for tp in list(remaining):
-                if await consumer.position(tp) >= ends[tp]:
-                    remaining.discard(tp)
-        return records
-    finally:
-        await consumer.stop()
-
-
-async def _partitions(settings: Settings, topic: str) -> list[int]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
-    await admin.start()
-    try:
-        for description in await admin.describe_topics([topic]):
-            if description.get("error_code", 0) == 0 and description["topic"] == topic:
-                return sorted(p["partition"] for p in description["partitions"])
-        return []
-    finally:
-        await admin.close()
+    """Every record of `topic` up to its current end (read_committed); a key's records
+    in their order."""
+    return [record async for batch in scan(settings, topic) for record in batch]
 
 
 def latest_by_key(records: list[ConsumerRecord[bytes, bytes]]) -> dict[bytes, bytes]:

@@ -104,6 +104,16 @@ class Scrape:
         return any(n == name for n, _, _ in self.samples)
 
 
+def run_cli(
+    settings: Settings, *args: str, timeout_s: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`llm-streams ARGS…` with the settings in its environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
+    env.update(settings_env(settings))
+    return subprocess.run([sys.executable, "-m", "streams.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+
+
 async def produce(
     settings: Settings, records: list[tuple[bytes | None, bytes | None]]
 ) -> list[tuple[int, int]]:

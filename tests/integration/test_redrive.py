@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,17 +9,9 @@ import orjson
 import pytest
 
 from streams.llm.simulator import SimulatorServer
-from streams.settings import Settings, settings_env
-from tests.integration.helpers import WorkerProcess, collect, produce
+from tests.integration.helpers import WorkerProcess, collect, produce, run_cli
 
 pytestmark = pytest.mark.integration
-
-
-def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
-    env.update(settings_env(settings))
-    return subprocess.run([sys.executable, "-m", "streams.cli", *args], env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
 async def test_redrive_requeues_retryable_dead_letters_and_status_shows_history(
@@ -48,22 +37,22 @@ async def test_redrive_requeues_retryable_dead_letters_and_status_shows_history(
         assert {d["error"]["category"] for d in got.dead_letters} == {"upstream_error",
                                                                        "invalid_input"}  # fmt: skip
 
-        shown = _cli(settings, "status", "r-007")
+        shown = run_cli(settings, "status", "r-007")
         assert shown.returncode == 0, shown.stderr
         assert "dead_lettered" in shown.stdout and "upstream_error" in shown.stdout
 
-        dry = _cli(settings, "redrive", "--category", "upstream_error", "--dry-run")
+        dry = run_cli(settings, "redrive", "--category", "upstream_error", "--dry-run")
         assert dry.returncode == 0, dry.stderr
         assert "would re-queue 20 task(s)" in dry.stdout
         simulator.sim.config.error_500_rate = 0.0  # the cause is gone
-        done = _cli(settings, "redrive", "--category", "upstream_error")
+        done = run_cli(settings, "redrive", "--category", "upstream_error")
         assert "re-queued 20 task(s)" in done.stdout, done.stdout + done.stderr
         assert "1 other category" in done.stdout  # the bad record: invalid_input
 
         after = await collect(settings, set(first), timeout_s=120, worker=worker,
                               until=lambda g: len(g.results) >= 20)  # fmt: skip
-        again = _cli(settings, "redrive", "--category", "upstream_error")
-        status = _cli(settings, "status", "r-007")
+        again = run_cli(settings, "redrive", "--category", "upstream_error")
+        status = run_cli(settings, "status", "r-007")
     finally:
         worker.stop()
     assert sorted(r["task_id"] for r in after.results) == [t["task_id"] for t in tasks]

@@ -7,9 +7,6 @@ sends nothing twice; `--force` asks the LLM again under the same keys.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -30,8 +27,8 @@ from streams.replay import (
     ReplayRequest,
     scan,
 )
-from streams.settings import Settings, settings_env
-from tests.integration.helpers import WorkerProcess, collect, produce
+from streams.settings import Settings
+from tests.integration.helpers import WorkerProcess, collect, produce, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -53,13 +50,6 @@ def _pipelines_with_v2(tmp_path: Path) -> Path:
     folder.mkdir()
     (folder / "comment-analysis.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     return folder
-
-
-def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
-    env.update(settings_env(settings))
-    return subprocess.run([sys.executable, "-m", "streams.cli", *args], env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
 async def _replay_records(settings: Settings) -> list[Any]:
@@ -170,19 +160,19 @@ async def test_replay_skips_answered_resumes_after_a_kill_and_force_asks_again(
         assert simulator.sim.snapshot()["requests"] - before == len(in_p0)
 
         # The command line: a dry run prints the plan and the estimate, sends nothing.
-        shown = _cli(settings, "replay", "--from-offset", "0:0", "--prompt-version", "v2",
+        shown = run_cli(settings, "replay", "--from-offset", "0:0", "--prompt-version", "v2",
                      "--dry-run")  # fmt: skip
         assert shown.returncode == 0, shown.stderr
         assert f"would send 0 to {settings.topics.replay}" in shown.stdout, shown.stdout
         assert f"skipped {len(in_p0)} already answered" in shown.stdout
         assert "estimated cost $" in shown.stdout
-        bad = _cli(settings, "replay", "--prompt-version", "v2")
+        bad = run_cli(settings, "replay", "--prompt-version", "v2")
         assert bad.returncode == 2 and "--from" in bad.stderr
 
         # Backtrack: three tasks back to their v1 answers (no LLM call), seen in their history.
         picked = ["h-00003", "h-00500", "h-01100"]
         before = simulator.sim.snapshot()["requests"]
-        restore = _cli(settings, "backtrack", *picked, "h-99999", "--restore", "v1")
+        restore = run_cli(settings, "backtrack", *picked, "h-99999", "--restore", "v1")
         assert restore.returncode == 0, restore.stderr
         assert "sent 3 task(s) to restore" in restore.stdout and "no state for 1" in restore.stdout
         got = await collect(settings, set(), timeout_s=120, worker=worker,
@@ -192,14 +182,14 @@ async def test_replay_skips_answered_resumes_after_a_kill_and_force_asks_again(
         assert {r["task_id"] for r in restored} == set(picked)
         assert all(r["result_key"] == v1_keys[r["task_id"]] for r in restored)
         assert simulator.sim.snapshot()["requests"] == before  # answered from the store
-        shown = _cli(settings, "status", "h-00500")
+        shown = run_cli(settings, "status", "h-00500")
         assert shown.returncode == 0, shown.stderr
         assert "backtrack: restored" in shown.stdout and v1_keys["h-00500"] in shown.stdout
-        never = _cli(settings, "backtrack", "h-00004", "--restore", "v3")
+        never = run_cli(settings, "backtrack", "h-00004", "--restore", "v3")
         assert never.returncode == 2 and "no prompt version 'v3'" in never.stderr + never.stdout
 
         # Diff of the two versions over the tasks answered under both.
-        compared = _cli(settings, "diff", "--pipeline", "comment-analysis",
+        compared = run_cli(settings, "diff", "--pipeline", "comment-analysis",
                         "--from-version", "v1", "--to-version", "v2")  # fmt: skip
         assert compared.returncode == 0, compared.stderr
         assert f"{TASKS} task(s) answered under both v1 and v2" in compared.stdout

@@ -4,9 +4,6 @@ for stage 1)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,19 +12,11 @@ import pytest
 import yaml
 
 from streams.llm.simulator import SimulatorServer
-from streams.settings import Settings, settings_env
-from tests.integration.helpers import WorkerProcess, collect, produce
+from tests.integration.helpers import WorkerProcess, collect, produce, run_cli
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
-    env.update(settings_env(settings))
-    return subprocess.run([sys.executable, "-m", "streams.cli", *args], env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
 def _pipelines(tmp_path: Path) -> Path:
@@ -71,12 +60,12 @@ async def test_a_failed_stage_is_redriven_from_itself(
         calls = simulator.sim.snapshot()["requests"]
         assert calls == len(tasks) + 2 * len(unhappy)  # stage 1 each, stage 2 twice (retry)
 
-        shown = _cli(settings, "status", "u-3")
+        shown = run_cli(settings, "status", "u-3")
         assert shown.returncode == 0, shown.stderr
         assert "dead_lettered" in shown.stdout and "reply" in shown.stdout
 
         simulator.sim.config.error_500_models = []  # stage 2's model is back
-        done = _cli(settings, "redrive", "--category", "upstream_error")
+        done = run_cli(settings, "redrive", "--category", "upstream_error")
         assert "re-queued 10 task(s)" in done.stdout, done.stdout + done.stderr
         again = await collect(settings, set(), timeout_s=120, worker=worker,
                               until=lambda c: len(c.results) >= len(tasks))  # fmt: skip
