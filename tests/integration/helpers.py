@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +113,21 @@ def run_cli(
     env.update(settings_env(settings))
     return subprocess.run([sys.executable, "-m", "streams.cli", *args], env=env,
                           capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+
+
+def assert_each_task_answered_once(got: Collected, task_ids: set[str]) -> dict[str, str]:
+    """No task lost; repeats (at-least-once) only under the same result key, same output.
+    Returns each task's result key."""
+    keys: dict[str, set[str]] = defaultdict(set)
+    outputs: dict[str, set[bytes]] = defaultdict(set)
+    for r in got.results:
+        keys[r["task_id"]].add(r["result_key"])
+        outputs[r["task_id"]].add(orjson.dumps(r["output"], option=orjson.OPT_SORT_KEYS))
+    missing = task_ids - set(keys)
+    assert not missing, f"{len(missing)} tasks lost"
+    assert all(len(k) == 1 for k in keys.values()), "a task answered under two result keys"
+    assert all(len(o) == 1 for o in outputs.values()), "a task answered with two outputs"
+    return {task_id: next(iter(k)) for task_id, k in keys.items()}
 
 
 async def produce(

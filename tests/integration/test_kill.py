@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,12 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 from streams.llm.simulator import SimulatorServer
-from tests.integration.helpers import WorkerProcess, collect, produce
+from tests.integration.helpers import (
+    WorkerProcess,
+    assert_each_task_answered_once,
+    collect,
+    produce,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -79,15 +83,7 @@ async def test_sigkill_mid_batch_loses_nothing(
         second.stop()
 
     assert not got.dead_letters
-    keys: dict[str, set[str]] = defaultdict(set)
-    outputs: dict[str, set[bytes]] = defaultdict(set)
-    for r in got.results:
-        keys[r["task_id"]].add(r["result_key"])
-        outputs[r["task_id"]].add(orjson.dumps(r["output"], option=orjson.OPT_SORT_KEYS))
-    missing = {t["task_id"] for t in tasks} - set(keys)
-    assert not missing, f"{len(missing)} tasks lost"
     # Repeats are allowed (at-least-once) but only under the same key with the same output.
-    assert all(len(k) == 1 for k in keys.values())
-    assert all(len(o) == 1 for o in outputs.values())
+    assert_each_task_answered_once(got, {t["task_id"] for t in tasks})
     repeats = len(got.results) - len(tasks)
     assert repeats >= 0
