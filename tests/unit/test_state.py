@@ -94,3 +94,38 @@ def test_rocksdb_maps_start_empty_on_every_assignment(tmp_path: Any) -> None:
     close_maps(again)
     assert load_settings(store="rocksdb:///srv/x").store == "rocksdb:///srv/x"
     assert rocks_dir(load_settings(store="rocksdb:///srv/x")) == Path("/srv/x")
+
+
+async def test_a_failed_load_is_tried_again_and_records_wait_until_it_succeeds(
+    monkeypatch: Any,
+) -> None:
+    from streams import state as state_module
+    from streams.settings import load_settings
+    from streams.state import Kind, TaskStore
+
+    attempts: list[int] = []
+
+    async def flaky_load(settings: Any, topics: Any, partition: int, maps: Any) -> Any:
+        attempts.append(partition)
+        if len(attempts) < 3:
+            raise OSError("broker away")
+        maps[Kind.RESULTS][b"rk1-x"] = b"{}"
+        return dict.fromkeys(Kind, 1)
+
+    real_sleep = asyncio.sleep
+
+    async def no_wait(_: float) -> None:
+        await real_sleep(0)
+
+    monkeypatch.setattr(state_module, "load_partition", flaky_load)
+    monkeypatch.setattr(state_module.asyncio, "sleep", no_wait)
+
+    async def send(*args: Any) -> None:
+        return None
+
+    store = TaskStore(load_settings(), send)
+    store.assign({2})
+    await asyncio.wait_for(store.ready(2), 5)  # waits through two failures
+    assert attempts == [2, 2, 2]
+    assert store.get(Kind.RESULTS, 2, b"rk1-x") == b"{}"
+    await store.close()
