@@ -43,9 +43,16 @@ class TaskError(StreamsError):
 
 
 class Transient(TaskError):
-    """Worth another attempt: the same request may succeed later."""
+    """Worth another attempt: the same request may succeed later.
+
+    `endpoint_down` marks a failure that says the endpoint is failing for everyone
+    (its circuit is open after it, or the endpoint cannot be reached): the attempt is
+    not charged to the task, whose later attempts wait with backoff and for the
+    circuit, bounded by the task's deadline.
+    """
 
     retryable = True
+    endpoint_down = False
 
 
 class Permanent(TaskError):

@@ -57,8 +57,24 @@ def _error_code(exc: openai.APIStatusError) -> str | None:
     return str(code) if code else None
 
 
+def _refused(exc: BaseException) -> OSError | None:
+    """The socket error under an SDK error, when one is there and is not a timeout."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and not isinstance(seen, TimeoutError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def map_error(exc: Exception) -> TaskError:
     """Translate an SDK exception into our taxonomy, keeping the original as cause."""
+    refused = _refused(exc) if isinstance(exc, openai.APITimeoutError) else None
+    if refused is not None:
+        # The aiohttp transport reports a refused connection as a connect *timeout*.
+        return UpstreamError(f"cannot reach the LLM endpoint: {refused}", code="connection_error")
     if isinstance(exc, openai.APITimeoutError):
         return Timeout(f"LLM call timed out: {exc}", code="timeout")
     if isinstance(exc, openai.APIConnectionError):

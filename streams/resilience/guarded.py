@@ -19,7 +19,7 @@ from streams.errors import (
 from streams.llm.client import LLMClient, LLMRequest, LLMResponse
 from streams.llm.tokens import count_messages
 from streams.metrics import Metrics
-from streams.resilience.breaker import CircuitBreaker
+from streams.resilience.breaker import CircuitBreaker, State
 from streams.resilience.clock import Clock, MonotonicClock
 from streams.resilience.limiter import Lane, RateLimiter
 
@@ -80,6 +80,8 @@ class GuardedClient:
             raise
         except (Timeout, UpstreamError) as exc:
             self.breaker.record(ok=False)
+            # Down for everyone: its circuit is open now, or it cannot be reached at all.
+            exc.endpoint_down = self.breaker.state is State.OPEN or exc.code == "connection_error"
             permit.reconcile(estimate)
             self._count(request.model, lane, permit.waited_s, started, exc)
             raise exc

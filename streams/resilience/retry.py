@@ -1,8 +1,11 @@
 """Retries of one task's LLM call: only what can succeed, capped by attempts and time.
 
 Retried: rate_limited, timeout, upstream_error; invalid_output at most
-`invalid_output_retries` times. Waits are exponential with full jitter, and a
-provider's Retry-After wins when it is longer.
+`invalid_output_retries` times. An attempt that failed while the endpoint was
+down (`endpoint_down`: its circuit open, or unreachable — an outage, not this
+task's problem) does not count towards `max_attempts`; the task's deadline still
+bounds it. Waits are exponential with full jitter, and a provider's Retry-After
+wins when it is longer.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from streams.errors import Category, RateLimited, StreamsError, Transient
 
@@ -54,6 +57,7 @@ async def call_with_retries(
 ) -> T:
     """Call `fn` until it succeeds or the policy gives up; re-raise the last error."""
     invalid_seen = 0
+    outage_attempts = 0
 
     def should_retry(exc: BaseException) -> bool:
         nonlocal invalid_seen
@@ -73,9 +77,12 @@ async def call_with_retries(
             delay = max(delay, hinted * (rng or random).uniform(1.0, 1.5))
         return delay
 
+    def stop(state: RetryCallState) -> bool:
+        return state.attempt_number - outage_attempts >= policy.max_attempts
+
     retrying = AsyncRetrying(
         retry=retry_if_exception(should_retry),
-        stop=stop_after_attempt(policy.max_attempts),
+        stop=stop,
         wait=wait,
         sleep=sleep,
         reraise=True,
@@ -87,5 +94,7 @@ async def call_with_retries(
                 return await fn(attempts)
             except StreamsError as exc:
                 attempts.last_error = exc
+                if isinstance(exc, Transient) and exc.endpoint_down:
+                    outage_attempts += 1
                 raise
     raise AssertionError("unreachable: tenacity re-raises the last error")  # pragma: no cover

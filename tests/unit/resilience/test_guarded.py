@@ -78,10 +78,14 @@ async def test_outage_opens_the_breaker_and_calls_stop(
     )
     guarded = GuardedClient(client, limiter=RateLimiter(rpm=100_000), breaker=breaker)
     simulator.sim.config.error_503_rate = 1.0
+    failures = []
     for _ in range(5):
-        with pytest.raises(UpstreamError):
+        with pytest.raises(UpstreamError) as caught:
             await guarded.complete(REQ)
+        failures.append(caught.value.endpoint_down)
     assert breaker.state is State.OPEN
+    # Only the failure that found the circuit open afterwards marks the endpoint down.
+    assert failures == [False] * 4 + [True]
     with pytest.raises(CircuitOpen):  # its deadline comes before the circuit may close
         await guarded.complete(REQ, deadline_at=guarded.clock.now() + 0.1)
     assert simulator.sim.snapshot()["requests"] == 5  # no call while open
@@ -100,3 +104,18 @@ async def test_token_estimate_is_reconciled_with_the_real_usage(client: OpenAICl
     response = await guarded.complete(REQ)
     assert guarded.estimate(REQ) > response.prompt_tokens + response.completion_tokens
     assert full - limiter.tokens.level == response.prompt_tokens + response.completion_tokens
+
+
+async def test_a_refused_connection_is_an_unreachable_endpoint_not_a_timeout(
+    simulator: SimulatorServer, client: OpenAIClient
+) -> None:
+    breaker = CircuitBreaker("sim", window_s=60, min_calls=50, failure_rate=0.5, open_s=1,
+                             probes=1)  # fmt: skip
+    guarded = GuardedClient(client, limiter=RateLimiter(rpm=100_000), breaker=breaker)
+    await simulator.stop()  # nothing listens on the port any more
+    with pytest.raises(UpstreamError) as caught:
+        await guarded.complete(REQ)
+    assert caught.value.code == "connection_error", caught.value.message
+    assert "refused" in caught.value.message or "failed" in caught.value.message
+    # Not charged to the task: the endpoint is down for everyone, though still closed.
+    assert caught.value.endpoint_down and breaker.state is State.CLOSED

@@ -55,6 +55,30 @@ async def test_gives_up_after_max_attempts_with_the_last_error() -> None:
     assert attempts.count == 3 and len(calls) == 3
 
 
+def _down(message: str) -> UpstreamError:
+    exc = UpstreamError(message)
+    exc.endpoint_down = True
+    return exc
+
+
+async def test_attempts_failing_while_the_endpoint_is_down_are_not_charged() -> None:
+    # Five failures during an outage (circuit open after each), then two of the task's
+    # own: with max_attempts=3 it still gets its third attempt, which succeeds.
+    fn, calls = _failing([_down(f"down {i}") for i in range(5)] + [UpstreamError("a")] * 2)
+    attempts = Attempts()
+    assert await call_with_retries(fn, RetryPolicy(max_attempts=3), attempts,
+                                   sleep=FakeSleep()) == "ok"  # fmt: skip
+    assert len(calls) == 8 and attempts.count == 8
+
+
+async def test_own_failures_still_end_the_task_after_an_outage() -> None:
+    fn, calls = _failing([_down("down"), UpstreamError("a"), UpstreamError("b"),
+                          UpstreamError("c"), UpstreamError("d")])  # fmt: skip
+    with pytest.raises(UpstreamError, match="c"):
+        await call_with_retries(fn, RetryPolicy(max_attempts=3), Attempts(), sleep=FakeSleep())
+    assert len(calls) == 4
+
+
 async def test_invalid_output_is_retried_once() -> None:
     fn, _ = _failing([InvalidOutput("bad"), InvalidOutput("bad again")])
     attempts = Attempts()
