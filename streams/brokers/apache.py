@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from types import TracebackType
@@ -89,39 +90,65 @@ def _java() -> str:
 
 
 class ApacheKafka:
-    """One single-node KRaft broker+controller on loopback."""
+    """A KRaft cluster on loopback: one node by default, or `nodes` (each broker and
+    controller) with replication factor and min ISR set for them. Nodes can be stopped,
+    killed and started again on the same ports and data (restart and failover tests)."""
 
-    def __init__(self, jars: Path | None = None, heap_mb: int = 768) -> None:
+    def __init__(self, jars: Path | None = None, heap_mb: int = 768, nodes: int = 1) -> None:
+        if nodes < 1:
+            raise ValueError("a cluster needs at least one node")
         self.jars = jars
         self.heap_mb = heap_mb
-        self.port = free_port()
-        self.controller_port = free_port()
+        self.nodes = nodes
+        self.ports = [free_port() for _ in range(nodes)]
+        self.controller_ports = [free_port() for _ in range(nodes)]
         self.workdir: Path | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * nodes
+        self._jvm: list[str] = []
+
+    @property
+    def port(self) -> int:
+        return self.ports[0]
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.procs[0]
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return ",".join(f"127.0.0.1:{port}" for port in self.ports)
 
     @property
     def url(self) -> str:
-        return f"kafka://{self.bootstrap}"
+        return "kafka://" + ";".join(f"127.0.0.1:{port}" for port in self.ports)
 
-    def _config(self, workdir: Path) -> Path:
+    def _node_dir(self, node: int) -> Path:
+        assert self.workdir is not None, "cluster not started"
+        return self.workdir / f"node-{node + 1}"
+
+    def _config(self, node: int) -> Path:
+        workdir = self._node_dir(node)
+        workdir.mkdir(parents=True, exist_ok=True)
+        port, controller = self.ports[node], self.controller_ports[node]
+        voters = ",".join(f"{i + 1}@127.0.0.1:{c}" for i, c in enumerate(self.controller_ports))
+        replicas = str(min(3, self.nodes))
+        min_isr = str(2 if self.nodes >= 3 else 1)
         props = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "node.id": str(node + 1),
+            "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller}",
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
             "controller.listener.names": "CONTROLLER",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-            "controller.quorum.voters": f"1@127.0.0.1:{self.controller_port}",
+            "controller.quorum.voters": voters,
             "log.dirs": str(workdir / "data"),
             "num.partitions": "1",
-            "offsets.topic.replication.factor": "1",
+            "default.replication.factor": replicas,
+            "min.insync.replicas": min_isr,
+            "offsets.topic.replication.factor": replicas,
             "offsets.topic.num.partitions": "4",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.replication.factor": replicas,
+            "transaction.state.log.min.isr": min_isr,
             "transaction.state.log.num.partitions": "4",
             "group.initial.rebalance.delay.ms": "0",
             "auto.create.topics.enable": "true",
@@ -134,39 +161,69 @@ class ApacheKafka:
     def start(self, timeout_s: float = 90.0) -> ApacheKafka:
         jars = resolve_jars(self.jars)
         self.workdir = Path(tempfile.mkdtemp(prefix="llm-streams-kafka-"))
-        config = self._config(self.workdir)
-        classpath = f"{jars}/*"
-        java = _java()
+        self._jvm = [_java(), f"-Xmx{self.heap_mb}m", "-Xms128m", "-XX:+UseSerialGC",
+                     "-cp", f"{jars}/*"]  # fmt: skip
         cluster_id = _cluster_id()
-        jvm = [java, f"-Xmx{self.heap_mb}m", "-Xms128m", "-XX:+UseSerialGC", "-cp", classpath]
-        subprocess.run(
-            [*jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config)],
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        log_path = self.workdir / "broker.log"
-        with open(log_path, "wb") as out:
-            proc = subprocess.Popen(
-                [*jvm, "kafka.Kafka", str(config)], stdout=out, stderr=subprocess.STDOUT
-            )
-        self.proc = proc
+        for node in range(self.nodes):
+            subprocess.run(
+                [*self._jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id,
+                 "-c", str(self._config(node))],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
         try:
-            wait_for_port("127.0.0.1", self.port, timeout_s, alive=lambda: proc.poll() is None)
+            for node in range(self.nodes):
+                self._launch(node)
+            for node in range(self.nodes):
+                self._wait(node, timeout_s)
         except Exception:
             self.stop()
             raise
         return self
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+    def _launch(self, node: int) -> None:
+        config = self._node_dir(node) / "server.properties"
+        with open(self._node_dir(node) / "broker.log", "ab") as out:
+            self.procs[node] = subprocess.Popen(
+                [*self._jvm, "kafka.Kafka", str(config)], stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def _wait(self, node: int, timeout_s: float) -> None:
+        proc = self.procs[node]
+        assert proc is not None
+        wait_for_port("127.0.0.1", self.ports[node], timeout_s, alive=lambda: proc.poll() is None)
+
+    def stop_node(self, node: int, *, kill: bool = False) -> None:
+        """Stop one node, keeping its data: SIGTERM (controlled shutdown) or SIGKILL."""
+        proc = self.procs[node]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
             try:
-                self.proc.wait(20)
+                proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+                proc.kill()
+                proc.wait()
+        self.procs[node] = None
+
+    def start_node(self, node: int, timeout_s: float = 90.0) -> None:
+        """Start a stopped node again on its ports, with the data it had."""
+        if self.procs[node] is None:
+            self._launch(node)
+        self._wait(node, timeout_s)
+
+    def restart(self, *, kill: bool = False, down_s: float = 0.0) -> None:
+        """Every node down (keeping data), `down_s` of silence, every node up again."""
+        for node in range(self.nodes):
+            self.stop_node(node, kill=kill)
+        if down_s > 0:
+            time.sleep(down_s)
+        for node in range(self.nodes):
+            self._launch(node)
+        for node in range(self.nodes):
+            self._wait(node, 90.0)
+
+    def stop(self) -> None:
+        for node in range(self.nodes):
+            self.stop_node(node)
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None

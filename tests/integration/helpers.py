@@ -130,6 +130,26 @@ def assert_each_task_answered_once(got: Collected, task_ids: set[str]) -> dict[s
     return {task_id: next(iter(k)) for task_id, k in keys.items()}
 
 
+def assert_one_outcome_each(got: Collected, task_ids: set[str]) -> None:
+    """Each task ends as one outcome, its result or its dead letter: never both, never
+    none. Repeats (at-least-once) only under the same result key with the same output,
+    or as the same error."""
+    answered = {r["task_id"] for r in got.results}
+    dead: dict[str, set[str]] = defaultdict(set)
+    for d in got.dead_letters:
+        dead[d["task_id"]].add(f"{d['error']['category']}:{d['error']['code']}")
+    both = answered & set(dead)
+    assert not both, f"{len(both)} tasks have a result and a dead letter: {sorted(both)[:5]}"
+    missing = task_ids - answered - set(dead)
+    assert not missing, f"{len(missing)} tasks lost: {sorted(missing)[:5]}"
+    assert all(len(e) == 1 for e in dead.values()), "a task dead-lettered with two errors"
+    answered_ids = task_ids & answered
+    assert_each_task_answered_once(
+        Collected(results=[r for r in got.results if r["task_id"] in answered_ids]),
+        answered_ids,
+    )
+
+
 async def produce(
     settings: Settings, records: list[tuple[bytes | None, bytes | None]]
 ) -> list[tuple[int, int]]:
