@@ -46,12 +46,13 @@ DEAD_LETTERS: Counter[str] = Counter()
 
 
 class Sim:
-    def __init__(self, rpm: int, tpm: int) -> None:
+    def __init__(self, rpm: int, tpm: int, *, latency_ms: int = 300, jitter_ms: int = 100,
+                 error_rate: float = 0.01) -> None:  # fmt: skip
         self.port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "streams.cli", "simulate-llm", "--port", str(self.port),
-             "--latency-ms", "300", "--jitter-ms", "100", "--rpm", str(rpm), "--tpm", str(tpm),
-             "--error-500-rate", "0.01", "--api-key", "bench-key"],
+             "--latency-ms", str(latency_ms), "--jitter-ms", str(jitter_ms), "--rpm", str(rpm),
+             "--tpm", str(tpm), "--error-500-rate", str(error_rate), "--api-key", "bench-key"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         wait_for_port("127.0.0.1", self.port, 30)
