@@ -86,6 +86,12 @@ class InvalidOutput(Transient):
     category = Category.INVALID_OUTPUT
 
 
+class OutputRejected(Permanent):
+    """An invalid answer that will not be asked again (e.g. the repair token cap)."""
+
+    category = Category.INVALID_OUTPUT
+
+
 class RateLimited(Transient):
     """The provider throttled us; `retry_after` (seconds) is its hint, if it gave one."""
 

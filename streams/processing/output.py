@@ -9,6 +9,7 @@ import orjson
 
 from streams.errors import InvalidOutput
 from streams.llm.client import LLMResponse
+from streams.processing.defaults import fill_defaults
 from streams.prompts.registry import Pipeline
 
 _SPACE = re.compile(r"\s+")
@@ -69,4 +70,6 @@ def parse_output(
                         f"{field} {quote[:80]!r} is not a quote of input.{source_slot}",
                         code="evidence_not_quoted",
                     )
+    if pipeline.fills_defaults:
+        fill_defaults(data, pipeline.output_schema, pipeline.output_schema)  # in place
     return data

@@ -19,6 +19,7 @@ from streams.errors import (
     ContextOverflow,
     DeadlineExceeded,
     InvalidOutput,
+    OutputRejected,
     StreamsError,
     TaskError,
 )
@@ -58,6 +59,10 @@ log = logging.getLogger(__name__)
 # OpenAI's context_length_exceeded message: "This model's maximum context length is N
 # tokens. However, you requested M tokens (P in the messages, C in the completion)."
 _WINDOW_RE = re.compile(r"maximum context length is (\d+)")
+# Share of the context window a request may fill (prompt + answer budget), and the
+# smallest answer budget worth a call.
+WINDOW_SHARE = 0.85
+MIN_COMPLETION_TOKENS = 64
 _REQUESTED_RE = re.compile(r"\((\d+) in the messages, (\d+) in the completion\)")
 
 
@@ -122,6 +127,7 @@ class _Spend:
     model: str = ""
     calls: list[str] = field(default_factory=list)
     last_prompt_tokens: int = 0
+    repair_tokens: int = 0
 
 
 class TaskProcessor:
@@ -444,16 +450,23 @@ class TaskProcessor:
             budget = int(params.get("max_tokens") or spend.completion_tokens or 256)
             room = self.context_window - spend.last_prompt_tokens
             params = {**params, "max_tokens": max(1, min(int(budget * 1.5), room))}
-        elif isinstance(last, InvalidOutput) and spend.calls:
-            # One repair: show the model its answer and what was wrong with it.
-            messages += [
-                {"role": "assistant", "content": spend.calls[-1]},
-                {
-                    "role": "user",
-                    "content": f"That answer was rejected: {last.message}. "
-                    "Reply with one corrected JSON object only.",
-                },
-            ]
+        repair = isinstance(last, InvalidOutput) and last.code != "truncated" and bool(spend.calls)
+        try:
+            if repair and last is not None:
+                # One repair: show the model its answer and what was wrong with it.
+                messages += [
+                    {"role": "assistant", "content": spend.calls[-1]},
+                    {
+                        "role": "user",
+                        "content": f"That answer was rejected: {last.message}. "
+                        "Reply with one corrected JSON object only.",
+                    },
+                ]
+                self._check_repair_cap(pipeline, messages, params, spend, last)
+            params = self._fit_window(messages, params, prompt.params)
+        except (OutputRejected, ContextOverflow):
+            attempts.count -= 1  # refused before any call
+            raise
         request = LLMRequest(
             messages=messages,
             model=prompt.model,
@@ -494,6 +507,8 @@ class TaskProcessor:
             spend.completion_tokens += response.completion_tokens
             spend.model = response.model
             spend.calls.append(response.content)
+            if repair:
+                spend.repair_tokens += response.prompt_tokens + response.completion_tokens
             try:
                 output = parse_output(response, pipeline, prompt.variables)
             except InvalidOutput as exc:
@@ -502,6 +517,51 @@ class TaskProcessor:
                 raise
             self._count_output(response.model, ok=True)
             return output
+
+    def _check_repair_cap(
+        self,
+        pipeline: Pipeline,
+        messages: list[dict[str, str]],
+        params: dict[str, Any],
+        spend: _Spend,
+        last: StreamsError,
+    ) -> None:
+        """Refuse a repair that could take the task past its pipeline's repair token cap."""
+        cap = pipeline.spec.repair_token_cap
+        budget = int(
+            params.get("max_completion_tokens") or params.get("max_tokens") or DEFAULT_MAX_TOKENS
+        )
+        estimate = count_messages(messages) + budget
+        if spend.repair_tokens + estimate > cap:
+            raise OutputRejected(
+                f"{last.message} (not repaired: a repair may take {estimate} tokens, "
+                f"{spend.repair_tokens} spent on repairs already, cap {cap})",
+                code="repair_token_cap",
+            )
+
+    def _fit_window(
+        self, messages: list[dict[str, str]], params: dict[str, Any], configured: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The params with the answer's budget cut to what the context window leaves
+        (85% of it, minus the prompt), or ContextOverflow when that is under the floor:
+        the pipeline's own budget, at most MIN_COMPLETION_TOKENS."""
+        key = "max_completion_tokens" if "max_completion_tokens" in params else "max_tokens"
+        want = int(params.get(key) or DEFAULT_MAX_TOKENS)
+        usable = int(self.context_window * WINDOW_SHARE)
+        # UTF-8 bytes bound the tokens from above: counting is needed only near the edge.
+        if sum(len(m["content"].encode()) + 8 for m in messages) + want <= usable:
+            return params
+        prompt_tokens = count_messages(messages)
+        room = usable - prompt_tokens
+        floor = min(int(configured.get(key) or DEFAULT_MAX_TOKENS), MIN_COMPLETION_TOKENS)
+        if room < floor:
+            raise ContextOverflow(
+                f"prompt of {prompt_tokens} tokens leaves {room} of the model's "
+                f"{self.context_window}-token window ({WINDOW_SHARE:.0%} usable) for the "
+                f"answer, under the floor of {floor}",
+                code="context_overflow",
+            )
+        return params if room >= want else {**params, key: room}
 
     def _count_output(self, model: str, *, ok: bool) -> None:
         if self.metrics is not None:

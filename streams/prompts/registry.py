@@ -19,6 +19,7 @@ from jinja2.sandbox import SandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from streams.errors import ConfigError, InvalidInput
+from streams.processing.defaults import has_defaults
 from streams.processing.preprocess import Redactor, clean
 
 _JSON_TYPES: dict[str, type | tuple[type, ...]] = {
@@ -195,6 +196,12 @@ class PipelineSpec(BaseModel):
         description="Output paths `a[].b` whose strings must quote the `quote_source` slot.",
     )
     quote_source: str | None = None
+    repair_token_cap: int = Field(
+        4000,
+        ge=0,
+        description="Tokens (prompt + completion) one task may spend on repair attempts, "
+        "which resend the rejected answer with the validator's message; 0 = never repair.",
+    )
     preprocess: PreprocessSpec = Field(default_factory=PreprocessSpec)
     review: ReviewSpec | None = None
     stages: list[StageSpec] = Field(
@@ -339,6 +346,8 @@ class Pipeline:
         # validator answers "is it valid?" ~100x faster on the hot path (0.6 us vs 107 us).
         self.validator = jsonschema.Draft202012Validator(output_schema)
         self.is_valid = jsonschema_rs.validator_for(output_schema).is_valid
+        # Optional fields with a `default` are filled in every output (defaults shown).
+        self.fills_defaults = has_defaults(output_schema)
         self.versions = {v: PipelineVersion(self, v, s) for v, s in spec.versions.items()}
         self.stages: list[Stage] = []  # resolved by the registry once every pipeline loaded
         try:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
 from streams.llm.openai_client import OpenAIClient
 from streams.llm.simulator import SimulatorServer
-from streams.processing.processor import Prices, TaskProcessor
+from streams.llm.tokens import count_messages
+from streams.processing.processor import WINDOW_SHARE, Prices, TaskProcessor
 from streams.prompts.registry import PipelineRegistry
 from streams.records import Source, result_key
 from streams.resilience.breaker import CircuitBreaker
@@ -217,10 +220,18 @@ async def test_a_truncated_answer_is_retried_once_with_a_larger_budget(
     assert seen == [36, 54]
     assert out.kind == "result", orjson.loads(out.value)
     assert simulator.sim.snapshot()["by_outcome"]["truncated"] == 1
-    processor.context_window = 60  # now 1.5x does not fit: the budget stops at the window
+    # Now 1.5x does not fit: the budget stops at what the window leaves (40 tokens).
+    text = "Arrived late, box crushed. Works great."
+    version = processor.registry.get("comment-analysis").version(None, "t2")
+    prompt_tokens = count_messages(version.render({"text": text}, "sim-1").messages)
+    processor.context_window = math.ceil((prompt_tokens + 40) / WINDOW_SHARE)
     seen.clear()
-    out = await processor.process(_task("Arrived late, box crushed. Works great."), b"t2", SRC)
-    assert seen[0] == 36 and seen[1] < 54
+    out = await processor.process(_task(text), b"t2", SRC)
+    assert len(seen) == 2, orjson.loads(out.value)
+    assert seen[0] == 36 and seen[1] == int(processor.context_window * WINDOW_SHARE) - (
+        prompt_tokens
+    )
+    assert seen[1] < 54
     assert out.kind == "dead_letter" and out.category == "invalid_output"
 
 
@@ -282,3 +293,85 @@ async def test_context_overflow_without_a_policy_is_dead_lettered_at_once(
     error = orjson.loads(out.value)["error"]
     assert (error["category"], error["code"]) == ("context_overflow", "context_length_exceeded")
     assert simulator.sim.snapshot()["requests"] == 1
+
+
+def _spy(processor: TaskProcessor) -> list[Any]:
+    """Requests the processor sends, in order."""
+    sent: list[Any] = []
+    original = processor.client.client.complete
+
+    async def spy(request):  # type: ignore[no-untyped-def]
+        sent.append(request)
+        return await original(request)
+
+    processor.client.client.complete = spy  # type: ignore[method-assign]
+    return sent
+
+
+async def test_the_answer_budget_is_cut_to_what_the_context_window_leaves(
+    processor: TaskProcessor,
+) -> None:
+    processor.context_window = 1400  # 85% = 1,190 for prompt + answer
+    sent = _spy(processor)
+    text = "Arrived late. " + " ".join(f"Part {i} was fine." for i in range(120))
+    out = await processor.process(_task(text), b"t1", SRC)
+    assert out.kind == "result", orjson.loads(out.value)
+    (request,) = sent
+    room = int(1400 * WINDOW_SHARE) - count_messages(request.messages)
+    assert 0 < room < 400  # the pipeline asks for 400; the window leaves less
+    assert request.params["max_tokens"] == room
+
+
+async def test_a_short_prompt_keeps_its_budget_without_counting_tokens(
+    processor: TaskProcessor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent = _spy(processor)
+
+    def no_count(messages: Any) -> int:
+        raise AssertionError("counted tokens for a prompt far from the window's edge")
+
+    monkeypatch.setattr("streams.processing.processor.count_messages", no_count)
+    out = await processor.process(_task(), b"t1", SRC)
+    assert out.kind == "result" and sent[0].params["max_tokens"] == 400
+
+
+async def test_a_prompt_over_the_window_is_shortened_before_any_call(
+    processor: TaskProcessor, simulator: SimulatorServer
+) -> None:
+    processor.context_window = 1000  # the simulator's own window stays large
+    words = " ".join(f"The blender part {i} was fine." for i in range(220))  # ~1,800 tokens
+    out = await processor.process(_task("Arrived late. " + words), b"t1", SRC)
+    assert out.kind == "result", orjson.loads(out.value)
+    # Our own count caught it: no call refused by the provider, one call made.
+    assert simulator.sim.snapshot()["by_outcome"] == {"ok": 1}
+    assert orjson.loads(out.value)["attempts"] == 1
+
+
+async def test_the_repair_token_cap_stops_a_repair(
+    simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    spec = (ROOT / "pipelines" / "comment-analysis.yaml").read_text()
+    (tmp_path / "comment-analysis.yaml").write_text(
+        spec.replace("quote_source: text\n", "quote_source: text\nrepair_token_cap: 300\n")
+    )
+    client = OpenAIClient(
+        base_url=simulator.base_url, api_key="k", connect_timeout_s=1, read_timeout_s=2
+    )
+    processor = TaskProcessor(
+        PipelineRegistry.load(tmp_path, ROOT / "schemas"),
+        GuardedClient(client, limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("sim")),
+        default_model="sim-1", policy=RetryPolicy(max_attempts=3), deadline_s=5,
+        max_task_bytes=10_000, prices=Prices(),
+    )  # fmt: skip
+    simulator.sim.config.malformed_rate = 1.0
+    try:
+        out = await processor.process(_task(), b"t1", SRC)
+    finally:
+        await client.close()
+    assert out.kind == "dead_letter"
+    letter = orjson.loads(out.value)
+    assert letter["error"]["category"] == "invalid_output"
+    assert letter["error"]["code"] == "repair_token_cap"
+    assert "cap 300" in letter["error"]["message"] and "not JSON" in letter["error"]["message"]
+    # The first answer was the only call: the repair (~700 tokens) would pass the cap.
+    assert simulator.sim.snapshot()["requests"] == 1 and letter["attempts"] == 1
