@@ -241,6 +241,23 @@ class RenderedPrompt:
     redactions: Counter[str] = field(default_factory=Counter)  # PII replaced, by kind
 
 
+# Tags a template uses to delimit record text (`<comment>{{ text }}</comment>`).
+_TAG = re.compile(r"</?\s*([A-Za-z][\w.-]*)\s*>")
+
+
+def delimiter_guard(template: str) -> Callable[[str], str] | None:
+    """What makes record text unable to close (or open) the template's delimiters: every
+    `<tag`/`</tag` of a tag the template uses becomes `&lt;tag`/`&lt;/tag`; None when
+    the template delimits nothing. Record text is data: it stays inside its tags."""
+    names = sorted({m.group(1).lower() for m in _TAG.finditer(template)})
+    if not names:
+        return None
+    pattern = re.compile(
+        r"<(\s*/?\s*)(" + "|".join(re.escape(n) for n in names) + r")(?![\w.-])", re.IGNORECASE
+    )
+    return lambda text: pattern.sub(r"&lt;\1\2", text)
+
+
 _ENV = SandboxedEnvironment(
     undefined=StrictUndefined, autoescape=False, keep_trailing_newline=False
 )
@@ -256,6 +273,7 @@ class PipelineVersion:
         try:
             self._system = _ENV.from_string(spec.system)
             self._user = _ENV.from_string(spec.template)
+            self._guard = delimiter_guard(spec.system + "\n" + spec.template)
         except TemplateError as exc:
             raise ConfigError(f"pipeline {pipeline.name} {version}: template error: {exc}") from exc
 
@@ -300,6 +318,8 @@ class PipelineVersion:
                 )
             if isinstance(value, str):
                 value = redactor.redact(value, counts)
+                if self._guard is not None:
+                    value = self._guard(value)
             variables[name] = value
         return variables
 
