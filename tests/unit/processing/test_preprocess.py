@@ -65,6 +65,9 @@ def test_personal_data_is_tagged_and_counted(text: str, expected: str, kind: str
         "card 4111 1111 1111 1112 is not a card number",  # fails Luhn
         "tracking 1234567 and SKU 98765, 3 pcs, 2026-11-29",
         "rated 5/5, paid 199.00",
+        # Fractions of decimals whose digits pass Luhn (timings in logs, ratios).
+        "runtime=0.4111111111111111 s",
+        "ratio 3,4111111111111111 and 0.4242424242424242",
     ],
 )
 def test_numbers_that_fail_the_checks_are_left_alone(text: str) -> None:
