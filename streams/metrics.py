@@ -94,8 +94,13 @@ class Metrics:
             "llm_streams_limiter_throttled", "429 answers that cut the limiter's rate.",
             ["model"], registry=r)  # fmt: skip
         self.mitigations = Counter(
-            "llm_streams_mitigations", "Prompts shortened to fit the context window.",
+            "llm_streams_mitigations",
+            "Inputs over the context window, by what was done: truncate (cut to fit) or "
+            "chunk (split, each chunk answered, answers merged).",
             ["pipeline", "kind"], registry=r)  # fmt: skip
+        self.chunks = Counter(
+            "llm_streams_chunks", "Chunks that inputs over the token budget were split into.",
+            ["pipeline"], registry=r)  # fmt: skip
         self.versions_chosen = Counter(
             "llm_streams_prompt_versions",
             "Tasks by the prompt version they got and how: pinned by the task, split "

@@ -26,6 +26,7 @@ from streams.errors import (
 from streams.llm.client import LLMRequest, LLMResponse
 from streams.llm.tokens import count_messages, counter, truncate_tokens
 from streams.metrics import Metrics
+from streams.processing.chunking import reduce_outputs, split_text
 from streams.processing.output import parse_output
 from streams.processing.stages import MAIN, StageFailed, run_stages
 from streams.prompts.registry import (
@@ -228,17 +229,9 @@ class TaskProcessor:
                         output = done[MAIN]
                     else:
                         with stage_span(MAIN, pipeline.name, version.version):
-                            try:
-                                output = await self._call(
-                                    pipeline, version, prompt, attempts, spend, lane, deadline_at
-                                )
-                            except ContextOverflow as exc:
-                                # The pipeline's mitigation, if any: shorten, try once more.
-                                prompt = self._shorten(pipeline, version, task, prompt, exc)
-                                attempts.previous, attempts.last_error = attempts.count, None
-                                output = await self._call(
-                                    pipeline, version, prompt, attempts, spend, lane, deadline_at
-                                )
+                            output, prompt = await self._main(
+                                prep, prompt, attempts, spend, lane, deadline_at
+                            )
                         done[MAIN] = output
                     if pipeline.stages:
 
@@ -289,6 +282,138 @@ class TaskProcessor:
             err = StreamsError(f"internal error: {exc!r}", code="internal_error")
             return self._dead(err, prep.raw, prep.key, task, prep.source, attempts, spend,
                               prep.started)  # fmt: skip
+
+    async def _main(
+        self,
+        prep: Prepared,
+        prompt: RenderedPrompt,
+        attempts: Attempts,
+        spend: _Spend,
+        lane: Lane,
+        deadline_at: float,
+    ) -> tuple[dict[str, Any], RenderedPrompt]:
+        """The first stage's answer, and the prompt it came from: in chunks when the
+        input is over the budget and the pipeline chunks; shortened when the prompt is
+        over the window and the version truncates."""
+        pipeline, version, task = prep.pipeline, prep.version, prep.task
+        chunks = self._chunks(pipeline, prompt)
+        if chunks is not None:
+            output = await self._answer_chunks(
+                prep, prompt, chunks, attempts, spend, lane, deadline_at
+            )
+            return output, prompt
+        try:
+            return await self._call(
+                pipeline, version, prompt, attempts, spend, lane, deadline_at
+            ), prompt
+        except ContextOverflow as exc:
+            # The pipeline's mitigation, if any: shorten, try once more.
+            prompt = self._shorten(pipeline, version, task, prompt, exc)
+            attempts.previous, attempts.last_error = attempts.count, None
+            return await self._call(
+                pipeline, version, prompt, attempts, spend, lane, deadline_at
+            ), prompt
+
+    def _chunks(self, pipeline: Pipeline, prompt: RenderedPrompt) -> list[str] | None:
+        """The chunks of the pipeline's chunking slot, or None when it fits as it is."""
+        spec = pipeline.spec.chunking
+        if spec is None:
+            return None
+        text = str(prompt.variables.get(spec.slot) or "")
+        answer = int(
+            prompt.params.get("max_completion_tokens")
+            or prompt.params.get("max_tokens")
+            or DEFAULT_MAX_TOKENS
+        )
+        usable = int(self.context_window * WINDOW_SHARE) - answer  # for the prompt
+        # UTF-8 bytes bound the tokens from above: most inputs need no count (and the
+        # tokenizer's tables are loaded only once one does).
+        if spec.max_tokens is not None:
+            budget = spec.max_tokens
+            if len(text.encode()) <= budget:
+                return None
+            count = counter()
+            if count(text) <= budget:
+                return None
+        else:
+            if sum(len(m["content"].encode()) + 8 for m in prompt.messages) <= usable:
+                return None
+            count = counter()
+            text_tokens = count(text)
+            budget = usable - (count_messages(prompt.messages) - text_tokens)
+            if text_tokens <= budget:
+                return None
+            if budget < 32:
+                raise ContextOverflow(
+                    f"the prompt around input.{spec.slot} leaves {budget} tokens of the "
+                    f"{self.context_window}-token window for it",
+                    code="context_overflow",
+                )
+        chunks = split_text(text, budget, min(spec.overlap_tokens, budget // 4), count)
+        if len(chunks) > spec.max_chunks:
+            raise ContextOverflow(
+                f"input.{spec.slot} needs {len(chunks)} chunks of {budget} tokens, over the "
+                f"pipeline's max_chunks of {spec.max_chunks}",
+                code="too_many_chunks",
+            )
+        return chunks
+
+    async def _answer_chunks(
+        self,
+        prep: Prepared,
+        prompt: RenderedPrompt,
+        chunks: list[str],
+        attempts: Attempts,
+        spend: _Spend,
+        lane: Lane,
+        deadline_at: float,
+    ) -> dict[str, Any]:
+        """Each chunk answered on its own (a few at once), the answers merged."""
+        pipeline, version, task = prep.pipeline, prep.version, prep.task
+        spec = pipeline.spec.chunking
+        assert spec is not None
+        gate = asyncio.Semaphore(spec.parallel)
+
+        async def one(chunk: str) -> tuple[dict[str, Any] | TaskError, Attempts, _Spend]:
+            mine, used = Attempts(), _Spend()
+            async with gate:
+                rendered = version.render({**task.input, spec.slot: chunk}, self.default_model)
+                rendered = replace(rendered, model=prompt.model)
+                try:
+                    output = await self._call(
+                        pipeline, version, rendered, mine, used, lane, deadline_at
+                    )
+                except TaskError as exc:
+                    return exc, mine, used
+                return output, mine, used
+
+        answers = await asyncio.gather(*(one(chunk) for chunk in chunks))
+        for _, mine, used in answers:
+            attempts.count = attempts.previous + mine.count
+            attempts.previous = attempts.count
+            spend.prompt_tokens += used.prompt_tokens
+            spend.completion_tokens += used.completion_tokens
+            spend.model = used.model or spend.model
+            spend.last_prompt_tokens = max(spend.last_prompt_tokens, used.last_prompt_tokens)
+        if self.metrics is not None:
+            self.metrics.mitigations.labels(pipeline.name, "chunk").inc()
+            self.metrics.chunks.labels(pipeline.name).inc(len(chunks))
+        for i, (answer, _, _) in enumerate(answers):
+            if isinstance(answer, TaskError):
+                attempts.last_error = answer
+                answer.message = f"chunk {i + 1} of {len(chunks)}: {answer.message}"
+                raise answer
+        outputs = [a for a, _, _ in answers if isinstance(a, dict)]
+        merged = reduce_outputs(outputs, spec.reduce, pipeline.output_schema, spec.weight_field)
+        if not pipeline.is_valid(merged):
+            errors = sorted(pipeline.validator.iter_errors(merged), key=lambda e: e.path)[:3]
+            raise OutputRejected(
+                f"the merged answer of {len(chunks)} chunks breaks the output schema: "
+                + "; ".join(e.message for e in errors),
+                code="reduced_output_invalid",
+            )
+        log.info("task %s: input.%s answered in %d chunks", task.task_id, spec.slot, len(chunks))
+        return merged
 
     def from_cache(self, prep: Prepared, output: dict[str, Any], model: str) -> Outcome:
         """A result answered without an LLM call (same input answered before): no cost."""

@@ -19,6 +19,7 @@ from jinja2.sandbox import SandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from streams.errors import ConfigError, InvalidInput
+from streams.processing.chunking import REDUCERS
 from streams.processing.defaults import has_defaults
 from streams.processing.preprocess import Redactor, clean
 
@@ -145,6 +146,41 @@ class StageSpec(BaseModel):
     input: dict[str, str] = Field(min_length=1)
 
 
+class ChunkingSpec(BaseModel):
+    """Inputs whose `slot` is over the budget are split, each chunk answered on its own,
+    and the answers merged field by field (see streams.processing.chunking). A pipeline
+    without it dead-letters such inputs as context_overflow (or truncates them, when a
+    version says `on_context_overflow: truncate`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    slot: str = Field(min_length=1, description="The string slot to split.")
+    max_tokens: int | None = Field(
+        None,
+        ge=32,
+        description="Tokens of the slot's text per chunk; default: what the model's context "
+        "window leaves (85%) after the prompt around it and the answer's budget.",
+    )
+    overlap_tokens: int = Field(64, ge=0, description="Whole sentences repeated across a cut.")
+    max_chunks: int = Field(16, ge=2, description="More than this: dead letter, not a bill.")
+    parallel: int = Field(4, ge=1, le=32, description="Chunks of one task asked at once.")
+    weight_field: str | None = Field(
+        "confidence", description="Numeric output field weighting `vote` (1 when absent)."
+    )
+    reduce: dict[str, str] = Field(
+        default_factory=dict, description="Output field -> reducer (default: first)."
+    )
+
+    @model_validator(mode="after")
+    def _known_reducers(self) -> ChunkingSpec:
+        unknown = {f: r for f, r in self.reduce.items() if r not in REDUCERS}
+        if unknown:
+            raise ValueError(f"chunking.reduce: unknown reducers {unknown} (known: {REDUCERS})")
+        if self.max_tokens is not None and self.overlap_tokens >= self.max_tokens // 2:
+            raise ValueError("chunking.overlap_tokens must be under half of max_tokens")
+        return self
+
+
 class ReviewSpec(BaseModel):
     """Results a person should look at: they also go to the review topic, with reasons."""
 
@@ -204,6 +240,7 @@ class PipelineSpec(BaseModel):
     )
     preprocess: PreprocessSpec = Field(default_factory=PreprocessSpec)
     review: ReviewSpec | None = None
+    chunking: ChunkingSpec | None = None
     stages: list[StageSpec] = Field(
         default_factory=list,
         description="Stages after the first, in order; their answers land under output.stages.",
@@ -219,6 +256,13 @@ class PipelineSpec(BaseModel):
     def _default_exists(self) -> PipelineSpec:
         if self.default_version not in self.versions:
             raise ValueError(f"default_version {self.default_version!r} is not in versions")
+        if self.chunking is not None:
+            for name, version in self.versions.items():
+                slot = version.slots.get(self.chunking.slot)
+                if slot is None or slot.type != "string":
+                    raise ValueError(
+                        f"chunking.slot {self.chunking.slot!r} is not a string slot of {name}"
+                    )
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names) or "main" in names:
             raise ValueError("stage names must be unique and not 'main'")
@@ -521,6 +565,11 @@ def _load_one(path: Path, schemas_dir: Path) -> Pipeline:
     except (OSError, ValueError, jsonschema.SchemaError) as exc:
         raise ConfigError(f"{path}: output schema {schema_path}: {exc}") from exc
     pipeline = Pipeline(spec, schema)
+    if spec.chunking is not None:
+        known = set(schema.get("properties") or {})
+        unknown = sorted(set(spec.chunking.reduce) - known)
+        if unknown:
+            raise ConfigError(f"{path}: chunking.reduce names fields {unknown} not in the schema")
     for version in pipeline.versions.values():
         if version.spec.example_input is not None:
             try:

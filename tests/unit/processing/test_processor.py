@@ -295,6 +295,16 @@ async def test_context_overflow_without_a_policy_is_dead_lettered_at_once(
     assert simulator.sim.snapshot()["requests"] == 1
 
 
+def _without_chunking(processor: TaskProcessor, tmp_path: Path) -> None:
+    """comment-analysis as it would be without its chunking block."""
+    spec = (ROOT / "pipelines" / "comment-analysis.yaml").read_text()
+    start = spec.index("chunking:")
+    end = spec.index("versions:")
+    (tmp_path / "comment-analysis.yaml").write_text(spec[:start] + spec[end:])
+    processor.registry = PipelineRegistry.load(tmp_path, ROOT / "schemas")
+    assert processor.registry.get("comment-analysis").spec.chunking is None
+
+
 def _spy(processor: TaskProcessor) -> list[Any]:
     """Requests the processor sends, in order."""
     sent: list[Any] = []
@@ -309,8 +319,9 @@ def _spy(processor: TaskProcessor) -> list[Any]:
 
 
 async def test_the_answer_budget_is_cut_to_what_the_context_window_leaves(
-    processor: TaskProcessor,
+    processor: TaskProcessor, tmp_path: Path
 ) -> None:
+    _without_chunking(processor, tmp_path)
     processor.context_window = 1400  # 85% = 1,190 for prompt + answer
     sent = _spy(processor)
     text = "Arrived late. " + " ".join(f"Part {i} was fine." for i in range(120))
@@ -336,8 +347,9 @@ async def test_a_short_prompt_keeps_its_budget_without_counting_tokens(
 
 
 async def test_a_prompt_over_the_window_is_shortened_before_any_call(
-    processor: TaskProcessor, simulator: SimulatorServer
+    processor: TaskProcessor, simulator: SimulatorServer, tmp_path: Path
 ) -> None:
+    _without_chunking(processor, tmp_path)  # (with it, the input would be chunked)
     processor.context_window = 1000  # the simulator's own window stays large
     words = " ".join(f"The blender part {i} was fine." for i in range(220))  # ~1,800 tokens
     out = await processor.process(_task("Arrived late. " + words), b"t1", SRC)
