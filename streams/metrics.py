@@ -98,6 +98,11 @@ class Metrics:
             "Inputs over the context window, by what was done: truncate (cut to fit) or "
             "chunk (split, each chunk answered, answers merged).",
             ["pipeline", "kind"], registry=r)  # fmt: skip
+        self.packed = Counter(
+            "llm_streams_packed_tasks",
+            "Tasks sent in a packed request: outcome=packed (answered there) or alone "
+            "(missing or invalid in the pack's answer, or the pack failed: answered alone).",
+            ["pipeline", "outcome"], registry=r)  # fmt: skip
         self.chunks = Counter(
             "llm_streams_chunks", "Chunks that inputs over the token budget were split into.",
             ["pipeline"], registry=r)  # fmt: skip

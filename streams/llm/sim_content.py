@@ -117,6 +117,11 @@ def instance(schema: dict[str, Any], text: str) -> Any:
     return _Gen(schema, text).make(schema, name="", path="")
 
 
+def instance_at(root: dict[str, Any], schema: dict[str, Any], text: str) -> Any:
+    """A valid instance of `schema`, a part of `root` (where its $refs point)."""
+    return _Gen(root, text).make(schema, name="", path="")
+
+
 class _Gen:
     def __init__(self, root: dict[str, Any], text: str) -> None:
         self.root = root

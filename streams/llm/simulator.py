@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import math
 import random
+import re
 import time
 import uuid
 from collections import Counter
@@ -45,6 +46,8 @@ class SimConfig:
     hang_rate: float = 0.0
     hang_s: float = 600.0
     malformed_rate: float = 0.0
+    packed_drop_items: int = 0  # packed answers leave out this many items
+    packed_invalid_items: int = 0  # and break the schema for this many
     context_window: int = 128_000
     api_key: str | None = None
     models: list[str] = field(default_factory=lambda: ["sim-1", "gpt-4o-mini"])
@@ -391,6 +394,9 @@ class Simulator:
             self.in_flight -= 1
 
     def _content(self, body: dict[str, Any], messages: list[dict[str, Any]]) -> str:
+        packed = self._packed_content(body, messages)
+        if packed is not None:
+            return packed
         text = sim_content.comment_text(messages)
         fmt = body.get("response_format") or {}
         if fmt.get("type") == "json_schema":
@@ -399,6 +405,40 @@ class Simulator:
         if fmt.get("type") == "json_object":
             return orjson.dumps(sim_content.analysis(text)).decode()
         return str(sim_content.analysis(text)["summary"])
+
+    def _packed_content(self, body: dict[str, Any], messages: list[dict[str, Any]]) -> str | None:
+        """A packed request's answer: each item answered as alone, in an order of its own
+        (answers are matched by id), less the items the config drops or breaks."""
+        user = [m for m in messages if m.get("role") == "user"]
+        items = _ITEM.findall(str(user[-1].get("content", ""))) if user else []
+        if not items:
+            return None
+        fmt = body.get("response_format") or {}
+        root = (
+            (fmt.get("json_schema") or {}).get("schema")
+            if fmt.get("type") == "json_schema"
+            else None
+        )
+        answers = []
+        for item_id, text in items:
+            comment = sim_content.comment_text([{"role": "user", "content": text}])
+            if isinstance(root, dict):
+                answer_schema = root["properties"]["answers"]["items"]["properties"]["answer"]
+                answer = sim_content.instance_at(root, answer_schema, comment)
+            else:
+                answer = sim_content.analysis(comment)
+            answers.append({"id": item_id, "answer": answer})
+        order = sorted(answers, key=lambda a: hashlib.sha256(a["id"].encode()).digest())
+        cfg = self.config
+        dropped = order[: cfg.packed_drop_items]
+        broken = order[cfg.packed_drop_items : cfg.packed_drop_items + cfg.packed_invalid_items]
+        for entry in broken:
+            entry["answer"] = {"sentiment": "unknowable"}
+        self.by_outcome["packed_items"] += len(items)
+        return orjson.dumps({"answers": [a for a in order if a not in dropped]}).decode()
+
+
+_ITEM = re.compile(r'<item id="([^"]*)">\n?(.*?)\n?</item>', re.S)
 
 
 class SimulatorServer:

@@ -45,6 +45,12 @@ def parse_output(
         data = orjson.loads(response.content)
     except orjson.JSONDecodeError as exc:
         raise InvalidOutput(f"answer is not JSON: {exc}", code="not_json") from exc
+    return check_output(data, pipeline, variables)
+
+
+def check_output(data: Any, pipeline: Pipeline, variables: dict[str, Any]) -> dict[str, Any]:
+    """A decoded answer checked against the output contract (schema, quoted evidence),
+    optional fields filled with their defaults; or InvalidOutput saying what is wrong."""
     if not isinstance(data, dict):
         raise InvalidOutput(
             f"answer is JSON {type(data).__name__}, not an object", code="not_object"

@@ -27,7 +27,16 @@ from streams.llm.client import LLMRequest, LLMResponse
 from streams.llm.tokens import count_messages, counter, truncate_tokens
 from streams.metrics import Metrics
 from streams.processing.chunking import reduce_outputs, split_text
-from streams.processing.output import parse_output
+from streams.processing.output import check_output, parse_output
+from streams.processing.packing import (
+    Item,
+    PackedAnswer,
+    Packer,
+    packed_messages,
+    packed_schema,
+    shares,
+    split_answers,
+)
 from streams.processing.stages import MAIN, StageFailed, run_stages
 from streams.prompts.registry import (
     Fallback,
@@ -160,6 +169,7 @@ class TaskProcessor:
         self.clients = clients
         self._close = close
         self.metrics = metrics
+        self.packer = Packer(self._send_pack)
 
     async def close(self) -> None:
         """Close every HTTP client the processor used."""
@@ -302,6 +312,22 @@ class TaskProcessor:
                 prep, prompt, chunks, attempts, spend, lane, deadline_at
             )
             return output, prompt
+        packing = pipeline.spec.packing
+        if packing is not None and len(str(prompt.variables.get(packing.slot) or "")) <= (
+            packing.max_chars
+        ):
+            packed = await self._packed(prep, prompt, lane, deadline_at)
+            spend.prompt_tokens += packed.prompt_tokens
+            spend.completion_tokens += packed.completion_tokens
+            spend.model = packed.model or spend.model
+            attempts.count = attempts.previous + packed.calls
+            attempts.previous = attempts.count
+            if self.metrics is not None:
+                outcome = "packed" if packed.output is not None else "alone"
+                self.metrics.packed.labels(pipeline.name, outcome).inc()
+            if packed.output is not None:
+                return packed.output, prompt
+            log.info("task %s: %s; answering it alone", task.task_id, packed.reason)
         try:
             return await self._call(
                 pipeline, version, prompt, attempts, spend, lane, deadline_at
@@ -313,6 +339,106 @@ class TaskProcessor:
             return await self._call(
                 pipeline, version, prompt, attempts, spend, lane, deadline_at
             ), prompt
+
+    async def _packed(
+        self, prep: Prepared, prompt: RenderedPrompt, lane: Lane, deadline_at: float
+    ) -> PackedAnswer:
+        """This task's answer from a pack it shares with others (or None inside: alone)."""
+        pipeline, version = prep.pipeline, prep.version
+        packing = pipeline.spec.packing
+        assert packing is not None
+        system = prompt.messages[0]["content"]
+        key = (pipeline.name, version.version, prompt.model, lane.name, system)
+
+        def check(data: Any) -> dict[str, Any]:
+            return check_output(data, pipeline, prompt.variables)
+
+        item = Item(prep.task.task_id, prompt, deadline_at, check)
+        return await self.packer.submit(key, item, packing.max_items, packing.linger_s)
+
+    async def _send_pack(self, key: tuple[str, str, str, str, str], items: list[Item]) -> None:
+        """One request for the items; each gets its own answer, or None to go alone."""
+        pipeline = self.registry.get(key[0])
+        lane = Lane[key[3]]
+        seen: set[str] = set()
+        unique = []
+        for item in items:
+            if item.task_id in seen:
+                item.settle(PackedAnswer(None, reason="its task id is twice in the pack"))
+            else:
+                seen.add(item.task_id)
+                unique.append(item)
+        items = unique
+        first = items[0].prompt
+        messages = packed_messages(
+            key[4], [(i.task_id, i.prompt.messages[-1]["content"]) for i in items]
+        )
+        budget_key = (
+            "max_completion_tokens" if "max_completion_tokens" in first.params else ("max_tokens")
+        )
+        per_item = int(first.params.get(budget_key) or DEFAULT_MAX_TOKENS)
+        response_format: dict[str, Any] = (
+            {"type": "json_schema", "json_schema": {
+                "name": pipeline.name.replace("-", "_") + "_packed",
+                "schema": packed_schema(pipeline.output_schema), "strict": True}}
+            if first.response_format.get("type") == "json_schema"
+            else {"type": "json_object"}
+        )  # fmt: skip
+        attempts = Attempts()
+        try:
+            params = self._fit_window(
+                messages, {**first.params, budget_key: per_item * len(items)}, first.params
+            )
+            request = LLMRequest(messages=messages, model=first.model, params=params,
+                                 response_format=response_format)  # fmt: skip
+            deadline_at = min(i.deadline_at for i in items)
+
+            async def attempt(a: Attempts) -> LLMResponse:
+                with TRACER.start_as_current_span(
+                    f"chat {first.model}", kind=SpanKind.CLIENT,
+                    attributes={"gen_ai.operation.name": "chat", "gen_ai.system": "openai",
+                                "gen_ai.request.model": first.model,
+                                "llm_streams.pack_size": len(items),
+                                "llm_streams.attempt": a.count},
+                ):  # fmt: skip
+                    response = await self.client.complete(
+                        request, lane=lane, deadline_at=deadline_at
+                    )
+                if response.finish_reason == "length":
+                    raise OutputRejected("pack answer cut at max_tokens", code="truncated")
+                return response
+
+            response = await call_with_retries(attempt, self.policy, attempts)
+        except TaskError as exc:
+            for item in items:
+                item.settle(PackedAnswer(None, reason=f"pack failed ({exc.category.value}: "
+                                         f"{exc.message})", calls=attempts.count))  # fmt: skip
+            return
+        ids = [i.task_id for i in items]
+        answers = split_answers(response.content, ids)
+        prompt_parts = shares(response.prompt_tokens,
+                              [len(i.prompt.messages[-1]["content"]) for i in items])  # fmt: skip
+        completion_parts = shares(
+            response.completion_tokens,
+            [len(orjson.dumps(answers[i])) if i in answers else 0 for i in ids],
+        )
+        for item, prompt_tokens, completion_tokens in zip(
+            items, prompt_parts, completion_parts, strict=True
+        ):
+            paid = PackedAnswer(None, prompt_tokens=prompt_tokens,
+                                completion_tokens=completion_tokens, model=response.model,
+                                calls=attempts.count)  # fmt: skip
+            if item.task_id not in answers:
+                item.settle(replace(paid, reason="missing from the pack's answer"))
+                continue
+            try:
+                output = item.check(answers[item.task_id])
+            except InvalidOutput as exc:
+                self._count_output(response.model, ok=False)
+                item.settle(replace(paid, reason=f"invalid in the pack: {exc.message}"))
+                continue
+            self._count_output(response.model, ok=True)
+            item.settle(replace(paid, output=output))
 
     def _chunks(self, pipeline: Pipeline, prompt: RenderedPrompt) -> list[str] | None:
         """The chunks of the pipeline's chunking slot, or None when it fits as it is."""

@@ -181,6 +181,19 @@ class ChunkingSpec(BaseModel):
         return self
 
 
+class PackingSpec(BaseModel):
+    """Short records answered several to a request (see streams.processing.packing)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    slot: str = Field(min_length=1, description="The string slot measured against max_chars.")
+    max_chars: int = Field(200, ge=1, description="Longer records are answered alone.")
+    max_items: int = Field(20, ge=2, le=100, description="Tasks per request at most.")
+    linger_s: float = Field(
+        0.02, ge=0, le=2, description="How long a task waits for others to fill its pack."
+    )
+
+
 class ReviewSpec(BaseModel):
     """Results a person should look at: they also go to the review topic, with reasons."""
 
@@ -241,6 +254,7 @@ class PipelineSpec(BaseModel):
     preprocess: PreprocessSpec = Field(default_factory=PreprocessSpec)
     review: ReviewSpec | None = None
     chunking: ChunkingSpec | None = None
+    packing: PackingSpec | None = None
     stages: list[StageSpec] = Field(
         default_factory=list,
         description="Stages after the first, in order; their answers land under output.stages.",
@@ -263,6 +277,15 @@ class PipelineSpec(BaseModel):
                     raise ValueError(
                         f"chunking.slot {self.chunking.slot!r} is not a string slot of {name}"
                     )
+        if self.packing is not None:
+            for name, version in self.versions.items():
+                slot = version.slots.get(self.packing.slot)
+                if slot is None or slot.type != "string":
+                    raise ValueError(
+                        f"packing.slot {self.packing.slot!r} is not a string slot of {name}"
+                    )
+                if re.search(r"</?\s*item\b", version.system + version.template, re.I):
+                    raise ValueError(f"packing: {name}'s prompts use <item> tags, which packs use")
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names) or "main" in names:
             raise ValueError("stage names must be unique and not 'main'")
