@@ -144,11 +144,15 @@ def _spec_with(tmp_path: Path, **changes: Any) -> Path:
 def test_traffic_split_buckets_each_task_the_same_way_in_proportion(tmp_path: Path) -> None:
     folder = _spec_with(tmp_path, traffic={"v1": 90, "v2": 10})
     pipeline = PipelineRegistry.load(folder, ROOT / "schemas").get("comment-analysis")
-    chosen = Counter(pipeline.version(None, f"task-{i}").version for i in range(20_000))
-    assert 0.88 < chosen["v1"] / 20_000 < 0.92 and chosen["v2"] + chosen["v1"] == 20_000
+    ids = [f"task-{i}" for i in range(100_000)]
+    first = [pipeline.version(None, task_id).version for task_id in ids]
+    chosen = Counter(first)
+    # Within 1 percentage point of the weights over 100,000 ids ...
+    assert abs(chosen["v1"] / 100_000 - 0.90) <= 0.01 and chosen["v2"] + chosen["v1"] == 100_000
+    assert abs(chosen["v2"] / 100_000 - 0.10) <= 0.01
+    # ... and stable per id, also for a freshly loaded registry (another worker).
     again = PipelineRegistry.load(folder, ROOT / "schemas").get("comment-analysis")
-    assert all(pipeline.version(None, f"t{i}").version == again.version(None, f"t{i}").version
-               for i in range(500))  # fmt: skip
+    assert [again.version(None, task_id).version for task_id in ids] == first
     # A pinned version wins; without a task id, the default.
     assert pipeline.version("v2", "task-1").version == "v2"
     assert pipeline.version(None).version == "v1"
