@@ -69,6 +69,8 @@ def make_processor_factory(
             clients=pool.for_fallback,
             close=pool.close,
             metrics=metrics,
+            batch_deadline_s=settings.batch_api.deadline_s,
+            tier_price_ratio=settings.batch_api.price_ratio,
         )
 
     return make

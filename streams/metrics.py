@@ -67,8 +67,10 @@ class Metrics:
             "llm_streams_tokens", "Tokens used, by model and kind (prompt|completion).",
             ["model", "kind"], registry=r)  # fmt: skip
         self.cost = Counter(
-            "llm_streams_cost_usd", "Spend in USD from the price table, retries included.",
-            ["pipeline", "model"], registry=r)  # fmt: skip
+            "llm_streams_cost_usd",
+            "Spend in USD from the price table, retries included, by price tier "
+            "(sync, or batch/flex at the batch price).",
+            ["pipeline", "model", "tier"], registry=r)  # fmt: skip
         self.retries = Counter(
             "llm_streams_retries", "Attempts after a task's first, by the error that caused them.",
             ["category"], registry=r)  # fmt: skip
@@ -103,6 +105,15 @@ class Metrics:
             "Tasks sent in a packed request: outcome=packed (answered there) or alone "
             "(missing or invalid in the pack's answer, or the pack failed: answered alone).",
             ["pipeline", "outcome"], registry=r)  # fmt: skip
+        self.batches = Counter(
+            "llm_streams_batches",
+            "Batch API batches: submitted, and how they ended (completed, expired, "
+            "cancelled, failed).", ["status"], registry=r)  # fmt: skip
+        self.batch_requests = Counter(
+            "llm_streams_batch_requests",
+            "Batch-lane requests by answer: ok, error (the attempt failed), resubmitted "
+            "(the batch gave none: expired, cancelled, over the enqueued-token limit).",
+            ["outcome"], registry=r)  # fmt: skip
         self.chunks = Counter(
             "llm_streams_chunks", "Chunks that inputs over the token budget were split into.",
             ["pipeline"], registry=r)  # fmt: skip

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 REPLAY_ID_HEADER = "llm-streams-replay-id"
 REPLAY_OF_HEADER = "llm-streams-replay-of"
 FORCE_HEADER = "llm-streams-force"
+TIER_HEADER = "llm-streams-tier"  # sync | flex | batch: how the worker answers the record
 CHUNK = 500  # records between checkpoints
 DEFAULT_COMPLETION_TOKENS = 200  # estimate when no earlier result and no max_tokens
 
@@ -57,6 +58,7 @@ class ReplayRequest:
     pipeline: str | None = None
     prompt_version: str | None = None
     force: bool = False
+    tier: str | None = None  # sync | flex | batch; None: the pipeline's lane policy
 
     def replay_id(self) -> str:
         """Same arguments, same id: a second run resumes the first."""
@@ -82,12 +84,14 @@ class Counts:
     prompt_tokens: int = 0
     completion_tokens: float = 0.0  # estimated
 
-    def cost_usd(self, settings: Settings) -> float:
+    def cost_usd(self, settings: Settings, tier: str = "sync") -> float:
+        """Estimated cost at the sync price, or at the batch price (batch and flex)."""
         llm = settings.llm
-        return (
+        full = (
             self.prompt_tokens * llm.price_per_1k_prompt_usd
             + self.completion_tokens * llm.price_per_1k_completion_usd
         ) / 1000
+        return full if tier == "sync" else full * settings.batch_api.price_ratio
 
 
 @dataclass
@@ -381,6 +385,8 @@ class Replayer:
         ]
         if request.force:
             headers.append((FORCE_HEADER, b"1"))
+        if request.tier is not None:
+            headers.append((TIER_HEADER, request.tier.encode()))
         return task.task_id.encode(), orjson.dumps(value), headers
 
     def _completion_estimate(self, pipeline: str, version: str, params: dict[str, Any]) -> float:
@@ -408,6 +414,7 @@ __all__ = [
     "FORCE_HEADER",
     "REPLAY_ID_HEADER",
     "REPLAY_OF_HEADER",
+    "TIER_HEADER",
     "Checkpoint",
     "Counts",
     "ReplayRequest",

@@ -112,6 +112,34 @@ class LLMSettings(_Section):
     price_per_1k_completion_usd: float = Field(0.0006, ge=0, description="Price table: output.")
 
 
+class BatchApiSettings(_Section):
+    """The batch lane: requests sent through the provider's Batch API at its batch price."""
+
+    max_items: int = Field(
+        50_000, ge=1, le=50_000, description="Requests per batch file (provider cap 50,000)."
+    )
+    max_bytes: int = Field(
+        200 * 1024 * 1024, ge=1024, description="Size of one batch file (provider cap 200 MB)."
+    )
+    linger_s: float = Field(
+        10.0, gt=0, description="How long a partition's first waiting request waits for more."
+    )
+    poll_s: float = Field(5.0, gt=0, description="First wait between polls of a batch.")
+    poll_max_s: float = Field(60.0, gt=0, description="Longest wait between polls.")
+    max_enqueued_tokens: int = Field(
+        0, ge=0, description="Provider's enqueued-token limit (0: none); submit within it."
+    )
+    max_pending: int = Field(
+        50_000, ge=1, description="Requests a worker keeps waiting in batches at most."
+    )
+    deadline_s: float = Field(
+        93_600.0, gt=0, description="Total time a batch-lane task may take (26 h)."
+    )
+    price_ratio: float = Field(
+        0.5, gt=0, le=1, description="Batch (and flex) price as a share of the price table."
+    )
+
+
 class ResilienceSettings(_Section):
     breaker_window_s: float = Field(30.0, gt=0, description="Breaker's sliding window.")
     breaker_min_calls: int = Field(20, ge=1, description="Calls in the window before it judges.")
@@ -145,6 +173,7 @@ class Settings(BaseSettings):
     batch: BatchSettings = BatchSettings()
     llm: LLMSettings = LLMSettings()
     resilience: ResilienceSettings = ResilienceSettings()
+    batch_api: BatchApiSettings = BatchApiSettings()
     tracing: TracingSettings = TracingSettings()
     store: str = Field(
         "memory://",

@@ -8,7 +8,9 @@ its record came from):
   so writing a result and recording it are one write;
 * dead letters: dead-letter key -> dead-letter record, on the dead-letter topic;
 * task state: task_id -> `TaskState` (status, keys, last error, history), on
-  `<app_id>-task-state-changelog` (compacted).
+  `<app_id>-task-state-changelog` (compacted);
+* batch ledger: the batch lane's batches and requests (streams.processing.batches),
+  on `<app_id>-batch-ledger` (compacted).
 
 At-least-once: the input offset commits only after these writes are acked, so
 after a crash a record runs again, finds its answer and writes nothing more.
@@ -32,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from streams.metrics import Metrics
 from streams.records import Source, now_iso
 from streams.settings import Settings
-from streams.topics import state_topic
+from streams.topics import ledger_topic, state_topic
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +104,12 @@ class TaskState(BaseModel):
 
 
 class Kind(StrEnum):
-    """The three maps of the store, each backed by its own topic."""
+    """The maps of the store, each backed by its own topic."""
 
     RESULTS = "results"
     DEAD_LETTERS = "dead_letters"
     TASKS = "tasks"
+    LEDGER = "ledger"  # the batch lane's batches and their requests
 
 
 Send = Callable[[str, bytes, bytes, int, list[tuple[str, bytes]] | None], Awaitable[None]]
@@ -134,6 +137,7 @@ class TaskStore:
             Kind.RESULTS: settings.topics.results,
             Kind.DEAD_LETTERS: settings.topics.dead_letters,
             Kind.TASKS: state_topic(settings),
+            Kind.LEDGER: ledger_topic(settings),
         }
         self._send = send
         self.metrics = metrics

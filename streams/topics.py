@@ -19,6 +19,12 @@ def state_topic(settings: Settings) -> str:
     return f"{settings.app_id}-task-state-changelog"
 
 
+def ledger_topic(settings: Settings) -> str:
+    """The batch lane's ledger: batches sent and which requests each holds (compacted,
+    co-partitioned with the tasks)."""
+    return f"{settings.app_id}-batch-ledger"
+
+
 def replays_topic(settings: Settings) -> str:
     """Replay checkpoints, keyed by replay id (compacted)."""
     return f"{settings.app_id}-replays"
@@ -34,6 +40,7 @@ def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
         t.dead_letters: {},
         t.review: {},
         state_topic(settings): {"cleanup.policy": "compact"},
+        ledger_topic(settings): {"cleanup.policy": "compact"},
         replays_topic(settings): {"cleanup.policy": "compact"},
     }
 
@@ -71,7 +78,8 @@ async def _check_partitions(admin: AIOKafkaAdminClient, settings: Settings) -> N
     """The task store is co-partitioned with the task topics: every topic it reads or
     writes needs `kafka.partitions` partitions."""
     t = settings.topics
-    names = [t.tasks, t.replay, t.results, t.dead_letters, state_topic(settings)]
+    names = [t.tasks, t.replay, t.results, t.dead_letters, state_topic(settings),
+             ledger_topic(settings)]  # fmt: skip
     found: dict[str, int] = {}
     for description in await admin.describe_topics(names):
         if description.get("error_code", 0) == 0:

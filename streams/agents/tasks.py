@@ -28,23 +28,26 @@ from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace import Status as SpanStatus
 
 from streams.backtrack import BACKTRACK_HEADER
+from streams.llm.openai_client import OpenAIClient
 from streams.logs import current_task_id
 from streams.metrics import Metrics
+from streams.processing.batches import BatchLane
 from streams.processing.dispatch import Dispatcher, LaneSlots
 from streams.processing.offsets import InOrderAcks, Ticket
 from streams.processing.processor import Outcome, Prepared, TaskProcessor
 from streams.records import Source
-from streams.replay import FORCE_HEADER
+from streams.replay import FORCE_HEADER, TIER_HEADER
 from streams.resilience.limiter import Lane
 from streams.settings import Settings
 from streams.state import ContentCache, Kind, Status, TaskState, TaskStore
-from streams.topics import state_topic
+from streams.topics import ledger_topic, state_topic
 from streams.tracing import TRACER, context_from_headers, headers_for
 
 log = logging.getLogger(__name__)
 
 SEND_ATTEMPTS = 8
 BACKTRACK_NOTES = {b"restore": "backtrack: restored", b"rerun": "backtrack: re-run"}
+TIERS = (b"sync", b"flex", b"batch")
 
 
 def header(message: Any, name: str) -> bytes | None:
@@ -90,6 +93,7 @@ class TaskAgent:
         self.dead_letter_topic = app.topic(settings.topics.dead_letters, **parts)
         self.state_topic = app.topic(state_topic(settings), compacting=True, **parts)
         self.review_topic = app.topic(settings.topics.review, **parts)
+        self.ledger_topic = app.topic(ledger_topic(settings), compacting=True, **parts)
         self.store = TaskStore(settings, self._send, self.metrics)
         self.cache = ContentCache()
         self.acks: InOrderAcks[Any] = InOrderAcks()
@@ -139,6 +143,7 @@ class TaskAgent:
             self.dead_letter_topic.get_topic_name(): self.dead_letter_topic,
             self.state_topic.get_topic_name(): self.state_topic,
             self.review_topic.get_topic_name(): self.review_topic,
+            self.ledger_topic.get_topic_name(): self.ledger_topic,
         }[topic]
         pending = await target.send(key=key, value=value, partition=partition, headers=headers)
         await pending
@@ -167,6 +172,10 @@ class TaskAgent:
         settings = self.settings
         if self._processor is None:  # one for both lanes: one limiter, one breaker
             self._processor = self.make_processor()
+            ops = self._processor.client.client
+            if isinstance(ops, OpenAIClient):  # the provider's Batch API, for the batch tier
+                self._processor.batches = BatchLane(ops, self.store, settings.batch_api,
+                                                    self.metrics)  # fmt: skip
         processor = self._processor
         self._running_lanes += 1
         dispatcher = Dispatcher(slots=self.slots, lane=lane)
@@ -272,7 +281,11 @@ class TaskAgent:
                         })  # fmt: skip
                         backtrack = header(message, BACKTRACK_HEADER)
                         force = header(message, FORCE_HEADER) == b"1" or backtrack == b"rerun"
-                        outcome, written = await self._answer(prepared, processor, lane, force)
+                        asked = header(message, TIER_HEADER)
+                        tier = asked.decode() if asked in TIERS else None
+                        outcome, written = await self._answer(
+                            prepared, processor, lane, force, tier
+                        )
                         if not written:
                             note = BACKTRACK_NOTES.get(backtrack or b"")
                             await self._deliver(outcome, prepared, source, note)
@@ -309,7 +322,12 @@ class TaskAgent:
         return job
 
     async def _answer(
-        self, prep: Prepared, processor: TaskProcessor, lane: Lane, force: bool = False
+        self,
+        prep: Prepared,
+        processor: TaskProcessor,
+        lane: Lane,
+        force: bool = False,
+        tier: str | None = None,
     ) -> tuple[Outcome, bool]:
         """The outcome of a valid task, and whether an earlier run of this very record
         (before a crash or rebalance) already wrote it. `force` (a forced replay) asks
@@ -332,7 +350,7 @@ class TaskAgent:
         earlier = self._earlier_stages(prep)
 
         async def call() -> tuple[Outcome, tuple[dict[str, Any], str] | None]:
-            outcome = await processor.answer(prep, lane, earlier)
+            outcome = await processor.answer(prep, lane, earlier, tier)
             if outcome.kind == "result" and outcome.output is not None and outcome.model:
                 return outcome, (outcome.output, outcome.model)
             return outcome, None

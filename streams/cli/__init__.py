@@ -225,9 +225,15 @@ def redrive(categories: tuple[str, ...], since: str | None, dry_run: bool) -> No
 @click.option("--prompt-version", default=None, help="Answer under this version (new keys).")
 @click.option("--force", is_flag=True, help="Ask the LLM again even for answered tasks.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and cost estimate only.")
+@click.option(
+    "--lane", "tier", type=click.Choice(["sync", "flex", "batch"]), default=None,
+    help="How the worker answers: sync calls, flex (batch price, slower), or the Batch API "
+    "(batch price, within 24 h). Default: each pipeline's lane policy.",
+)  # fmt: skip
 def replay(
     source: str | None, since: str | None, until: str | None, from_offsets: tuple[str, ...],
     pipeline: str | None, prompt_version: str | None, force: bool, dry_run: bool,
+    tier: str | None,
 ) -> None:  # fmt: skip
     """Re-run a historical range of a task topic through the replay lane.
 
@@ -251,7 +257,7 @@ def replay(
     sys.exit(run_replay_command(
         settings, source=source or settings.topics.tasks, since=start,
         until=iso_time_or_exit("--to", until), from_offsets=offsets, pipeline=pipeline,
-        prompt_version=prompt_version, force=force, dry_run=dry_run,
+        prompt_version=prompt_version, force=force, dry_run=dry_run, tier=tier,
     ))  # fmt: skip
 
 

@@ -32,11 +32,12 @@ def run_replay_command(
     prompt_version: str | None,
     force: bool,
     dry_run: bool,
+    tier: str | None = None,
 ) -> int:
     console = Console(stderr=True)
     request = ReplayRequest(
         source=source, since=since, until=until, from_offsets=from_offsets,
-        pipeline=pipeline, prompt_version=prompt_version, force=force,
+        pipeline=pipeline, prompt_version=prompt_version, force=force, tier=tier,
     )  # fmt: skip
     try:
         registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
@@ -59,7 +60,7 @@ def run_replay_command(
             c = cp.counts
             progress.update(bar, total=cp.total, completed=cp.progressed, sent=c.published,
                             skipped=c.answered + c.filtered + c.invalid,
-                            cost=c.cost_usd(settings))  # fmt: skip
+                            cost=c.cost_usd(settings, tier or "sync"))  # fmt: skip
 
         try:
             cp = asyncio.run(replayer.run(dry_run=dry_run, on_progress=show))
@@ -79,6 +80,14 @@ def run_replay_command(
     out.print(
         f"estimated cost ${c.cost_usd(settings):.4f} ({c.prompt_tokens} prompt tokens counted, "
         f"~{c.completion_tokens:.0f} completion tokens estimated)",
+        highlight=False,
+    )
+    batch = c.cost_usd(settings, "batch")
+    chosen = tier or "each pipeline's lane policy"
+    out.print(
+        f"estimated cost per lane: sync ${c.cost_usd(settings):.4f} · flex ${batch:.4f} · "
+        f"batch ${batch:.4f} (batch price {settings.batch_api.price_ratio:g} of sync; "
+        f"this replay: {chosen})",
         highlight=False,
     )
     if replayer.finished_before:

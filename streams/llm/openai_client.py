@@ -141,6 +141,57 @@ class OpenAIClient:
             raise map_error(exc) from exc
         return parse_completion(response.content, request.model, rate_headers(response.headers))
 
+    # -- Files and Batch API (the batch lane) ------------------------------------------
+
+    async def upload_batch_file(self, data: bytes, name: str) -> str:
+        """Upload a JSONL batch input file; its file id."""
+        try:
+            found = await self._client.files.create(
+                file=(name, data, "application/jsonl"), purpose="batch"
+            )
+        except openai.OpenAIError as exc:
+            raise map_error(exc) from exc
+        return str(found.id)
+
+    async def create_batch(self, input_file_id: str, metadata: dict[str, str]) -> dict[str, Any]:
+        try:
+            batch = await self._client.batches.create(
+                input_file_id=input_file_id,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+                metadata=metadata,
+            )
+        except openai.OpenAIError as exc:
+            raise map_error(exc) from exc
+        return batch.model_dump()
+
+    async def retrieve_batch(self, batch_id: str) -> dict[str, Any]:
+        try:
+            batch = await self._client.batches.retrieve(batch_id)
+        except openai.OpenAIError as exc:
+            raise map_error(exc) from exc
+        return batch.model_dump()
+
+    async def list_batches(
+        self, after: str | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        """One page of batches, newest first."""
+        try:
+            if after:
+                page = await self._client.batches.list(limit=limit, after=after)
+            else:
+                page = await self._client.batches.list(limit=limit)
+        except openai.OpenAIError as exc:
+            raise map_error(exc) from exc
+        return [b.model_dump() for b in page.data]
+
+    async def file_content(self, file_id: str) -> bytes:
+        try:
+            content = await self._client.files.content(file_id)
+        except openai.OpenAIError as exc:
+            raise map_error(exc) from exc
+        return bytes(content.content)
+
     @property
     def endpoint(self) -> str:
         return str(self._client.base_url)

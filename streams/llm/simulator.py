@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from streams.llm import sim_content
+from streams.llm import sim_batch, sim_content
 from streams.llm.tokens import count_messages, counter
 
 
@@ -47,6 +47,11 @@ class SimConfig:
     hang_s: float = 600.0
     malformed_rate: float = 0.0
     packed_drop_items: int = 0  # packed answers leave out this many items
+    batch_delay_s: float = 2.0  # Batch API: a batch finishes this long after its creation
+    batch_item_error_rate: float = 0.0  # share of batch lines answered with a 500
+    batch_expire_next: int = 0  # this many next batches expire instead of completing
+    batch_expire_fraction: float = 0.5  # share of an expiring batch's lines answered
+    batch_token_limit: int = 0  # enqueued-token limit over unfinished batches (0: none)
     packed_invalid_items: int = 0  # and break the schema for this many
     context_window: int = 128_000
     api_key: str | None = None
@@ -141,6 +146,7 @@ class Simulator:
         self.app.router.add_post("/sim/config", self.set_config)
         self.app.router.add_get("/sim/config", self.get_config)
         self.app.router.add_post("/sim/reset", self.reset)
+        self.batch = sim_batch.BatchAPI(self, self._content)
 
     # -- admin ---------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -156,6 +162,7 @@ class Simulator:
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight,
             "now_s": time.monotonic() - self.started,
+            **self.batch.snapshot(),
             "per_second": {
                 str(sec): {str(k): v for k, v in c.items()}
                 for sec, c in sorted(self.per_second.items())

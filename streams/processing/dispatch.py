@@ -9,14 +9,19 @@ The live and replay lanes each have their own dispatcher (and their own Faust
 stream, so a live record never queues behind replay records), sharing one
 `LaneSlots`: live takes any free slot first; replay takes only what live
 leaves, and never the last `reserve` slots, so a live record always finds one.
+A job waiting on a batch of the provider's Batch API gives its slot back meanwhile
+(`parked`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 from streams.resilience.limiter import Lane
 
@@ -75,6 +80,33 @@ class LaneSlots:
                 return
 
 
+@dataclass
+class _Held:
+    slots: LaneSlots
+    lane: Lane
+    held: bool = True
+
+
+_HELD: ContextVar[_Held | None] = ContextVar("llm_streams_slot", default=None)
+
+
+@contextlib.asynccontextmanager
+async def parked() -> AsyncIterator[None]:
+    """Give the running job's slot back while it waits on something slow that is not
+    the LLM endpoint (a batch that takes hours); take one again before going on."""
+    held = _HELD.get()
+    if held is None or not held.held:
+        yield
+        return
+    held.slots.release(held.lane)
+    held.held = False
+    try:
+        yield
+    finally:
+        await held.slots.acquire(held.lane)  # cancelled here: not held, nothing to free
+        held.held = True
+
+
 class Dispatcher:
     def __init__(
         self, limit: int | None = None, *, slots: LaneSlots | None = None, lane: Lane = Lane.LIVE
@@ -105,6 +137,8 @@ class Dispatcher:
     async def _run(
         self, key: str, previous: asyncio.Task[None] | None, job: Callable[[], Awaitable[None]]
     ) -> None:
+        held = _Held(self._slots, self.lane)
+        _HELD.set(held)  # this task's own context: `parked()` inside the job finds it
         try:
             if previous is not None and not previous.done():
                 await asyncio.wait([previous])
@@ -114,7 +148,8 @@ class Dispatcher:
         except Exception:  # jobs handle their own errors; this only keeps the loop alive
             log.exception("dispatched job for key %r failed", key)
         finally:
-            self._slots.release(self.lane)
+            if held.held:
+                self._slots.release(self.lane)
             if self._tails.get(key) is asyncio.current_task():
                 del self._tails[key]
 

@@ -20,12 +20,14 @@ from streams.errors import (
     DeadlineExceeded,
     InvalidOutput,
     OutputRejected,
+    RateLimited,
     StreamsError,
     TaskError,
 )
 from streams.llm.client import LLMRequest, LLMResponse
 from streams.llm.tokens import count_messages, counter, truncate_tokens
 from streams.metrics import Metrics
+from streams.processing.batches import BatchLane
 from streams.processing.chunking import reduce_outputs, split_text
 from streams.processing.output import check_output, parse_output
 from streams.processing.packing import (
@@ -69,6 +71,9 @@ log = logging.getLogger(__name__)
 # OpenAI's context_length_exceeded message: "This model's maximum context length is N
 # tokens. However, you requested M tokens (P in the messages, C in the completion)."
 _WINDOW_RE = re.compile(r"maximum context length is (\d+)")
+# 429 codes with which a flex-tier call says the tier has no capacity now.
+FLEX_UNAVAILABLE = frozenset({"resource_unavailable", "flex_capacity"})
+
 # Share of the context window a request may fill (prompt + answer budget), and the
 # smallest answer budget worth a call.
 WINDOW_SHARE = 0.85
@@ -138,6 +143,10 @@ class _Spend:
     calls: list[str] = field(default_factory=list)
     last_prompt_tokens: int = 0
     repair_tokens: int = 0
+    tier: str = "sync"  # sync | flex | batch: how calls are made and priced
+    route: tuple[int, str] | None = None  # batch tier: (partition, custom_id)
+    discounted_prompt: int = 0  # tokens billed at the batch/flex price
+    discounted_completion: int = 0
 
 
 class TaskProcessor:
@@ -157,6 +166,8 @@ class TaskProcessor:
         clients: Callable[[Fallback], GuardedClient] | None = None,
         close: Callable[[], Awaitable[None]] | None = None,
         metrics: Metrics | None = None,
+        batch_deadline_s: float = 93_600.0,
+        tier_price_ratio: float = 0.5,
     ) -> None:
         self.registry = registry
         self.client = client
@@ -170,9 +181,14 @@ class TaskProcessor:
         self._close = close
         self.metrics = metrics
         self.packer = Packer(self._send_pack)
+        self.batches: BatchLane | None = None  # the batch tier, when the worker has one
+        self.batch_deadline_s = batch_deadline_s
+        self.tier_price_ratio = tier_price_ratio
 
     async def close(self) -> None:
         """Close every HTTP client the processor used."""
+        if self.batches is not None:
+            await self.batches.close()
         await (self._close() if self._close is not None else self.client.close())
 
     async def process(
@@ -219,22 +235,39 @@ class TaskProcessor:
             err = StreamsError(f"internal error: {exc!r}", code="internal_error")
             return self._dead(err, raw, key, task, source, Attempts(), _Spend(), started)
 
+    def tier_for(self, pipeline: Pipeline, lane: Lane, asked: str | None = None) -> str:
+        """The price tier a task runs in: asked (a replay's --lane), else the pipeline's
+        lane policy; batch only in the replay lane and when the worker has a batch lane."""
+        tier = asked or pipeline.spec.lanes.of(lane.name.lower())
+        if tier == "batch" and (lane is not Lane.REPLAY or self.batches is None):
+            return "sync"
+        return tier
+
     async def answer(
-        self, prep: Prepared, lane: Lane = Lane.LIVE, earlier: dict[str, Any] | None = None
+        self,
+        prep: Prepared,
+        lane: Lane = Lane.LIVE,
+        earlier: dict[str, Any] | None = None,
+        tier: str | None = None,
     ) -> Outcome:
         """Call the LLM (retries, fallbacks, mitigation) and validate: result or dead letter.
 
         `earlier`: answers by stage of an earlier run of this task and version that
-        failed at a later stage; they are used, not asked again."""
+        failed at a later stage; they are used, not asked again. `tier`: sync, flex or
+        batch (see `tier_for`)."""
         task, pipeline, version, prompt = prep.task, prep.pipeline, prep.version, prep.prompt
-        deadline_at = self.client.clock.now() + self.deadline_s
         attempts = Attempts()
-        spend = _Spend()
+        spend = _Spend(tier=self.tier_for(pipeline, lane, tier))
+        deadline_s = self.deadline_s
+        if spend.tier == "batch":
+            spend.route = (prep.source.partition, prep.result_key)
+            deadline_s = self.batch_deadline_s
+        deadline_at = self.client.clock.now() + deadline_s
         done: dict[str, Any] = dict(earlier or {}) if pipeline.stages else {}
         kept = done if pipeline.stages else None
         try:
             try:
-                async with asyncio.timeout(self.deadline_s):
+                async with asyncio.timeout(deadline_s):
                     if MAIN in done:
                         output = done[MAIN]
                     else:
@@ -262,11 +295,11 @@ class TaskProcessor:
                 last = attempts.last_error
                 cause = f"; last error: {last.category.value}: {last.message}" if last else ""
                 raise DeadlineExceeded(
-                    f"task deadline of {self.deadline_s:g}s passed after "
+                    f"task deadline of {deadline_s:g}s passed after "
                     f"{attempts.count} attempt(s){cause}",
                     code="task_deadline",
                 ) from None
-            cost = self.prices.cost(spend.prompt_tokens, spend.completion_tokens)
+            cost = self._cost(spend)
             self._count_cost(pipeline.name, spend, cost)
             return self._result(
                 prep,
@@ -313,9 +346,10 @@ class TaskProcessor:
             )
             return output, prompt
         packing = pipeline.spec.packing
-        if packing is not None and len(str(prompt.variables.get(packing.slot) or "")) <= (
+        short = packing is not None and len(str(prompt.variables.get(packing.slot) or "")) <= (
             packing.max_chars
-        ):
+        )
+        if short and spend.tier != "batch":  # a batch already halves the price
             packed = await self._packed(prep, prompt, lane, deadline_at)
             spend.prompt_tokens += packed.prompt_tokens
             spend.completion_tokens += packed.completion_tokens
@@ -738,8 +772,8 @@ class TaskProcessor:
             record_exception=False,
         ) as span:
             try:
-                response: LLMResponse = await (client or self.client).complete(
-                    request, lane=lane, deadline_at=deadline_at, wait_for_circuit=wait_for_circuit
+                response = await self._send(
+                    request, spend, attempts, lane, deadline_at, client, wait_for_circuit
                 )
             except CircuitOpen:
                 attempts.count -= 1  # refused locally: no call was made
@@ -814,13 +848,67 @@ class TaskProcessor:
             )
         return params if room >= want else {**params, key: room}
 
+    async def _send(
+        self,
+        request: LLMRequest,
+        spend: _Spend,
+        attempts: Attempts,
+        lane: Lane,
+        deadline_at: float,
+        client: GuardedClient | None,
+        wait_for_circuit: bool,
+    ) -> LLMResponse:
+        """One attempt's request: a call (flex tier: at the flex price, falling back to a
+        plain call when flex has no capacity), or a line in a batch (batch tier)."""
+        if spend.tier == "batch" and spend.route is not None and self.batches is not None:
+            partition, custom_id = spend.route
+            response = await self.batches.complete(partition, custom_id, attempts.count, request)
+            spend.discounted_prompt += response.prompt_tokens
+            spend.discounted_completion += response.completion_tokens
+            if self.metrics is not None:
+                self.metrics.llm_requests.labels(request.model, "ok", "").inc()
+                self.metrics.tokens.labels(response.model, "prompt").inc(response.prompt_tokens)
+                self.metrics.tokens.labels(response.model, "completion").inc(
+                    response.completion_tokens
+                )
+            return response
+        guarded = client or self.client
+        if spend.tier == "flex":
+            flex = replace(request, params={**request.params, "service_tier": "flex"})
+            try:
+                response = await guarded.complete(
+                    flex, lane=lane, deadline_at=deadline_at, wait_for_circuit=wait_for_circuit
+                )
+            except RateLimited as exc:
+                if exc.code not in FLEX_UNAVAILABLE:
+                    raise
+                log.info("flex tier has no capacity (%s); this task goes on at the sync price",
+                         exc.code)  # fmt: skip
+                spend.tier = "sync"
+                if self.metrics is not None:
+                    self.metrics.mitigations.labels("*", "flex_fallback").inc()
+                raise
+            spend.discounted_prompt += response.prompt_tokens
+            spend.discounted_completion += response.completion_tokens
+            return response
+        return await guarded.complete(
+            request, lane=lane, deadline_at=deadline_at, wait_for_circuit=wait_for_circuit
+        )
+
     def _count_output(self, model: str, *, ok: bool) -> None:
         if self.metrics is not None:
             self.metrics.outputs.labels(model, "pass" if ok else "fail").inc()
 
+    def _cost(self, spend: _Spend) -> float:
+        """USD for the tokens spent: the price table, the batch price for batch/flex calls."""
+        full = self.prices.cost(spend.prompt_tokens, spend.completion_tokens)
+        discounted = self.prices.cost(spend.discounted_prompt, spend.discounted_completion)
+        return round(full - discounted * (1 - self.tier_price_ratio), 8)
+
     def _count_cost(self, pipeline: str, spend: _Spend, cost: float) -> None:
         if self.metrics is not None and cost > 0:
-            self.metrics.cost.labels(pipeline, spend.model or self.default_model).inc(cost)
+            model = spend.model or self.default_model
+            self.metrics.cost.labels(pipeline, model, spend.tier).inc(cost)
 
     def _dead(
         self,
@@ -843,7 +931,7 @@ class TaskProcessor:
             failed_at=now_iso(),
         )
         dl_key = task_id or f"{source.topic}/{source.partition}/{source.offset}"
-        cost = self.prices.cost(spend.prompt_tokens, spend.completion_tokens)
+        cost = self._cost(spend)
         if task is not None:
             self._count_cost(task.pipeline, spend, cost)
         return Outcome(

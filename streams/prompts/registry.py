@@ -194,6 +194,20 @@ class PackingSpec(BaseModel):
     )
 
 
+class LanePolicy(BaseModel):
+    """How each lane's calls are made and priced: sync (a call), flex (a call at the batch
+    price with slower answers, a plain call when flex has no capacity), batch (the
+    provider's Batch API: half price, answers within 24 h; replay lane only)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    live: Literal["sync", "flex"] = "sync"
+    replay: Literal["sync", "flex", "batch"] = "sync"
+
+    def of(self, lane: str) -> str:
+        return self.live if lane == "live" else self.replay
+
+
 class ReviewSpec(BaseModel):
     """Results a person should look at: they also go to the review topic, with reasons."""
 
@@ -255,6 +269,7 @@ class PipelineSpec(BaseModel):
     review: ReviewSpec | None = None
     chunking: ChunkingSpec | None = None
     packing: PackingSpec | None = None
+    lanes: LanePolicy = Field(default_factory=LanePolicy)
     stages: list[StageSpec] = Field(
         default_factory=list,
         description="Stages after the first, in order; their answers land under output.stages.",

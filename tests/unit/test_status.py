@@ -25,7 +25,7 @@ def test_the_snapshot_adds_up_the_registry() -> None:
         metrics.end_to_end.labels("live", "result").observe(0.3)
     metrics.tasks_completed.labels("replay", "dead_letter").inc(2)
     metrics.dead_letters.labels("invalid_input").inc(2)
-    metrics.cost.labels("p", "m").inc(0.04)
+    metrics.cost.labels("p", "m", "sync").inc(0.04)
     metrics.breaker_changed("sim", "open")
     first = view.snapshot()
     assert first["tasks"]["results"] == 8 and first["tasks"]["dead_letters"] == 2

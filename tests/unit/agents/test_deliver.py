@@ -16,7 +16,7 @@ from streams.processing.processor import Outcome
 from streams.records import Source
 from streams.settings import load_settings
 from streams.state import Kind
-from streams.topics import state_topic
+from streams.topics import ledger_topic, state_topic
 
 OUTCOME = Outcome(kind="result", key="rk1-x", value=b"{}", task_id="t1")
 SOURCE = Source(topic="t", partition=3, offset=1)
@@ -94,8 +94,10 @@ def test_the_store_shares_the_task_topics_partitions(agent: TaskAgent) -> None:
         Kind.RESULTS: s.topics.results,
         Kind.DEAD_LETTERS: s.topics.dead_letters,
         Kind.TASKS: state_topic(s),
+        Kind.LEDGER: ledger_topic(s),
     }
-    for topic in (agent.results_topic, agent.dead_letter_topic, agent.state_topic):
+    for topic in (agent.results_topic, agent.dead_letter_topic, agent.state_topic,
+                  agent.ledger_topic):  # fmt: skip
         assert topic.partitions == s.kafka.partitions
 
 
