@@ -47,6 +47,8 @@ class SimConfig:
     hang_s: float = 600.0
     malformed_rate: float = 0.0
     packed_drop_items: int = 0  # packed answers leave out this many items
+    flex_latency_factor: float = 3.0  # service_tier=flex answers this much slower
+    flex_unavailable_rate: float = 0.0  # share of flex calls refused: 429 resource_unavailable
     batch_delay_s: float = 2.0  # Batch API: a batch finishes this long after its creation
     batch_item_error_rate: float = 0.0  # share of batch lines answered with a 500
     batch_expire_next: int = 0  # this many next batches expire instead of completing
@@ -251,10 +253,10 @@ class Simulator:
             self.tokens.level -= tokens
         return None
 
-    async def _sleep_latency(self) -> None:
+    async def _sleep_latency(self, factor: float = 1.0) -> None:
         cfg = self.config
-        mean = cfg.latency_ms / 1000
-        jitter = cfg.latency_jitter_ms / 1000
+        mean = cfg.latency_ms / 1000 * factor
+        jitter = cfg.latency_jitter_ms / 1000 * factor
         if cfg.latency_dist == "fixed" or jitter <= 0:
             delay = mean
         elif cfg.latency_dist == "normal":
@@ -333,7 +335,17 @@ class Simulator:
                     "context_length_exceeded",
                     headers,
                 )
-            await self._sleep_latency()
+            flex = body.get("service_tier") == "flex"
+            if flex and self.rng.random() < cfg.flex_unavailable_rate:
+                self._count(429, "flex_unavailable")
+                return _error(
+                    429,
+                    "Resource unavailable: flex processing has no capacity right now.",
+                    "server_error",
+                    "resource_unavailable",
+                    headers,
+                )
+            await self._sleep_latency(cfg.flex_latency_factor if flex else 1.0)
             roll = self.rng.random()
             if roll < cfg.hang_rate:
                 self.by_outcome["hang"] += 1
@@ -374,12 +386,13 @@ class Simulator:
             self.answered[fingerprint] += 1
             self.prompt_tokens += prompt_tokens
             self.completion_tokens += completion_tokens
-            self._count(200, "ok")
+            self._count(200, "ok_flex" if flex else "ok")
             payload = {
                 "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": model,
+                "service_tier": "flex" if flex else "default",
                 "choices": [
                     {
                         "index": 0,

@@ -61,7 +61,7 @@ from streams.records import (
     result_key,
     task_id_hint,
 )
-from streams.resilience.guarded import DEFAULT_MAX_TOKENS, GuardedClient
+from streams.resilience.guarded import CAPACITY_CODES, DEFAULT_MAX_TOKENS, GuardedClient
 from streams.resilience.limiter import Lane
 from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries
 from streams.tracing import TRACER, current_trace_id, mark_error, stage_span
@@ -71,9 +71,6 @@ log = logging.getLogger(__name__)
 # OpenAI's context_length_exceeded message: "This model's maximum context length is N
 # tokens. However, you requested M tokens (P in the messages, C in the completion)."
 _WINDOW_RE = re.compile(r"maximum context length is (\d+)")
-# 429 codes with which a flex-tier call says the tier has no capacity now.
-FLEX_UNAVAILABLE = frozenset({"resource_unavailable", "flex_capacity"})
-
 # Share of the context window a request may fill (prompt + answer budget), and the
 # smallest answer budget worth a call.
 WINDOW_SHARE = 0.85
@@ -880,7 +877,7 @@ class TaskProcessor:
                     flex, lane=lane, deadline_at=deadline_at, wait_for_circuit=wait_for_circuit
                 )
             except RateLimited as exc:
-                if exc.code not in FLEX_UNAVAILABLE:
+                if exc.code not in CAPACITY_CODES:
                     raise
                 log.info("flex tier has no capacity (%s); this task goes on at the sync price",
                          exc.code)  # fmt: skip

@@ -24,6 +24,8 @@ from streams.resilience.clock import Clock, MonotonicClock
 from streams.resilience.limiter import Lane, RateLimiter
 
 DEFAULT_MAX_TOKENS = 1024
+# 429 codes that say a service tier (flex) has no capacity now: not a rate limit.
+CAPACITY_CODES = frozenset({"resource_unavailable", "flex_capacity"})
 
 
 class GuardedClient:
@@ -71,7 +73,8 @@ class GuardedClient:
         except RateLimited as exc:
             if exc.headers:
                 self.limiter.observe(exc.headers)
-            self.limiter.throttled(exc.retry_after)
+            if exc.code not in CAPACITY_CODES:  # a tier without capacity is no rate limit
+                self.limiter.throttled(exc.retry_after)
             self.breaker.release()  # throttling says nothing about the endpoint's health
             permit.reconcile(0)  # refused before any token was used
             self._count(request.model, lane, permit.waited_s, started, exc)

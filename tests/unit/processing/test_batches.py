@@ -233,3 +233,35 @@ async def test_the_processor_answers_a_batch_tier_task_at_the_batch_price(
     assert live.kind == "result" and simulator.sim.snapshot()["requests"] == 1
     assert orjson.loads(live.value)["cost_usd"] == pytest.approx(full)
     await processor.batches.close()
+
+
+async def test_the_flex_tier_calls_at_the_batch_price_and_falls_back_when_it_has_no_room(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    registry = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
+    limiter = RateLimiter(rpm=None)
+    processor = TaskProcessor(
+        registry, GuardedClient(client, limiter=limiter, breaker=CircuitBreaker("s")),
+        default_model="sim-1", policy=RetryPolicy(max_attempts=3, backoff_base_s=0.01),
+        deadline_s=10, max_task_bytes=10_000, prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0),
+    )  # fmt: skip
+    raw = orjson.dumps({"task_id": "f1", "pipeline": "comment-analysis",
+                        "input": {"text": "Works great."}})  # fmt: skip
+    prep = processor.prepare(raw, None, Source(topic="r", partition=0, offset=1))
+    flex = await processor.answer(prep, Lane.REPLAY, None, "flex")  # type: ignore[arg-type]
+    result = orjson.loads(flex.value)
+    full = Prices(1.0, 2.0).cost(
+        result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"]
+    )
+    assert result["cost_usd"] == pytest.approx(full * 0.5)
+    assert simulator.sim.snapshot()["by_outcome"] == {"ok_flex": 1}
+    # No flex capacity: the task goes on as a plain call, at the plain price; the 429 is
+    # not taken for a rate limit.
+    simulator.sim.config.flex_unavailable_rate = 1.0
+    rate_before, paused_before = limiter.requests.per_minute, limiter.paused_until
+    fallback = await processor.answer(prep, Lane.REPLAY, None, "flex")  # type: ignore[arg-type]
+    result = orjson.loads(fallback.value)
+    assert fallback.kind == "result" and result["attempts"] == 2
+    assert result["cost_usd"] == pytest.approx(full)
+    assert simulator.sim.snapshot()["by_outcome"] == {"ok_flex": 1, "flex_unavailable": 1, "ok": 1}
+    assert limiter.requests.per_minute == rate_before and limiter.paused_until == paused_before
