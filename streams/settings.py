@@ -135,6 +135,13 @@ class BatchApiSettings(_Section):
     deadline_s: float = Field(
         93_600.0, gt=0, description="Total time a batch-lane task may take (26 h)."
     )
+    intake_per_s: float = Field(
+        100.0,
+        gt=0,
+        description="Requests a worker takes into batches per second, and answers of "
+        "finished batches it hands back per second: a replay of 50,000 tasks must not "
+        "take the CPU from live tasks while it is queued or while its results are written.",
+    )
     price_ratio: float = Field(
         0.5, gt=0, le=1, description="Batch (and flex) price as a share of the price table."
     )

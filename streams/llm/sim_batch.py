@@ -20,6 +20,7 @@ prove that an item is sent again only after its earlier batch gave it no answer.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections import Counter
@@ -210,7 +211,9 @@ class BatchAPI:
         )
         batch.counts["total"] = len(lines)
         ids = [str(line.get("custom_id")) for line in lines]
-        enqueued = sum(b.tokens for b in self.batches.values() if b.status == "in_progress")
+        enqueued = sum(
+            b.tokens for b in self.batches.values() if b.status in ("in_progress", "finalizing")
+        )
         if len(set(ids)) != len(ids):
             batch.status, batch.errors = (
                 "failed",
@@ -246,14 +249,18 @@ class BatchAPI:
         self.sim.by_outcome[f"batch_{batch.status}"] += 1
         return web.json_response(batch.view())
 
-    def _finish(self, batch: _Batch) -> None:
-        """Answer the batch's lines (all, or the share an expiring batch gets to)."""
+    async def _finish(self, batch: _Batch) -> None:
+        """Answer the batch's lines (all, or the share an expiring batch gets to),
+        letting the chat endpoint's requests in between (the provider answers batches
+        on other machines)."""
         cfg = self.sim.config
         answered = len(batch.lines)
         if batch.expire:
             answered = int(len(batch.lines) * cfg.batch_expire_fraction)
         out, err = [], []
         for i, line in enumerate(batch.lines):
+            if i % 10 == 9:
+                await asyncio.sleep(0)
             custom_id = str(line.get("custom_id"))
             entry: dict[str, Any] = {
                 "id": f"batch_req_{uuid.uuid4().hex[:20]}",
@@ -329,9 +336,10 @@ class BatchAPI:
         batch.finished_at = time.time()
         self.sim.by_outcome[f"batch_{batch.status}"] += 1
 
-    def _advance(self, batch: _Batch) -> None:
+    async def _advance(self, batch: _Batch) -> None:
         if batch.status == "in_progress" and time.time() >= batch.due_at:
-            self._finish(batch)
+            batch.status = "finalizing"  # one finisher; pollers meanwhile see it finalizing
+            await self._finish(batch)
 
     async def retrieve(self, request: web.Request) -> web.Response:
         if (denied := self.sim._auth(request)) is not None:
@@ -349,7 +357,7 @@ class BatchAPI:
                 },
                 status=404,
             )
-        self._advance(batch)
+        await self._advance(batch)
         return web.json_response(batch.view())
 
     async def list(self, request: web.Request) -> web.Response:
@@ -363,7 +371,7 @@ class BatchAPI:
         page = ids[:limit]
         data = []
         for batch_id in page:
-            self._advance(self.batches[batch_id])
+            await self._advance(self.batches[batch_id])
             data.append(self.batches[batch_id].view())
         return web.json_response(
             {

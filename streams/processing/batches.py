@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
+from aiolimiter import AsyncLimiter
 
 from streams.errors import AuthError, BadRequest, RateLimited, TaskError, UpstreamError
 from streams.llm.client import LLMRequest, LLMResponse
@@ -172,6 +173,11 @@ class BatchLane:
         self._enqueued = 0  # tokens in this worker's unfinished batches
         self._room = asyncio.Condition()
         self._files: OrderedDict[str, dict[str, dict[str, Any]]] = OrderedDict()
+        # Answers go out at a pace: each wakes a task that writes its result.
+        self._deliveries: asyncio.Queue[tuple[asyncio.Future[Answer], Answer]] = asyncio.Queue()
+        self._pace = AsyncLimiter(max(1.0, settings.intake_per_s / 10), 0.1)
+        self._intake = AsyncLimiter(max(1.0, settings.intake_per_s / 10), 0.1)
+        self._deliverer: asyncio.Task[None] | None = None
 
     # -- the job's side ----------------------------------------------------------------
 
@@ -190,8 +196,11 @@ class BatchLane:
                     if known is not None and known.state != "abandoned":
                         self._follow(known)
                     elif key not in self._queued:
+                        self._queued.add(key)
+                        async with self._intake:  # at a pace (the job holds its slot)
+                            pass
                         line = request_line(custom_id, request)
-                        tokens = count_messages(request.messages) + int(
+                        tokens = self._prompt_tokens(request) + int(
                             request.params.get("max_completion_tokens")
                             or request.params.get("max_tokens")
                             or 1024
@@ -212,6 +221,12 @@ class BatchLane:
                 if isinstance(answer, TaskError):
                     raise answer
                 return answer
+
+    def _prompt_tokens(self, request: LLMRequest) -> int:
+        """Counted for an enqueued-token limit; otherwise bytes / 4 will do."""
+        if self.settings.max_enqueued_tokens:
+            return count_messages(request.messages)
+        return sum(len(m["content"].encode()) for m in request.messages) // 4
 
     def _ledger_batch(self, partition: int, custom_id: str, attempt: int) -> _Batch | None:
         raw = self.store.get(Kind.LEDGER, partition, item_key(custom_id, attempt))
@@ -445,6 +460,20 @@ class BatchLane:
                 if isinstance(answer, TaskError):
                     self._count_request("error")
             for future in futures:
+                if isinstance(answer, LLMResponse):
+                    self._deliveries.put_nowait((future, answer))
+                elif not future.done():
+                    future.set_result(answer)
+        if self._deliverer is None or self._deliverer.done():
+            self._deliverer = self._spawn(self._deliver())
+
+    async def _deliver(self) -> None:
+        """Hand answers to their tasks at `intake_per_s`."""
+        while not self._deliveries.empty():
+            future, answer = self._deliveries.get_nowait()
+            if future.done():
+                continue
+            async with self._pace:
                 if not future.done():
                     future.set_result(answer)
 

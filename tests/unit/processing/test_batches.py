@@ -48,7 +48,9 @@ class LedgerStore:
         self.maps.setdefault(partition, {})[key] = value
 
 
-SETTINGS = BatchApiSettings(linger_s=0.05, poll_s=0.05, poll_max_s=0.2, max_items=50)
+SETTINGS = BatchApiSettings(
+    linger_s=0.05, poll_s=0.05, poll_max_s=0.2, max_items=50, intake_per_s=100_000
+)
 
 
 def _request(text: str) -> LLMRequest:
