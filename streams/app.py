@@ -84,7 +84,9 @@ def create_app(settings: Settings) -> faust.App:
         settings.app_id,
         broker=settings.kafka.broker_url,
         store="memory://",  # no Faust tables: the task store (streams.state) keeps the state
-        processing_guarantee=settings.processing_guarantee,
+        # Exactly-once is the worker's own (streams.eos): Faust runs at-least-once and
+        # its offset commits go into the worker's transactions.
+        processing_guarantee="at_least_once",
         topic_partitions=settings.kafka.partitions,
         topic_replication_factor=settings.kafka.replication_factor,
         topic_disable_leader=True,

@@ -28,6 +28,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace import Status as SpanStatus
 
 from streams.backtrack import BACKTRACK_HEADER
+from streams.eos import PartitionLost, Transactions
 from streams.llm.openai_client import OpenAIClient
 from streams.logs import current_task_id
 from streams.metrics import Metrics
@@ -95,6 +96,12 @@ class TaskAgent:
         self.review_topic = app.topic(settings.topics.review, **parts)
         self.ledger_topic = app.topic(ledger_topic(settings), compacting=True, **parts)
         self.store = TaskStore(settings, self._send, self.metrics)
+        # Exactly-once: every write of partition p in p's transaction with its offsets.
+        self.eos = (
+            Transactions(settings, on_error=app.crash)
+            if settings.processing_guarantee == "exactly_once"
+            else None
+        )
         self.cache = ContentCache()
         self.acks: InOrderAcks[Any] = InOrderAcks()
         self._inputs = {settings.topics.tasks, settings.topics.replay}
@@ -127,7 +134,11 @@ class TaskAgent:
 
     async def _on_assigned(self, sender: Any, assigned: set[Any], **kwargs: Any) -> None:
         """Faust's rebalance signal: own the store partitions of the task partitions."""
-        self.store.assign({tp.partition for tp in assigned if tp.topic in self._inputs})
+        partitions = {tp.partition for tp in assigned if tp.topic in self._inputs}
+        if self.eos is not None:
+            self.eos.hook_consumer(self.app.consumer)
+            await self.eos.assign(partitions)
+        self.store.assign(partitions)
 
     async def _send(
         self,
@@ -138,6 +149,9 @@ class TaskAgent:
         headers: list[tuple[str, bytes]] | None = None,
     ) -> None:
         """One write to `partition` of `topic`, returned once the broker acked it."""
+        if self.eos is not None:  # into the partition's transaction
+            await self.eos.send(topic, key, value, partition, headers)
+            return
         target = {
             self.results_topic.get_topic_name(): self.results_topic,
             self.dead_letter_topic.get_topic_name(): self.dead_letter_topic,
@@ -217,6 +231,8 @@ class TaskAgent:
                 self._processor = None
                 await processor.close()
                 await self.store.close()
+                if self.eos is not None:
+                    await self.eos.close()
 
     def _job(
         self,
@@ -450,6 +466,9 @@ class TaskAgent:
                 if outcome.review and prep is not None:
                     writes.append(self._send_review(outcome, prep, p, trace_headers))
                 await asyncio.gather(*writes)
+                return
+            except PartitionLost as exc:  # its new owner answers the record
+                log.info("not writing %s %s: %s", outcome.kind, outcome.key, exc)
                 return
             except KafkaError as exc:
                 if attempt == SEND_ATTEMPTS:

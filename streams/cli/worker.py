@@ -14,18 +14,6 @@ from streams.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Faust 0.15.3 runs one transaction per source partition and commits it with the
-# consumer offsets; with its tables as the state store (measured on Apache Kafka 4.1.1)
-# the transactional commit stalled after a worker restart. The task store writes from
-# concurrent jobs, outside Faust's per-partition transactions. Refusing is better than a
-# worker that claims a guarantee it does not give.
-EXACTLY_ONCE_UNAVAILABLE = (
-    "LLM_STREAMS_PROCESSING_GUARANTEE=exactly_once is not available yet: the worker's "
-    "writes are not inside Faust's per-partition transactions. Use at_least_once (the "
-    "default): a re-run of a record whose result was written writes nothing, and any "
-    "repeat carries the same result key and output."
-)
-
 
 def run_worker(settings: Settings) -> None:
     from streams.app import create_app
@@ -33,10 +21,12 @@ def run_worker(settings: Settings) -> None:
 
     loop = _new_loop()
     asyncio.set_event_loop(loop)
-    if settings.processing_guarantee == "exactly_once":
-        raise ConfigError(EXACTLY_ONCE_UNAVAILABLE)
     # Before Faust starts: the topics exist, co-partitioned with the task store.
     loop.run_until_complete(ensure_topics(settings))
+    if settings.processing_guarantee == "exactly_once":
+        from streams.eos import check_transactions
+
+        loop.run_until_complete(check_transactions(settings))  # or a clear ConfigError
     from streams.tracing import setup_tracing
 
     setup_tracing(settings)

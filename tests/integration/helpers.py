@@ -188,6 +188,7 @@ async def collect(
     worker: WorkerProcess | None = None,
     settle_s: float = 1.0,
     until: Callable[[Collected], bool] | None = None,
+    read_committed: bool = False,
 ) -> Collected:
     """Read results and dead letters until every expected source offset is answered
     (and `until`, when given, holds), then `settle_s` more to catch duplicates."""
@@ -198,6 +199,7 @@ async def collect(
         group_id=f"collector-{uuid.uuid4().hex[:8]}",
         auto_offset_reset="earliest",
         enable_auto_commit=False,
+        isolation_level="read_committed" if read_committed else "read_uncommitted",
     )
     await consumer.start()
     got = Collected()

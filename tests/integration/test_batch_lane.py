@@ -48,8 +48,13 @@ async def test_a_replay_through_the_batch_lane_survives_failures_expiry_and_a_ki
     cfg.batch_delay_s, cfg.batch_item_error_rate, cfg.batch_expire_next = 4.0, 0.02, 1
     settings = make_settings(
         llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
-        batch_api={"linger_s": 1.0, "max_items": 400, "poll_s": 0.5, "poll_max_s": 2.0,
-                   "intake_per_s": 500},
+        batch_api={
+            "linger_s": 1.0,
+            "max_items": 400,
+            "poll_s": 0.5,
+            "poll_max_s": 2.0,
+            "intake_per_s": 500,
+        },
     )
     history = f"history-{settings.app_id}"
     tasks = [{"task_id": f"old-{i:05d}", "pipeline": "comment-analysis",

@@ -1,0 +1,263 @@
+"""Exactly-once: every write of a task partition and its input offsets in one Kafka
+transaction (`LLM_STREAMS_PROCESSING_GUARANTEE=exactly_once`, Apache Kafka only).
+
+Per owned task partition p, a transactional producer (`transactional.id` =
+`<app_id>-eos-<p>`). Starting it fences any older producer of p — a worker that
+lost p without knowing it can no longer write there. Every write for p
+(results, dead letters, task states, the batch ledger, reviews) goes into p's
+open transaction. The offsets Faust finds safe to commit for the input topics'
+partition p (the in-order acknowledged watermark of the live and replay topics)
+are not committed by Faust's consumer: they are recorded and sent with p's
+transaction (`send_offsets_to_transaction`), which commits every commit
+interval. So a read_committed reader sees a task's outcome exactly when its
+input offset is committed too, or sees neither.
+
+What the transactions leave to the task store: a result can commit a transaction
+or two before its record's offset (records finish out of order). If the worker
+dies in between, the record runs again, finds its committed result in the store
+(read with read_committed) and writes nothing. Writes that were in flight at a
+crash are aborted with their transaction and never seen.
+
+Faust 0.15.3's own exactly-once mode runs a transaction per source partition
+around Faust's producer; the worker's writes come from concurrent jobs through
+the task store, so they are kept here instead, and Faust runs at-least-once
+with its offset commit routed here (`hook_consumer`: the one private Faust
+attribute this module touches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError, ProducerFenced
+
+from streams.errors import ConfigError
+from streams.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class PartitionLost(KafkaError):  # type: ignore[misc]  # aiokafka is untyped here
+    """This worker no longer writes partition p (revoked, or fenced by its new owner):
+    the record's outcome is left to the worker that owns p now."""
+
+
+class _Partition:
+    """One task partition's producer and its open transaction."""
+
+    def __init__(self, producer: AIOKafkaProducer) -> None:
+        self.producer = producer
+        self.open = asyncio.Event()  # set while sends may enter the transaction
+        self.sending = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.offsets: dict[TopicPartition, int] = {}
+        self.writes = 0  # since the transaction began
+        self.lock = asyncio.Lock()  # one commit at a time
+        self.lost = False
+
+
+class Transactions:
+    """The transactional producers of the partitions this worker owns."""
+
+    def __init__(
+        self, settings: Settings, on_error: Callable[[BaseException], Awaitable[None]] | None = None
+    ) -> None:
+        self.settings = settings
+        self.on_error = on_error
+        self.group_id = settings.app_id
+        self._parts: dict[int, _Partition] = {}
+        self._starting: dict[int, asyncio.Task[None]] = {}
+        self._committer: asyncio.Task[None] | None = None
+
+    def transactional_id(self, partition: int) -> str:
+        return f"{self.settings.app_id}-eos-{partition}"
+
+    # -- ownership -----------------------------------------------------------------------
+
+    async def assign(self, partitions: set[int]) -> None:
+        """Own exactly `partitions`: commit and close the others, start the new ones."""
+        for p in sorted(set(self._parts) - partitions):
+            part = self._parts.pop(p)
+            await self._close(p, part, commit=not part.lost)
+        started = []
+        for p in sorted(partitions - set(self._parts) - set(self._starting)):
+            self._starting[p] = asyncio.create_task(self._start(p))
+            started.append(self._starting[p])
+        if started:
+            await asyncio.gather(*started)
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.create_task(self._commit_loop())
+
+    async def _start(self, partition: int) -> None:
+        try:
+            producer = AIOKafkaProducer(
+                bootstrap_servers=self.settings.bootstrap_servers,
+                transactional_id=self.transactional_id(partition),
+                enable_idempotence=True,
+                acks="all",
+                linger_ms=5,
+                client_id=f"{self.settings.app_id}-eos-{partition}",
+            )
+            await producer.start()  # InitProducerId: fences the older producer of p
+            await producer.begin_transaction()
+            part = _Partition(producer)
+            part.open.set()
+            self._parts[partition] = part
+            log.info("exactly-once: producer of partition %d ready", partition)
+        finally:
+            self._starting.pop(partition, None)
+
+    async def ready(self, partition: int) -> None:
+        starting = self._starting.get(partition)
+        if starting is not None:
+            await asyncio.shield(starting)
+
+    def owns(self, partition: int) -> bool:
+        part = self._parts.get(partition)
+        return part is not None and not part.lost
+
+    # -- writes and offsets --------------------------------------------------------------
+
+    async def send(
+        self,
+        topic: str,
+        key: bytes,
+        value: bytes,
+        partition: int,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> None:
+        """A write into partition's open transaction, returned once the broker has it
+        (readable by read_committed readers once the transaction commits)."""
+        await self.ready(partition)
+        part = self._parts.get(partition)
+        if part is None or part.lost:
+            raise PartitionLost(f"partition {partition} is not this worker's")
+        await part.open.wait()
+        if part.lost:
+            raise PartitionLost(f"partition {partition} is not this worker's")
+        part.sending += 1
+        part.idle.clear()
+        try:
+            delivery = await part.producer.send(
+                topic, key=key, value=value, partition=partition, headers=headers
+            )
+            part.writes += 1
+        except ProducerFenced as exc:
+            part.lost = True
+            raise PartitionLost(f"partition {partition}: fenced by its new owner") from exc
+        finally:
+            part.sending -= 1
+            if part.sending == 0:
+                part.idle.set()
+        try:
+            await delivery
+        except ProducerFenced as exc:
+            part.lost = True
+            raise PartitionLost(f"partition {partition}: fenced by its new owner") from exc
+
+    def record_offsets(self, offsets: Mapping[Any, int]) -> bool:
+        """Faust's safe offsets (its TP -> next offset), kept for the partition's next
+        commit instead of a consumer commit. True: Faust may count them committed."""
+        for tp, offset in offsets.items():
+            part = self._parts.get(tp.partition)
+            if part is not None and not part.lost:
+                part.offsets[TopicPartition(tp.topic, tp.partition)] = offset
+        return True
+
+    def hook_consumer(self, consumer: Any) -> None:
+        """Route Faust's offset commits into the transactions (Faust calls
+        `consumer._commit(offsets)` with the offsets it found safe)."""
+        if getattr(consumer, "_llm_streams_eos", False):
+            return
+
+        async def commit(offsets: Mapping[Any, int]) -> bool:
+            return self.record_offsets(offsets)
+
+        consumer._commit = commit
+        consumer._llm_streams_eos = True
+
+    # -- commits -------------------------------------------------------------------------
+
+    async def _commit_loop(self) -> None:
+        interval = self.settings.kafka.commit_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            for p, part in list(self._parts.items()):
+                try:
+                    await self.commit(p, part)
+                except PartitionLost:
+                    log.warning("exactly-once: partition %d was taken over (fenced)", p)
+                except Exception as exc:  # the transaction state is unknown: stop the worker
+                    log.exception("exactly-once: commit of partition %d failed", p)
+                    if self.on_error is not None:
+                        await self.on_error(exc)
+                    raise
+
+    async def commit(self, partition: int, part: _Partition, *, reopen: bool = True) -> None:
+        """Commit p's transaction with the offsets recorded for p, then open the next."""
+        async with part.lock:
+            if part.lost or (not part.offsets and not part.writes):
+                return
+            part.open.clear()  # new sends wait for the next transaction
+            try:
+                await part.idle.wait()
+                offsets, part.offsets = part.offsets, {}
+                if offsets:
+                    await part.producer.send_offsets_to_transaction(offsets, self.group_id)
+                await part.producer.commit_transaction()
+                part.writes = 0
+                if reopen:
+                    await part.producer.begin_transaction()
+            except ProducerFenced as exc:
+                part.lost = True
+                raise PartitionLost(f"partition {partition}: fenced") from exc
+            finally:
+                if reopen:
+                    part.open.set()
+
+    async def _close(self, partition: int, part: _Partition, *, commit: bool) -> None:
+        try:
+            if commit:
+                await self.commit(partition, part, reopen=False)
+        except Exception as exc:
+            log.warning("exactly-once: last commit of partition %d failed: %r", partition, exc)
+        finally:
+            part.lost = True
+            part.open.set()  # waiting sends see it is lost
+            await part.producer.stop()
+
+    async def close(self) -> None:
+        if self._committer is not None:
+            self._committer.cancel()
+            await asyncio.gather(self._committer, return_exceptions=True)
+        for p, part in list(self._parts.items()):
+            await self._close(p, part, commit=not part.lost)
+        self._parts.clear()
+
+
+async def check_transactions(settings: Settings) -> None:
+    """Exactly-once needs a broker with transactions: refuse at start when it has none
+    (Tansu), with a clear word, rather than a worker that cannot commit."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=settings.bootstrap_servers,
+        transactional_id=f"{settings.app_id}-eos-check",
+        enable_idempotence=True,
+    )
+    try:
+        await asyncio.wait_for(producer.start(), timeout=30)
+    except Exception as exc:
+        raise ConfigError(
+            "LLM_STREAMS_PROCESSING_GUARANTEE=exactly_once needs a Kafka broker with "
+            f"transactions (Apache Kafka); {settings.kafka.broker_url} has none ({exc!r}). "
+            "Use at_least_once with this broker (the Tansu demo broker has no transactions)."
+        ) from exc
+    finally:
+        await producer.stop()
+
+
+__all__ = ["PartitionLost", "Transactions", "check_transactions"]
