@@ -126,9 +126,11 @@ def split_evenly(topic: str, n: int) -> Callable[[list[Scrape | None]], bool]:
     return check
 
 
-async def collect_all(settings: Settings, records: list[Any], timeout_s: float) -> Collected:
+async def collect_all(
+    settings: Settings, records: list[Any], timeout_s: float, read_committed: bool = False
+) -> Collected:
     return await collect(
-        settings, set(), timeout_s=timeout_s, settle_s=2.0,
+        settings, set(), timeout_s=timeout_s, settle_s=2.0, read_committed=read_committed,
         until=lambda g: _ids(records) <= {r["task_id"] for r in g.results + g.dead_letters},
     )  # fmt: skip
 
@@ -149,11 +151,12 @@ def group_settings(make_settings: Any, simulator: SimulatorServer) -> Callable[.
     return make
 
 
+@pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
 async def test_three_workers_split_the_partitions_and_take_over_from_a_killed_one(
-    group_settings: Any, simulator: SimulatorServer, tmp_path: Path
+    group_settings: Any, simulator: SimulatorServer, tmp_path: Path, guarantee: str
 ) -> None:
     simulator.sim.config.latency_ms, simulator.sim.config.latency_dist = 200, "fixed"
-    settings = group_settings()
+    settings = group_settings(processing_guarantee=guarantee)
     records = _tasks(3000, "s")
     await produce(settings, records)
     group = Group(settings, 3, tmp_path).start()
@@ -169,12 +172,15 @@ async def test_three_workers_split_the_partitions_and_take_over_from_a_killed_on
         # The two survivors take over the victim's partitions, six each.
         await wait_until(group, split_evenly(settings.topics.tasks, 2), timeout_s=120,
                          what="two survivors sharing all partitions")  # fmt: skip
-        got = await collect_all(settings, records, timeout_s=240)
+        got = await collect_all(settings, records, timeout_s=240,
+                                read_committed=guarantee == "exactly_once")  # fmt: skip
         assert all(w.alive() for w in group.workers if w is not victim), group.logs()
     finally:
         group.stop()
     assert not got.dead_letters, got.dead_letters[:3]
     assert_one_outcome_each(got, _ids(records))
+    if guarantee == "exactly_once":  # the victim's unfinished writes were aborted
+        assert len(got.results) == len(records), len(got.results) - len(records)
     taken_over = {r["source"]["partition"] for r in got.results} & victim_parts
     assert taken_over == victim_parts
 
