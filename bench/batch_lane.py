@@ -170,10 +170,13 @@ async def main() -> None:
     print(f"live p95: alone {p95_alone:.0f} ms, while the batch replay ran {p95_batch:.0f} ms "
           f"-> ratio {p95_batch / p95_alone:.2f}")  # fmt: skip
     if os.environ.get("BENCH_DEBUG"):
-        worst = sorted(((run.latency.get(t, 0), run.sent_at[t] - batch_from) for t in with_batch),
-                       reverse=True)[:25]
-        print("slowest live tasks (latency s, sent at s after the batch replay):",
-              [(round(a, 2), round(b, 1)) for a, b in worst])
+        worst = sorted(
+            ((run.latency.get(t, 0), run.sent_at[t] - batch_from) for t in with_batch), reverse=True
+        )[:25]
+        print(
+            "slowest live tasks (latency s, sent at s after the batch replay):",
+            [(round(a, 2), round(b, 1)) for a, b in worst],
+        )
     print(f"simulator: {batches['batches']} batches {batches['batches_by_status']}, "
           f"{batches['batch_items_submitted']} batch requests; logs {logdir}")  # fmt: skip
 
