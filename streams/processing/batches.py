@@ -354,7 +354,7 @@ class BatchLane:
 
     async def _watch(self, batch: _Batch, own: bool) -> None:
         try:
-            await self._watch_once(batch)
+            await self._watch_once(batch, own)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # never leave a job waiting on a batch forever
@@ -364,7 +364,7 @@ class BatchLane:
             if own:
                 await self._release(batch)
 
-    async def _watch_once(self, batch: _Batch) -> None:
+    async def _watch_once(self, batch: _Batch, own: bool) -> None:
         if batch.state == "creating":
             found = await self._find(batch.local_id, batch.created_at)
             if found is None:  # never created: its requests go in a new batch
@@ -389,14 +389,23 @@ class BatchLane:
                 errors = (remote.get("errors") or {}).get("data") or [{}]
                 code = str(errors[0].get("code") or "batch_failed")
                 log.warning("batch %s failed: %s", batch.remote_id, errors[0])
-                # Over the enqueued-token limit: later, again. Otherwise the attempt failed.
-                fail: Answer = (
-                    RESUBMIT
-                    if code == "token_limit_exceeded"
-                    else UpstreamError(
+                # Over the enqueued-token limit: again once earlier batches are done —
+                # unless none of ours were running, then the batch alone is too big.
+                others = self._enqueued - (batch.tokens if own else 0)
+                fail: Answer
+                if code == "token_limit_exceeded" and others > 0:
+                    fail = RESUBMIT
+                elif code == "token_limit_exceeded":
+                    fail = BadRequest(
+                        f"batch {batch.remote_id} alone is over the provider's enqueued-token "
+                        "limit: lower LLM_STREAMS_BATCH_API__MAX_ITEMS or set "
+                        "__MAX_ENQUEUED_TOKENS to the limit",
+                        code="token_limit_exceeded",
+                    )
+                else:
+                    fail = UpstreamError(
                         f"batch {batch.remote_id} failed: {code}", code="batch_failed"
                     )
-                )
                 self._settle(batch, {}, fail)
                 return
         lines = await self._lines(batch)

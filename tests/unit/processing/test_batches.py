@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
-from streams.errors import UpstreamError
+from streams.errors import BadRequest, UpstreamError
 from streams.llm.client import LLMRequest
 from streams.llm.openai_client import OpenAIClient
 from streams.llm.simulator import SimulatorServer
@@ -267,3 +267,35 @@ async def test_the_flex_tier_calls_at_the_batch_price_and_falls_back_when_it_has
     assert result["cost_usd"] == pytest.approx(full)
     assert simulator.sim.snapshot()["by_outcome"] == {"ok_flex": 1, "flex_unavailable": 1, "ok": 1}
     assert limiter.requests.per_minute == rate_before and limiter.paused_until == paused_before
+
+
+async def test_a_batch_over_the_providers_token_limit_alone_fails_its_requests_clearly(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    simulator.sim.config.batch_token_limit = 100  # far below one request's estimate
+    lane = BatchLane(client, LedgerStore(), SETTINGS)  # type: ignore[arg-type]
+    with pytest.raises(BadRequest, match="alone is over the provider's enqueued-token limit"):
+        await lane.complete(0, "rk-big", 1, _request("Fine."))
+    assert simulator.sim.snapshot()["batches_by_status"] == {"failed": 1}  # not sent again
+    await lane.close()
+
+
+async def test_a_batch_that_cannot_be_created_fails_its_requests(
+    client: OpenAIClient, simulator: SimulatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def no_wait(_: float) -> None:
+        return None
+
+    async def refused(data: bytes, name: str) -> str:
+        raise UpstreamError("HTTP 503: files API down", code="http_503")
+
+    monkeypatch.setattr("streams.processing.batches.asyncio.sleep", no_wait)
+    monkeypatch.setattr(client, "upload_batch_file", refused)
+    store = LedgerStore()
+    lane = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
+    with pytest.raises(UpstreamError, match="files API down"):
+        await lane.complete(0, "rk-1", 1, _request("Fine."))
+    # The ledger says the batch was never submitted, so a re-run sends it anew.
+    (record,) = [orjson.loads(v) for k, v in store.maps[0].items() if k.startswith(b"batch/")]
+    assert (record["state"], record["status"]) == ("done", "not_submitted")
+    await lane.close()

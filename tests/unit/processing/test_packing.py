@@ -179,3 +179,17 @@ async def test_the_same_task_twice_is_not_packed_twice(
     ))  # fmt: skip
     assert [o.kind for o in outcomes] == ["result", "result"]
     assert simulator.sim.snapshot()["requests"] == 2  # a pack of one, and the twin alone
+
+
+async def test_a_failed_pack_sends_each_task_alone_and_each_ends_once(
+    make_processor: Any, simulator: SimulatorServer
+) -> None:
+    simulator.sim.config.error_500_rate = 1.0  # the pack and every call after it fail
+    outcomes = await _run(make_processor(), [f"{TEXTS[i % 5]} ({i})" for i in range(4)])
+    assert [o.kind for o in outcomes] == ["dead_letter"] * 4
+    for o in outcomes:
+        letter = orjson.loads(o.value)
+        assert letter["error"]["category"] == "upstream_error"
+        assert letter["attempts"] == 2 + 2  # the pack's two attempts, then its own two
+    # One pack (2 attempts) and then each task alone (2 attempts each).
+    assert simulator.sim.snapshot()["requests"] == 2 + 4 * 2
