@@ -38,6 +38,12 @@ if TYPE_CHECKING:
     from streams.llm.simulator import Simulator
 
 
+def _invalid(status: int, message: str) -> web.Response:
+    """An OpenAI-shaped invalid_request_error."""
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+    return web.json_response({"error": error}, status=status)
+
+
 @dataclass
 class _Batch:
     id: str
@@ -128,17 +134,7 @@ class BatchAPI:
         upload = form.get("file")
         purpose = str(form.get("purpose") or "")
         if not isinstance(upload, FileField) or purpose != "batch":
-            return web.json_response(
-                {
-                    "error": {
-                        "message": "need a file and purpose=batch",
-                        "type": "invalid_request_error",
-                        "param": None,
-                        "code": None,
-                    }
-                },
-                status=400,
-            )
+            return _invalid(400, "need a file and purpose=batch")
         data = upload.file.read()
         file_id = self._file(purpose, data)
         return web.json_response(
@@ -158,17 +154,7 @@ class BatchAPI:
             return denied
         found = self.files.get(request.match_info["id"])
         if found is None:
-            return web.json_response(
-                {
-                    "error": {
-                        "message": "No such file",
-                        "type": "invalid_request_error",
-                        "param": None,
-                        "code": None,
-                    }
-                },
-                status=404,
-            )
+            return _invalid(404, "No such file")
         return web.Response(body=found[1], content_type="application/octet-stream")
 
     async def create(self, request: web.Request) -> web.Response:
@@ -177,17 +163,7 @@ class BatchAPI:
         body = orjson.loads(await request.read())
         found = self.files.get(str(body.get("input_file_id")))
         if found is None:
-            return web.json_response(
-                {
-                    "error": {
-                        "message": "input file not found",
-                        "type": "invalid_request_error",
-                        "param": None,
-                        "code": None,
-                    }
-                },
-                status=400,
-            )
+            return _invalid(400, "input file not found")
         cfg = self.sim.config
         lines = [orjson.loads(line) for line in found[1].splitlines() if line.strip()]
         tokens = sum(
@@ -346,17 +322,7 @@ class BatchAPI:
             return denied
         batch = self.batches.get(request.match_info["id"])
         if batch is None:
-            return web.json_response(
-                {
-                    "error": {
-                        "message": "No such batch",
-                        "type": "invalid_request_error",
-                        "param": None,
-                        "code": None,
-                    }
-                },
-                status=404,
-            )
+            return _invalid(404, "No such batch")
         await self._advance(batch)
         return web.json_response(batch.view())
 
@@ -388,7 +354,7 @@ class BatchAPI:
             return denied
         batch = self.batches.get(request.match_info["id"])
         if batch is None:
-            return web.json_response({"error": {"message": "No such batch"}}, status=404)
+            return _invalid(404, "No such batch")
         if batch.status == "in_progress":
             batch.status, batch.finished_at = "cancelled", time.time()
             for line in batch.lines:
