@@ -53,6 +53,9 @@ from streams.state import Kind, TaskStore
 log = logging.getLogger(__name__)
 
 METADATA_KEY = "llm_streams_batch"
+# A batch recorded as being created is taken for never created only this long after:
+# its creator may be between the ledger write and the provider's answer.
+CREATE_GRACE_S = 120.0
 TERMINAL = {"completed", "expired", "cancelled", "failed"}
 
 
@@ -69,7 +72,12 @@ class BatchOps(Protocol):
 
 
 class _Resubmit:
-    """The batch gave no answer for the request (expired, cancelled, refused): send again."""
+    """Batch `batch` gave no answer for the request (expired, cancelled, refused): send it
+    again — unless the ledger already has it in a later batch (another run of the same
+    record sent it again first)."""
+
+    def __init__(self, batch: str | None = None) -> None:
+        self.batch = batch
 
 
 RESUBMIT = _Resubmit()
@@ -139,9 +147,10 @@ class _Batch:
     output_file_id: str | None = None
     error_file_id: str | None = None
     lines: list[_Waiting] = field(default_factory=list, repr=False)  # in memory only
+    released: bool = field(default=False, repr=False)  # its tokens left the enqueued count
 
     def dumps(self) -> bytes:
-        data = {k: v for k, v in self.__dict__.items() if k != "lines"}
+        data = {k: v for k, v in self.__dict__.items() if k not in ("lines", "released")}
         return orjson.dumps(data)
 
     @classmethod
@@ -168,6 +177,7 @@ class BatchLane:
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._waiters: dict[tuple[str, int], list[asyncio.Future[Answer]]] = {}
         self._followed: dict[str, asyncio.Task[None]] = {}  # local id -> its poller
+        self._creating: set[str] = set()  # local ids this worker is creating now
         self._tasks: set[asyncio.Task[Any]] = set()
         self._capacity = asyncio.Semaphore(settings.max_pending)
         self._enqueued = 0  # tokens in this worker's unfinished batches
@@ -187,13 +197,17 @@ class BatchLane:
         """The answer to one attempt, through a batch. Raises the attempt's TaskError."""
         async with self._capacity:
             key = (custom_id, attempt)
-            fresh = False  # after a batch gave no answer: a new batch, whatever the ledger says
+            gave_none: set[str] = set()  # batches that had it and gave no answer
             while True:
                 future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
                 self._waiters.setdefault(key, []).append(future)
                 try:
-                    known = None if fresh else self._ledger_batch(partition, custom_id, attempt)
-                    if known is not None and known.state != "abandoned":
+                    known = self._ledger_batch(partition, custom_id, attempt)
+                    if (
+                        known is not None
+                        and known.state != "abandoned"
+                        and known.local_id not in gave_none
+                    ):
                         self._follow(known)
                     elif key not in self._queued:
                         self._queued.add(key)
@@ -216,7 +230,8 @@ class BatchLane:
                         self._waiters.pop(key, None)
                 if isinstance(answer, _Resubmit):
                     self._count_request("resubmitted")
-                    fresh = True
+                    if answer.batch is not None:
+                        gave_none.add(answer.batch)
                     continue
                 if isinstance(answer, TaskError):
                     raise answer
@@ -285,6 +300,7 @@ class BatchLane:
                 lambda: not limit or self._enqueued == 0 or self._enqueued + batch.tokens <= limit
             )
             self._enqueued += batch.tokens
+        self._creating.add(batch.local_id)
         try:
             p = batch.partition
             # The ledger first: a worker that dies from here on finds the batch by its id.
@@ -305,7 +321,7 @@ class BatchLane:
         except Exception as exc:
             for w in batch.lines:
                 self._queued.discard((w.custom_id, w.attempt))
-            await self._release(batch)
+            self._release(batch)
             error = (
                 exc
                 if isinstance(exc, TaskError)
@@ -316,8 +332,10 @@ class BatchLane:
             with contextlib.suppress(Exception):
                 await self.store.put(Kind.LEDGER, batch.partition, batch_key(batch.local_id),
                                      batch.dumps())  # fmt: skip
+            self._creating.discard(batch.local_id)
             self._settle(batch, {}, error)
             return
+        self._creating.discard(batch.local_id)
         self._follow(batch, own=True)
 
     async def _create(self, batch: _Batch) -> dict[str, Any]:
@@ -337,14 +355,25 @@ class BatchLane:
                 delay *= 2
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _release(self, batch: _Batch) -> None:
+    def _release(self, batch: _Batch) -> None:
+        """The batch's tokens are no longer enqueued. Synchronous, so that a watcher
+        ends in the same step that hands out its batch's answers (a run that comes
+        later then starts its own watcher instead of waiting on a finished one)."""
+        if batch.released:
+            return
+        batch.released = True
+        self._enqueued = max(0, self._enqueued - batch.tokens)
+        self._spawn(self._notify_room())
+
+    async def _notify_room(self) -> None:
         async with self._room:
-            self._enqueued = max(0, self._enqueued - batch.tokens)
             self._room.notify_all()
 
     # -- following a batch to its end ----------------------------------------------------
 
     def _follow(self, batch: _Batch, *, own: bool = False) -> None:
+        if not own and batch.local_id in self._creating:
+            return  # this worker is creating it: its own watcher starts once it exists
         running = self._followed.get(batch.local_id)
         if running is not None and not running.done():
             return
@@ -362,11 +391,22 @@ class BatchLane:
             self._settle(batch, {}, UpstreamError(f"batch lane: {exc!r}", code="batch_lane_error"))
         finally:
             if own:
-                await self._release(batch)
+                self._release(batch)
 
     async def _watch_once(self, batch: _Batch, own: bool) -> None:
         if batch.state == "creating":
             found = await self._find(batch.local_id, batch.created_at)
+            while found is None and time.time() - batch.created_at < CREATE_GRACE_S:
+                # Its creator may still be creating it (a worker that lost the partition
+                # a moment ago): wait for the provider or the ledger to say more.
+                await asyncio.sleep(self.settings.poll_s)
+                raw = self.store.get(Kind.LEDGER, batch.partition, batch_key(batch.local_id))
+                latest = _Batch.loads(raw) if raw is not None else batch
+                if latest.state != "creating":
+                    batch = latest
+                    break
+                found = await self._find(batch.local_id, batch.created_at)
+        if batch.state == "creating":
             if found is None:  # never created: its requests go in a new batch
                 batch.state = "abandoned"
                 await self.store.put(Kind.LEDGER, batch.partition,
@@ -468,6 +508,8 @@ class BatchLane:
                 answer = error_of(line)
                 if isinstance(answer, TaskError):
                     self._count_request("error")
+            if isinstance(answer, _Resubmit):  # say which batch had nothing for it
+                answer = _Resubmit(batch.local_id)
             for future in futures:
                 if isinstance(answer, LLMResponse):
                     self._deliveries.put_nowait((future, answer))
