@@ -308,7 +308,10 @@ class TaskAgent:
                         elif self._state_missing(prepared, outcome):
                             # Written by a run killed before its state was: write that now.
                             state = self._state_after(outcome, prepared, source)
-                            await self.store.put_state(source.partition, state)
+                            try:
+                                await self.store.put_state(source.partition, state)
+                            except PartitionLost as exc:  # the new owner will
+                                log.info("not writing the state of %s: %s", source, exc)
                         if written:
                             outcome = None
                 finally:

@@ -12,6 +12,7 @@ from aiokafka.errors import KafkaTimeoutError
 
 from streams.agents import tasks as tasks_module
 from streams.agents.tasks import SEND_ATTEMPTS, TaskAgent
+from streams.eos import PartitionLost
 from streams.processing.processor import Outcome
 from streams.records import Source
 from streams.settings import load_settings
@@ -123,3 +124,22 @@ async def test_the_store_follows_the_assignment_of_the_task_topics(agent: TaskAg
     assert agent.store.owned() == {2, 4}
     assert sorted(loaded) == [0, 2, 4]  # 2 was kept, not loaded again
     await agent.store.close()
+
+
+async def test_exactly_once_a_write_for_a_partition_lost_is_dropped_not_retried(
+    agent: TaskAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    crashed: list[BaseException] = []
+
+    async def crash(exc: BaseException) -> None:
+        crashed.append(exc)
+
+    async def lost(
+        topic: str, key: bytes, value: bytes, partition: int, headers: Any = None
+    ) -> None:
+        raise PartitionLost(f"partition {partition}: fenced by its new owner")
+
+    monkeypatch.setattr(agent.app, "crash", crash)
+    agent.store._send = lost
+    await agent._deliver(OUTCOME, None, SOURCE)  # returns: the new owner answers it
+    assert not crashed
