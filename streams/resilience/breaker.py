@@ -6,13 +6,23 @@ upstream_error) reaches `failure_rate`. While open no call is made; after
 `open_s` it lets `probes` calls through (half-open): all succeed -> closed,
 any fails -> open again. Rate limiting (429) is not an endpoint fault: the
 limiter handles it. Every transition is logged and reported to `on_change`.
+
+Every call the breaker lets through holds an `Admission`, and every admission
+is settled exactly once, whatever ends the call (`GuardedClient` settles it in
+a `finally`): with a verdict on the endpoint (ok / failed), or with none (a 429,
+a call cancelled by shutdown, a rebalance or its task's deadline), which frees
+a probe's slot for the next caller. A probe of an earlier half-open round that
+settles late counts for nothing, so a hung probe can neither wedge the breaker
+half-open nor close it by mistake.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import StrEnum
 
 from streams.resilience.clock import Clock, MonotonicClock
@@ -24,6 +34,15 @@ class State(StrEnum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
+
+
+@dataclass(eq=False)
+class Admission:
+    """One call let through: a probe of half-open round `round`, or a closed-state call."""
+
+    probe: bool
+    round: int
+    settled: bool = False
 
 
 class CircuitBreaker:
@@ -52,8 +71,10 @@ class CircuitBreaker:
         self.transitions = 0
         self._calls: deque[tuple[float, bool]] = deque()
         self._failed = 0  # failures in `_calls`, kept as calls come and go (O(1) per call)
+        self._round = 0  # half-open rounds so far: tells a late probe from a current one
         self._probes_sent = 0
         self._probes_ok = 0
+        self._changed: asyncio.Future[None] | None = None
 
     def _move(self, new: State) -> None:
         old, self.state = self.state, new
@@ -61,6 +82,20 @@ class CircuitBreaker:
         log.warning("circuit %s: %s -> %s", self.name, old.value, new.value)
         if self.on_change is not None:
             self.on_change(self.name, old, new)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Callers waiting for a probe slot look again."""
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
+        self._changed = None
+
+    def changed(self) -> asyncio.Future[None]:
+        """Resolves when the state moves or a probe slot frees (for callers that found
+        every probe slot of a half-open round taken)."""
+        if self._changed is None:
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed
 
     def retry_at(self) -> float:
         """When a call may next be tried (now, unless open)."""
@@ -68,38 +103,44 @@ class CircuitBreaker:
             return self.opened_at + self.open_s
         return self.clock.now()
 
-    def allow(self) -> bool:
-        """May a call go now? Counts a half-open probe when it says yes."""
+    def admit(self) -> Admission | None:
+        """Let a call through (counting a half-open probe), or None: not now."""
         now = self.clock.now()
         if self.state is State.OPEN and now >= self.opened_at + self.open_s:
+            self._round += 1
             self._probes_sent = self._probes_ok = 0
             self._move(State.HALF_OPEN)
         if self.state is State.CLOSED:
-            return True
+            return Admission(probe=False, round=self._round)
         if self.state is State.HALF_OPEN and self._probes_sent < self.probes:
             self._probes_sent += 1
-            return True
-        return False
+            return Admission(probe=True, round=self._round)
+        return None
 
-    def release(self) -> None:
-        """A call ended with no verdict on the endpoint (e.g. 429): free its probe slot."""
-        if self.state is State.HALF_OPEN and self._probes_sent > self._probes_ok:
-            self._probes_sent -= 1
-
-    def record(self, ok: bool) -> None:
-        now = self.clock.now()
-        if self.state is State.HALF_OPEN:
-            if not ok:
-                self._open(now)
-                return
-            self._probes_ok += 1
-            if self._probes_ok >= self.probes:
-                self._calls.clear()
-                self._failed = 0
-                self._move(State.CLOSED)
+    def settle(self, admission: Admission, ok: bool | None) -> None:
+        """The admitted call ended: `ok` is its verdict on the endpoint, None for none
+        (its probe slot goes to the next caller). A second settle does nothing."""
+        if admission.settled:
             return
-        if self.state is State.OPEN:
-            return  # a straggler that started before the circuit opened
+        admission.settled = True
+        now = self.clock.now()
+        if admission.probe:
+            if self.state is not State.HALF_OPEN or admission.round != self._round:
+                return  # a probe of a round that is over
+            if ok is None:
+                self._probes_sent -= 1
+                self._wake()
+            elif not ok:
+                self._open(now)
+            else:
+                self._probes_ok += 1
+                if self._probes_ok >= self.probes:
+                    self._calls.clear()
+                    self._failed = 0
+                    self._move(State.CLOSED)
+            return
+        if ok is None or self.state is not State.CLOSED:
+            return  # no verdict, or a straggler that started before the circuit opened
         calls = self._calls
         calls.append((now, ok))
         self._failed += not ok
@@ -107,6 +148,10 @@ class CircuitBreaker:
             self._failed -= not calls.popleft()[1]
         if len(calls) >= self.min_calls and self._failed / len(calls) >= self.failure_rate:
             self._open(now)
+
+    def probes_out(self) -> int:
+        """Probe slots of the current half-open round that are taken."""
+        return self._probes_sent - self._probes_ok if self.state is State.HALF_OPEN else 0
 
     def _open(self, now: float) -> None:
         self.opened_at = now

@@ -7,6 +7,7 @@ capacity, is counted by the breaker, and teaches the limiter.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from streams.errors import (
@@ -19,11 +20,15 @@ from streams.errors import (
 from streams.llm.client import LLMClient, LLMRequest, LLMResponse
 from streams.llm.tokens import count_messages
 from streams.metrics import Metrics
-from streams.resilience.breaker import CircuitBreaker, State
+from streams.resilience.breaker import Admission, CircuitBreaker, State
 from streams.resilience.clock import Clock, MonotonicClock
 from streams.resilience.limiter import Lane, RateLimiter
 
 DEFAULT_MAX_TOKENS = 1024
+# An attempt still waiting for its answer this close to the task's deadline is cut
+# short here (code CUT_SHORT), so the client sees a timeout rather than a cancellation.
+DEADLINE_MARGIN_S = 0.05
+CUT_SHORT = "cut_at_deadline"
 # 429 codes that say a service tier (flex) has no capacity now: not a rate limit.
 CAPACITY_CODES = frozenset({"resource_unavailable", "flex_capacity"})
 
@@ -38,6 +43,7 @@ class GuardedClient:
         clock: Clock | None = None,
         count_prompt: Callable[[list[dict[str, str]]], int] = count_messages,
         metrics: Metrics | None = None,
+        slow_call_s: float = 10.0,
     ) -> None:
         self.client = client
         self.limiter = limiter
@@ -45,6 +51,9 @@ class GuardedClient:
         self.clock = clock or MonotonicClock()
         self.count_prompt = count_prompt
         self.metrics = metrics
+        # An attempt cut at its task's deadline counts against the endpoint once it had
+        # waited this long for an answer (a hung endpoint); a shorter one says nothing.
+        self.slow_call_s = slow_call_s
 
     def estimate(self, request: LLMRequest) -> int:
         """Tokens a call may use: prompt (offline tokenizer) + its completion budget."""
@@ -60,45 +69,75 @@ class GuardedClient:
         wait_for_circuit: bool = True,
     ) -> LLMResponse:
         """One attempt. With `wait_for_circuit=False` (a fallback is ready) an open
-        circuit raises CircuitOpen at once instead of waiting for it to close."""
-        if not wait_for_circuit and not self.breaker.allow():
-            raise CircuitOpen(f"circuit for {self.breaker.name} is open", code="circuit_open")
-        await self._wait_for_circuit(deadline_at)
-        # Counting tokens costs CPU; only a token limit needs the estimate.
-        estimate = self.estimate(request) if self.limiter.tokens is not None else 0
-        permit = await self.limiter.acquire(estimate, lane)
-        started = self.clock.now()
+        circuit raises CircuitOpen at once instead of waiting for it to close.
+
+        The breaker's admission and the limiter's permit are settled on every way out,
+        cancellation included: a call cancelled by shutdown, a rebalance or its task's
+        deadline gives its probe slot back instead of holding it for ever."""
+        admission = await self._admit(deadline_at, wait_for_circuit)
+        verdict: bool | None = None  # on the endpoint; None: this call says nothing
         try:
-            response = await self.client.complete(request)
-        except RateLimited as exc:
-            if exc.headers:
-                self.limiter.observe(exc.headers)
-            if exc.code not in CAPACITY_CODES:  # a tier without capacity is no rate limit
-                self.limiter.throttled(exc.retry_after)
-            self.breaker.release()  # throttling says nothing about the endpoint's health
-            permit.reconcile(0)  # refused before any token was used
-            self._count(request.model, lane, permit.waited_s, started, exc)
-            if self.metrics is not None:
-                self.metrics.limiter_throttled.labels(request.model).inc()
-            raise
-        except (Timeout, UpstreamError) as exc:
-            self.breaker.record(ok=False)
-            # Down for everyone: its circuit is open now, or it cannot be reached at all.
-            exc.endpoint_down = self.breaker.state is State.OPEN or exc.code == "connection_error"
-            permit.reconcile(estimate)
-            self._count(request.model, lane, permit.waited_s, started, exc)
-            raise exc
-        except StreamsError as exc:
-            self.breaker.record(ok=True)  # our request was wrong; the endpoint is fine
-            permit.reconcile(0)
-            self._count(request.model, lane, permit.waited_s, started, exc)
-            raise
-        self.breaker.record(ok=True)
-        if response.rate_headers:
-            self.limiter.observe(response.rate_headers)
-        permit.reconcile(response.prompt_tokens + response.completion_tokens)
-        self._count(request.model, lane, permit.waited_s, started, None, response)
-        return response
+            # Counting tokens costs CPU; only a token limit needs the estimate.
+            estimate = self.estimate(request) if self.limiter.tokens is not None else 0
+            permit = await self.limiter.acquire(estimate, lane)
+            started = self.clock.now()
+            try:
+                response = await self._call(request, deadline_at, started)
+            except RateLimited as exc:
+                if exc.headers:
+                    self.limiter.observe(exc.headers)
+                if exc.code not in CAPACITY_CODES:  # a tier without capacity is no rate limit
+                    self.limiter.throttled(exc.retry_after)
+                permit.reconcile(0)  # refused before any token was used
+                self._count(request.model, lane, permit.waited_s, started, exc)
+                if self.metrics is not None:
+                    self.metrics.limiter_throttled.labels(request.model).inc()
+                raise  # throttling says nothing about the endpoint's health
+            except (Timeout, UpstreamError) as exc:
+                # A call cut at its task's deadline soon after it began says nothing.
+                if exc.code != CUT_SHORT or self.clock.now() - started >= self.slow_call_s:
+                    verdict = False
+                    self.breaker.settle(admission, False)
+                # Down for everyone: its circuit is open now, or it cannot be reached at all.
+                exc.endpoint_down = (
+                    self.breaker.state is State.OPEN or exc.code == "connection_error"
+                )
+                permit.reconcile(estimate)
+                self._count(request.model, lane, permit.waited_s, started, exc)
+                raise exc
+            except StreamsError as exc:
+                verdict = True  # our request was wrong; the endpoint is fine
+                permit.reconcile(0)
+                self._count(request.model, lane, permit.waited_s, started, exc)
+                raise
+            except BaseException:  # cancelled mid-call (or a bug): no answer to learn from
+                permit.abandon()
+                raise
+            verdict = True
+            if response.rate_headers:
+                self.limiter.observe(response.rate_headers)
+            permit.reconcile(response.prompt_tokens + response.completion_tokens)
+            self._count(request.model, lane, permit.waited_s, started, None, response)
+            return response
+        finally:
+            self.breaker.settle(admission, verdict)
+
+    async def _call(
+        self, request: LLMRequest, deadline_at: float | None, started: float
+    ) -> LLMResponse:
+        """The endpoint's answer, cut short just before the task's deadline: a call that
+        hangs past it ends as a timeout this client sees (and the breaker can count),
+        not as a cancellation from outside."""
+        if deadline_at is None:
+            return await self.client.complete(request)
+        try:
+            async with asyncio.timeout(max(0.0, deadline_at - started - DEADLINE_MARGIN_S)):
+                return await self.client.complete(request)
+        except TimeoutError:
+            raise Timeout(
+                f"no answer after {self.clock.now() - started:.1f}s, at the task's deadline",
+                code=CUT_SHORT,
+            ) from None
 
     def _count(
         self,
@@ -122,15 +161,25 @@ class GuardedClient:
             m.tokens.labels(model, "prompt").inc(response.prompt_tokens)
             m.tokens.labels(model, "completion").inc(response.completion_tokens)
 
-    async def _wait_for_circuit(self, deadline_at: float | None) -> None:
-        while not self.breaker.allow():
-            retry_at = self.breaker.retry_at()
-            if deadline_at is not None and retry_at >= deadline_at:
-                raise CircuitOpen(
-                    f"circuit for {self.breaker.name} is open until after the task's deadline",
-                    code="circuit_open",
-                )
-            await self.clock.sleep(max(0.01, retry_at - self.clock.now()))
+    async def _admit(self, deadline_at: float | None, wait: bool) -> Admission:
+        """The breaker's admission for one call, waiting while the circuit is open (or
+        every probe slot of a half-open round is taken) unless `wait` is False."""
+        while True:
+            admission = self.breaker.admit()
+            if admission is not None:
+                return admission
+            if not wait:
+                raise CircuitOpen(f"circuit for {self.breaker.name} is open", code="circuit_open")
+            if self.breaker.state is State.OPEN:
+                retry_at = self.breaker.retry_at()
+                if deadline_at is not None and retry_at >= deadline_at:
+                    raise CircuitOpen(
+                        f"circuit for {self.breaker.name} is open until after the task's deadline",
+                        code="circuit_open",
+                    )
+                await self.clock.sleep(max(0.01, retry_at - self.clock.now()))
+            else:  # half-open, its probes out: wait for a verdict or a free slot
+                await asyncio.shield(self.breaker.changed())
 
     async def close(self) -> None:
         await self.client.close()

@@ -99,19 +99,31 @@ class _Waiter:
     lane: int
     seq: int
     tokens: int = field(compare=False)
-    future: asyncio.Future[None] = field(compare=False)
+    future: asyncio.Future[bool] = field(compare=False)  # result: granted as the probe
 
 
 @dataclass
 class Permit:
-    """Capacity granted for one call; `reconcile` with the real usage after it."""
+    """Capacity granted for one call. Settle it once: `reconcile` with the real usage
+    when an answer came, `abandon` when the call was cancelled."""
 
     limiter: RateLimiter
     estimated_tokens: int
     waited_s: float
+    probe: bool = False  # the first call of a limiter that is learning the limit
+    settled: bool = False
 
     def reconcile(self, actual_tokens: int) -> None:
-        self.limiter._reconcile(self.estimated_tokens, actual_tokens)
+        if not self.settled:
+            self.settled = True
+            self.limiter._reconcile(self.estimated_tokens, actual_tokens)
+
+    def abandon(self) -> None:
+        """No answer (cancelled): the estimate stays spent; a probe's turn passes on."""
+        if not self.settled:
+            self.settled = True
+            if self.probe:
+                self.limiter._probe_abandoned()
 
 
 @dataclass(frozen=True)
@@ -169,22 +181,35 @@ class RateLimiter:
     async def acquire(self, tokens: int = 0, lane: Lane = Lane.LIVE) -> Permit:
         started = self.clock.now()
         if not self._queue and self._wait_time(tokens, started) <= _EPSILON:
-            self._grant(tokens)  # nobody waiting and capacity free: no queue round trip
-            return Permit(self, tokens, 0.0)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            # Nobody waiting and capacity free: no queue round trip.
+            return Permit(self, tokens, 0.0, probe=self._grant(tokens))
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._queue, _Waiter(int(lane), next(self._seq), tokens, future))
         if self._pump is None or self._pump.done():
             self._pump = asyncio.create_task(self._run())
         else:
             self._wakeup.set()
-        await future
-        return Permit(self, tokens, self.clock.now() - started)
+        try:
+            probe = await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.result():
+                self._probe_abandoned()  # granted as the probe, then cancelled: pass it on
+            raise
+        return Permit(self, tokens, self.clock.now() - started, probe=probe)
 
-    def _grant(self, tokens: int) -> None:
+    def _grant(self, tokens: int) -> bool:
+        """Take capacity for one call; True when it is the probe of a learning limiter."""
         self._probe_out = self.probing
         self.requests.level -= 1
         if self.tokens is not None:
             self.tokens.level -= tokens
+        return self.probing
+
+    def _probe_abandoned(self) -> None:
+        """The probe got no answer: the next call probes instead."""
+        if self.probing and self._probe_out:
+            self._probe_out = False
+            self._wakeup.set()
 
     def _wait_time(self, tokens: int, now: float) -> float:
         if self.probing and self._probe_out:
@@ -207,8 +232,7 @@ class RateLimiter:
             wait = self._wait_time(head.tokens, now)
             if wait <= _EPSILON:
                 heapq.heappop(self._queue)
-                self._grant(head.tokens)
-                head.future.set_result(None)
+                head.future.set_result(self._grant(head.tokens))
                 continue
             # Sleep until the head can go, or until a new (maybe higher-lane) waiter comes.
             self._wakeup.clear()

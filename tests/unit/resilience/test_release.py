@@ -1,0 +1,143 @@
+"""Every breaker slot and limiter permit is given back on every way out of a call,
+cancellation included, and one call takes one slot."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from streams.errors import Timeout, UpstreamError
+from streams.llm.client import LLMRequest
+from streams.resilience.breaker import CircuitBreaker, State
+from streams.resilience.guarded import CUT_SHORT, GuardedClient
+from streams.resilience.limiter import RateLimiter
+from tests.fakes import FakeLLM, answer
+
+REQ = LLMRequest(messages=[{"role": "user", "content": "hi"}], model="fake-1",
+                 params={"max_tokens": 10})  # fmt: skip
+
+
+def half_open(probes: int) -> CircuitBreaker:
+    """A breaker that opened and whose open period is over (half-open on the next call)."""
+    breaker = CircuitBreaker("fake", window_s=60, min_calls=1, failure_rate=0.5, open_s=0.01,
+                             probes=probes)  # fmt: skip
+    admission = breaker.admit()
+    assert admission is not None
+    breaker.settle(admission, False)
+    assert breaker.state is State.OPEN
+    return breaker
+
+
+async def test_a_probe_cancelled_mid_call_gives_its_slot_back() -> None:
+    hanging = FakeLLM(lambda _r: None)
+    breaker = half_open(probes=1)
+    guarded = GuardedClient(hanging, limiter=RateLimiter(rpm=1_000_000), breaker=breaker)
+    await asyncio.sleep(0.02)
+    probe = asyncio.create_task(guarded.complete(REQ))
+    await hanging.called(1)
+    assert breaker.state is State.HALF_OPEN and breaker.probes_out() == 1
+    probe.cancel()  # the task's deadline, a shutdown, a rebalance
+    with pytest.raises(asyncio.CancelledError):
+        await probe
+    assert breaker.probes_out() == 0
+    hanging.behaviour = lambda _r: answer({"ok": True})  # the endpoint recovers
+    await asyncio.wait_for(guarded.complete(REQ), 1)  # the next call probes, and closes it
+    assert breaker.state is State.CLOSED
+
+
+async def test_callers_waiting_for_a_probe_slot_go_once_it_is_free() -> None:
+    hanging = FakeLLM(lambda _r: None)
+    breaker = half_open(probes=1)
+    guarded = GuardedClient(hanging, limiter=RateLimiter(rpm=1_000_000), breaker=breaker)
+    await asyncio.sleep(0.02)
+    probe = asyncio.create_task(guarded.complete(REQ))
+    await hanging.called(1)
+    waiters = [asyncio.create_task(guarded.complete(REQ)) for _ in range(5)]
+    await asyncio.sleep(0.05)
+    assert len(hanging.requests) == 1  # they wait for the probe's verdict, no call, no poll
+    hanging.behaviour = lambda _r: answer({"ok": True})
+    hanging.release()
+    await asyncio.wait_for(asyncio.gather(probe, *waiters), 1)
+    assert breaker.state is State.CLOSED and len(hanging.requests) == 6
+
+
+async def test_with_a_fallback_ready_one_call_takes_one_probe_slot() -> None:
+    llm = FakeLLM()
+    breaker = half_open(probes=2)
+    guarded = GuardedClient(llm, limiter=RateLimiter(rpm=1_000_000), breaker=breaker)
+    await asyncio.sleep(0.02)
+    await guarded.complete(REQ, wait_for_circuit=False)
+    assert breaker.state is State.HALF_OPEN and breaker.probes_out() == 0  # 1 sent, 1 ok
+    await guarded.complete(REQ, wait_for_circuit=False)  # the second of two probes
+    assert breaker.state is State.CLOSED
+
+
+async def test_a_call_hung_past_its_deadline_is_cut_as_a_timeout_the_breaker_counts() -> None:
+    hanging = FakeLLM(lambda _r: None)
+    breaker = CircuitBreaker("fake", window_s=60, min_calls=1, failure_rate=0.5, open_s=60)
+    guarded = GuardedClient(hanging, limiter=RateLimiter(rpm=1_000_000), breaker=breaker,
+                            slow_call_s=0.05)  # fmt: skip
+    with pytest.raises(Timeout) as caught:
+        await guarded.complete(REQ, deadline_at=guarded.clock.now() + 0.3)
+    assert caught.value.code == CUT_SHORT
+    assert hanging.cancelled == 1 and breaker.state is State.OPEN
+
+
+async def test_a_call_cut_at_its_deadline_soon_after_it_began_says_nothing() -> None:
+    hanging = FakeLLM(lambda _r: None)
+    breaker = CircuitBreaker("fake", window_s=60, min_calls=1, failure_rate=0.5, open_s=60)
+    guarded = GuardedClient(hanging, limiter=RateLimiter(rpm=1_000_000), breaker=breaker,
+                            slow_call_s=10)  # fmt: skip
+    with pytest.raises(Timeout):
+        await guarded.complete(REQ, deadline_at=guarded.clock.now() + 0.1)
+    assert breaker.state is State.CLOSED  # late in its task's life, not a hung endpoint
+
+
+async def test_a_learning_limiters_first_call_cancelled_lets_the_next_one_probe() -> None:
+    hanging = FakeLLM(lambda _r: None)
+    limiter = RateLimiter(rpm=None)  # no limit known: one call goes first
+    guarded = GuardedClient(hanging, limiter=limiter, breaker=CircuitBreaker("fake"))
+    first = asyncio.create_task(guarded.complete(REQ))
+    await hanging.called(1)
+    second = asyncio.create_task(guarded.complete(REQ))
+    await asyncio.sleep(0.1)
+    assert len(hanging.requests) == 1  # the second waits for the first's answer
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await asyncio.wait_for(hanging.called(2), 1)  # its turn passed on: the second call goes
+    hanging.behaviour = lambda _r: answer({"ok": True})
+    hanging.release()
+    await asyncio.wait_for(second, 1)
+    assert not limiter.probing
+
+
+async def test_a_learning_limiters_waiter_cancelled_after_its_grant_passes_the_probe_on() -> None:
+    llm = FakeLLM()
+    limiter = RateLimiter(rpm=None)
+    permit = await limiter.acquire()  # the probe is out
+    assert permit.probe
+    waiter = asyncio.create_task(limiter.acquire())
+    await asyncio.sleep(0.02)
+    permit.abandon()  # no answer: the waiter is granted the probe...
+    await asyncio.sleep(0)
+    waiter.cancel()  # ...and cancelled before it could use it
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    third = await asyncio.wait_for(limiter.acquire(), 1)  # not wedged
+    assert third.probe
+    third.abandon()
+    guarded = GuardedClient(llm, limiter=limiter, breaker=CircuitBreaker("fake"))
+    await guarded.complete(REQ)
+    assert not limiter.probing
+
+
+async def test_an_upstream_error_during_a_probe_reopens_the_circuit() -> None:
+    failing = FakeLLM(lambda _r: UpstreamError("HTTP 503", code="http_503"))
+    breaker = half_open(probes=1)
+    guarded = GuardedClient(failing, limiter=RateLimiter(rpm=1_000_000), breaker=breaker)
+    await asyncio.sleep(0.02)
+    with pytest.raises(UpstreamError) as caught:
+        await guarded.complete(REQ)
+    assert breaker.state is State.OPEN and caught.value.endpoint_down
