@@ -9,6 +9,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from streams.agents.tasks import TaskAgent
+from streams.kafka.limits import WriteLimits
 from streams.llm.openai_client import OpenAIClient
 from streams.metrics import Metrics
 from streams.processing.processor import Prices, TaskProcessor
@@ -22,11 +23,15 @@ from streams.status import StatusView, render_html
 
 
 def make_processor_factory(
-    settings: Settings, registry: PipelineRegistry, metrics: Metrics | None = None
+    settings: Settings,
+    registry: PipelineRegistry,
+    metrics: Metrics | None = None,
+    limits: WriteLimits | None = None,
 ) -> Any:
     """A factory called inside the worker's event loop (the HTTP client binds to it)."""
     llm = settings.llm
     res = settings.resilience
+    room = (limits or WriteLimits(settings.kafka.max_request_bytes)).record_room(settings)
 
     def make() -> TaskProcessor:
         pool = ClientPool(
@@ -51,6 +56,7 @@ def make_processor_factory(
                 probes=res.breaker_probes,
             ),
             metrics=metrics,
+            slow_call_s=res.breaker_slow_call_s,
         )
         guarded = pool.primary(llm.model)
         return TaskProcessor(
@@ -71,12 +77,16 @@ def make_processor_factory(
             metrics=metrics,
             batch_deadline_s=settings.batch_api.deadline_s,
             tier_price_ratio=settings.batch_api.price_ratio,
+            room=room,
         )
 
     return make
 
 
-def create_app(settings: Settings) -> faust.App:
+def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.App:
+    """The worker's Faust app. `limits`: what each written topic takes (read from the
+    broker at start by `run_worker`; without them, the producer's limit and Kafka's
+    default topic limit)."""
     registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # Faust makes only the last level
     buffer = max(settings.batch.buffer, settings.batch.size)
@@ -105,6 +115,7 @@ def create_app(settings: Settings) -> faust.App:
         stream_buffer_maxsize=buffer,
         broker_max_poll_records=max(1, buffer // (5 * settings.kafka.partitions)),
         producer_linger=0.005,
+        producer_max_request_size=settings.kafka.max_request_bytes,
         consumer_auto_offset_reset="earliest",
         datadir=str(settings.data_dir),
         web_port=settings.web_port,
@@ -114,7 +125,10 @@ def create_app(settings: Settings) -> faust.App:
     app.llm_streams_settings = settings  # type: ignore[attr-defined]  # for CLI helpers
     metrics = Metrics()
     app.llm_streams_metrics = metrics  # type: ignore[attr-defined]
-    TaskAgent(app, settings, make_processor_factory(settings, registry, metrics), metrics)
+    app.llm_streams_agent = TaskAgent(  # type: ignore[attr-defined]  # for the worker's stop
+        app, settings, make_processor_factory(settings, registry, metrics, limits), metrics,
+        limits,
+    )  # fmt: skip
 
     @app.page("/metrics")
     async def metrics_page(web: Any, request: Any) -> Any:

@@ -24,12 +24,15 @@ from datetime import datetime
 from typing import Any, Literal
 
 import orjson
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import TopicPartition
 
 from streams.errors import ConfigError, TaskError
+from streams.kafka import clients
+from streams.kafka.clients import reader
+from streams.kafka.scan import end_offsets, latest_objects, scan
 from streams.prompts.registry import PipelineRegistry
 from streams.records import decode_task, result_key
-from streams.replay import answered, scan
+from streams.replay import answered
 from streams.settings import Settings
 from streams.topics import ensure_topics, state_topic
 
@@ -79,12 +82,9 @@ class Plan:
 
 
 async def latest_states(settings: Settings) -> dict[str, dict[str, Any]]:
-    states: dict[str, dict[str, Any]] = {}
-    async for records in scan(settings, state_topic(settings)):
-        for r in records:
-            if r.key is not None and r.value is not None:
-                states[r.key.decode()] = orjson.loads(r.value)
-    return states
+    records = [r async for batch in scan(settings, state_topic(settings)) for r in batch]
+    return {k.decode(errors="replace"): v for k, v in latest_objects(records).items()
+            if isinstance(v.get("task_id"), str)}  # fmt: skip
 
 
 async def read_at(
@@ -95,12 +95,10 @@ async def read_at(
     for topic, partition, offset in sources:
         wanted[TopicPartition(topic, partition)].add(offset)
     found: dict[tuple[str, int, int], bytes | None] = {}
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, group_id=None,
-                                enable_auto_commit=False, max_poll_records=500)  # fmt: skip
+    consumer = reader(settings, "backtrack", max_poll_records=500)
     await consumer.start()
     try:
-        consumer.assign(list(wanted))
-        ends = await consumer.end_offsets(list(wanted))
+        ends = await end_offsets(consumer, list(wanted))
         for tp, offsets in wanted.items():
             todo = {o for o in offsets if o < ends[tp]}
             if not todo:
@@ -170,7 +168,7 @@ async def send_backtrack(settings: Settings, plan: Plan, action: Action) -> int:
     if not plan.send:
         return 0
     await ensure_topics(settings)
-    producer = AIOKafkaProducer(bootstrap_servers=settings.bootstrap_servers, acks="all",
+    producer = clients.producer(settings, acks="all",
                                 enable_idempotence=settings.kafka.idempotent_producer)  # fmt: skip
     await producer.start()
     try:

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from streams.replay import scan
+from streams.kafka.scan import json_object, scan
 from streams.settings import Settings
 
 
@@ -100,16 +100,15 @@ async def version_pairs(
     latest: dict[str, dict[str, dict[str, Any]]] = {from_version: {}, to_version: {}}
     async for records in scan(settings, settings.topics.results):
         for r in records:
-            if r.value is None:
+            result = json_object(r.value)
+            if result is None or result.get("pipeline") != pipeline:
                 continue
-            try:
-                result = orjson.loads(r.value)
-            except orjson.JSONDecodeError:
-                continue
-            if result.get("pipeline") != pipeline:
-                continue
-            by_task = latest.get(result.get("prompt_version"))
-            if by_task is not None and isinstance(result.get("output"), dict):
+            by_task = latest.get(str(result.get("prompt_version")))
+            if (
+                by_task is not None
+                and isinstance(result.get("output"), dict)
+                and isinstance(result.get("task_id"), str)
+            ):
                 by_task[result["task_id"]] = result["output"]
     before, after = latest[from_version], latest[to_version]
     both = sorted(set(before) & set(after))

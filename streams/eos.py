@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, ProducerFenced
 
 from streams.errors import ConfigError
+from streams.kafka import clients, faust_private
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,18 @@ class Transactions:
     """The transactional producers of the partitions this worker owns."""
 
     def __init__(
-        self, settings: Settings, on_error: Callable[[BaseException], Awaitable[None]] | None = None
+        self,
+        settings: Settings,
+        on_error: Callable[[BaseException], Awaitable[None]] | None = None,
+        on_fenced: Callable[[int], Coroutine[Any, Any, None]] | None = None,
     ) -> None:
         self.settings = settings
         self.on_error = on_error
+        # Told when a partition's producer is fenced: by its new owner (a rebalance is
+        # on its way), or with no takeover at all (the transaction timed out) — then the
+        # worker must start the partition again from its committed offsets.
+        self.on_fenced = on_fenced
+        self._tasks: set[asyncio.Task[None]] = set()
         self.group_id = settings.app_id
         self._parts: dict[int, _Partition] = {}
         self._starting: dict[int, asyncio.Task[None]] = {}
@@ -95,8 +104,8 @@ class Transactions:
 
     async def _start(self, partition: int) -> None:
         try:
-            producer = AIOKafkaProducer(
-                bootstrap_servers=self.settings.bootstrap_servers,
+            producer = clients.producer(
+                self.settings,
                 transactional_id=self.transactional_id(partition),
                 enable_idempotence=True,
                 acks="all",
@@ -111,6 +120,25 @@ class Transactions:
             log.info("exactly-once: producer of partition %d ready", partition)
         finally:
             self._starting.pop(partition, None)
+
+    def _fenced(self, partition: int, part: _Partition) -> None:
+        """Partition's producer was fenced: its open transaction is aborted, nothing more
+        is written there, and `on_fenced` hears of it (once)."""
+        if part.lost:
+            return
+        part.lost = True
+        part.open.set()  # waiting sends see it is lost
+        log.warning("exactly-once: the producer of partition %d was fenced", partition)
+        if self.on_fenced is not None:
+            task: asyncio.Task[None] = asyncio.create_task(self.on_fenced(partition))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def forget(self, partition: int) -> None:
+        """Drop a fenced partition's producer: the next assignment of it starts a new one."""
+        part = self._parts.pop(partition, None)
+        if part is not None:
+            await self._close(partition, part, commit=False)
 
     async def ready(self, partition: int) -> None:
         starting = self._starting.get(partition)
@@ -130,16 +158,20 @@ class Transactions:
         value: bytes,
         partition: int,
         headers: list[tuple[str, bytes]] | None = None,
+        *,
+        via: int | None = None,
     ) -> None:
-        """A write into partition's open transaction, returned once the broker has it
-        (readable by read_committed readers once the transaction commits)."""
-        await self.ready(partition)
-        part = self._parts.get(partition)
+        """A write to `partition` of `topic` in the open transaction of task partition
+        `via` (default: `partition` itself), returned once the broker has it (readable by
+        read_committed readers once the transaction commits)."""
+        owner = partition if via is None else via
+        await self.ready(owner)
+        part = self._parts.get(owner)
         if part is None or part.lost:
-            raise PartitionLost(f"partition {partition} is not this worker's")
+            raise PartitionLost(f"partition {owner} is not this worker's")
         await part.open.wait()
         if part.lost:
-            raise PartitionLost(f"partition {partition} is not this worker's")
+            raise PartitionLost(f"partition {owner} is not this worker's")
         part.sending += 1
         part.idle.clear()
         try:
@@ -148,8 +180,8 @@ class Transactions:
             )
             part.writes += 1
         except ProducerFenced as exc:
-            part.lost = True
-            raise PartitionLost(f"partition {partition}: fenced by its new owner") from exc
+            self._fenced(owner, part)
+            raise PartitionLost(f"partition {owner}: fenced") from exc
         finally:
             part.sending -= 1
             if part.sending == 0:
@@ -157,8 +189,8 @@ class Transactions:
         try:
             await delivery
         except ProducerFenced as exc:
-            part.lost = True
-            raise PartitionLost(f"partition {partition}: fenced by its new owner") from exc
+            self._fenced(owner, part)
+            raise PartitionLost(f"partition {owner}: fenced") from exc
 
     def record_offsets(self, offsets: Mapping[Any, int]) -> bool:
         """Faust's safe offsets (its TP -> next offset), kept for the partition's next
@@ -170,16 +202,12 @@ class Transactions:
         return True
 
     def hook_consumer(self, consumer: Any) -> None:
-        """Route Faust's offset commits into the transactions (Faust calls
-        `consumer._commit(offsets)` with the offsets it found safe)."""
-        if getattr(consumer, "_llm_streams_eos", False):
-            return
+        """Route Faust's offset commits into the transactions."""
 
         async def commit(offsets: Mapping[Any, int]) -> bool:
             return self.record_offsets(offsets)
 
-        consumer._commit = commit
-        consumer._llm_streams_eos = True
+        faust_private.route_commits(consumer, commit)
 
     # -- commits -------------------------------------------------------------------------
 
@@ -191,7 +219,7 @@ class Transactions:
                 try:
                     await self.commit(p, part)
                 except PartitionLost:
-                    log.warning("exactly-once: partition %d was taken over (fenced)", p)
+                    pass  # told to on_fenced
                 except Exception as exc:  # the transaction state is unknown: stop the worker
                     log.exception("exactly-once: commit of partition %d failed", p)
                     if self.on_error is not None:
@@ -214,7 +242,7 @@ class Transactions:
                 if reopen:
                     await part.producer.begin_transaction()
             except ProducerFenced as exc:
-                part.lost = True
+                self._fenced(partition, part)
                 raise PartitionLost(f"partition {partition}: fenced") from exc
             finally:
                 if reopen:
@@ -243,8 +271,8 @@ class Transactions:
 async def check_transactions(settings: Settings) -> None:
     """Exactly-once needs a broker with transactions: refuse at start when it has none
     (Tansu), with a clear word, rather than a worker that cannot commit."""
-    producer = AIOKafkaProducer(
-        bootstrap_servers=settings.bootstrap_servers,
+    producer = clients.producer(
+        settings,
         transactional_id=f"{settings.app_id}-eos-check",
         enable_idempotence=True,
     )

@@ -18,12 +18,31 @@ class Category(StrEnum):
     INVALID_OUTPUT = "invalid_output"
     CIRCUIT_OPEN = "circuit_open"
     DEADLINE_EXCEEDED = "deadline_exceeded"
+    # The answer is valid but its result record is larger than the results topic takes.
+    OUTPUT_TOO_LARGE = "output_too_large"
+    # Kafka refused the task's outcome for good (record too large, invalid, not authorised).
+    WRITE_REFUSED = "write_refused"
+    # A bug in the worker, not the task's or the provider's fault.
+    INTERNAL_ERROR = "internal_error"
+
+
+# Dead letters worth sending again once their cause is gone (`llm-streams redrive`); the
+# others would fail the same way: bad input, a request the provider refuses, a wrong
+# key, an answer too large for its topic, a write Kafka refuses, a bug in the worker.
+REDRIVABLE = (
+    Category.RATE_LIMITED,
+    Category.TIMEOUT,
+    Category.UPSTREAM_ERROR,
+    Category.CIRCUIT_OPEN,
+    Category.DEADLINE_EXCEEDED,
+    Category.INVALID_OUTPUT,
+)
 
 
 class StreamsError(Exception):
     """Root of every error llm-streams raises on purpose."""
 
-    category: Category = Category.UPSTREAM_ERROR
+    category: Category = Category.INTERNAL_ERROR
     retryable: bool = False
 
     def __init__(self, message: str, *, code: str | None = None) -> None:
@@ -120,6 +139,25 @@ class UpstreamError(Transient):
 
 class DeadlineExceeded(Permanent):
     category = Category.DEADLINE_EXCEEDED
+
+
+class OutputTooLarge(Permanent):
+    """The model's answer is valid, but its result does not fit the results topic."""
+
+    category = Category.OUTPUT_TOO_LARGE
+
+
+class WriteRefused(Permanent):
+    """The broker (or the producer before it) refused the outcome's record for a
+    reason a retry cannot change."""
+
+    category = Category.WRITE_REFUSED
+
+
+class InternalError(Permanent):
+    """A bug inside the worker: never retried, never redriven as a provider fault."""
+
+    category = Category.INTERNAL_ERROR
 
 
 class CircuitOpen(Permanent):

@@ -38,6 +38,25 @@ class Metrics:
             "llm_streams_state_loaded_records",
             "Records read back into the task store when a partition was assigned, by map.",
             ["map"], registry=r)  # fmt: skip
+        self.store_unreadable = Counter(
+            "llm_streams_store_unreadable_records",
+            "Records of the worker's own topics it could not read while loading the task "
+            "store (skipped), by map.", ["map"], registry=r)  # fmt: skip
+        self.writes_refused = Counter(
+            "llm_streams_writes_refused",
+            "Writes the producer or broker refused for good (record_too_large, "
+            "invalid_record, not_authorized), by topic: the task became a write_refused dead "
+            "letter, or a review copy was left out.", ["topic", "reason"], registry=r)  # fmt: skip
+        self.misrouted = Counter(
+            "llm_streams_misrouted_records",
+            "Task records not keyed by their task id: rerouted (forwarded to the partition "
+            "their task id maps to) or answered (already on it).", ["lane", "action"],
+            registry=r)  # fmt: skip
+        self.partitions_restarted = Counter(
+            "llm_streams_partitions_restarted",
+            "Exactly-once: partitions whose producer was fenced while still this worker's "
+            "(transaction timed out) and that were started again from their committed offsets.",
+            registry=r)  # fmt: skip
         self.in_flight = Gauge(
             "llm_streams_tasks_in_flight", "Tasks being processed now.", registry=r)  # fmt: skip
         self.unfinished = Gauge(

@@ -9,8 +9,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import unicodedata
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -63,18 +64,7 @@ class Result(_Record):
 
 
 class ErrorInfo(_Record):
-    category: Literal[
-        "invalid_input",
-        "context_overflow",
-        "rate_limited",
-        "timeout",
-        "upstream_error",
-        "auth",
-        "bad_request",
-        "invalid_output",
-        "circuit_open",
-        "deadline_exceeded",
-    ]
+    category: Category
     code: str
     message: str
     retryable: bool
@@ -86,9 +76,28 @@ class DeadLetter(_Record):
     task_id: str | None
     error: ErrorInfo
     attempts: int = Field(ge=0)
-    payload: Any
+    payload: Any = Field(
+        description="The original record: its JSON value; {raw_base64} when it is not JSON; "
+        "{truncated: true, size, sha256, head | head_base64} when the whole record would not "
+        "fit the dead-letter topic (head: its first bytes as text, or base64 when not UTF-8)."
+    )
     source: Source
     failed_at: str
+
+
+# Characters of an error message a dead letter keeps (a message may quote an answer).
+MESSAGE_LIMIT = 4000
+# Characters of a task id a dead letter may name (the contract's task_id limit).
+TASK_ID_LIMIT = 512
+
+
+@dataclass(frozen=True)
+class RecordRoom:
+    """Bytes the value of a result and of a dead letter may take: what their topics and
+    the producer accept, less the key and headers (`streams.kafka.limits`)."""
+
+    result: int = 1_044_000
+    dead_letter: int = 1_044_000
 
 
 def now_iso() -> str:
@@ -142,6 +151,42 @@ def payload_of(raw: bytes | None) -> Any:
     return {"raw_base64": base64.b64encode(raw or b"").decode()}
 
 
+def truncated_payload(raw: bytes | None, head_bytes: int) -> dict[str, Any]:
+    """A payload too large to keep whole: its size, its sha256 and its first bytes (text
+    when the record is UTF-8, else base64)."""
+    data = raw or b""
+    kept: dict[str, Any] = {
+        "truncated": True,
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        kept["head_base64"] = base64.b64encode(data[: head_bytes * 3 // 4]).decode()
+        return kept
+    # Cut on a character boundary: only the last, split character can be invalid here.
+    kept["head"] = data[:head_bytes].decode("utf-8", errors="ignore")
+    return kept
+
+
+def dead_letter_value(letter: DeadLetter, raw: bytes | None, room: int) -> bytes:
+    """The dead letter's value, its payload cut to a head (`truncated_payload`) when the
+    whole record would not fit in `room` bytes."""
+    value = orjson.dumps(letter.model_dump(mode="json"))
+    if len(value) <= room:
+        return value
+    bare = len(orjson.dumps(letter.model_copy(update={"payload": None}).model_dump(mode="json")))
+    head = max(0, room - bare - 512)
+    while True:
+        # JSON escapes can make the head longer than its bytes: halve until it fits.
+        cut = letter.model_copy(update={"payload": truncated_payload(raw, head)})
+        value = orjson.dumps(cut.model_dump(mode="json"))
+        if len(value) <= room or head == 0:
+            return value
+        head //= 2
+
+
 def _describe(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors(include_url=False):
@@ -177,20 +222,24 @@ def task_id_hint(raw: bytes | None, key: bytes | None) -> str | None:
     if raw:
         try:
             data = orjson.loads(raw)
-            if isinstance(data, dict) and isinstance(data.get("task_id"), str) and data["task_id"]:
-                return str(data["task_id"])
+            task_id = data.get("task_id") if isinstance(data, dict) else None
+            if isinstance(task_id, str) and 0 < len(task_id) <= TASK_ID_LIMIT:
+                return task_id
         except orjson.JSONDecodeError:
             pass
     if key:
         try:
-            return key.decode()
+            hint = key.decode()
         except UnicodeDecodeError:
             return None
+        return hint if len(hint) <= TASK_ID_LIMIT else None
     return None
 
 
 def error_info(category: Category, code: str, message: str, retryable: bool) -> ErrorInfo:
-    return ErrorInfo(category=category.value, code=code, message=message, retryable=retryable)
+    if len(message) > MESSAGE_LIMIT:
+        message = message[:MESSAGE_LIMIT] + f"… ({len(message)} characters)"
+    return ErrorInfo(category=category, code=code[:200], message=message, retryable=retryable)
 
 
 def contract_schemas() -> dict[str, dict[str, Any]]:

@@ -19,18 +19,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
 from streams.errors import ConfigError, TaskError
+from streams.kafka import clients
+from streams.kafka.clients import partitions_of, reader
+from streams.kafka.scan import end_offsets, json_object, scan
 from streams.llm.tokens import count_messages
 from streams.prompts.registry import PipelineRegistry
 from streams.records import decode_task, now_iso, result_key
@@ -137,63 +138,6 @@ class Checkpoint:
         )
 
 
-async def partitions_of(settings: Settings, topic: str) -> list[int]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
-    await admin.start()
-    try:
-        for description in await admin.describe_topics([topic]):
-            if description.get("error_code", 0) == 0 and description["topic"] == topic:
-                return sorted(p["partition"] for p in description["partitions"])
-        return []
-    finally:
-        await admin.close()
-
-
-def _consumer(settings: Settings, purpose: str) -> AIOKafkaConsumer:
-    return AIOKafkaConsumer(
-        bootstrap_servers=settings.bootstrap_servers,
-        group_id=None,
-        enable_auto_commit=False,
-        isolation_level="read_committed",
-        client_id=f"llm-streams-{purpose}-{uuid.uuid4().hex[:6]}",
-    )
-
-
-async def scan(
-    settings: Settings, topic: str, start: dict[int, int] | None = None,
-    end: dict[int, int] | None = None, max_records: int | None = None,
-) -> AsyncIterator[list[ConsumerRecord[bytes, bytes]]]:  # fmt: skip
-    """Batches of records of `topic`, from `start` (default: the beginning) to `end`
-    (default: the end when the scan starts), partition by partition interleaved."""
-    consumer = _consumer(settings, "scan")
-    await consumer.start()
-    try:
-        parts = await partitions_of(settings, topic)
-        tps = {p: TopicPartition(topic, p) for p in parts}
-        if not tps:
-            return
-        consumer.assign(list(tps.values()))
-        ends = await consumer.end_offsets(list(tps.values()))
-        stop = {p: (end or {}).get(p, ends[tps[p]]) for p in parts}
-        first = {p: (start or {}).get(p, 0) for p in parts}
-        remaining = set()
-        for p, tp in tps.items():
-            if first[p] < stop[p]:
-                consumer.seek(tp, first[p])
-                remaining.add(tp)
-        while remaining:
-            batch = await consumer.getmany(*remaining, timeout_ms=1000, max_records=max_records)
-            for tp, records in batch.items():
-                within = [r for r in records if r.offset < stop[tp.partition]]
-                if within:
-                    yield within
-            for tp in list(remaining):
-                if await consumer.position(tp) >= stop[tp.partition]:
-                    remaining.discard(tp)
-    finally:
-        await consumer.stop()
-
-
 async def resolve_range(
     settings: Settings, request: ReplayRequest
 ) -> tuple[dict[int, int], dict[int, int]]:
@@ -205,11 +149,11 @@ async def resolve_range(
     if unknown:
         raise ConfigError(f"--from-offset names partitions {sorted(unknown)} that "
                           f"{request.source!r} does not have (it has {parts})")  # fmt: skip
-    consumer = _consumer(settings, "replay-plan")
+    consumer = reader(settings, "replay-plan")
     await consumer.start()
     try:
         tps = [TopicPartition(request.source, p) for p in parts]
-        ends = {tp.partition: o for tp, o in (await consumer.end_offsets(tps)).items()}
+        ends = {tp.partition: o for tp, o in (await end_offsets(consumer, tps)).items()}
         starts = {tp.partition: o for tp, o in (await consumer.beginning_offsets(tps)).items()}
 
         async def at(when: datetime) -> dict[int, int]:
@@ -246,15 +190,17 @@ async def answered(
             if r.key is None or r.value is None:
                 continue
             keys.add(r.key)
-            try:
-                result = orjson.loads(r.value)
-                tokens = int(result["usage"]["completion_tokens"])
-                if result.get("cached"):
-                    continue
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            result = json_object(r.value) or {}
+            spent = result.get("usage")
+            pipeline, version = result.get("pipeline"), result.get("prompt_version")
+            if result.get("cached") or not isinstance(spent, dict) or not isinstance(pipeline, str):
                 continue
-            for k in ((result.get("pipeline"), result.get("prompt_version")),
-                      (result.get("pipeline"), None)):  # fmt: skip
+            try:
+                tokens = int(spent["completion_tokens"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            for k in ((pipeline, version if isinstance(version, str) else None),
+                      (pipeline, None)):  # fmt: skip
                 total, n = usage.get(k, (0, 0))
                 usage[k] = (total + tokens, n + 1)
     return keys, usage
@@ -314,9 +260,9 @@ class Replayer:
         producer: AIOKafkaProducer | None = None
         if not dry_run:
             await ensure_topics(settings)
-            producer = AIOKafkaProducer(
-                bootstrap_servers=settings.bootstrap_servers, acks="all",
-                enable_idempotence=settings.kafka.idempotent_producer, linger_ms=5,
+            producer = clients.producer(
+                settings, acks="all", enable_idempotence=settings.kafka.idempotent_producer,
+                linger_ms=5,
             )  # fmt: skip
             await producer.start()
         try:
@@ -423,5 +369,4 @@ __all__ = [
     "load_checkpoint",
     "replays_topic",
     "resolve_range",
-    "scan",
 ]

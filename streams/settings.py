@@ -45,6 +45,12 @@ class KafkaSettings(_Section):
     idempotent_producer: bool = Field(
         False, description="Kafka idempotent producer; Tansu cannot do it, keep off there."
     )
+    max_request_bytes: int = Field(
+        1_048_576,
+        ge=65_536,
+        description="Largest record any producer of the project sends (the producer's "
+        "max_request_size); records are cut to fit it and each topic's max.message.bytes.",
+    )
 
     @field_validator("broker_url")
     @classmethod
@@ -155,6 +161,12 @@ class ResilienceSettings(_Section):
     )
     breaker_open_s: float = Field(15.0, gt=0, description="Open time before half-open probes.")
     breaker_probes: int = Field(3, ge=1, description="Probe calls while half-open.")
+    breaker_slow_call_s: float = Field(
+        10.0,
+        gt=0,
+        description="An attempt still unanswered at its task's deadline counts as an "
+        "endpoint failure once it has waited this long (a hung endpoint opens the circuit).",
+    )
 
 
 class TracingSettings(_Section):
@@ -190,6 +202,14 @@ class Settings(BaseSettings):
     data_dir: Path = Field(Path("var/llm-streams"), description="Worker state directory.")
     pipelines_dir: Path = Field(default_factory=lambda: _data_dir("pipelines"))
     schemas_dir: Path = Field(default_factory=lambda: _data_dir("schemas"))
+    shutdown_grace_s: float = Field(
+        20.0,
+        gt=0,
+        le=3600,
+        description="On SIGTERM, how long in-flight tasks get to finish and write before the "
+        "worker exits anyway, leaving the rest unacknowledged for the next owner. Keep it "
+        "below the pod's terminationGracePeriodSeconds.",
+    )
     web_port: int = Field(6066, ge=0, le=65535, description="Worker web/metrics port.")
     web_bind: str = Field(
         "127.0.0.1", description="Address the web port binds: 0.0.0.0 in containers."

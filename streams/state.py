@@ -28,9 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from pydantic import BaseModel, ConfigDict, Field
+from aiokafka import TopicPartition
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from streams.kafka.clients import reader
+from streams.kafka.scan import end_offsets, read_range
 from streams.metrics import Metrics
 from streams.records import Source, now_iso
 from streams.settings import Settings
@@ -49,18 +51,33 @@ class Status(StrEnum):
     DEAD_LETTERED = "dead_lettered"
 
 
+# Stored records are read by every version of the worker during a rolling upgrade:
+# fields a newer version added are ignored, not a reason to fail (extra="ignore").
+
+
+class StoredSource(BaseModel):
+    """Where a record came from (`records.Source`), as a task state stores it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    topic: str
+    partition: int
+    offset: int
+
+
 class HistoryEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
     prompt_version: str | None = None
     result_key: str | None = None
     status: Status
     at: str
     note: str | None = None
+    source: StoredSource | None = None  # the record whose run made this move
 
 
 class TaskState(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
     task_id: str
     status: Status
@@ -72,7 +89,7 @@ class TaskState(BaseModel):
     result_key: str | None = None
     result_topic: str | None = None
     result_partition: int | None = None
-    source: Source | None = None
+    source: StoredSource | None = None
     last_error: dict[str, Any] | None = None
     # Multi-stage pipelines, after a failed stage: the answers of the stages before it
     # (by stage name), for the input hash and version above; a re-run starts from there.
@@ -87,20 +104,60 @@ class TaskState(BaseModel):
     def loads(cls, raw: bytes) -> TaskState:
         return cls.model_validate(orjson.loads(raw))
 
+    def dumps_within(self, room: int) -> bytes:
+        """The state as stored, cut to `room` bytes when it is larger: the stage answers go
+        first (a re-run asks those stages again), then the older history, then the last
+        error's message."""
+        raw = self.dumps()
+        if len(raw) <= room:
+            return raw
+        state = self.model_copy(update={"stage_outputs": None})
+        for cut in (
+            {},
+            {"history": self.history[-1:]},
+            {"history": self.history[-1:], "last_error": _short_error(self.last_error)},
+        ):
+            raw = state.model_copy(update=cut).dumps()
+            if len(raw) <= room:
+                return raw
+        return raw  # what is left (ids, keys) is small; the write path refuses the rest
+
     def moved(self, status: Status, note: str | None = None, **changes: Any) -> TaskState:
         """This state moved to `status`, with the move appended to its history."""
         at = now_iso()
+        source = changes.get("source")
+        if isinstance(source, Source):
+            changes["source"] = source = StoredSource(**source.model_dump())
         entry = HistoryEntry(
             prompt_version=changes.get("prompt_version", self.prompt_version),
             result_key=changes.get("result_key", self.result_key),
             status=status,
             at=at,
             note=note,
+            source=source,
         )
         history = [*self.history, entry][-HISTORY_LIMIT:]
         return self.model_copy(
             update={**changes, "status": status, "updated_at": at, "history": history}
         )
+
+    def wrote(self, source: Source) -> bool:
+        """Did the run of the record at `source` write this task's outcome? (Several
+        records of one task can each have written one before their offsets committed.)"""
+        done = (Status.SUCCEEDED, Status.DEAD_LETTERED)
+        where = (source.topic, source.partition, source.offset)
+        return any(
+            e.status in done
+            and e.source is not None
+            and (e.source.topic, e.source.partition, e.source.offset) == where
+            for e in self.history
+        )
+
+
+def _short_error(error: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not error:
+        return error
+    return {**error, "message": str(error.get("message", ""))[:500]}
 
 
 class Kind(StrEnum):
@@ -131,8 +188,16 @@ class TaskStore:
     reads with its own consumer and never touches the group's consumer.
     """
 
-    def __init__(self, settings: Settings, send: Send, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        send: Send,
+        metrics: Metrics | None = None,
+        *,
+        state_room: int = 1_044_000,
+    ) -> None:
         self.settings = settings
+        self.state_room = state_room  # bytes a task state may take on its topic
         self.topics = {
             Kind.RESULTS: settings.topics.results,
             Kind.DEAD_LETTERS: settings.topics.dead_letters,
@@ -161,6 +226,11 @@ class TaskStore:
             self._ready[p] = asyncio.Event()
             self._loading[p] = asyncio.create_task(self._load(p), name=f"load-state-{p}")
 
+    def drop(self, partition: int) -> None:
+        """Forget a partition's entries (they may hold writes that never committed); its
+        next assignment reads them again from the topics."""
+        self.assign(set(self._maps) - {partition})
+
     async def ready(self, partition: int) -> None:
         """Wait until partition's entries are loaded (at once when they are)."""
         event = self._ready.get(partition)
@@ -188,7 +258,9 @@ class TaskStore:
         delay = 0.5
         while True:
             try:
-                counts = await load_partition(self.settings, self.topics, partition, maps)
+                counts = await load_partition(
+                    self.settings, self.topics, partition, maps, self._unreadable
+                )
                 break
             except asyncio.CancelledError:
                 raise
@@ -204,6 +276,15 @@ class TaskStore:
                 self.metrics.state_loaded.labels(kind.value).inc(n)
         self._loading.pop(partition, None)
         self._ready[partition].set()
+
+    def _unreadable(self, kind: Kind, record: Any) -> None:
+        log.warning(
+            "skipping a %s record this version cannot read at %s/%d/%d (written by a newer "
+            "version, or not by llm-streams): %r",
+            kind.value, record.topic, record.partition, record.offset, record.value[:200],
+        )  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.store_unreadable.labels(kind.value).inc()
 
     # -- reads and writes --------------------------------------------------------------
 
@@ -232,7 +313,8 @@ class TaskStore:
             maps[kind][key] = bytes(memoryview(value))
 
     async def put_state(self, partition: int, state: TaskState) -> None:
-        await self.put(Kind.TASKS, partition, state.task_id.encode(), state.dumps())
+        value = state.dumps_within(self.state_room)
+        await self.put(Kind.TASKS, partition, state.task_id.encode(), value)
 
 
 Map = MutableMapping[bytes, bytes]
@@ -271,51 +353,64 @@ def close_maps(maps: dict[Kind, Map]) -> None:
             close()
 
 
+def readable(kind: Kind, value: bytes) -> bool:
+    """Can this version use a stored value of map `kind`? Unknown fields are fine (a newer
+    version wrote them); a value without what the worker reads from it is not."""
+    try:
+        if kind is Kind.TASKS:
+            TaskState.loads(value)
+            return True
+        data = orjson.loads(value)
+    except (orjson.JSONDecodeError, ValidationError, TypeError, ValueError):
+        return False
+    if not isinstance(data, dict):
+        return False
+    if kind is Kind.RESULTS:
+        return (
+            isinstance(data.get("output"), dict)
+            and isinstance(data.get("model"), str)
+            and isinstance(data.get("attempts", 0), int)
+        )
+    if kind is Kind.DEAD_LETTERS:
+        error = data.get("error")
+        return isinstance(error, dict) and isinstance(data.get("attempts", 0), int)
+    return True
+
+
 async def load_partition(
     settings: Settings,
     topics: dict[Kind, str],
     partition: int,
     maps: dict[Kind, Map],
+    on_unreadable: Callable[[Kind, Any], None] | None = None,
 ) -> dict[Kind, int]:
-    """Read partition `partition` of each topic from its start to its end into `maps`
-    (latest value per key; a null value deletes). Returns records read per kind."""
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.bootstrap_servers,
-        group_id=None,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        isolation_level="read_committed",
-        client_id=f"{settings.app_id}-state-{partition}",
+    """Read partition `partition` of each topic from its start to its real end into `maps`
+    (latest value per key; a null value deletes; a value this version cannot read is
+    skipped and reported to `on_unreadable`). Returns records read per kind."""
+    consumer = reader(
+        settings, "state", client_id=f"{settings.app_id}-state-{partition}",
         max_partition_fetch_bytes=4 * 1024 * 1024,
-    )
+    )  # fmt: skip
     await consumer.start()
     try:
         kind_of = {TopicPartition(topic, partition): kind for kind, topic in topics.items()}
         tps = list(kind_of)
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await consumer.end_offsets(tps)
+        ends = await end_offsets(consumer, tps)
         counts = dict.fromkeys(topics, 0)
-        remaining = {tp for tp in tps if ends[tp] > 0}
-        while remaining:
-            batch = await consumer.getmany(*remaining, timeout_ms=500)
-            for tp, records in batch.items():
-                target = maps[kind_of[tp]]
-                counts[kind_of[tp]] += len(records)
-                for record in records:
-                    if record.key is None:
-                        continue
-                    if record.value is None:
-                        if record.key in target:
-                            del target[record.key]
-                    else:
-                        target[record.key] = record.value
-            for tp in list(remaining):
-                # The fetch high watermark, not only ListOffsets: Tansu's ListOffsets
-                # LATEST can fall short of the end (KNOWLEDGE.md).
-                high = consumer.highwater(tp)
-                if high is not None and await consumer.position(tp) >= max(ends[tp], high):
-                    remaining.discard(tp)
+        async for records in read_range(consumer, dict.fromkeys(tps, 0), ends):
+            kind = kind_of[TopicPartition(records[0].topic, records[0].partition)]
+            target = maps[kind]
+            counts[kind] += len(records)
+            for record in records:
+                if record.key is None:
+                    continue
+                if record.value is None:
+                    if record.key in target:
+                        del target[record.key]
+                elif readable(kind, record.value):
+                    target[record.key] = record.value
+                elif on_unreadable is not None:
+                    on_unreadable(kind, record)
         return counts
     finally:
         await consumer.stop()

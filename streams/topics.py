@@ -9,6 +9,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
 from streams.errors import ConfigError
+from streams.kafka import clients
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -45,11 +46,16 @@ def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
     }
 
 
+def written_topics(settings: Settings) -> list[str]:
+    """Topics the worker writes (each record it writes must fit the topic's limit)."""
+    t = settings.topics
+    return [t.tasks, t.replay, t.results, t.dead_letters, t.review, state_topic(settings),
+            ledger_topic(settings)]  # fmt: skip
+
+
 async def ensure_topics(settings: Settings, *, timeout_s: float = 30.0) -> list[str]:
     """Create missing topics with the configured partitions; return the names created."""
-    admin = AIOKafkaAdminClient(
-        bootstrap_servers=settings.bootstrap_servers, request_timeout_ms=int(timeout_s * 1000)
-    )
+    admin = clients.admin(settings, request_timeout_ms=int(timeout_s * 1000))
     await admin.start()
     try:
         existing = set(await admin.list_topics())

@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn, cast
 
 import faust
 import orjson
@@ -29,6 +29,11 @@ from opentelemetry.trace import Status as SpanStatus
 
 from streams.backtrack import BACKTRACK_HEADER
 from streams.eos import PartitionLost, Transactions
+from streams.errors import InternalError, WriteRefused
+from streams.kafka import faust_private
+from streams.kafka.limits import WriteLimits, refused_for_good
+from streams.kafka.routing import REROUTED_FROM_HEADER, partition_for
+from streams.kafka.shutdown import Watchdog
 from streams.llm.openai_client import OpenAIClient
 from streams.logs import current_task_id
 from streams.metrics import Metrics
@@ -62,6 +67,10 @@ def header(message: Any, name: str) -> bytes | None:
     return found
 
 
+class CannotWrite(Exception):
+    """The broker cannot be written to: the worker is stopping, the record stays unacked."""
+
+
 class TaskAgent:
     """Owns the agent's topics and the per-worker processor and dispatcher."""
 
@@ -71,11 +80,13 @@ class TaskAgent:
         settings: Settings,
         make_processor: Callable[[], TaskProcessor],
         metrics: Metrics | None = None,
+        limits: WriteLimits | None = None,
     ) -> None:
         self.app = app
         self.settings = settings
         self.make_processor = make_processor
         self.metrics = metrics or Metrics()
+        self.limits = limits or WriteLimits(settings.kafka.max_request_bytes)
         self._streams: dict[Lane, faust.Stream[Any]] = {}
         # internal=True: Faust creates missing topics with the configured partitions.
         raw: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw", "internal": True}
@@ -95,15 +106,22 @@ class TaskAgent:
         self.state_topic = app.topic(state_topic(settings), compacting=True, **parts)
         self.review_topic = app.topic(settings.topics.review, **parts)
         self.ledger_topic = app.topic(ledger_topic(settings), compacting=True, **parts)
-        self.store = TaskStore(settings, self._send, self.metrics)
+        self._topics = {topic.get_topic_name(): topic for topic in (
+            self.live_topic, self.replay_topic, self.results_topic, self.dead_letter_topic,
+            self.state_topic, self.review_topic, self.ledger_topic)}  # fmt: skip
+        self.store = TaskStore(
+            settings, self._send, self.metrics, state_room=self.limits.room(state_topic(settings))
+        )
         # Exactly-once: every write of partition p in p's transaction with its offsets.
         self.eos = (
-            Transactions(settings, on_error=app.crash)
+            Transactions(settings, on_error=self._crash, on_fenced=self._on_fenced)
             if settings.processing_guarantee == "exactly_once"
             else None
         )
         self.cache = ContentCache()
         self.acks: InOrderAcks[Any] = InOrderAcks()
+        # A stop takes at most `shutdown_grace_s`; what is unfinished then stays unacked.
+        self.watchdog = Watchdog(settings.shutdown_grace_s, self.left_behind)
         self._inputs = {settings.topics.tasks, settings.topics.replay}
         app.on_partitions_assigned.connect(self._on_assigned)  # type: ignore[arg-type]  # faust types receivers as taking only keyword args after the sender
         # faust types the agent function's param as StreamT
@@ -112,11 +130,21 @@ class TaskAgent:
         self.replay_agent = replay_agent(self.run_replay)  # type: ignore[arg-type]
         self.metrics.watch_stream(self.stream_state)
 
+    def left_behind(self) -> str:
+        """Records taken and not finished, per partition (for the last log line)."""
+        unfinished = self.acks.unfinished()
+        if not unfinished:
+            return "nothing"
+        # Keys are the messages' topic-partition tuples (Faust's or aiokafka's).
+        named = sorted((f"{getattr(tp, 'topic', tp)}/{getattr(tp, 'partition', '')}", n)
+                       for tp, n in unfinished.items())  # fmt: skip
+        parts = ", ".join(f"{where}: {n}" for where, n in named)
+        return f"{sum(unfinished.values())} record(s) ({parts})"
+
     def stream_state(self) -> dict[str, Any]:
         """Lag per partition, partitions paused by backpressure, records buffered."""
         consumer = self.app.consumer
-        # Faust keeps committed offsets and paused partitions with no public accessor.
-        committed_offsets = getattr(consumer, "_committed_offset", {})
+        committed_offsets = faust_private.committed_offsets(consumer)
         lag: dict[tuple[str, int], int] = {}
         for tp in consumer.assignment():
             highwater = consumer.highwater(tp)
@@ -126,7 +154,7 @@ class TaskAgent:
             lag[(tp.topic, tp.partition)] = max(0, highwater - (committed or 0))
         return {
             "lag": lag,
-            "paused": len(getattr(consumer, "_buffered_partitions", ())),
+            "paused": faust_private.paused_partitions(consumer),
             "buffered": sum(
                 cast(Any, stream.channel).queue.qsize() for stream in self._streams.values()
             ),
@@ -140,6 +168,28 @@ class TaskAgent:
             await self.eos.assign(partitions)
         self.store.assign(partitions)
 
+    async def _on_fenced(self, partition: int) -> None:
+        """Partition's transaction was aborted under this worker. If the group still
+        gives the partition to it (no takeover: the transaction timed out), its writes since
+        the last commit are gone though their records were acked: drop what the store holds
+        of it, and rejoin the group, which assigns the partition again from its committed
+        offsets (read back into the store, with a new producer), as Kafka Streams does."""
+        inputs = {self.settings.topics.tasks, self.settings.topics.replay}
+        try:
+            assigned = {tp.partition for tp in self.app.consumer.assignment()
+                        if tp.topic in inputs}  # fmt: skip
+        except Exception:  # the consumer is not running (stopping): nothing to recover
+            return
+        if partition not in assigned:
+            return  # taken over: the rebalance on its way moves it
+        log.warning("partition %d was fenced while still this worker's (its transaction timed "
+                    "out?): starting it again from its committed offsets", partition)  # fmt: skip
+        self.metrics.partitions_restarted.inc()
+        self.store.drop(partition)
+        if self.eos is not None:
+            await self.eos.forget(partition)
+        faust_private.request_rejoin(self.app.consumer)
+
     async def _send(
         self,
         topic: str,
@@ -147,18 +197,16 @@ class TaskAgent:
         value: bytes,
         partition: int,
         headers: list[tuple[str, bytes]] | None = None,
+        *,
+        via: int | None = None,
     ) -> None:
-        """One write to `partition` of `topic`, returned once the broker acked it."""
+        """One write to `partition` of `topic`, returned once the broker acked it. `via`:
+        the task partition whose record caused it, when that is another (exactly-once:
+        the write goes into that partition's transaction)."""
         if self.eos is not None:  # into the partition's transaction
-            await self.eos.send(topic, key, value, partition, headers)
+            await self.eos.send(topic, key, value, partition, headers, via=via)
             return
-        target = {
-            self.results_topic.get_topic_name(): self.results_topic,
-            self.dead_letter_topic.get_topic_name(): self.dead_letter_topic,
-            self.state_topic.get_topic_name(): self.state_topic,
-            self.review_topic.get_topic_name(): self.review_topic,
-            self.ledger_topic.get_topic_name(): self.ledger_topic,
-        }[topic]
+        target = self._topics[topic]
         pending = await target.send(key=key, value=value, partition=partition, headers=headers)
         await pending
 
@@ -168,8 +216,14 @@ class TaskAgent:
         """The result again, on the review topic, with why a person should look at it."""
         value = orjson.loads(outcome.value)
         value["review"] = {"reasons": list(outcome.review)}
-        await self._send(self.settings.topics.review, outcome.key.encode(), orjson.dumps(value),
-                         partition, headers)  # fmt: skip
+        raw = orjson.dumps(value)
+        topic = self.settings.topics.review
+        if len(raw) > self.limits.room(topic):  # the result fits its topic; this copy not
+            log.warning("review copy of %s left out: %d bytes, over what %s takes",
+                        outcome.key, len(raw), topic)  # fmt: skip
+            self.metrics.writes_refused.labels(topic, "record_too_large").inc()
+            return
+        await self._send(topic, outcome.key.encode(), raw, partition, headers)
         for reason in outcome.review:
             self.metrics.reviews.labels(prep.pipeline.name, reason).inc()
 
@@ -188,8 +242,10 @@ class TaskAgent:
             self._processor = self.make_processor()
             ops = self._processor.client.client
             if isinstance(ops, OpenAIClient):  # the provider's Batch API, for the batch tier
-                self._processor.batches = BatchLane(ops, self.store, settings.batch_api,
-                                                    self.metrics)  # fmt: skip
+                self._processor.batches = BatchLane(
+                    ops, self.store, settings.batch_api, self.metrics,
+                    ledger_room=self.limits.room(ledger_topic(settings)),
+                )  # fmt: skip
         processor = self._processor
         self._running_lanes += 1
         dispatcher = Dispatcher(slots=self.slots, lane=lane)
@@ -222,12 +278,16 @@ class TaskAgent:
                     )
                 waiting_since = time.monotonic()
         finally:
+            # Stopping: in-flight tasks finish and write within the shutdown grace (less a
+            # margin to close the clients); the rest are cancelled and stay unacked.
+            budget = max(0.0, self.watchdog.remaining(self.settings.shutdown_grace_s) - 3.0)
             try:
-                await asyncio.wait_for(asyncio.shield(dispatcher.drain()), timeout=5)
+                await asyncio.wait_for(asyncio.shield(dispatcher.drain()), timeout=budget)
             except (TimeoutError, asyncio.CancelledError):
                 await dispatcher.cancel()
             self._running_lanes -= 1
             if self._running_lanes == 0:  # the last lane out closes what they share
+                log.info("task agents stopped; left unacknowledged: %s", self.left_behind())
                 self._processor = None
                 await processor.close()
                 await self.store.close()
@@ -242,25 +302,13 @@ class TaskAgent:
         taken_at: float,
     ) -> Callable[[], Any]:
         async def job() -> None:
-            try:
-                await run()
-            except Exception as exc:
-                # Not a task's fault (the processor turns those into dead letters): the
-                # store or the broker. The record stays unacked, and a worker that kept
-                # going would stall its partition's commits; stop and run it again.
-                log.critical("job for %s failed: %r; stopping the worker", ticket.item, exc)
-                await self.app.crash(exc)
-                raise
-
-        async def run() -> None:
             m = self.metrics
             event = ticket.item
             message = event.message
             # Log lines written for this record carry its task id (the key).
             current_task_id.set(message.key.decode(errors="replace") if message.key else None)
             source = Source(topic=message.topic, partition=message.partition, offset=message.offset)
-            lane = self.lane_of(message.topic)
-            lane_name = lane.name.lower()
+            lane_name = self.lane_of(message.topic).name.lower()
             # A span per record, continuing the producer's trace (W3C traceparent header).
             with TRACER.start_as_current_span(
                 f"process {message.topic}",
@@ -282,41 +330,15 @@ class TaskAgent:
                 m.in_flight.inc()
                 try:
                     await self.store.ready(message.partition)  # its answers loaded
-                    prepared = processor.prepare(message.value, message.key, source)
-                    if isinstance(prepared, Outcome):  # bad input: a dead letter, unless written
-                        outcome: Outcome | None = prepared
-                        if self._written(Kind.DEAD_LETTERS, prepared.key, source):
-                            outcome = None
-                        else:
-                            await self._deliver(prepared, None, source)
-                    else:
-                        span.set_attributes({
-                            "llm_streams.pipeline": prepared.pipeline.name,
-                            "llm_streams.prompt_version": prepared.version.version,
-                            "llm_streams.result_key": prepared.result_key,
-                        })  # fmt: skip
-                        backtrack = header(message, BACKTRACK_HEADER)
-                        force = header(message, FORCE_HEADER) == b"1" or backtrack == b"rerun"
-                        asked = header(message, TIER_HEADER)
-                        tier = asked.decode() if asked in TIERS else None
-                        outcome, written = await self._answer(
-                            prepared, processor, lane, force, tier
-                        )
-                        if not written:
-                            note = BACKTRACK_NOTES.get(backtrack or b"")
-                            await self._deliver(outcome, prepared, source, note)
-                        elif self._state_missing(prepared, outcome):
-                            # Written by a run killed before its state was: write that now.
-                            state = self._state_after(outcome, prepared, source)
-                            try:
-                                await self.store.put_state(source.partition, state)
-                            except PartitionLost as exc:  # the new owner will
-                                log.info("not writing the state of %s: %s", source, exc)
-                        if written:
-                            outcome = None
+                    kind, outcome = await self._handle(message, source, processor, span)
+                except (CannotWrite, asyncio.CancelledError):
+                    raise  # unacked: the record runs again after the restart
+                except Exception as exc:  # a bug: the record still ends as one dead letter
+                    log.exception("internal error on %s/%d/%d", source.topic, source.partition,
+                                  source.offset)  # fmt: skip
+                    kind, outcome = await self._internal_error(message, source, processor, exc)
                 finally:
                     m.in_flight.dec()
-                kind = outcome.kind if outcome is not None else "already_done"
                 span.set_attribute("llm_streams.outcome", kind)
                 if outcome is not None and outcome.category is not None:
                     span.set_attribute("error.type", outcome.category)
@@ -339,6 +361,83 @@ class TaskAgent:
                     m.unfinished.dec()
 
         return job
+
+    async def _handle(
+        self, message: Any, source: Source, processor: TaskProcessor, span: Any
+    ) -> tuple[str, Outcome | None]:
+        """Answer one record and write its outcome: what it ended as (result, dead_letter,
+        already_done: an earlier run wrote it, rerouted: forwarded to its task's partition)
+        and the outcome written (None when nothing was)."""
+        prepared = processor.prepare(message.value, message.key, source)
+        if isinstance(prepared, Outcome):  # bad input: a dead letter, unless written
+            if self._written(Kind.DEAD_LETTERS, prepared.key, source):
+                return "already_done", None
+            await self._deliver(prepared, None, source)
+            return prepared.kind, prepared
+        task_id = prepared.task.task_id
+        home = partition_for(task_id, self.settings.kafka.partitions)
+        if home != message.partition:  # keyed otherwise by its producer: answer it at home
+            await self._reroute(message, source, home, task_id)
+            return "rerouted", None
+        if message.key != task_id.encode():
+            # On its task's partition after all: answered here, where its answers live.
+            self.metrics.misrouted.labels(self.lane_of(message.topic).name.lower(),
+                                          "answered").inc()  # fmt: skip
+        span.set_attributes({
+            "llm_streams.pipeline": prepared.pipeline.name,
+            "llm_streams.prompt_version": prepared.version.version,
+            "llm_streams.result_key": prepared.result_key,
+        })  # fmt: skip
+        state = self.store.state(source.partition, task_id)
+        if state is not None and state.wrote(source):  # this very record, before a crash
+            return "already_done", None
+        backtrack = header(message, BACKTRACK_HEADER)
+        force = header(message, FORCE_HEADER) == b"1" or backtrack == b"rerun"
+        asked = header(message, TIER_HEADER)
+        tier = asked.decode() if asked in TIERS else None
+        lane = self.lane_of(message.topic)
+        outcome, written = await self._answer(prepared, processor, lane, force, tier)
+        if not written:
+            note = BACKTRACK_NOTES.get(backtrack or b"")
+            await self._deliver(outcome, prepared, source, note)
+            return outcome.kind, outcome
+        if self._state_missing(prepared, outcome):
+            # Written by a run killed before its state was: write that now.
+            try:
+                await self.store.put_state(source.partition, self._state_after(outcome, prepared,
+                                                                               source))  # fmt: skip
+            except PartitionLost as exc:  # the new owner will
+                log.info("not writing the state of %s: %s", source, exc)
+        return "already_done", None
+
+    async def _reroute(self, message: Any, source: Source, home: int, task_id: str) -> None:
+        """Forward a record to the partition its task id maps to, keyed by the task id;
+        it is answered there. Counted, and the original position goes in a header."""
+        headers = [(k, v) for k, v in (message.headers or ()) if k != REROUTED_FROM_HEADER]
+        origin = f"{source.topic}/{source.partition}/{source.offset}".encode()
+        headers.append((REROUTED_FROM_HEADER, origin))
+        log.info("record %s/%d/%d of task %r belongs to partition %d: forwarded there",
+                 source.topic, source.partition, source.offset, task_id, home)  # fmt: skip
+
+        def forward() -> Awaitable[None]:
+            return self._send(message.topic, task_id.encode(), message.value, home, headers,
+                              via=source.partition)  # fmt: skip
+
+        await self._write_or_stop(forward, what=f"the forward of {origin.decode()}")
+        self.metrics.misrouted.labels(self.lane_of(message.topic).name.lower(),
+                                      "rerouted").inc()  # fmt: skip
+
+    async def _internal_error(
+        self, message: Any, source: Source, processor: TaskProcessor, exc: Exception
+    ) -> tuple[str, Outcome | None]:
+        """A bug met this record: it ends as a dead letter `internal_error` (not retried,
+        not redriven as a provider fault), written once."""
+        error = InternalError(f"internal error: {exc!r}", code="internal_error")
+        outcome = processor.dead_letter(error, message.value, message.key, source)
+        if self._written(Kind.DEAD_LETTERS, outcome.key, source):
+            return "already_done", None
+        await self._deliver(outcome, None, source)
+        return outcome.kind, outcome
 
     async def _answer(
         self,
@@ -450,42 +549,127 @@ class TaskAgent:
     async def _deliver(
         self, outcome: Outcome, prep: Prepared | None, source: Source, note: str | None = None
     ) -> None:
-        """Write the outcome (and the task's state) through the store and wait for the
-        broker's acks; a failed write is written again, and a worker that cannot write
-        stops without acking, so the record runs again after the restart."""
-        kind = Kind.RESULTS if outcome.kind == "result" else Kind.DEAD_LETTERS
+        """Write the outcome, then the task's state and a review copy, through the store,
+        waiting for the broker's acks. The outcome goes first: a state that says this
+        record wrote its outcome (`TaskState.wrote`) is then never ahead of the outcome,
+        even after a kill between the two. A write the broker may take later is written
+        again (only the writes that failed); one it refuses for good (too large, invalid,
+        not authorised) makes the task a `write_refused` dead letter, or is left out when
+        it is only the review copy. A worker that cannot write stops without acking
+        (`CannotWrite`), so the record runs again after the restart."""
+        pending = {"outcome", "state", "review"} if prep is not None else {"outcome"}
+        if not outcome.review:
+            pending.discard("review")
+        delay = 0.1
+        failures = 0
+        while pending:
+            # The trace goes on in the outcome's headers (the task's span is current).
+            trace_headers = headers_for()
+            names = ["outcome"] if "outcome" in pending else sorted(pending)
+            writes = [self._write(name, outcome, prep, source, note, trace_headers)
+                      for name in names]  # fmt: skip
+            failed: BaseException | None = None
+            became: Outcome | None = None  # a result the results topic refused for good
+            for name, done in zip(names, await asyncio.gather(*writes, return_exceptions=True),
+                                  strict=True):  # fmt: skip
+                if done is None:
+                    pending.discard(name)
+                    continue
+                if isinstance(done, PartitionLost):  # its new owner answers the record
+                    log.info("not writing %s %s: %s", outcome.kind, outcome.key, done)
+                    return
+                if not isinstance(done, Exception):
+                    raise done  # cancelled: unacked, the record runs again
+                refused = refused_for_good(done)
+                topic = self._topic_of(name, outcome)
+                if refused is None:
+                    failed = done
+                    continue
+                self.metrics.writes_refused.labels(topic, refused).inc()
+                log.warning("%s refused the %s of %s for good: %r", topic, name, outcome.key, done)
+                if name == "review":  # a copy: the result itself is written
+                    pending.discard(name)
+                elif name == "outcome" and prep is not None and outcome.kind == "result":
+                    became = self._processor_failed(prep, outcome, refused, done)
+                else:  # a dead letter or a task state the broker will not take: misconfigured
+                    await self._stop(f"{topic} refuses the {name} of {outcome.key}", done)
+            if became is not None:  # write the dead letter, and the state that says so
+                outcome = became
+                pending = {"outcome", "state"}
+                continue
+            if failed is None:
+                continue  # these are written: the next ones
+            failures += 1
+            if failures == SEND_ATTEMPTS:
+                await self._stop(f"cannot write {outcome.kind} {outcome.key}", failed)
+            log.warning("write of %s failed (%r); retry %d in %.1fs", outcome.key, failed,
+                        failures, delay)  # fmt: skip
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    async def _write(
+        self,
+        name: str,
+        outcome: Outcome,
+        prep: Prepared | None,
+        source: Source,
+        note: str | None,
+        headers: list[tuple[str, bytes]],
+    ) -> None:
         p = source.partition
+        if name == "outcome":
+            kind = Kind.RESULTS if outcome.kind == "result" else Kind.DEAD_LETTERS
+            await self.store.put(kind, p, outcome.key.encode(), outcome.value, headers)
+        elif name == "state" and prep is not None:
+            await self.store.put_state(p, self._state_after(outcome, prep, source, note))
+        elif name == "review" and prep is not None:
+            await self._send_review(outcome, prep, p, headers)
+
+    def _topic_of(self, name: str, outcome: Outcome) -> str:
+        t = self.settings.topics
+        if name == "state":
+            return state_topic(self.settings)
+        if name == "review":
+            return t.review
+        return t.results if outcome.kind == "result" else t.dead_letters
+
+    def _processor_failed(
+        self, prep: Prepared, outcome: Outcome, refused: str, exc: BaseException
+    ) -> Outcome:
+        processor = self._processor
+        if processor is None:  # pragma: no cover - a job always runs with one
+            raise RuntimeError("no processor")
+        error = WriteRefused(
+            f"the results topic refused the task's result ({refused}): {exc!r}", code=refused
+        )
+        return processor.failed(prep, error, outcome)
+
+    async def _write_or_stop(self, write: Callable[[], Awaitable[None]], what: str) -> None:
+        """One write, again while the broker may take it later; stop when it will not."""
         delay = 0.1
         for attempt in range(1, SEND_ATTEMPTS + 1):
             try:
-                # The trace goes on in the outcome's headers (the task's span is current).
-                trace_headers = headers_for()
-                writes = [
-                    self.store.put(kind, p, outcome.key.encode(), outcome.value, trace_headers)
-                ]
-                if prep is not None:
-                    state = self._state_after(outcome, prep, source, note)
-                    writes.append(self.store.put_state(p, state))
-                if outcome.review and prep is not None:
-                    writes.append(self._send_review(outcome, prep, p, trace_headers))
-                await asyncio.gather(*writes)
+                await write()
                 return
-            except PartitionLost as exc:  # its new owner answers the record
-                log.info("not writing %s %s: %s", outcome.kind, outcome.key, exc)
+            except PartitionLost as exc:
+                log.info("not writing %s: %s", what, exc)
                 return
             except KafkaError as exc:
-                if attempt == SEND_ATTEMPTS:
-                    log.critical(
-                        "cannot write %s %s: %r; stopping the worker",
-                        outcome.kind,
-                        outcome.key,
-                        exc,
-                    )
-                    # The record stays unacked, so it is processed again after the restart.
-                    await self.app.crash(exc)
-                    raise
-                log.warning(
-                    "write of %s failed (%r); retry %d in %.1fs", outcome.key, exc, attempt, delay
-                )
+                if refused_for_good(exc) is not None or attempt == SEND_ATTEMPTS:
+                    await self._stop(f"cannot write {what}", exc)
+                log.warning("write of %s failed (%r); retry %d in %.1fs", what, exc, attempt,
+                            delay)  # fmt: skip
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+    async def _stop(self, why: str, exc: BaseException | None) -> NoReturn:
+        """The broker cannot be written to: stop the worker without acking the record."""
+        log.critical("%s: %r; stopping the worker", why, exc)
+        error = CannotWrite(why)
+        await self._crash(exc or error)
+        raise error from exc
+
+    async def _crash(self, exc: BaseException) -> None:
+        """Stop the worker because of `exc`, within the shutdown grace."""
+        self.watchdog.start(f"crash: {exc!r}")
+        await self.app.crash(exc)

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from streams.errors import ConfigError
+from streams.errors import REDRIVABLE, ConfigError
 from streams.settings import Settings, load_settings
 
 
@@ -180,16 +180,7 @@ def status(task_id: str | None, url: str | None, once: bool, every: float) -> No
     "categories",
     multiple=True,
     required=True,
-    type=click.Choice(
-        [
-            "rate_limited",
-            "timeout",
-            "upstream_error",
-            "circuit_open",
-            "deadline_exceeded",
-            "invalid_output",
-        ]
-    ),
+    type=click.Choice([category.value for category in REDRIVABLE]),
     help="Retryable categories to re-queue (repeat the option for several).",
 )
 @click.option("--since", default=None, help="Only dead letters since this ISO time (UTC).")

@@ -7,17 +7,14 @@ from datetime import datetime
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
-from streams.replay import scan
+from streams.errors import REDRIVABLE
+from streams.kafka import clients
+from streams.kafka.scan import latest_objects, scan
 from streams.settings import Settings
 from streams.topics import state_topic
 
-# Dead letters worth sending again once their cause is gone; the others would fail
-# the same way (bad input, a request the provider refuses, a wrong key).
-REDRIVABLE = ("rate_limited", "timeout", "upstream_error", "circuit_open",
-              "deadline_exceeded", "invalid_output")  # fmt: skip
 REDRIVE_HEADER = "llm-streams-redrive-of"
 
 
@@ -27,21 +24,11 @@ async def read_all(settings: Settings, topic: str) -> list[ConsumerRecord[bytes,
     return [record async for batch in scan(settings, topic) for record in batch]
 
 
-def latest_by_key(records: list[ConsumerRecord[bytes, bytes]]) -> dict[bytes, bytes]:
-    latest: dict[bytes, bytes] = {}
-    for rec in records:
-        if rec.key is not None and rec.value is not None:
-            latest[rec.key] = rec.value
-    return latest
-
-
 async def task_state(settings: Settings, task_id: str) -> dict[str, Any] | None:
     """The task's latest state record (status, keys, last error, history), or None."""
-    for rec in reversed(await read_all(settings, state_topic(settings))):
-        if rec.key == task_id.encode() and rec.value is not None:
-            data: dict[str, Any] = orjson.loads(rec.value)
-            return data
-    return None
+    key = task_id.encode()
+    return latest_objects(r for r in await read_all(settings, state_topic(settings))
+                          if r.key == key).get(key)  # fmt: skip
 
 
 @dataclass
@@ -63,11 +50,12 @@ def plan_redrive(
     `since`, a real task (not bad input), and still the task's latest state."""
     plan = RedrivePlan(requeue=[])
     for letter in letters:
-        category = letter["error"]["category"]
+        error = letter.get("error")
+        category = error.get("category") if isinstance(error, dict) else None
         if category not in categories or category not in REDRIVABLE:
             plan.skipped_category += 1
             continue
-        if since is not None and datetime.fromisoformat(letter["failed_at"]) < since:
+        if since is not None and _failed_before(letter, since):
             plan.skipped_before += 1
             continue
         payload = letter.get("payload")
@@ -78,7 +66,7 @@ def plan_redrive(
         if (
             state is None
             or state.get("status") != "dead_lettered"
-            or (state.get("source") != letter["source"])
+            or (state.get("source") != letter.get("source"))
         ):
             plan.skipped_answered += 1  # answered since, or re-queued already
             continue
@@ -86,24 +74,30 @@ def plan_redrive(
     return plan
 
 
+def _failed_before(letter: dict[str, Any], since: datetime) -> bool:
+    try:
+        return datetime.fromisoformat(str(letter.get("failed_at"))) < since
+    except ValueError:
+        return False
+
+
 async def redrive(
     settings: Settings, categories: set[str], since: datetime | None, dry_run: bool
 ) -> RedrivePlan:
-    dead = latest_by_key(await read_all(settings, settings.topics.dead_letters))
-    letters = [orjson.loads(v) for v in dead.values()]
-    state = latest_by_key(await read_all(settings, state_topic(settings)))
-    states = {k.decode(): orjson.loads(v) for k, v in state.items()}
+    letters = list(latest_objects(await read_all(settings, settings.topics.dead_letters)).values())
+    states = {k.decode(errors="replace"): v for k, v in
+              latest_objects(await read_all(settings, state_topic(settings))).items()}  # fmt: skip
     plan = plan_redrive(letters, states, categories, since)
     if dry_run or not plan.requeue:
         return plan
-    producer = AIOKafkaProducer(bootstrap_servers=settings.bootstrap_servers, acks="all")
+    producer = clients.producer(settings, acks="all")
     await producer.start()
     try:
         sent = []
         for letter in plan.requeue:
             task = letter["payload"]
-            source = letter["source"]
-            origin = f"{source['topic']}/{source['partition']}/{source['offset']}"
+            source = letter.get("source") or {}
+            origin = f"{source.get('topic')}/{source.get('partition')}/{source.get('offset')}"
             sent.append(await producer.send(
                 settings.topics.tasks, key=task["task_id"].encode(), value=orjson.dumps(task),
                 headers=[(REDRIVE_HEADER, origin.encode())],

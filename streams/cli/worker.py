@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 
 import faust
 
 from streams.errors import ConfigError
+from streams.kafka.shutdown import Watchdog
 from streams.logs import logging_config
 from streams.settings import Settings
 
@@ -17,7 +19,8 @@ log = logging.getLogger(__name__)
 
 def run_worker(settings: Settings) -> None:
     from streams.app import create_app
-    from streams.topics import ensure_topics
+    from streams.kafka.limits import read_limits
+    from streams.topics import ensure_topics, written_topics
 
     loop = _new_loop()
     asyncio.set_event_loop(loop)
@@ -27,19 +30,32 @@ def run_worker(settings: Settings) -> None:
         from streams.eos import check_transactions
 
         loop.run_until_complete(check_transactions(settings))  # or a clear ConfigError
+    limits = loop.run_until_complete(read_limits(settings, written_topics(settings)))
     from streams.tracing import setup_tracing
 
     setup_tracing(settings)
-    app = create_app(settings)
-    worker = faust.Worker(
+    app = create_app(settings, limits)
+    worker = BoundedWorker(
         app, loop=loop, loglevel=settings.log_level,
         logging_config=logging_config(settings.log_level, settings.log_format, secrets(settings)),
     )  # fmt: skip
+    worker.watchdog = app.llm_streams_agent.watchdog  # type: ignore[attr-defined]  # set by create_app
     # Faust's progress spinner sets the root logger to DEBUG so it can spin on every
     # record; then each debug call in aiokafka, the SDK and Faust builds a LogRecord
     # (~5% of a worker's CPU at high rates). Without it the level is what was asked.
     worker.spinner = None
     worker.execute_from_commandline()
+
+
+class BoundedWorker(faust.Worker):
+    """Faust's worker whose stop on SIGTERM/SIGINT is bounded by the shutdown watchdog
+    (`streams.kafka.shutdown`): in-flight tasks get `shutdown_grace_s`, then it exits."""
+
+    watchdog: Watchdog
+
+    def _schedule_shutdown(self, signal: signal.Signals) -> None:
+        self.watchdog.start(f"signal {signal.name}")
+        super()._schedule_shutdown(signal)
 
 
 def secrets(settings: Settings) -> list[str]:

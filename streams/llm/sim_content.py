@@ -112,6 +112,15 @@ def analysis(text: str) -> dict[str, Any]:
     }
 
 
+def padded(answer: dict[str, Any], chars: int) -> dict[str, Any]:
+    """The answer with its first string field repeated to `chars` characters (a model
+    that writes far more than asked; the schema must leave that field unbounded)."""
+    for key, value in answer.items():
+        if isinstance(value, str) and value:
+            return {**answer, key: (value * (chars // len(value) + 1))[:chars]}
+    return answer
+
+
 def instance(schema: dict[str, Any], text: str) -> Any:
     """A valid instance of `schema`, chosen deterministically from `text`."""
     return _Gen(schema, text).make(schema, name="", path="")

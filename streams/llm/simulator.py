@@ -55,6 +55,8 @@ class SimConfig:
     batch_expire_fraction: float = 0.5  # share of an expiring batch's lines answered
     batch_token_limit: int = 0  # enqueued-token limit over unfinished batches (0: none)
     packed_invalid_items: int = 0  # and break the schema for this many
+    long_answer_chars: int = 0  # json_schema answers of these models: first string field
+    long_answer_models: list[str] = field(default_factory=list)  # padded to this length
     context_window: int = 128_000
     api_key: str | None = None
     models: list[str] = field(default_factory=lambda: ["sim-1", "gpt-4o-mini"])
@@ -421,7 +423,12 @@ class Simulator:
         fmt = body.get("response_format") or {}
         if fmt.get("type") == "json_schema":
             schema = (fmt.get("json_schema") or {}).get("schema") or {}
-            return orjson.dumps(sim_content.instance(schema, text)).decode()
+            answer = sim_content.instance(schema, text)
+            model = body.get("model")
+            long = self.config.long_answer_chars and model in self.config.long_answer_models
+            if long and isinstance(answer, dict):
+                answer = sim_content.padded(answer, self.config.long_answer_chars)
+            return orjson.dumps(answer).decode()
         if fmt.get("type") == "json_object":
             return orjson.dumps(sim_content.analysis(text)).decode()
         return str(sim_content.analysis(text)["summary"])

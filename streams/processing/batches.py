@@ -57,6 +57,8 @@ METADATA_KEY = "llm_streams_batch"
 # its creator may be between the ledger write and the provider's answer.
 CREATE_GRACE_S = 120.0
 TERMINAL = {"completed", "expired", "cancelled", "failed"}
+# Bytes one request takes in its batch's ledger record (`["rk1-<40 hex>", attempt],`).
+LEDGER_ITEM_BYTES = 64
 
 
 class BatchOps(Protocol):
@@ -155,7 +157,9 @@ class _Batch:
 
     @classmethod
     def loads(cls, raw: bytes) -> _Batch:
-        return cls(**orjson.loads(raw))
+        data = orjson.loads(raw)
+        known = {f for f in cls.__dataclass_fields__ if f not in ("lines", "released")}
+        return cls(**{k: v for k, v in data.items() if k in known})  # a newer version's extras
 
 
 class BatchLane:
@@ -167,10 +171,14 @@ class BatchLane:
         store: TaskStore,
         settings: BatchApiSettings,
         metrics: Metrics | None = None,
+        *,
+        ledger_room: int = 1_044_000,
     ) -> None:
         self.ops = ops
         self.store = store
         self.settings = settings
+        # A batch's ledger record lists its requests and must fit the ledger topic.
+        self.max_items = max(1, min(settings.max_items, (ledger_room - 1024) // LEDGER_ITEM_BYTES))
         self.metrics = metrics
         self._pending: dict[int, list[_Waiting]] = {}
         self._queued: set[tuple[str, int]] = set()
@@ -259,7 +267,7 @@ class BatchLane:
         queue.append(waiting)
         self._queued.add((waiting.custom_id, waiting.attempt))
         size = sum(len(w.line) for w in queue)
-        if len(queue) >= self.settings.max_items or size >= self.settings.max_bytes:
+        if len(queue) >= self.max_items or size >= self.settings.max_bytes:
             self._flush(p)
         elif p not in self._timers:
             loop = asyncio.get_running_loop()
@@ -274,7 +282,7 @@ class BatchLane:
             take: list[_Waiting] = []
             size = 0
             for w in queue:
-                if take and (len(take) >= self.settings.max_items
+                if take and (len(take) >= self.max_items
                              or size + len(w.line) > self.settings.max_bytes):  # fmt: skip
                     break
                 take.append(w)

@@ -48,3 +48,7 @@ class InOrderAcks(Generic[T]):
 
     def outstanding(self, partition: Hashable) -> int:
         return len(self._pending.get(partition, ()))
+
+    def unfinished(self) -> dict[Hashable, int]:
+        """Records taken and not yet released, per partition."""
+        return {p: len(q) for p, q in list(self._pending.items()) if q}

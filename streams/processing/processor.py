@@ -18,8 +18,10 @@ from streams.errors import (
     CircuitOpen,
     ContextOverflow,
     DeadlineExceeded,
+    InternalError,
     InvalidOutput,
     OutputRejected,
+    OutputTooLarge,
     RateLimited,
     StreamsError,
     TaskError,
@@ -49,11 +51,13 @@ from streams.prompts.registry import (
 )
 from streams.records import (
     DeadLetter,
+    RecordRoom,
     Result,
     Source,
     Task,
     Usage,
     content_key,
+    dead_letter_value,
     decode_task,
     error_info,
     now_iso,
@@ -165,6 +169,7 @@ class TaskProcessor:
         metrics: Metrics | None = None,
         batch_deadline_s: float = 93_600.0,
         tier_price_ratio: float = 0.5,
+        room: RecordRoom | None = None,
     ) -> None:
         self.registry = registry
         self.client = client
@@ -181,6 +186,7 @@ class TaskProcessor:
         self.batches: BatchLane | None = None  # the batch tier, when the worker has one
         self.batch_deadline_s = batch_deadline_s
         self.tier_price_ratio = tier_price_ratio
+        self.room = room or RecordRoom()
 
     async def close(self) -> None:
         """Close every HTTP client the processor used."""
@@ -229,8 +235,14 @@ class TaskProcessor:
             return self._dead(exc, raw, key, task, source, Attempts(), _Spend(), started)
         except Exception as exc:  # a bug must not stop the worker or lose the record
             log.exception("unexpected error preparing %s", source)
-            err = StreamsError(f"internal error: {exc!r}", code="internal_error")
+            err = InternalError(f"internal error: {exc!r}", code="internal_error")
             return self._dead(err, raw, key, task, source, Attempts(), _Spend(), started)
+
+    def dead_letter(
+        self, exc: StreamsError, raw: bytes | None, key: bytes | None, source: Source
+    ) -> Outcome:
+        """The dead letter of a record that met `exc` outside the processor's own steps."""
+        return self._dead(exc, raw, key, None, source, Attempts(), _Spend(), time.monotonic())
 
     def tier_for(self, pipeline: Pipeline, lane: Lane, asked: str | None = None) -> str:
         """The price tier a task runs in: asked (a replay's --lane), else the pipeline's
@@ -319,7 +331,7 @@ class TaskProcessor:
             return replace(dead, stages=kept, stage=failed_at)
         except Exception as exc:  # a bug must not stop the worker or lose the record
             log.exception("unexpected error processing %s", prep.source)
-            err = StreamsError(f"internal error: {exc!r}", code="internal_error")
+            err = InternalError(f"internal error: {exc!r}", code="internal_error")
             return self._dead(err, prep.raw, prep.key, task, prep.source, attempts, spend,
                               prep.started)  # fmt: skip
 
@@ -606,10 +618,11 @@ class TaskProcessor:
             trace_id=current_trace_id(),
             processed_at=now_iso(),
         )
-        return Outcome(
+        value = orjson.dumps(result.model_dump(mode="json"))
+        outcome = Outcome(
             kind="result",
             key=prep.result_key,
-            value=orjson.dumps(result.model_dump(mode="json")),
+            value=value,
             task_id=prep.task.task_id,
             latency_ms=latency_ms,
             attempts=attempts,
@@ -621,6 +634,38 @@ class TaskProcessor:
             stages=stages,
             stage=prep.pipeline.stages[-1].name if prep.pipeline.stages else MAIN,
             review=tuple(prep.pipeline.review_reasons(prep.prompt.variables, output)),
+        )
+        if len(value) > self.room.result:
+            too_large = OutputTooLarge(
+                f"the result is {len(value)} bytes, over the {self.room.result} bytes the "
+                "results topic takes (its max.message.bytes and the producer's limit)",
+                code="result_too_large",
+            )
+            return self.failed(prep, too_large, outcome)
+        return outcome
+
+    def failed(self, prep: Prepared, exc: StreamsError, like: Outcome) -> Outcome:
+        """A dead letter for a task whose outcome `like` cannot be written as it is; the
+        tokens and cost it spent stay on it (they were counted when spent)."""
+        letter = DeadLetter(
+            task_id=prep.task.task_id,
+            error=error_info(exc.category, exc.code, exc.message, exc.retryable),
+            attempts=like.attempts,
+            payload=payload_of(prep.raw),
+            source=prep.source,
+            failed_at=now_iso(),
+        )
+        return Outcome(
+            kind="dead_letter",
+            key=prep.task.task_id,
+            value=dead_letter_value(letter, prep.raw, self.room.dead_letter),
+            task_id=prep.task.task_id,
+            category=exc.category.value,
+            latency_ms=like.latency_ms,
+            attempts=like.attempts,
+            prompt_tokens=like.prompt_tokens,
+            completion_tokens=like.completion_tokens,
+            cost_usd=like.cost_usd,
         )
 
     async def _call(
@@ -934,7 +979,7 @@ class TaskProcessor:
         return Outcome(
             kind="dead_letter",
             key=dl_key,
-            value=orjson.dumps(letter.model_dump(mode="json")),
+            value=dead_letter_value(letter, raw, self.room.dead_letter),
             task_id=task_id,
             category=exc.category.value,
             latency_ms=(time.monotonic() - started) * 1000,

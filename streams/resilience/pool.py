@@ -28,6 +28,7 @@ class ClientPool:
         make_limiter: Callable[[], RateLimiter],
         make_breaker: Callable[[str], CircuitBreaker],
         metrics: Metrics | None = None,
+        slow_call_s: float = 10.0,
     ) -> None:
         self.base_url = base_url
         self.api_key = api_key
@@ -35,6 +36,7 @@ class ClientPool:
         self.make_limiter = make_limiter
         self.make_breaker = make_breaker
         self.metrics = metrics
+        self.slow_call_s = slow_call_s
         self._http: dict[tuple[str | None, str | None], LLMClient] = {}
         self._breakers: dict[str, CircuitBreaker] = {}
         self._guarded: dict[tuple[str | None, str | None, str], GuardedClient] = {}
@@ -57,8 +59,9 @@ class ClientPool:
             if self.metrics is not None:
                 self.metrics.watch_limiter(model, limiter.rates)
             self._guarded[key] = GuardedClient(
-                http, limiter=limiter, breaker=breaker, metrics=self.metrics
-            )
+                http, limiter=limiter, breaker=breaker, metrics=self.metrics,
+                slow_call_s=self.slow_call_s,
+            )  # fmt: skip
         return self._guarded[key]
 
     def primary(self, model: str) -> GuardedClient:

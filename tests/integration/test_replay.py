@@ -16,6 +16,7 @@ import orjson
 import pytest
 import yaml
 
+from streams.kafka.scan import scan
 from streams.llm.simulator import SimulatorServer
 from streams.prompts.registry import PipelineRegistry
 from streams.replay import (
@@ -25,7 +26,6 @@ from streams.replay import (
     Checkpoint,
     Replayer,
     ReplayRequest,
-    scan,
 )
 from streams.settings import Settings
 from tests.integration.helpers import WorkerProcess, collect, produce, run_cli

@@ -16,11 +16,14 @@ from typing import Any
 
 import orjson
 import pytest
+import yaml
 
 from streams.llm.simulator import SimulatorServer
 from tests.integration.helpers import Scrape, WorkerProcess, collect, produce
 
 pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _records(n: int, prefix: str = "t") -> list[tuple[bytes | None, bytes | None]]:
@@ -186,3 +189,60 @@ async def test_hung_calls_time_out_and_are_retried(
     # 4 hangs in a row (p = 0.05^4) is the only way to a dead letter.
     assert len(got.dead_letters) == 0, [d["error"] for d in got.dead_letters]
     assert any(r["attempts"] > 1 for r in got.results)
+
+
+def _with_fallback(tmp_path: Path) -> Path:
+    """The shipped pipelines, comment-analysis with a fallback model on the same endpoint."""
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    for path in (ROOT / "pipelines").glob("*.yaml"):
+        spec = yaml.safe_load(path.read_text())
+        if spec["name"] == "comment-analysis":
+            for version in spec["versions"].values():
+                version["fallbacks"] = [{"model": "gpt-4o-mini"}]
+        (folder / path.name).write_text(yaml.safe_dump(spec))
+    return folder
+
+
+async def test_after_an_outage_whose_probes_hang_past_the_deadline_results_flow_again(
+    make_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    """503s, then every call hanging past the task deadline (probes included), then
+    recovery: the breaker closes and the tasks sent after recovery are answered, with no
+    restart. A fallback model is configured, so each guarded call must take one slot."""
+    cfg = simulator.sim.config
+    settings = make_settings(
+        llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1",
+             "task_deadline_s": 4, "read_timeout_s": 30, "max_attempts": 4,
+             "backoff_base_s": 0.05, "backoff_max_s": 0.3},
+        resilience={"breaker_window_s": 10, "breaker_min_calls": 5, "breaker_open_s": 2,
+                    "breaker_probes": 2, "breaker_slow_call_s": 1.5},
+        batch={"size": 20, "concurrency": 16},
+        pipelines_dir=_with_fallback(tmp_path),
+    )  # fmt: skip
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    try:
+        await _wait_for(worker, lambda m: True, timeout_s=60, what="the worker's web port")
+        cfg.error_503_rate = 1.0  # down
+        await produce(settings, _records(40, "down"))
+        await _wait_for(worker, lambda m: m.value("llm_streams_breaker_state") == 2,
+                        timeout_s=30, what="the breaker to open")  # fmt: skip
+        cfg.error_503_rate, cfg.hang_rate, cfg.hang_s = 0.0, 1.0, 60.0  # every call hangs
+        await produce(settings, _records(40, "hung"))
+        await asyncio.sleep(10)  # probes hang past their tasks' 4-s deadline, several rounds
+        cfg.hang_rate = 0.0  # recovered
+        recovered_at = simulator.sim.snapshot()["requests"]
+        await asyncio.sleep(3)
+        after = _records(50, "after")
+        await produce(settings, after)
+        got = await collect(settings, set(), timeout_s=60, worker=worker,
+                            until=lambda g: {r["task_id"] for r in g.results}
+                            >= {k.decode() for k, _ in after if k})  # fmt: skip
+        metrics = await worker.scrape()
+    finally:
+        worker.stop()
+    answered = {r["task_id"] for r in got.results}
+    assert answered >= {k.decode() for k, _ in after if k}, worker.log_tail()
+    assert simulator.sim.snapshot()["requests"] >= recovered_at + 50
+    assert metrics.value("llm_streams_breaker_state") == 0
+    assert metrics.value("llm_streams_breaker_transitions_total", to="closed") >= 1

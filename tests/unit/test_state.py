@@ -6,8 +6,11 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import orjson
+import pytest
+
 from streams.records import Source
-from streams.state import HISTORY_LIMIT, ContentCache, Status, TaskState
+from streams.state import HISTORY_LIMIT, ContentCache, Kind, Status, TaskState, readable
 
 
 def test_state_round_trips_and_keeps_a_bounded_history() -> None:
@@ -105,7 +108,7 @@ async def test_a_failed_load_is_tried_again_and_records_wait_until_it_succeeds(
 
     attempts: list[int] = []
 
-    async def flaky_load(settings: Any, topics: Any, partition: int, maps: Any) -> Any:
+    async def flaky_load(settings: Any, topics: Any, partition: int, maps: Any, *_: Any) -> Any:
         attempts.append(partition)
         if len(attempts) < 3:
             raise OSError("broker away")
@@ -129,3 +132,63 @@ async def test_a_failed_load_is_tried_again_and_records_wait_until_it_succeeds(
     assert attempts == [2, 2, 2]
     assert store.get(Kind.RESULTS, 2, b"rk1-x") == b"{}"
     await store.close()
+
+
+def test_a_state_written_by_a_newer_version_is_read_with_its_extra_fields_ignored() -> None:
+    """Rolling upgrade: a newer worker wrote fields this one does not know."""
+    newer = orjson.dumps({
+        "task_id": "t1", "status": "succeeded", "updated_at": "2026-01-01T00:00:00Z",
+        "result_key": "rk1-x", "session": {"id": "s1"},
+        "source": {"topic": "t", "partition": 0, "offset": 4, "leader_epoch": 3},
+        "history": [{"status": "succeeded", "at": "x", "cost_usd": 0.1,
+                     "source": {"topic": "t", "partition": 0, "offset": 4, "epoch": 1}}],
+    })  # fmt: skip
+    assert readable(Kind.TASKS, newer)
+    state = TaskState.loads(newer)
+    assert state.result_key == "rk1-x" and state.wrote(Source(topic="t", partition=0, offset=4))
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "ok"),
+    [
+        (Kind.TASKS, b"not json", False),
+        (Kind.TASKS, b'{"task_id": "t1", "status": "a-newer-status", "updated_at": "x"}', False),
+        (Kind.RESULTS, b"\xff\xfe", False),
+        (Kind.RESULTS, b"[1, 2]", False),
+        (Kind.RESULTS, b'{"output": "text", "model": "m"}', False),
+        (Kind.RESULTS, b'{"output": {}, "model": "m", "attempts": 1, "extra": 1}', True),
+        (Kind.DEAD_LETTERS, b'{"error": {"category": "timeout"}, "attempts": 2}', True),
+        (Kind.DEAD_LETTERS, b'{"error": "timeout"}', False),
+        (Kind.LEDGER, b'{"batch": "b1"}', True),
+        (Kind.LEDGER, b"42", False),
+    ],
+)
+def test_what_the_store_can_read(kind: Kind, value: bytes, ok: bool) -> None:
+    assert readable(kind, value) is ok
+
+
+def test_a_record_wrote_its_outcome_when_its_move_is_in_the_history() -> None:
+    """Two records of one task can each have written before their offsets committed;
+    the check is per record, not only the latest writer."""
+    a, b = Source(topic="t", partition=0, offset=1), Source(topic="t", partition=0, offset=2)
+    state = TaskState(task_id="t1", status=Status.RECEIVED, updated_at="")
+    state = state.moved(Status.SUCCEEDED, source=a).moved(Status.SUCCEEDED, source=b)
+    assert state.wrote(a) and state.wrote(b)
+    assert not state.wrote(Source(topic="t", partition=0, offset=3))
+    assert not state.moved(Status.PROCESSING, source=Source(topic="t", partition=0, offset=3)
+                           ).wrote(Source(topic="t", partition=0, offset=3))  # fmt: skip
+
+
+def test_a_state_too_large_for_its_topic_drops_what_can_be_asked_again() -> None:
+    state = TaskState(task_id="t1", status=Status.RECEIVED, updated_at="")
+    for i in range(HISTORY_LIMIT):
+        state = state.moved(Status.DEAD_LETTERED, source=Source(topic="t", partition=0, offset=i))
+    state = state.model_copy(update={
+        "stage_outputs": {"main": {"summary": "s" * 50_000}},
+        "last_error": {"category": "timeout", "message": "m" * 20_000},
+    })  # fmt: skip
+    assert len(state.dumps()) > 70_000
+    assert TaskState.loads(state.dumps_within(100_000)) == state  # fits: kept whole
+    cut = TaskState.loads(state.dumps_within(10_000))
+    assert cut.stage_outputs is None and cut.task_id == "t1" and len(cut.history) <= 1
+    assert len(state.dumps_within(10_000)) <= 10_000

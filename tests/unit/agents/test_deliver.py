@@ -4,20 +4,35 @@ worker that cannot write stops (the record stays unacked, so it runs again after
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import faust
+import orjson
 import pytest
-from aiokafka.errors import KafkaTimeoutError
+from aiokafka.errors import (
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    TopicAuthorizationFailedError,
+)
 
 from streams.agents import tasks as tasks_module
-from streams.agents.tasks import SEND_ATTEMPTS, TaskAgent
+from streams.agents.tasks import SEND_ATTEMPTS, CannotWrite, TaskAgent
 from streams.eos import PartitionLost
-from streams.processing.processor import Outcome
+from streams.processing.processor import Outcome, Prices, TaskProcessor
+from streams.prompts.registry import PipelineRegistry
 from streams.records import Source
+from streams.resilience.breaker import CircuitBreaker
+from streams.resilience.guarded import GuardedClient
+from streams.resilience.limiter import RateLimiter
+from streams.resilience.retry import RetryPolicy
 from streams.settings import load_settings
 from streams.state import Kind
 from streams.topics import ledger_topic, state_topic
+from tests.fakes import FakeLLM
+
+ROOT = Path(__file__).resolve().parents[3]
 
 OUTCOME = Outcome(kind="result", key="rk1-x", value=b"{}", task_id="t1")
 SOURCE = Source(topic="t", partition=3, offset=1)
@@ -81,7 +96,7 @@ async def test_a_worker_that_cannot_write_crashes_instead_of_acking(
     broker = FlakyBroker(failures=1000)
     agent.store._send = broker.send
     dead = Outcome(kind="dead_letter", key="t1", value=b"{}", task_id="t1")
-    with pytest.raises(KafkaTimeoutError):
+    with pytest.raises(CannotWrite):
         await agent._deliver(dead, None, SOURCE)
     assert len(broker.sends) == SEND_ATTEMPTS
     assert {s[0] for s in broker.sends} == {agent.settings.topics.dead_letters}
@@ -143,3 +158,126 @@ async def test_exactly_once_a_write_for_a_partition_lost_is_dropped_not_retried(
     agent.store._send = lost
     await agent._deliver(OUTCOME, None, SOURCE)  # returns: the new owner answers it
     assert not crashed
+
+
+class RefusingBroker:
+    """Takes every write except those to `refused` topics, which fail with `error`."""
+
+    def __init__(self, refused: set[str], error: Exception) -> None:
+        self.refused, self.error = refused, error
+        self.sends: list[tuple[str, bytes, bytes, int]] = []
+
+    async def send(
+        self, topic: str, key: bytes, value: bytes, partition: int, headers: Any = None
+    ) -> None:
+        self.sends.append((topic, key, value, partition))
+        if topic in self.refused:
+            raise self.error
+
+
+def _prepared(agent: TaskAgent) -> tuple[Any, Outcome]:
+    """A real processor (fake LLM) and a prepared task with its result outcome."""
+    processor = TaskProcessor(
+        PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas"),
+        GuardedClient(FakeLLM(), limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("f")),
+        default_model="fake-1", policy=RetryPolicy(), deadline_s=5, max_task_bytes=10_000,
+        prices=Prices(),
+    )  # fmt: skip
+    agent._processor = processor
+    raw = orjson.dumps({"task_id": "t1", "pipeline": "comment-analysis",
+                        "input": {"text": "Great phone."}})  # fmt: skip
+    prep = processor.prepare(raw, b"t1", SOURCE)
+    assert not isinstance(prep, Outcome)
+    output = {"sentiment": "positive", "confidence": 0.9, "topics": ["quality"], "issues": [],
+              "summary": "good", "language": "en"}  # fmt: skip
+    return prep, processor.from_cache(prep, output, "fake-1")
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (MessageSizeTooLargeError("over the topic's max.message.bytes"), "record_too_large"),
+        (TopicAuthorizationFailedError("no WRITE on the topic"), "not_authorized"),
+    ],
+)
+async def test_a_result_the_broker_refuses_for_good_becomes_a_write_refused_dead_letter(
+    agent: TaskAgent, error: Exception, code: str
+) -> None:
+    t = agent.settings.topics
+    broker = RefusingBroker({t.results}, error)
+    agent.store._send = broker.send
+    agent.store._maps[3] = {kind: {} for kind in Kind}
+    prep, result = _prepared(agent)
+    await agent._deliver(result, prep, SOURCE)
+    written = [(topic, orjson.loads(value)) for topic, _, value, _ in broker.sends]
+    assert [topic for topic, _ in written].count(t.results) == 1  # tried once: no retry
+    letters = [v for topic, v in written if topic == t.dead_letters]
+    assert len(letters) == 1 and letters[0]["error"]["category"] == "write_refused"
+    assert letters[0]["error"]["code"] == code and letters[0]["task_id"] == "t1"
+    states = [v for topic, v in written if topic == state_topic(agent.settings)]
+    assert states[-1]["status"] == "dead_lettered"  # the state says what was written last
+    assert agent.metrics.writes_refused.labels(t.results, code)._value.get() == 1
+
+
+async def test_a_review_copy_the_broker_refuses_is_left_out_and_the_result_kept(
+    agent: TaskAgent,
+) -> None:
+    t = agent.settings.topics
+    broker = RefusingBroker({t.review}, MessageSizeTooLargeError("too large"))
+    agent.store._send = broker.send
+    agent._send = broker.send  # type: ignore[method-assign]  # the review copy's write
+    prep, result = _prepared(agent)
+    await agent._deliver(replace(result, review=("low_confidence",)), prep, SOURCE)
+    topics = [topic for topic, *_ in broker.sends]
+    assert topics.count(t.results) == 1 and topics.count(t.review) == 1
+    assert t.dead_letters not in topics
+
+
+async def test_a_dead_letter_the_broker_refuses_for_good_stops_the_worker(
+    agent: TaskAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    crashed: list[BaseException] = []
+
+    async def crash(exc: BaseException) -> None:
+        crashed.append(exc)
+
+    monkeypatch.setattr(agent.app, "crash", crash)
+    monkeypatch.setattr(agent.watchdog, "start", lambda why: None)
+    t = agent.settings.topics
+    broker = RefusingBroker({t.dead_letters}, TopicAuthorizationFailedError("no WRITE"))
+    agent.store._send = broker.send
+    dead = Outcome(kind="dead_letter", key="t1", value=b"{}", task_id="t1")
+    with pytest.raises(CannotWrite):
+        await agent._deliver(dead, None, SOURCE)
+    assert len(broker.sends) == 1 and len(crashed) == 1  # no retry of a refusal
+
+
+async def test_only_the_writes_that_failed_are_written_again(agent: TaskAgent) -> None:
+    t = agent.settings.topics
+
+    class StateFlaky(RefusingBroker):
+        async def send(self, topic: str, key: bytes, value: bytes, partition: int,
+                       headers: Any = None) -> None:  # fmt: skip
+            self.sends.append((topic, key, value, partition))
+            if topic == state_topic(agent.settings) and len(self.sends) < 4:
+                raise KafkaTimeoutError("broker away")
+
+    broker = StateFlaky(set(), KafkaTimeoutError())
+    agent.store._send = broker.send
+    prep, result = _prepared(agent)
+    await agent._deliver(result, prep, SOURCE)
+    topics = [topic for topic, *_ in broker.sends]
+    assert topics.count(t.results) == 1  # written once: no duplicate result
+    assert topics.count(state_topic(agent.settings)) == 3
+
+
+async def test_the_state_is_written_only_once_the_outcome_is(agent: TaskAgent) -> None:
+    """A state saying this record wrote its outcome must never be ahead of the outcome:
+    a kill between the two would leave a record skipped as done with no result."""
+    t = agent.settings.topics
+    broker = FlakyBroker(failures=2)  # the result's first two writes fail
+    agent.store._send = broker.send
+    prep, result = _prepared(agent)
+    await agent._deliver(result, prep, SOURCE)
+    topics = [topic for topic, *_ in broker.sends]
+    assert topics == [t.results] * 3 + [state_topic(agent.settings)]

@@ -1,0 +1,21 @@
+"""Which partition a task belongs to, as every producer of the task topics keys it.
+
+The task store is co-partitioned with the task topics: a task's answers live
+in the partition its task id maps to under Kafka's default partitioner
+(murmur2 of the key, as aiokafka and the Java client compute it). A record
+keyed otherwise, or sent to another partition by a producer's own
+partitioner, is forwarded by the worker to its task's partition (with the
+`llm-streams-rerouted-from` header) and answered there, so one result key
+never lands on two partitions.
+"""
+
+from __future__ import annotations
+
+from aiokafka.partitioner import murmur2
+
+REROUTED_FROM_HEADER = "llm-streams-rerouted-from"
+
+
+def partition_for(task_id: str, partitions: int) -> int:
+    """The partition Kafka's default partitioner gives a record keyed by `task_id`."""
+    return int(murmur2(task_id.encode()) & 0x7FFFFFFF) % partitions
