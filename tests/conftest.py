@@ -7,6 +7,21 @@ from collections.abc import AsyncIterator
 import pytest
 
 from streams.llm.simulator import SimConfig, SimulatorServer
+from tests.prerequisites import missing
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Stop before the first test when the machine lacks what the selected tests need."""
+    needed = missing(
+        kafka=any(item.get_closest_marker("integration") for item in items),
+        chromium=any(item.get_closest_marker("browser") for item in items),
+    )
+    if needed:
+        raise pytest.UsageError(
+            "the selected tests need, and this machine lacks:\n  - "
+            + "\n  - ".join(needed)
+            + "\nInstall them (README.md lists every requirement) and run the tests again."
+        )
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """A real Kafka broker for the integration tests.
 
-Order of preference: `KAFKA_BOOTSTRAP_SERVERS` (an external broker), a
-testcontainers Kafka when a Docker engine answers, else Apache Kafka 4.x in
-KRaft mode from Maven Central jars on the local Java 17 (streams.brokers.apache).
+Order of preference: `KAFKA_BOOTSTRAP_SERVERS` (an external broker), the official
+`apache/kafka` image through testcontainers when a Docker engine answers
+(streams.brokers.docker), else Apache Kafka 4.x in KRaft mode from Maven Central jars
+on the local Java 17 (streams.brokers.apache).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from streams.brokers.apache import ApacheKafka
+from streams.brokers.docker import official_kafka
 from streams.settings import Settings, load_settings
 
 pytestmark = pytest.mark.integration
@@ -44,10 +46,8 @@ def kafka_bootstrap() -> Iterator[str]:
         yield external
         return
     if os.environ.get("LLM_STREAMS_TEST_DOCKER", "1") != "0" and _docker_answers():
-        from testcontainers.kafka import KafkaContainer
-
-        with KafkaContainer("apache/kafka:4.1.1").with_kraft() as container:
-            yield container.get_bootstrap_server()
+        with official_kafka() as bootstrap:
+            yield bootstrap
         return
     broker = ApacheKafka().start()
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -19,16 +18,15 @@ import pytest
 from streams.llm.simulator import SimulatorServer
 from streams.settings import settings_env
 from tests.integration.helpers import WorkerProcess, collect, produce
+from tests.prerequisites import browser
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
 
 def _chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        found = shutil.which(name)
-        if found:
-            return found
-    pytest.fail("headless Chromium is needed: apt-get install chromium (.ci/run does)")
+    found = browser()
+    assert found, "no Chromium: the session's prerequisite check should have said so"
+    return found
 
 
 def _look(

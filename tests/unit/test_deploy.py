@@ -216,3 +216,21 @@ def test_the_image_lock_pins_every_runtime_dependency_within_its_range() -> None
         assert req.specifier.contains(pins[name], prereleases=True), (req, pins[name])
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert "-c /tmp/requirements.lock" in dockerfile and "USER streams" in dockerfile
+
+
+def test_the_tests_kafka_container_is_configured_like_the_compose_broker() -> None:
+    """The official image the tests start where Docker runs (never run here: no engine)
+    gets the KRaft settings docker-compose.yml gives it, advertising its bound port."""
+    from compose_spec import PyCompose
+
+    from streams.brokers.docker import IMAGE, kraft_env
+
+    compose = PyCompose.from_yaml((ROOT / "docker-compose.yml").read_text()).to_dict()
+    kafka = compose["services"]["kafka"]
+    env = kraft_env(19092)
+    assert kafka["image"] == IMAGE
+    assert set(kafka["environment"]) - {"KAFKA_AUTO_CREATE_TOPICS_ENABLE"} == set(env)
+    assert env["KAFKA_ADVERTISED_LISTENERS"] == "PLAINTEXT://localhost:19092"
+    for name in ("KAFKA_PROCESS_ROLES", "KAFKA_CONTROLLER_LISTENER_NAMES",
+                 "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP", "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR"):  # fmt: skip
+        assert env[name] == str(kafka["environment"][name])
