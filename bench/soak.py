@@ -256,6 +256,9 @@ async def main(minutes: float, rate: float) -> None:
                     w.start()
             await asyncio.sleep(1)
         sent = await producing
+        if outage_until is not None:  # the outage lasts its 60 s even past the last input
+            await asyncio.sleep(max(0.0, outage_until - time.monotonic()))
+            sim.call("/sim/config", {"error_503_rate": 0.0})
         print(f"produced {sent} inputs in {minutes:g} min; waiting for every outcome", flush=True)
         ids = set(offsets.values())
         outcomes = await collect(settings, ids, timeout_s=900)
