@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from streams.errors import (
     CircuitOpen,
+    DeadlineExceeded,
     RateLimited,
     StreamsError,
     Timeout,
@@ -77,6 +78,10 @@ class GuardedClient:
         admission = await self._admit(deadline_at, wait_for_circuit)
         verdict: bool | None = None  # on the endpoint; None: this call says nothing
         try:
+            if deadline_at is not None and deadline_at - self.clock.now() <= DEADLINE_MARGIN_S:
+                raise DeadlineExceeded(  # no call, no verdict, no capacity taken
+                    "the task's deadline leaves no time for another attempt", code="task_deadline"
+                )
             # Counting tokens costs CPU; only a token limit needs the estimate.
             estimate = self.estimate(request) if self.limiter.tokens is not None else 0
             permit = await self.limiter.acquire(estimate, lane)

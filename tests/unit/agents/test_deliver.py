@@ -60,7 +60,12 @@ def agent(monkeypatch: pytest.MonkeyPatch) -> TaskAgent:
 
     monkeypatch.setattr(tasks_module.asyncio, "sleep", no_sleep)
     app = faust.App("deliver-test", broker="kafka://127.0.0.1:1", autodiscover=False)
-    return TaskAgent(app, load_settings(), make_processor=lambda: None)  # type: ignore[arg-type,return-value]
+    agent = TaskAgent(app, load_settings(), make_processor=lambda: None)  # type: ignore[arg-type,return-value]
+    # The shutdown watchdog ends the process after its grace: here it only records.
+    stops: list[str] = []
+    monkeypatch.setattr(agent.watchdog, "start", stops.append)
+    agent.stops = stops  # type: ignore[attr-defined]
+    return agent
 
 
 async def test_a_failed_write_is_written_again_until_the_broker_takes_it(agent: TaskAgent) -> None:
@@ -101,6 +106,7 @@ async def test_a_worker_that_cannot_write_crashes_instead_of_acking(
     assert len(broker.sends) == SEND_ATTEMPTS
     assert {s[0] for s in broker.sends} == {agent.settings.topics.dead_letters}
     assert len(crashed) == 1
+    assert len(agent.stops) == 1  # type: ignore[attr-defined]  # the stop is bounded
 
 
 def test_the_store_shares_the_task_topics_partitions(agent: TaskAgent) -> None:
@@ -242,7 +248,6 @@ async def test_a_dead_letter_the_broker_refuses_for_good_stops_the_worker(
         crashed.append(exc)
 
     monkeypatch.setattr(agent.app, "crash", crash)
-    monkeypatch.setattr(agent.watchdog, "start", lambda why: None)
     t = agent.settings.topics
     broker = RefusingBroker({t.dead_letters}, TopicAuthorizationFailedError("no WRITE"))
     agent.store._send = broker.send

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from streams.errors import Timeout, UpstreamError
+from streams.errors import DeadlineExceeded, Timeout, UpstreamError
 from streams.llm.client import LLMRequest
 from streams.resilience.breaker import CircuitBreaker, State
 from streams.resilience.guarded import CUT_SHORT, GuardedClient
@@ -141,3 +141,13 @@ async def test_an_upstream_error_during_a_probe_reopens_the_circuit() -> None:
     with pytest.raises(UpstreamError) as caught:
         await guarded.complete(REQ)
     assert breaker.state is State.OPEN and caught.value.endpoint_down
+
+
+async def test_no_time_left_before_the_deadline_makes_no_call_and_says_nothing() -> None:
+    llm = FakeLLM()
+    breaker = half_open(probes=1)
+    guarded = GuardedClient(llm, limiter=RateLimiter(rpm=1_000_000), breaker=breaker)
+    await asyncio.sleep(0.02)
+    with pytest.raises(DeadlineExceeded):
+        await guarded.complete(REQ, deadline_at=guarded.clock.now() + 0.01)
+    assert not llm.requests and breaker.state is State.HALF_OPEN and breaker.probes_out() == 0
