@@ -34,7 +34,7 @@ bench: $(BIN)/llm-streams
 	$(BIN)/python bench/pipeline_overhead.py
 
 schemas: $(BIN)/llm-streams
-	$(BIN)/python -m streams.records schemas
+	$(BIN)/python -m streams.contract.records schemas
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

@@ -37,11 +37,11 @@ from pipeline_overhead import stop, warm_up
 from rate_limit_utilisation import Sim
 from replay_isolation import Run, percentile
 
-from streams.brokers.apache import ApacheKafka
-from streams.brokers.common import free_port
-from streams.replay import TIER_HEADER
+from streams.contract.headers import TIER_HEADER
+from streams.dev.brokers.apache import ApacheKafka
+from streams.dev.brokers.common import free_port
+from streams.kafka.topics import ensure_topics
 from streams.settings import Settings, load_settings, settings_env
-from streams.topics import ensure_topics
 
 
 class Costs:

@@ -22,13 +22,13 @@ from typing import Any
 
 import orjson
 
+from streams.contract.records import Source
+from streams.core.packing import packed_messages
+from streams.core.processor import Prices, TaskProcessor
+from streams.dev.simulator import SimConfig, SimulatorServer
 from streams.llm.openai_client import OpenAIClient
-from streams.llm.simulator import SimConfig, SimulatorServer
 from streams.llm.tokens import count_messages
-from streams.processing.packing import packed_messages
-from streams.processing.processor import Prices, TaskProcessor
-from streams.prompts.registry import PipelineRegistry
-from streams.records import Source
+from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter

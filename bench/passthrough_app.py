@@ -36,7 +36,7 @@ async def passthrough(stream):  # type: ignore[no-untyped-def]
 if __name__ == "__main__":
     import asyncio
 
-    from streams.cli.worker import _new_loop
+    from streams.kafka.worker import _new_loop
 
     loop = _new_loop()
     asyncio.set_event_loop(loop)

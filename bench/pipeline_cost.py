@@ -25,13 +25,13 @@ from pathlib import Path
 
 import orjson
 
-from streams.brokers.common import free_port, wait_for_port
-from streams.llm import sim_content
+from streams.contract.records import Source
+from streams.core.processor import Prices, TaskProcessor
+from streams.dev import sim_content
+from streams.dev.brokers.common import free_port, wait_for_port
 from streams.llm.openai_client import OpenAIClient
-from streams.processing.output import check_output
-from streams.processing.processor import Prices, TaskProcessor
-from streams.prompts.registry import PipelineRegistry
-from streams.records import Source
+from streams.pipelines.output import check_output
+from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter

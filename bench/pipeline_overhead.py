@@ -25,10 +25,10 @@ from pathlib import Path
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from streams.brokers.apache import ApacheKafka
-from streams.brokers.common import free_port, wait_for_port
+from streams.dev.brokers.apache import ApacheKafka
+from streams.dev.brokers.common import free_port, wait_for_port
+from streams.kafka.topics import ensure_topics
 from streams.settings import load_settings, settings_env
-from streams.topics import ensure_topics
 
 HERE = Path(__file__).resolve().parent
 TEXTS = [

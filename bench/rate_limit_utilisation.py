@@ -37,10 +37,10 @@ from aiokafka import AIOKafkaConsumer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_overhead import preload, stop, task_record, warm_up
 
-from streams.brokers.apache import ApacheKafka
-from streams.brokers.common import free_port, wait_for_port
+from streams.dev.brokers.apache import ApacheKafka
+from streams.dev.brokers.common import free_port, wait_for_port
+from streams.kafka.topics import ensure_topics
 from streams.settings import load_settings, settings_env
-from streams.topics import ensure_topics
 
 DEAD_LETTERS: Counter[str] = Counter()
 

@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_overhead import preload, stop, warm_up
 from rate_limit_utilisation import Sim
 
-from streams.brokers.apache import ApacheKafka
-from streams.brokers.common import free_port
+from streams.dev.brokers.apache import ApacheKafka
+from streams.dev.brokers.common import free_port
+from streams.kafka.topics import ensure_topics
 from streams.settings import Settings, load_settings, settings_env
-from streams.topics import ensure_topics
 
 PARTITIONS = 12
 LATENCY_MS = 300

@@ -45,10 +45,10 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rate_limit_utilisation import Sim
 
-from streams.brokers.apache import ApacheKafka
-from streams.brokers.common import free_port
+from streams.dev.brokers.apache import ApacheKafka
+from streams.dev.brokers.common import free_port
+from streams.kafka.topics import ensure_topics
 from streams.settings import Settings, load_settings, settings_env
-from streams.topics import ensure_topics
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1024 * 1024

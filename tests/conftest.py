@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from streams.llm.simulator import SimConfig, SimulatorServer
+from streams.dev.simulator import SimConfig, SimulatorServer
 from tests.prerequisites import missing
 
 

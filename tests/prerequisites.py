@@ -40,7 +40,7 @@ def missing(*, kafka: bool, chromium: bool) -> list[str]:
     """What is missing for tests that need a Kafka broker and/or a browser."""
     needed: list[str] = []
     if kafka and not os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
-        from streams.brokers.apache import KAFKA_VERSION, jars_dir
+        from streams.dev.brokers.apache import KAFKA_VERSION, jars_dir
 
         major = _java_major()
         if major is None or major < 17:

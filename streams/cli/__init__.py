@@ -44,7 +44,7 @@ def cli() -> None:
 @cli.command()
 def worker() -> None:
     """Run a worker (Faust) with the settings from the environment."""
-    from streams.cli.worker import run_worker
+    from streams.kafka.worker import run_worker
 
     try:
         run_worker(settings_or_exit())
@@ -120,7 +120,7 @@ def tail(topic: str, from_beginning: bool, max_records: int, idle_timeout: float
 @click.option("--seed", type=int, default=0)
 def simulate_llm(host: str, port: int, jitter_ms: float, **knobs: Any) -> None:
     """Serve the OpenAI-compatible LLM simulator."""
-    from streams.llm.simulator import SimConfig, serve
+    from streams.dev.simulator import SimConfig, serve
 
     config = SimConfig(latency_jitter_ms=jitter_ms, **knobs)
     click.echo(f"LLM simulator on http://{host}:{port}/v1", err=True)
@@ -133,7 +133,7 @@ def simulate_llm(host: str, port: int, jitter_ms: float, **knobs: Any) -> None:
 @click.option("--quiet", is_flag=True, help="Only the summary.")
 def demo(count: int, timeout: float, quiet: bool) -> None:
     """Embedded broker + simulator (or your endpoint) + worker + sample comments, live."""
-    from streams.cli.demo import run_demo
+    from streams.dev.demo import run_demo
 
     sys.exit(run_demo(count=count, timeout_s=timeout, quiet=quiet))
 
@@ -149,7 +149,7 @@ def status(task_id: str | None, url: str | None, once: bool, every: float) -> No
     from rich.console import Console
     from rich.table import Table
 
-    from streams.cli.ops import task_state
+    from streams.ops.redrive import task_state
 
     settings = settings_or_exit()
     if task_id is None:
@@ -191,7 +191,7 @@ def redrive(categories: tuple[str, ...], since: str | None, dry_run: bool) -> No
     Each keeps its task_id and lands as a normal result; a task answered since, or
     already re-queued, is skipped.
     """
-    from streams.cli.ops import redrive as run_redrive
+    from streams.ops.redrive import redrive as run_redrive
 
     settings = settings_or_exit()
     when = iso_time_or_exit("--since", since)
@@ -279,8 +279,8 @@ def backtrack(
     applies it in order with the task's other records and notes it in the
     task's history (`llm-streams status TASK_ID`).
     """
-    from streams.backtrack import Selection, plan_backtrack, send_backtrack
-    from streams.prompts.registry import PipelineRegistry
+    from streams.ops.backtrack import Selection, plan_backtrack, send_backtrack
+    from streams.pipelines.registry import PipelineRegistry
 
     if bool(restore_version) == rerun:
         click.echo("backtrack: give exactly one of --restore VERSION or --rerun", err=True)
@@ -319,9 +319,9 @@ def diff(pipeline: str, from_version: str, to_version: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from streams.diff import summarise, version_pairs
     from streams.errors import TaskError
-    from streams.prompts.registry import PipelineRegistry
+    from streams.ops.diff import summarise, version_pairs
+    from streams.pipelines.registry import PipelineRegistry
 
     settings = settings_or_exit()
     try:
@@ -363,7 +363,7 @@ def pipelines() -> None:
 @click.option("--dir", "directory", type=click.Path(path_type=Path), default=None)
 def pipelines_validate(directory: Path | None) -> None:
     """Load every pipeline file, check slots, templates and output schemas."""
-    from streams.prompts.registry import PipelineRegistry
+    from streams.pipelines.registry import PipelineRegistry
 
     settings = settings_or_exit()
     try:

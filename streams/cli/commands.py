@@ -12,11 +12,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from streams.errors import InvalidInput
-from streams.publisher import TaskPublisher
+from streams.kafka.publisher import TaskPublisher
+from streams.kafka.topics import ensure_topics
+from streams.ops.render import describe
 from streams.settings import Settings
-from streams.topics import ensure_topics
-
-_SENTIMENT_STYLE = {"positive": "green", "negative": "red", "mixed": "yellow", "neutral": "white"}
 
 
 def as_task(line: bytes, pipeline: str) -> dict[str, Any]:
@@ -51,34 +50,6 @@ async def publish_lines(
                 progress.advance(bar)
             await pub.flush()
     return sent, bad
-
-
-def describe(topic: str, key: bytes | None, value: bytes | None) -> str:
-    """One readable line for a result, a dead letter or any JSON record."""
-    try:
-        data = orjson.loads(value) if value is not None else None
-    except orjson.JSONDecodeError:
-        return f"[dim]{topic}[/dim] {key!r} <{len(value or b'')} bytes, not JSON>"
-    if isinstance(data, dict) and "output" in data and "result_key" in data:
-        out = data["output"]
-        label = str(out.get("sentiment", "?"))
-        style = _SENTIMENT_STYLE.get(label, "white")
-        topics = ",".join(out.get("topics", []))
-        issues = "; ".join(
-            f'{i.get("category")}: "{i.get("evidence", "")[:40]}"' for i in out.get("issues", [])
-        )
-        return (
-            f"[bold]{data['task_id'][:24]:<24}[/bold] [{style}]{label:<8}[/{style}] "
-            f"{out.get('language', '?'):<3}{out.get('confidence', 0):.2f} [cyan]{topics}[/cyan] "
-            f"{data.get('latency_ms', 0):>6.0f}ms {issues}"
-        )
-    if isinstance(data, dict) and "error" in data and "failed_at" in data:
-        err = data["error"]
-        return (
-            f"[bold]{str(data.get('task_id'))[:24]:<24}[/bold] [magenta]dead letter[/magenta] "
-            f"{err.get('category')}/{err.get('code')}: {str(err.get('message'))[:90]}"
-        )
-    return f"[dim]{topic}[/dim] {key!r} {orjson.dumps(data).decode()[:160]}"
 
 
 async def tail_topic(

@@ -16,8 +16,8 @@ from rich.progress import (
 )
 
 from streams.errors import ConfigError, TaskError
-from streams.prompts.registry import PipelineRegistry
-from streams.replay import Checkpoint, Replayer, ReplayRequest
+from streams.ops.replay import Checkpoint, Replayer, ReplayRequest
+from streams.pipelines.registry import PipelineRegistry
 from streams.settings import Settings
 
 

@@ -1,2 +1,4 @@
-"""The Kafka side of llm-streams: clients built from settings, reads to the real end of a
-partition, and the size limits every write must fit."""
+"""The Kafka edge: the app's composition root, the thin agent (headers -> core ->
+writes -> acks), the task store, exactly-once transactions, topics, clients, the
+read-to-end rule, write limits, routing, the bounded shutdown. All private Faust
+access lives in `faust_private`."""

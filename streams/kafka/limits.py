@@ -31,8 +31,8 @@ from aiokafka.errors import (
     TransactionalIdAuthorizationFailed,
 )
 
+from streams.contract.records import RecordRoom
 from streams.kafka.clients import admin
-from streams.records import RecordRoom
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)

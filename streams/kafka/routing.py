@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from aiokafka.partitioner import murmur2
 
-REROUTED_FROM_HEADER = "llm-streams-rerouted-from"
-
 
 def partition_for(task_id: str, partitions: int) -> int:
     """The partition Kafka's default partitioner gives a record keyed by `task_id`."""

@@ -1,4 +1,5 @@
-"""LLM layer: a small client protocol, the OpenAI SDK adapter, the local simulator."""
+"""LLM layer: a small client protocol, the OpenAI SDK adapter (error mapping, Batch API),
+the offline tokenizer."""
 
 from streams.llm.client import LLMClient, LLMRequest, LLMResponse
 

@@ -20,7 +20,7 @@ from streams.errors import (
     Timeout,
     UpstreamError,
 )
-from streams.llm.client import LLMRequest, LLMResponse
+from streams.llm.client import LLMRequest, LLMResponse, parse_completion
 
 
 def retry_after_seconds(headers: Any) -> float | None:
@@ -198,34 +198,3 @@ class OpenAIClient:
 
     async def close(self) -> None:
         await self._client.close()
-
-
-def parse_completion(
-    raw: bytes, requested_model: str, headers: dict[str, str] | None = None
-) -> LLMResponse:
-    """A chat completion body -> LLMResponse; a body that is not one is an upstream error."""
-    try:
-        data = orjson.loads(raw)
-        choice = data["choices"][0]
-        message = choice.get("message") or {}
-        usage = data.get("usage") or {}
-        return LLMResponse(
-            content=message.get("content") or "",
-            model=str(data.get("model") or requested_model),
-            prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
-            finish_reason=str(choice.get("finish_reason") or "stop"),
-            rate_headers=headers or {},
-        )
-    except (
-        orjson.JSONDecodeError,
-        KeyError,
-        IndexError,
-        TypeError,
-        AttributeError,
-        ValueError,
-    ) as exc:
-        raise UpstreamError(
-            f"endpoint answered with something that is not a chat completion: {exc!r}",
-            code="malformed_response",
-        ) from exc

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from streams.contract.lanes import Lane
 from streams.errors import (
     CircuitOpen,
     DeadlineExceeded,
@@ -20,10 +21,10 @@ from streams.errors import (
 )
 from streams.llm.client import LLMClient, LLMRequest, LLMResponse
 from streams.llm.tokens import count_messages
-from streams.metrics import Metrics
+from streams.observability.metrics import Metrics
 from streams.resilience.breaker import Admission, CircuitBreaker, State
 from streams.resilience.clock import Clock, MonotonicClock
-from streams.resilience.limiter import Lane, RateLimiter
+from streams.resilience.limiter import RateLimiter
 
 DEFAULT_MAX_TOKENS = 1024
 # An attempt still waiting for its answer this close to the task's deadline is cut

@@ -22,8 +22,8 @@ import itertools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import IntEnum
 
+from streams.contract.lanes import Lane
 from streams.resilience.clock import Clock, MonotonicClock
 
 log = logging.getLogger(__name__)
@@ -32,13 +32,6 @@ log = logging.getLogger(__name__)
 _EPSILON = 1e-9
 UNKNOWN_RPM = 1_000_000.0  # no limit known and none learned: effectively unlimited
 PROBE_POLL_S = 0.05
-
-
-class Lane(IntEnum):
-    """Lower value = served first."""
-
-    LIVE = 0
-    REPLAY = 1
 
 
 class Bucket:

@@ -11,8 +11,7 @@ import os
 from collections.abc import Callable
 
 from streams.llm.client import LLMClient
-from streams.metrics import Metrics
-from streams.prompts.registry import Fallback
+from streams.observability.metrics import Metrics
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
@@ -67,11 +66,15 @@ class ClientPool:
     def primary(self, model: str) -> GuardedClient:
         return self.get(self.base_url, self.api_key, model)
 
-    def for_fallback(self, fallback: Fallback) -> GuardedClient:
-        if fallback.base_url is None:
-            return self.get(self.base_url, self.api_key, fallback.model)
-        key = os.environ.get(fallback.api_key_env) if fallback.api_key_env else None
-        return self.get(fallback.base_url, key, fallback.model)
+    def for_model(
+        self, model: str, base_url: str | None = None, api_key_env: str | None = None
+    ) -> GuardedClient:
+        """The client of `model` on the primary endpoint, or on `base_url` with the key in
+        the environment variable `api_key_env` (a pipeline's fallback on another endpoint)."""
+        if base_url is None:
+            return self.get(self.base_url, self.api_key, model)
+        key = os.environ.get(api_key_env) if api_key_env else None
+        return self.get(base_url, key, model)
 
     async def close(self) -> None:
         for http in self._http.values():

@@ -2,8 +2,8 @@
 
 Order of preference: `KAFKA_BOOTSTRAP_SERVERS` (an external broker), the official
 `apache/kafka` image through testcontainers when a Docker engine answers
-(streams.brokers.docker), else Apache Kafka 4.x in KRaft mode from Maven Central jars
-on the local Java 17 (streams.brokers.apache).
+(streams.dev.brokers.docker), else Apache Kafka 4.x in KRaft mode from Maven Central jars
+on the local Java 17 (streams.dev.brokers.apache).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from streams.brokers.apache import ApacheKafka
-from streams.brokers.docker import official_kafka
+from streams.dev.brokers.apache import ApacheKafka
+from streams.dev.brokers.docker import official_kafka
 from streams.settings import Settings, load_settings
 
 pytestmark = pytest.mark.integration

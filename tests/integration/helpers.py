@@ -20,10 +20,10 @@ import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from streams.brokers.common import free_port
+from streams.dev.brokers.common import free_port
 from streams.kafka.scan import json_object
+from streams.kafka.topics import ensure_topics
 from streams.settings import Settings, settings_env
-from streams.topics import ensure_topics
 
 
 class WorkerProcess:

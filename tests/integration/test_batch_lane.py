@@ -14,8 +14,8 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from streams.llm.simulator import SimulatorServer
-from streams.topics import ensure_topics
+from streams.dev.simulator import SimulatorServer
+from streams.kafka.topics import ensure_topics
 from tests.integration.helpers import (
     WorkerProcess,
     assert_one_outcome_each,

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from streams.llm.simulator import SimulatorServer
+from streams.dev.simulator import SimulatorServer
 from tests.integration.helpers import WorkerProcess, assert_one_outcome_each, collect, produce
 
 pytestmark = pytest.mark.integration

@@ -23,7 +23,7 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from streams.llm.simulator import SimulatorServer
+from streams.dev.simulator import SimulatorServer
 from tests.integration.helpers import (
     WorkerProcess,
     assert_each_task_answered_once,

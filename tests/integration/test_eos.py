@@ -13,7 +13,7 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from streams.llm.simulator import SimulatorServer
+from streams.dev.simulator import SimulatorServer
 from tests.integration.helpers import WorkerProcess, collect, produce
 
 pytestmark = pytest.mark.integration

@@ -14,10 +14,10 @@ import yaml
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import NewTopic
 
+from streams.dev.simulator import SimulatorServer
 from streams.kafka import clients
 from streams.kafka.routing import partition_for
-from streams.llm.simulator import SimulatorServer
-from streams.topics import ensure_topics, state_topic
+from streams.kafka.topics import ensure_topics, state_topic
 from tests.integration.helpers import WorkerProcess, assert_one_outcome_each, collect
 
 pytestmark = pytest.mark.integration

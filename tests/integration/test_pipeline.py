@@ -11,7 +11,7 @@ import jsonschema
 import orjson
 import pytest
 
-from streams.llm.simulator import SimulatorServer
+from streams.dev.simulator import SimulatorServer
 from tests.integration.helpers import Scrape, WorkerProcess, collect, produce
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from streams.llm.simulator import SimulatorServer
+from streams.dev.simulator import SimulatorServer
 from tests.integration.helpers import WorkerProcess, collect, produce, run_cli
 
 pytestmark = pytest.mark.integration

@@ -16,17 +16,11 @@ import orjson
 import pytest
 import yaml
 
+from streams.contract.headers import FORCE_HEADER, REPLAY_ID_HEADER, REPLAY_OF_HEADER
+from streams.dev.simulator import SimulatorServer
 from streams.kafka.scan import scan
-from streams.llm.simulator import SimulatorServer
-from streams.prompts.registry import PipelineRegistry
-from streams.replay import (
-    FORCE_HEADER,
-    REPLAY_ID_HEADER,
-    REPLAY_OF_HEADER,
-    Checkpoint,
-    Replayer,
-    ReplayRequest,
-)
+from streams.ops.replay import Checkpoint, Replayer, ReplayRequest
+from streams.pipelines.registry import PipelineRegistry
 from streams.settings import Settings
 from tests.integration.helpers import WorkerProcess, collect, produce, run_cli
 

@@ -18,7 +18,7 @@ import orjson
 import pytest
 import yaml
 
-from streams.llm.simulator import SimulatorServer
+from streams.dev.simulator import SimulatorServer
 from tests.integration.helpers import Scrape, WorkerProcess, collect, produce
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from streams.llm.simulator import SimulatorServer
+from streams.dev.simulator import SimulatorServer
 from tests.integration.helpers import WorkerProcess, collect, produce
 
 pytestmark = pytest.mark.integration

@@ -19,8 +19,8 @@ from typing import Any
 import orjson
 import pytest
 
-from streams.brokers.apache import ApacheKafka
-from streams.llm.simulator import SimulatorServer
+from streams.dev.brokers.apache import ApacheKafka
+from streams.dev.simulator import SimulatorServer
 from streams.settings import Settings
 from tests.integration.helpers import (
     Collected,

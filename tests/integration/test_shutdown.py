@@ -13,8 +13,8 @@ from typing import Any
 import orjson
 import pytest
 
-from streams.brokers.apache import ApacheKafka
-from streams.llm.simulator import SimulatorServer
+from streams.dev.brokers.apache import ApacheKafka
+from streams.dev.simulator import SimulatorServer
 from tests.integration.helpers import (
     WorkerProcess,
     assert_each_task_answered_once,

@@ -11,7 +11,7 @@ import orjson
 import pytest
 import yaml
 
-from streams.llm.simulator import SimulatorServer
+from streams.dev.simulator import SimulatorServer
 from tests.integration.helpers import WorkerProcess, collect, produce, run_cli
 
 pytestmark = pytest.mark.integration

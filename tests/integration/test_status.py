@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import pytest
 
-from streams.llm.simulator import SimulatorServer
+from streams.dev.simulator import SimulatorServer
 from streams.settings import settings_env
 from tests.integration.helpers import WorkerProcess, collect, produce
 from tests.prerequisites import browser

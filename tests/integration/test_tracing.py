@@ -15,9 +15,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import set_span_in_context
 
-from streams.llm.simulator import SimulatorServer
-from streams.topics import ensure_topics
-from streams.tracing import PROPAGATOR
+from streams.dev.simulator import SimulatorServer
+from streams.kafka.topics import ensure_topics
+from streams.observability.tracing import PROPAGATOR
 from tests.integration.helpers import WorkerProcess
 
 pytestmark = pytest.mark.integration

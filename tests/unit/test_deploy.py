@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from streams.metrics import Metrics
+from streams.kafka.topics import topic_specs
+from streams.observability.metrics import Metrics
 from streams.settings import load_settings
-from streams.topics import topic_specs
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 METRIC = re.compile(r"\bllm_streams_[a-z0-9_]+\b")
@@ -223,7 +223,7 @@ def test_the_tests_kafka_container_is_configured_like_the_compose_broker() -> No
     gets the KRaft settings docker-compose.yml gives it, advertising its bound port."""
     from compose_spec import PyCompose
 
-    from streams.brokers.docker import IMAGE, kraft_env
+    from streams.dev.brokers.docker import IMAGE, kraft_env
 
     compose = PyCompose.from_yaml((ROOT / "docker-compose.yml").read_text()).to_dict()
     kafka = compose["services"]["kafka"]

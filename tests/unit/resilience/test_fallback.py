@@ -9,11 +9,11 @@ from pathlib import Path
 import orjson
 import pytest
 
+from streams.contract.records import Source
+from streams.core.processor import Prices, TaskProcessor
+from streams.dev.simulator import SimConfig, SimulatorServer
 from streams.llm.openai_client import OpenAIClient
-from streams.llm.simulator import SimConfig, SimulatorServer
-from streams.processing.processor import Prices, TaskProcessor
-from streams.prompts.registry import PipelineRegistry
-from streams.records import Source
+from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.breaker import CircuitBreaker, State
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.pool import ClientPool
@@ -65,7 +65,7 @@ def _processor(sim: SimulatorServer, dirs: tuple[Path, Path]) -> tuple[TaskProce
         deadline_s=10,
         max_task_bytes=10_000,
         prices=Prices(),
-        clients=pool.for_fallback,
+        clients=pool.for_model,
         close=pool.close,
     )
     return processor, pool

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from streams.dev.simulator import SimulatorServer
 from streams.errors import CircuitOpen, RateLimited, UpstreamError
 from streams.llm.client import LLMRequest
 from streams.llm.openai_client import OpenAIClient
-from streams.llm.simulator import SimulatorServer
 from streams.resilience.breaker import CircuitBreaker, State
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter

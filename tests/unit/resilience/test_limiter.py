@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from streams.contract.lanes import Lane
 from streams.resilience.clock import FakeClock
-from streams.resilience.limiter import Lane, RateLimiter
+from streams.resilience.limiter import RateLimiter
 
 
 def exact(**kw: object) -> RateLimiter:

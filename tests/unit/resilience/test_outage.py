@@ -10,11 +10,11 @@ from pathlib import Path
 
 import orjson
 
+from streams.contract.records import Source
+from streams.core.processor import Prices, TaskProcessor
+from streams.dev.simulator import SimulatorServer
 from streams.llm.openai_client import OpenAIClient
-from streams.llm.simulator import SimulatorServer
-from streams.processing.processor import Prices, TaskProcessor
-from streams.prompts.registry import PipelineRegistry
-from streams.records import Source
+from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.breaker import CircuitBreaker, State
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter

@@ -1,1 +1,0 @@
-"""Thin Faust agents: decode -> processing -> send -> ack."""

@@ -1,0 +1,11 @@
+"""Record header names the project writes and reads (all `llm-streams-*`)."""
+
+from __future__ import annotations
+
+REPLAY_ID_HEADER = "llm-streams-replay-id"  # the replay a record was sent by
+REPLAY_OF_HEADER = "llm-streams-replay-of"  # topic/partition/offset it was copied from
+FORCE_HEADER = "llm-streams-force"  # "1": ask the LLM again even when answered
+TIER_HEADER = "llm-streams-tier"  # sync | flex | batch: how the worker answers the record
+BACKTRACK_HEADER = "llm-streams-backtrack"  # restore | rerun: a backtrack of the task
+REDRIVE_HEADER = "llm-streams-redrive-of"  # topic/partition/offset of the dead letter
+REROUTED_FROM_HEADER = "llm-streams-rerouted-from"  # where a misrouted record came from

@@ -1,0 +1,564 @@
+"""The batch lane: requests through the provider's Batch API at its batch price, with
+the same guarantees as the synchronous lane.
+
+A task of the batch tier runs its job as usual — decode, render, retries, the
+output contract, the result or dead letter written through the task store —
+except that each attempt's request, instead of a call, is one line of a batch
+file (`custom_id` = result key). The job gives its concurrency slot back while
+it waits (`parked`); its record stays unacknowledged, so the input offset
+commits only once the outcome is written, as in the synchronous lane.
+
+Per task partition, waiting requests are gathered until `max_items`,
+`max_bytes` or `linger_s`; the batch is written to the ledger (the store's
+ledger map, on the compacted `<app_id>-batch-ledger` topic, partition p) before
+it is uploaded and created, then marked submitted with the provider's id, then
+polled with backoff. Its requests' answers are matched back by custom_id.
+
+The ledger keeps a worker from sending a request twice: a record that runs again
+after a crash or a rebalance finds its request (`item/<custom_id>/<attempt>`)
+in a batch and waits for that batch — polling it, or reading its files if it
+already ended. A batch recorded as being created but unknown to the provider
+(the worker died before creating it; found by its metadata otherwise) is
+abandoned and its requests go in a new one.
+
+Answers: a 200 line is the attempt's completion; an error line is the attempt's
+error in the usual taxonomy (so the usual retries and dead letters follow); a
+request the batch did not get to (expired, cancelled, a batch refused for the
+enqueued-token limit) is sent again in a new batch, not charged to the task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+from aiolimiter import AsyncLimiter
+
+from streams.core.dispatch import parked
+from streams.errors import AuthError, BadRequest, RateLimited, TaskError, UpstreamError
+from streams.llm.client import LLMRequest, LLMResponse, parse_completion
+from streams.llm.tokens import count_messages
+from streams.observability.metrics import Metrics
+from streams.settings import BatchApiSettings
+
+log = logging.getLogger(__name__)
+
+METADATA_KEY = "llm_streams_batch"
+# A batch recorded as being created is taken for never created only this long after:
+# its creator may be between the ledger write and the provider's answer.
+CREATE_GRACE_S = 120.0
+TERMINAL = {"completed", "expired", "cancelled", "failed"}
+# Bytes one request takes in its batch's ledger record (`["rk1-<40 hex>", attempt],`).
+LEDGER_ITEM_BYTES = 64
+
+
+class Ledger(Protocol):
+    """The durable ledger of one worker's partitions (the task store's ledger map on
+    `<app_id>-batch-ledger`): what a worker must find again after a crash."""
+
+    def get(self, partition: int, key: bytes) -> bytes | None: ...
+
+    async def put(self, partition: int, key: bytes, value: bytes) -> None: ...
+
+
+class BatchOps(Protocol):
+    async def upload_batch_file(self, data: bytes, name: str) -> str: ...
+    async def create_batch(
+        self, input_file_id: str, metadata: dict[str, str]
+    ) -> dict[str, Any]: ...
+    async def retrieve_batch(self, batch_id: str) -> dict[str, Any]: ...
+    async def list_batches(
+        self, after: str | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]: ...
+    async def file_content(self, file_id: str) -> bytes: ...
+
+
+class _Resubmit:
+    """Batch `batch` gave no answer for the request (expired, cancelled, refused): send it
+    again — unless the ledger already has it in a later batch (another run of the same
+    record sent it again first)."""
+
+    def __init__(self, batch: str | None = None) -> None:
+        self.batch = batch
+
+
+RESUBMIT = _Resubmit()
+Answer = LLMResponse | TaskError | _Resubmit
+
+
+def item_key(custom_id: str, attempt: int) -> bytes:
+    return f"item/{custom_id}/{attempt}".encode()
+
+
+def batch_key(local_id: str) -> bytes:
+    return f"batch/{local_id}".encode()
+
+
+def request_line(custom_id: str, request: LLMRequest) -> bytes:
+    body: dict[str, Any] = {"model": request.model, "messages": request.messages, **request.params}
+    if request.response_format is not None:
+        body["response_format"] = request.response_format
+    line = {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    return orjson.dumps(line) + b"\n"
+
+
+def error_of(line: dict[str, Any]) -> TaskError | _Resubmit:
+    """A batch error line in the usual taxonomy (or: send again)."""
+    response = line.get("response") or {}
+    status = int(response.get("status_code") or 0)
+    body = response.get("body") or {}
+    error = (body.get("error") if isinstance(body, dict) else None) or line.get("error") or {}
+    message = str(error.get("message") or f"batch request failed with status {status}")
+    code = str(error.get("code") or f"http_{status}")
+    if not status:  # no response: the batch did not get to it
+        return (
+            RESUBMIT
+            if code in ("batch_expired", "batch_cancelled")
+            else UpstreamError(f"batch: {message}", code=code)
+        )
+    if status == 429:
+        return RateLimited(f"batch: HTTP 429: {message}", code=code)
+    if status in (401, 403):
+        return AuthError(f"batch: HTTP {status}: {message}", code=code)
+    if 400 <= status < 500:
+        return BadRequest(f"batch: HTTP {status}: {message}", code=code)
+    return UpstreamError(f"batch: HTTP {status}: {message}", code=code)
+
+
+@dataclass
+class _Waiting:
+    partition: int
+    custom_id: str
+    attempt: int
+    line: bytes
+    tokens: int
+
+
+@dataclass
+class _Batch:
+    """A ledger batch record."""
+
+    local_id: str
+    partition: int
+    items: list[list[Any]]  # [custom_id, attempt]
+    tokens: int
+    created_at: float
+    state: str = "creating"  # creating | submitted | done
+    remote_id: str | None = None
+    status: str | None = None  # the provider's final status
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    lines: list[_Waiting] = field(default_factory=list, repr=False)  # in memory only
+    released: bool = field(default=False, repr=False)  # its tokens left the enqueued count
+
+    def dumps(self) -> bytes:
+        data = {k: v for k, v in self.__dict__.items() if k not in ("lines", "released")}
+        return orjson.dumps(data)
+
+    @classmethod
+    def loads(cls, raw: bytes) -> _Batch:
+        data = orjson.loads(raw)
+        known = {f for f in cls.__dataclass_fields__ if f not in ("lines", "released")}
+        return cls(**{k: v for k, v in data.items() if k in known})  # a newer version's extras
+
+
+class BatchLane:
+    """Sends batch-tier requests in batches and hands each its answer."""
+
+    def __init__(
+        self,
+        ops: BatchOps,
+        ledger: Ledger,
+        settings: BatchApiSettings,
+        metrics: Metrics | None = None,
+        *,
+        ledger_room: int = 1_044_000,
+    ) -> None:
+        self.ops = ops
+        self.ledger = ledger
+        self.settings = settings
+        # A batch's ledger record lists its requests and must fit the ledger topic.
+        self.max_items = max(1, min(settings.max_items, (ledger_room - 1024) // LEDGER_ITEM_BYTES))
+        self.metrics = metrics
+        self._pending: dict[int, list[_Waiting]] = {}
+        self._queued: set[tuple[str, int]] = set()
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._waiters: dict[tuple[str, int], list[asyncio.Future[Answer]]] = {}
+        self._followed: dict[str, asyncio.Task[None]] = {}  # local id -> its poller
+        self._creating: set[str] = set()  # local ids this worker is creating now
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._capacity = asyncio.Semaphore(settings.max_pending)
+        self._enqueued = 0  # tokens in this worker's unfinished batches
+        self._room = asyncio.Condition()
+        self._files: OrderedDict[str, dict[str, dict[str, Any]]] = OrderedDict()
+        # Answers go out at a pace: each wakes a task that writes its result.
+        self._deliveries: asyncio.Queue[tuple[asyncio.Future[Answer], Answer]] = asyncio.Queue()
+        self._pace = AsyncLimiter(max(1.0, settings.intake_per_s / 10), 0.1)
+        self._intake = AsyncLimiter(max(1.0, settings.intake_per_s / 10), 0.1)
+        self._deliverer: asyncio.Task[None] | None = None
+
+    # -- the job's side ----------------------------------------------------------------
+
+    async def complete(
+        self, partition: int, custom_id: str, attempt: int, request: LLMRequest
+    ) -> LLMResponse:
+        """The answer to one attempt, through a batch. Raises the attempt's TaskError."""
+        async with self._capacity:
+            key = (custom_id, attempt)
+            gave_none: set[str] = set()  # batches that had it and gave no answer
+            while True:
+                future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+                self._waiters.setdefault(key, []).append(future)
+                try:
+                    known = self._ledger_batch(partition, custom_id, attempt)
+                    if (
+                        known is not None
+                        and known.state != "abandoned"
+                        and known.local_id not in gave_none
+                    ):
+                        self._follow(known)
+                    elif key not in self._queued:
+                        self._queued.add(key)
+                        async with self._intake:  # at a pace (the job holds its slot)
+                            pass
+                        line = request_line(custom_id, request)
+                        tokens = self._prompt_tokens(request) + int(
+                            request.params.get("max_completion_tokens")
+                            or request.params.get("max_tokens")
+                            or 1024
+                        )
+                        self._enqueue(_Waiting(partition, custom_id, attempt, line, tokens))
+                    async with parked():
+                        answer = await future
+                finally:
+                    waiting = self._waiters.get(key, [])
+                    if future in waiting:
+                        waiting.remove(future)
+                    if not waiting:
+                        self._waiters.pop(key, None)
+                if isinstance(answer, _Resubmit):
+                    self._count_request("resubmitted")
+                    if answer.batch is not None:
+                        gave_none.add(answer.batch)
+                    continue
+                if isinstance(answer, TaskError):
+                    raise answer
+                return answer
+
+    def _prompt_tokens(self, request: LLMRequest) -> int:
+        """Counted for an enqueued-token limit; otherwise bytes / 4 will do."""
+        if self.settings.max_enqueued_tokens:
+            return count_messages(request.messages)
+        return sum(len(m["content"].encode()) for m in request.messages) // 4
+
+    def _ledger_batch(self, partition: int, custom_id: str, attempt: int) -> _Batch | None:
+        raw = self.ledger.get(partition, item_key(custom_id, attempt))
+        if raw is None:
+            return None
+        local_id = orjson.loads(raw)["batch"]
+        found = self.ledger.get(partition, batch_key(local_id))
+        return _Batch.loads(found) if found is not None else None
+
+    # -- gathering and sending ---------------------------------------------------------
+
+    def _enqueue(self, waiting: _Waiting) -> None:
+        p = waiting.partition
+        queue = self._pending.setdefault(p, [])
+        queue.append(waiting)
+        self._queued.add((waiting.custom_id, waiting.attempt))
+        size = sum(len(w.line) for w in queue)
+        if len(queue) >= self.max_items or size >= self.settings.max_bytes:
+            self._flush(p)
+        elif p not in self._timers:
+            loop = asyncio.get_running_loop()
+            self._timers[p] = loop.call_later(self.settings.linger_s, self._flush, p)
+
+    def _flush(self, partition: int) -> None:
+        timer = self._timers.pop(partition, None)
+        if timer is not None:
+            timer.cancel()
+        queue = self._pending.pop(partition, [])
+        while queue:
+            take: list[_Waiting] = []
+            size = 0
+            for w in queue:
+                if take and (len(take) >= self.max_items
+                             or size + len(w.line) > self.settings.max_bytes):  # fmt: skip
+                    break
+                take.append(w)
+                size += len(w.line)
+            queue = queue[len(take) :]
+            batch = _Batch(
+                local_id=uuid.uuid4().hex, partition=partition,
+                items=[[w.custom_id, w.attempt] for w in take],
+                tokens=sum(w.tokens for w in take), created_at=time.time(), lines=take,
+            )  # fmt: skip
+            self._spawn(self._submit(batch))
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _submit(self, batch: _Batch) -> None:
+        limit = self.settings.max_enqueued_tokens
+        async with self._room:  # within the provider's enqueued-token limit
+            await self._room.wait_for(
+                lambda: not limit or self._enqueued == 0 or self._enqueued + batch.tokens <= limit
+            )
+            self._enqueued += batch.tokens
+        self._creating.add(batch.local_id)
+        try:
+            p = batch.partition
+            # The ledger first: a worker that dies from here on finds the batch by its id.
+            await self.ledger.put(p, batch_key(batch.local_id), batch.dumps())
+            await asyncio.gather(*(
+                self.ledger.put(p, item_key(w.custom_id, w.attempt),
+                               orjson.dumps({"batch": batch.local_id}))
+                for w in batch.lines
+            ))  # fmt: skip
+            for w in batch.lines:
+                self._queued.discard((w.custom_id, w.attempt))
+            remote = await self._create(batch)
+            batch.state, batch.remote_id = "submitted", str(remote["id"])
+            await self.ledger.put(p, batch_key(batch.local_id), batch.dumps())
+            self._count_batch("submitted")
+            log.info("batch %s (%s): %d requests of partition %d submitted", batch.local_id,
+                     batch.remote_id, len(batch.items), p)  # fmt: skip
+        except Exception as exc:
+            for w in batch.lines:
+                self._queued.discard((w.custom_id, w.attempt))
+            self._release(batch)
+            error = (
+                exc
+                if isinstance(exc, TaskError)
+                else UpstreamError(f"batch not submitted: {exc!r}", code="batch_not_submitted")
+            )
+            log.warning("batch %s not submitted: %r", batch.local_id, exc)
+            batch.state, batch.status = "done", "not_submitted"
+            with contextlib.suppress(Exception):
+                await self.ledger.put(batch.partition, batch_key(batch.local_id),
+                                     batch.dumps())  # fmt: skip
+            self._creating.discard(batch.local_id)
+            self._settle(batch, {}, error)
+            return
+        self._creating.discard(batch.local_id)
+        self._follow(batch, own=True)
+
+    async def _create(self, batch: _Batch) -> dict[str, Any]:
+        """Upload the file and create the batch, retrying transient errors a few times."""
+        data = b"".join(w.line for w in batch.lines)
+        delay = 1.0
+        for attempt in range(1, 6):
+            try:
+                file_id = await self.ops.upload_batch_file(data, f"{batch.local_id}.jsonl")
+                return await self.ops.create_batch(file_id, {METADATA_KEY: batch.local_id})
+            except (UpstreamError, RateLimited) as exc:
+                if attempt == 5:
+                    raise
+                log.warning("creating batch %s failed (%s); again in %.0fs", batch.local_id,
+                            exc.message, delay)  # fmt: skip
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _release(self, batch: _Batch) -> None:
+        """The batch's tokens are no longer enqueued. Synchronous, so that a watcher
+        ends in the same step that hands out its batch's answers (a run that comes
+        later then starts its own watcher instead of waiting on a finished one)."""
+        if batch.released:
+            return
+        batch.released = True
+        self._enqueued = max(0, self._enqueued - batch.tokens)
+        self._spawn(self._notify_room())
+
+    async def _notify_room(self) -> None:
+        async with self._room:
+            self._room.notify_all()
+
+    # -- following a batch to its end ----------------------------------------------------
+
+    def _follow(self, batch: _Batch, *, own: bool = False) -> None:
+        if not own and batch.local_id in self._creating:
+            return  # this worker is creating it: its own watcher starts once it exists
+        running = self._followed.get(batch.local_id)
+        if running is not None and not running.done():
+            return
+        task = self._spawn(self._watch(batch, own))
+        self._followed[batch.local_id] = task
+        task.add_done_callback(lambda _: self._followed.pop(batch.local_id, None))
+
+    async def _watch(self, batch: _Batch, own: bool) -> None:
+        try:
+            await self._watch_once(batch, own)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never leave a job waiting on a batch forever
+            log.exception("following batch %s failed", batch.local_id)
+            self._settle(batch, {}, UpstreamError(f"batch lane: {exc!r}", code="batch_lane_error"))
+        finally:
+            if own:
+                self._release(batch)
+
+    async def _watch_once(self, batch: _Batch, own: bool) -> None:
+        if batch.state == "creating":
+            found = await self._find(batch.local_id, batch.created_at)
+            while found is None and time.time() - batch.created_at < CREATE_GRACE_S:
+                # Its creator may still be creating it (a worker that lost the partition
+                # a moment ago): wait for the provider or the ledger to say more.
+                await asyncio.sleep(self.settings.poll_s)
+                raw = self.ledger.get(batch.partition, batch_key(batch.local_id))
+                latest = _Batch.loads(raw) if raw is not None else batch
+                if latest.state != "creating":
+                    batch = latest
+                    break
+                found = await self._find(batch.local_id, batch.created_at)
+        if batch.state == "creating":
+            if found is None:  # never created: its requests go in a new batch
+                batch.state = "abandoned"
+                await self.ledger.put(batch.partition,
+                                     batch_key(batch.local_id), batch.dumps())  # fmt: skip
+                self._settle(batch, {}, RESUBMIT)
+                return
+            batch.state, batch.remote_id = "submitted", str(found["id"])
+            await self.ledger.put(batch.partition, batch_key(batch.local_id),
+                                 batch.dumps())  # fmt: skip
+        if batch.state == "submitted":
+            assert batch.remote_id is not None
+            remote = await self._poll(batch.remote_id)
+            batch.state, batch.status = "done", str(remote["status"])
+            batch.output_file_id = remote.get("output_file_id")
+            batch.error_file_id = remote.get("error_file_id")
+            self._count_batch(batch.status)
+            await self.ledger.put(batch.partition, batch_key(batch.local_id),
+                                 batch.dumps())  # fmt: skip
+            if batch.status == "failed":
+                errors = (remote.get("errors") or {}).get("data") or [{}]
+                code = str(errors[0].get("code") or "batch_failed")
+                log.warning("batch %s failed: %s", batch.remote_id, errors[0])
+                # Over the enqueued-token limit: again once earlier batches are done —
+                # unless none of ours were running, then the batch alone is too big.
+                others = self._enqueued - (batch.tokens if own else 0)
+                fail: Answer
+                if code == "token_limit_exceeded" and others > 0:
+                    fail = RESUBMIT
+                elif code == "token_limit_exceeded":
+                    fail = BadRequest(
+                        f"batch {batch.remote_id} alone is over the provider's enqueued-token "
+                        "limit: lower LLM_STREAMS_BATCH_API__MAX_ITEMS or set "
+                        "__MAX_ENQUEUED_TOKENS to the limit",
+                        code="token_limit_exceeded",
+                    )
+                else:
+                    fail = UpstreamError(
+                        f"batch {batch.remote_id} failed: {code}", code="batch_failed"
+                    )
+                self._settle(batch, {}, fail)
+                return
+        lines = await self._lines(batch)
+        self._settle(batch, lines, RESUBMIT)
+
+    async def _find(self, local_id: str, created_at: float) -> dict[str, Any] | None:
+        """The provider's batch carrying our id in its metadata, if it was created."""
+        after: str | None = None
+        while True:
+            page = await self.ops.list_batches(after=after, limit=100)
+            for remote in page:
+                if (remote.get("metadata") or {}).get(METADATA_KEY) == local_id:
+                    return remote
+            if not page or float(page[-1].get("created_at") or 0) < created_at - 3600:
+                return None
+            after = str(page[-1]["id"])
+
+    async def _poll(self, remote_id: str) -> dict[str, Any]:
+        delay = self.settings.poll_s
+        while True:
+            try:
+                remote = await self.ops.retrieve_batch(remote_id)
+                if remote.get("status") in TERMINAL:
+                    return remote
+            except (UpstreamError, RateLimited) as exc:  # the provider will be back
+                log.warning("polling batch %s: %s", remote_id, exc.message)
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, self.settings.poll_max_s)
+
+    async def _lines(self, batch: _Batch) -> dict[str, dict[str, Any]]:
+        """The batch's output and error lines by custom_id (files read once, then cached)."""
+        lines: dict[str, dict[str, Any]] = {}
+        for file_id in (batch.error_file_id, batch.output_file_id):  # output wins
+            if not file_id:
+                continue
+            if file_id not in self._files:
+                raw = await self.ops.file_content(file_id)
+                self._files[file_id] = {
+                    str(line["custom_id"]): line
+                    for line in (orjson.loads(x) for x in raw.splitlines() if x.strip())
+                }
+                while len(self._files) > 64:
+                    self._files.popitem(last=False)
+            lines.update(self._files[file_id])
+        return lines
+
+    def _settle(self, batch: _Batch, lines: dict[str, dict[str, Any]], missing: Answer) -> None:
+        """Hand every waiting request of the batch its answer."""
+        for custom_id, attempt in batch.items:
+            futures = self._waiters.get((custom_id, attempt), [])
+            line = lines.get(custom_id)
+            answer: Answer
+            if line is None:
+                answer = missing
+            elif int((line.get("response") or {}).get("status_code") or 0) == 200:
+                body = line["response"]["body"]
+                answer = parse_completion(orjson.dumps(body), str(body.get("model") or ""))
+                self._count_request("ok")
+            else:
+                answer = error_of(line)
+                if isinstance(answer, TaskError):
+                    self._count_request("error")
+            if isinstance(answer, _Resubmit):  # say which batch had nothing for it
+                answer = _Resubmit(batch.local_id)
+            for future in futures:
+                if isinstance(answer, LLMResponse):
+                    self._deliveries.put_nowait((future, answer))
+                elif not future.done():
+                    future.set_result(answer)
+        if self._deliverer is None or self._deliverer.done():
+            self._deliverer = self._spawn(self._deliver())
+
+    async def _deliver(self) -> None:
+        """Hand answers to their tasks at `intake_per_s`."""
+        while not self._deliveries.empty():
+            future, answer = self._deliveries.get_nowait()
+            if future.done():
+                continue
+            async with self._pace:
+                if not future.done():
+                    future.set_result(answer)
+
+    # -- metrics and shutdown ------------------------------------------------------------
+
+    def _count_batch(self, status: str) -> None:
+        if self.metrics is not None:
+            self.metrics.batches.labels(status).inc()
+
+    def _count_request(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.batch_requests.labels(outcome).inc()
+
+    async def close(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+__all__ = ["BatchLane", "BatchOps", "batch_key", "error_of", "item_key", "request_line"]

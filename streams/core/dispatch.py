@@ -1,0 +1,165 @@
+"""Bounded concurrency with per-key order: the in-flight half of offset safety.
+
+At most `limit` jobs run at once (the caller blocks in `submit` beyond that, so
+the consumer stops pulling records instead of buffering them). Jobs of one key
+run one after another in submission order, so results of one task_id keep the
+order of its events.
+
+The live and replay lanes each have their own dispatcher (and their own Faust
+stream, so a live record never queues behind replay records), sharing one
+`LaneSlots`: live takes any free slot first; replay takes only what live
+leaves, and never the last `reserve` slots, so a live record always finds one.
+A job waiting on a batch of the provider's Batch API gives its slot back meanwhile
+(`parked`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from streams.contract.lanes import Lane
+
+log = logging.getLogger(__name__)
+
+
+class LaneSlots:
+    """`limit` slots shared by two lanes: live first; replay at most `limit - reserve`."""
+
+    def __init__(self, limit: int, reserve: int = 0) -> None:
+        if limit < 1:
+            raise ValueError("limit must be >= 1")
+        if not 0 <= reserve < limit:
+            raise ValueError("reserve must be >= 0 and below the limit")
+        self.limit = limit
+        self.reserve = reserve
+        self.in_use = {Lane.LIVE: 0, Lane.REPLAY: 0}
+        self._waiters: dict[Lane, deque[asyncio.Future[None]]] = {
+            Lane.LIVE: deque(), Lane.REPLAY: deque()
+        }  # fmt: skip
+
+    def _free_for(self, lane: Lane) -> bool:
+        if self.in_use[Lane.LIVE] + self.in_use[Lane.REPLAY] >= self.limit:
+            return False
+        return lane is Lane.LIVE or self.in_use[Lane.REPLAY] < self.limit - self.reserve
+
+    async def acquire(self, lane: Lane) -> None:
+        ahead = self._waiters[Lane.LIVE] or self._waiters[lane]
+        if not ahead and self._free_for(lane):
+            self.in_use[lane] += 1
+            return
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[lane].append(granted)
+        try:
+            await granted  # `_wake` counted the slot as ours when it set the result
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self.release(lane)
+            else:
+                self._waiters[lane].remove(granted)
+            raise
+
+    def release(self, lane: Lane) -> None:
+        self.in_use[lane] -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        for lane in (Lane.LIVE, Lane.REPLAY):
+            waiting = self._waiters[lane]
+            while waiting and self._free_for(lane):
+                granted = waiting.popleft()
+                if not granted.done():
+                    self.in_use[lane] += 1
+                    granted.set_result(None)
+            if waiting:  # this lane still waits: nothing for the lanes after it
+                return
+
+
+@dataclass
+class _Held:
+    slots: LaneSlots
+    lane: Lane
+    held: bool = True
+
+
+_HELD: ContextVar[_Held | None] = ContextVar("llm_streams_slot", default=None)
+
+
+@contextlib.asynccontextmanager
+async def parked() -> AsyncIterator[None]:
+    """Give the running job's slot back while it waits on something slow that is not
+    the LLM endpoint (a batch that takes hours); take one again before going on."""
+    held = _HELD.get()
+    if held is None or not held.held:
+        yield
+        return
+    held.slots.release(held.lane)
+    held.held = False
+    try:
+        yield
+    finally:
+        await held.slots.acquire(held.lane)  # cancelled here: not held, nothing to free
+        held.held = True
+
+
+class Dispatcher:
+    def __init__(
+        self, limit: int | None = None, *, slots: LaneSlots | None = None, lane: Lane = Lane.LIVE
+    ) -> None:
+        if slots is None:
+            if limit is None or limit < 1:
+                raise ValueError("limit must be >= 1")
+            slots = LaneSlots(limit)
+        self.limit = slots.limit
+        self.lane = lane
+        self._slots = slots
+        self._tails: dict[str, asyncio.Task[None]] = {}
+        self._running: set[asyncio.Task[None]] = set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    async def submit(self, key: str, job: Callable[[], Awaitable[None]]) -> None:
+        """Start `job` once a slot is free and earlier jobs of `key` are done."""
+        await self._slots.acquire(self.lane)
+        previous = self._tails.get(key)
+        task = asyncio.create_task(self._run(key, previous, job))
+        self._tails[key] = task
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _run(
+        self, key: str, previous: asyncio.Task[None] | None, job: Callable[[], Awaitable[None]]
+    ) -> None:
+        held = _Held(self._slots, self.lane)
+        _HELD.set(held)  # this task's own context: `parked()` inside the job finds it
+        try:
+            if previous is not None and not previous.done():
+                await asyncio.wait([previous])
+            await job()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # jobs handle their own errors; this only keeps the loop alive
+            log.exception("dispatched job for key %r failed", key)
+        finally:
+            if held.held:
+                self._slots.release(self.lane)
+            if self._tails.get(key) is asyncio.current_task():
+                del self._tails[key]
+
+    async def drain(self) -> None:
+        """Wait for every job submitted so far."""
+        while self._running:
+            await asyncio.wait(list(self._running))
+
+    async def cancel(self) -> None:
+        for task in list(self._running):
+            task.cancel()
+        if self._running:
+            await asyncio.wait(list(self._running))

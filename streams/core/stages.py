@@ -1,0 +1,81 @@
+"""Stages after the first: each a pipeline run on the answers before it.
+
+A stage runs when its `when` holds, on an input built from the task's slots
+and the earlier answers, with the same retries, limiter, breaker and task
+deadline as the first call. Answers already known (kept in the task state by
+an earlier run that failed later on) are not asked again, so a failed stage
+resumes from itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from jinja2 import TemplateError
+
+from streams.errors import Category, Permanent, TaskError
+from streams.observability.tracing import stage_span
+from streams.pipelines.registry import Pipeline, PipelineVersion, RenderedPrompt, Stage
+
+MAIN = "main"  # the first stage's name in task states
+
+Call = Callable[[Pipeline, PipelineVersion, RenderedPrompt], Awaitable[dict[str, Any]]]
+
+
+class StageInputError(Permanent):
+    """A stage's `when` or input cannot be evaluated on the answers before it."""
+
+    category = Category.INVALID_OUTPUT
+
+
+class StageFailed(TaskError):
+    """A stage after the first failed; its category and code are its cause's."""
+
+    def __init__(self, stage: str, cause: TaskError) -> None:
+        super().__init__(f"stage {stage}: {cause.message}", code=cause.code)
+        self.stage = stage
+        self.category = cause.category
+        self.retryable = cause.retryable
+
+
+async def run_stages(
+    stages: list[Stage],
+    *,
+    variables: dict[str, Any],
+    output: dict[str, Any],
+    done: dict[str, Any],
+    task_id: str,
+    default_model: str,
+    call: Call,
+) -> dict[str, Any]:
+    """Answers of the stages by name (None: skipped). `done` holds answers known
+    before (not asked again) and receives each new one as soon as it is there."""
+    answers: dict[str, Any] = {}
+    context: dict[str, Any] = {"input": variables, "output": output, "stages": answers}
+    for stage in stages:
+        if stage.name in done:
+            answers[stage.name] = done[stage.name]
+            continue
+        try:
+            if not stage.applies(context):
+                answers[stage.name] = done[stage.name] = None
+                continue
+            stage_input = stage.build_input(context)
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise StageFailed(
+                stage.name,
+                StageInputError(f"cannot evaluate its when/input: {exc}", code="stage_input"),
+            ) from exc
+        version = stage.pipeline.version(stage.version, task_id)
+        try:
+            prompt = version.render(stage_input, default_model)
+            with stage_span(stage.name, stage.pipeline.name, version.version):
+                answer = await call(stage.pipeline, version, prompt)
+        except TaskError as exc:
+            raise StageFailed(stage.name, exc) from exc
+        answers[stage.name] = done[stage.name] = answer
+    return answers
+
+
+__all__ = ["MAIN", "StageFailed", "StageInputError", "run_stages"]

@@ -1,0 +1,512 @@
+"""A local OpenAI-compatible endpoint for tests, benchmarks and the demo.
+
+It answers `/v1/chat/completions` and `/v1/models` like OpenAI does, including
+rate limits enforced at sub-minute granularity (429 with `Retry-After`,
+`retry-after-ms` and `x-ratelimit-*` headers on every response), 500/503s,
+hangs, malformed content, context-length 400s and an API-key check. Knobs can
+be changed while it runs (`POST /sim/config`); `GET /sim/stats` counts
+requests by status and outcome and the duplicate successful calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import math
+import random
+import re
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from streams.dev import sim_batch, sim_content
+from streams.llm.tokens import count_messages, counter
+
+
+@dataclass
+class SimConfig:
+    """Behaviour knobs; rates are probabilities per request."""
+
+    latency_ms: float = 0.0
+    latency_jitter_ms: float = 0.0
+    latency_dist: str = "uniform"  # fixed | uniform | normal | lognormal
+    max_concurrency: int = 0  # 0 = unlimited; above it requests queue
+    rpm: int = 0  # 0 = no request limit
+    tpm: int = 0  # 0 = no token limit
+    burst_s: float = 1.0  # enforcement window: 60 RPM admits ~1 per second, not 60 at once
+    error_500_rate: float = 0.0
+    error_500_models: list[str] = field(default_factory=list)  # these models always answer 500
+    error_503_rate: float = 0.0
+    hang_rate: float = 0.0
+    hang_s: float = 600.0
+    malformed_rate: float = 0.0
+    packed_drop_items: int = 0  # packed answers leave out this many items
+    flex_latency_factor: float = 3.0  # service_tier=flex answers this much slower
+    flex_unavailable_rate: float = 0.0  # share of flex calls refused: 429 resource_unavailable
+    batch_delay_s: float = 2.0  # Batch API: a batch finishes this long after its creation
+    batch_item_error_rate: float = 0.0  # share of batch lines answered with a 500
+    batch_expire_next: int = 0  # this many next batches expire instead of completing
+    batch_expire_fraction: float = 0.5  # share of an expiring batch's lines answered
+    batch_token_limit: int = 0  # enqueued-token limit over unfinished batches (0: none)
+    packed_invalid_items: int = 0  # and break the schema for this many
+    long_answer_chars: int = 0  # json_schema answers of these models: first string field
+    long_answer_models: list[str] = field(default_factory=list)  # padded to this length
+    context_window: int = 128_000
+    api_key: str | None = None
+    models: list[str] = field(default_factory=lambda: ["sim-1", "gpt-4o-mini"])
+    seed: int = 0
+
+    def update(self, changes: dict[str, Any]) -> None:
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = set(changes) - names
+        if unknown:
+            raise ValueError(f"unknown simulator settings: {sorted(unknown)}")
+        for key, value in changes.items():
+            setattr(self, key, value)
+
+
+class _Bucket:
+    """Token bucket refilling at limit/60 per second, holding `burst_s` seconds of it."""
+
+    def __init__(self) -> None:
+        self.level = 0.0
+        self.stamp = time.monotonic()
+        self.limit = 0
+
+    def configure(self, limit: int, burst_s: float) -> None:
+        if limit != self.limit:
+            self.limit = limit
+            self.level = self.capacity(burst_s)
+            self.stamp = time.monotonic()
+
+    def capacity(self, burst_s: float) -> float:
+        return max(1.0, self.limit * burst_s / 60.0)
+
+    def refill(self, burst_s: float) -> None:
+        now = time.monotonic()
+        self.level = min(self.capacity(burst_s), self.level + (now - self.stamp) * self.limit / 60)
+        self.stamp = now
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until `amount` is available (0 when it is)."""
+        missing = max(0.0, amount - self.level)
+        return missing * 60 / self.limit if self.limit else 0.0
+
+    def remaining(self, burst_s: float) -> int:
+        return max(0, int(self.level / self.capacity(burst_s) * self.limit))
+
+    def reset_s(self, burst_s: float) -> float:
+        return max(0.0, (self.capacity(burst_s) - self.level) * 60 / self.limit)
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format: `20ms`, `1.5s`, `6m0s`."""
+    if seconds < 1:
+        return f"{int(seconds * 1000)}ms"
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    return f"{int(seconds // 60)}m{int(seconds % 60)}s"
+
+
+def _error(
+    status: int, message: str, etype: str, code: str | None, headers: dict[str, str]
+) -> web.Response:
+    body = {"error": {"message": message, "type": etype, "param": None, "code": code}}
+    return web.Response(
+        status=status, body=orjson.dumps(body), content_type="application/json", headers=headers
+    )
+
+
+class Simulator:
+    """The aiohttp application and its counters."""
+
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+        self.rng = random.Random(self.config.seed)
+        self.requests = _Bucket()
+        self.tokens = _Bucket()
+        self.by_status: Counter[int] = Counter()
+        self.by_outcome: Counter[str] = Counter()
+        self.answered: Counter[str] = Counter()
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.started = time.monotonic()
+        self.per_second: dict[int, Counter[int]] = {}
+        self._sem: asyncio.Semaphore | None = None
+        self._sem_size = 0
+        self.count_tokens = counter()
+        self.app = web.Application(client_max_size=32 * 1024 * 1024)
+        self.app.router.add_post("/v1/chat/completions", self.chat)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/sim/stats", self.stats)
+        self.app.router.add_post("/sim/config", self.set_config)
+        self.app.router.add_get("/sim/config", self.get_config)
+        self.app.router.add_post("/sim/reset", self.reset)
+        self.batch = sim_batch.BatchAPI(self, self._content)
+
+    # -- admin ---------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        dup = sum(n - 1 for n in self.answered.values() if n > 1)
+        return {
+            "requests": sum(self.by_status.values()),
+            "by_status": {str(k): v for k, v in sorted(self.by_status.items())},
+            "by_outcome": dict(sorted(self.by_outcome.items())),
+            "successful_prompts": len(self.answered),
+            "duplicate_successes": dup,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "in_flight": self.in_flight,
+            "max_in_flight": self.max_in_flight,
+            "now_s": time.monotonic() - self.started,
+            **self.batch.snapshot(),
+            "per_second": {
+                str(sec): {str(k): v for k, v in c.items()}
+                for sec, c in sorted(self.per_second.items())
+            },
+        }
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.snapshot())
+
+    async def get_config(self, request: web.Request) -> web.Response:
+        return web.json_response(dataclasses.asdict(self.config))
+
+    async def set_config(self, request: web.Request) -> web.Response:
+        try:
+            self.config.update(await request.json())
+        except (ValueError, TypeError) as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        return web.json_response(dataclasses.asdict(self.config))
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.by_status.clear()
+        self.by_outcome.clear()
+        self.answered.clear()
+        self.prompt_tokens = self.completion_tokens = 0
+        self.max_in_flight = self.in_flight
+        self.per_second.clear()
+        return web.json_response(self.snapshot())
+
+    async def models(self, request: web.Request) -> web.Response:
+        if (denied := self._auth(request)) is not None:
+            return denied
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "llm-streams-sim"}
+            for m in self.config.models
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    # -- chat ----------------------------------------------------------------
+    def _auth(self, request: web.Request) -> web.Response | None:
+        key = self.config.api_key
+        if key and request.headers.get("Authorization") != f"Bearer {key}":
+            self._count(401, "auth")
+            return _error(
+                401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key", {}
+            )
+        return None
+
+    def _count(self, status: int, outcome: str) -> None:
+        self.by_status[status] += 1
+        self.by_outcome[outcome] += 1
+        second = int(time.monotonic() - self.started)
+        self.per_second.setdefault(second, Counter())[status] += 1
+        if len(self.per_second) > 900:  # keep the last 15 minutes
+            del self.per_second[min(self.per_second)]
+
+    def _limit_headers(self) -> dict[str, str]:
+        cfg = self.config
+        headers: dict[str, str] = {}
+        if cfg.rpm:
+            headers["x-ratelimit-limit-requests"] = str(cfg.rpm)
+            headers["x-ratelimit-remaining-requests"] = str(self.requests.remaining(cfg.burst_s))
+            headers["x-ratelimit-reset-requests"] = _duration(self.requests.reset_s(cfg.burst_s))
+        if cfg.tpm:
+            headers["x-ratelimit-limit-tokens"] = str(cfg.tpm)
+            headers["x-ratelimit-remaining-tokens"] = str(self.tokens.remaining(cfg.burst_s))
+            headers["x-ratelimit-reset-tokens"] = _duration(self.tokens.reset_s(cfg.burst_s))
+        return headers
+
+    def _admit(self, tokens: int) -> tuple[float, str] | None:
+        """Take capacity for one request, or say how long to wait and which limit hit."""
+        cfg = self.config
+        self.requests.configure(cfg.rpm, cfg.burst_s)
+        self.tokens.configure(cfg.tpm, cfg.burst_s)
+        if cfg.rpm:
+            self.requests.refill(cfg.burst_s)
+            if self.requests.level < 1:
+                return self.requests.wait_for(1), "requests"
+        if cfg.tpm:
+            self.tokens.refill(cfg.burst_s)
+            need = min(tokens, self.tokens.capacity(cfg.burst_s))
+            if self.tokens.level < need:
+                return self.tokens.wait_for(need), "tokens"
+        if cfg.rpm:
+            self.requests.level -= 1
+        if cfg.tpm:
+            self.tokens.level -= tokens
+        return None
+
+    async def _sleep_latency(self, factor: float = 1.0) -> None:
+        cfg = self.config
+        mean = cfg.latency_ms / 1000 * factor
+        jitter = cfg.latency_jitter_ms / 1000 * factor
+        if cfg.latency_dist == "fixed" or jitter <= 0:
+            delay = mean
+        elif cfg.latency_dist == "normal":
+            delay = self.rng.gauss(mean, jitter)
+        elif cfg.latency_dist == "lognormal" and mean > 0:
+            sigma = math.sqrt(math.log(1 + (jitter / mean) ** 2))
+            delay = self.rng.lognormvariate(math.log(mean) - sigma**2 / 2, sigma)
+        else:
+            delay = self.rng.uniform(mean - jitter, mean + jitter)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    def _semaphore(self) -> asyncio.Semaphore | None:
+        size = self.config.max_concurrency
+        if size <= 0:
+            return None
+        if self._sem is None or self._sem_size != size:
+            self._sem = asyncio.Semaphore(size)
+            self._sem_size = size
+        return self._sem
+
+    async def chat(self, request: web.Request) -> web.Response:
+        if (denied := self._auth(request)) is not None:
+            return denied
+        try:
+            body = orjson.loads(await request.read())
+            messages = body["messages"]
+            model = str(body["model"])
+            if not isinstance(messages, list) or not messages:
+                raise ValueError("messages must be a non-empty list")
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            self._count(400, "bad_request")
+            return _error(
+                400, f"Invalid request: {exc}", "invalid_request_error", "invalid_request", {}
+            )
+        sem = self._semaphore()
+        if sem is None:
+            return await self._answer(body, messages, model)
+        async with sem:
+            return await self._answer(body, messages, model)
+
+    async def _answer(
+        self, body: dict[str, Any], messages: list[dict[str, Any]], model: str
+    ) -> web.Response:
+        cfg = self.config
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            prompt_tokens = count_messages(messages)
+            max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 256)
+            limited = self._admit(prompt_tokens + max_tokens)
+            if limited is not None:
+                wait, kind = limited
+                headers = self._limit_headers()
+                headers["retry-after"] = str(max(1, math.ceil(wait)))
+                headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
+                self._count(429, f"rate_limited_{kind}")
+                limit = cfg.rpm if kind == "requests" else cfg.tpm
+                return _error(
+                    429,
+                    f"Rate limit reached for {model} on {kind} per min: Limit {limit}. "
+                    f"Please try again in {_duration(wait)}.",
+                    kind,
+                    "rate_limit_exceeded",
+                    headers,
+                )
+            headers = self._limit_headers()
+            if prompt_tokens + max_tokens > cfg.context_window:
+                self._count(400, "context_overflow")
+                return _error(
+                    400,
+                    f"This model's maximum context length is {cfg.context_window} tokens. However, "
+                    f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+                    f"messages, {max_tokens} in the completion).",
+                    "invalid_request_error",
+                    "context_length_exceeded",
+                    headers,
+                )
+            flex = body.get("service_tier") == "flex"
+            if flex and self.rng.random() < cfg.flex_unavailable_rate:
+                self._count(429, "flex_unavailable")
+                return _error(
+                    429,
+                    "Resource unavailable: flex processing has no capacity right now.",
+                    "server_error",
+                    "resource_unavailable",
+                    headers,
+                )
+            await self._sleep_latency(cfg.flex_latency_factor if flex else 1.0)
+            roll = self.rng.random()
+            if roll < cfg.hang_rate:
+                self.by_outcome["hang"] += 1
+                await asyncio.sleep(cfg.hang_s)
+            roll -= cfg.hang_rate
+            if 0 <= roll < cfg.error_500_rate or model in cfg.error_500_models:
+                self._count(500, "error_500")
+                return _error(
+                    500,
+                    "The server had an error while processing your request.",
+                    "server_error",
+                    None,
+                    headers,
+                )
+            roll -= cfg.error_500_rate
+            if 0 <= roll < cfg.error_503_rate:
+                self._count(503, "error_503")
+                return _error(
+                    503,
+                    "The engine is currently overloaded, please try again later.",
+                    "server_error",
+                    None,
+                    headers,
+                )
+            roll -= cfg.error_503_rate
+            content = self._content(body, messages)
+            if 0 <= roll < cfg.malformed_rate:
+                content = content[: max(1, len(content) // 2)]
+                self.by_outcome["malformed"] += 1
+            finish_reason = "stop"
+            completion_tokens = self.count_tokens(content)
+            if completion_tokens > max_tokens:  # cut at the budget, as models do
+                content = content[: max(1, len(content) * max_tokens // completion_tokens)]
+                completion_tokens = max_tokens
+                finish_reason = "length"
+                self.by_outcome["truncated"] += 1
+            fingerprint = hashlib.sha256(orjson.dumps([model, messages])).hexdigest()
+            self.answered[fingerprint] += 1
+            self.prompt_tokens += prompt_tokens
+            self.completion_tokens += completion_tokens
+            self._count(200, "ok_flex" if flex else "ok")
+            payload = {
+                "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": model,
+                "service_tier": "flex" if flex else "default",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content, "refusal": None},
+                        "finish_reason": finish_reason,
+                        "logprobs": None,
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens,
+                },
+            }
+            return web.Response(
+                body=orjson.dumps(payload), content_type="application/json", headers=headers
+            )
+        finally:
+            self.in_flight -= 1
+
+    def _content(self, body: dict[str, Any], messages: list[dict[str, Any]]) -> str:
+        packed = self._packed_content(body, messages)
+        if packed is not None:
+            return packed
+        text = sim_content.comment_text(messages)
+        fmt = body.get("response_format") or {}
+        if fmt.get("type") == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema") or {}
+            answer = sim_content.instance(schema, text)
+            model = body.get("model")
+            long = self.config.long_answer_chars and model in self.config.long_answer_models
+            if long and isinstance(answer, dict):
+                answer = sim_content.padded(answer, self.config.long_answer_chars)
+            return orjson.dumps(answer).decode()
+        if fmt.get("type") == "json_object":
+            return orjson.dumps(sim_content.analysis(text)).decode()
+        return str(sim_content.analysis(text)["summary"])
+
+    def _packed_content(self, body: dict[str, Any], messages: list[dict[str, Any]]) -> str | None:
+        """A packed request's answer: each item answered as alone, in an order of its own
+        (answers are matched by id), less the items the config drops or breaks."""
+        user = [m for m in messages if m.get("role") == "user"]
+        items = _ITEM.findall(str(user[-1].get("content", ""))) if user else []
+        if not items:
+            return None
+        fmt = body.get("response_format") or {}
+        root = (
+            (fmt.get("json_schema") or {}).get("schema")
+            if fmt.get("type") == "json_schema"
+            else None
+        )
+        answers = []
+        for item_id, text in items:
+            comment = sim_content.comment_text([{"role": "user", "content": text}])
+            if isinstance(root, dict):
+                answer_schema = root["properties"]["answers"]["items"]["properties"]["answer"]
+                answer = sim_content.instance_at(root, answer_schema, comment)
+            else:
+                answer = sim_content.analysis(comment)
+            answers.append({"id": item_id, "answer": answer})
+        order = sorted(answers, key=lambda a: hashlib.sha256(a["id"].encode()).digest())
+        cfg = self.config
+        dropped = order[: cfg.packed_drop_items]
+        broken = order[cfg.packed_drop_items : cfg.packed_drop_items + cfg.packed_invalid_items]
+        for entry in broken:
+            entry["answer"] = {"sentiment": "unknowable"}
+        self.by_outcome["packed_items"] += len(items)
+        return orjson.dumps({"answers": [a for a in order if a not in dropped]}).decode()
+
+
+_ITEM = re.compile(r'<item id="([^"]*)">\n?(.*?)\n?</item>', re.S)
+
+
+class SimulatorServer:
+    """Runs a Simulator on a loopback port inside the current event loop."""
+
+    def __init__(
+        self, config: SimConfig | None = None, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
+        self.sim = Simulator(config)
+        self.host = host
+        self.port = port
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def start(self) -> SimulatorServer:
+        self._runner = web.AppRunner(
+            self.sim.app, access_log=None, handle_signals=False, shutdown_timeout=0.5
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        server = site._server  # the bound socket tells the port actually used
+        if server is not None and self.port == 0:
+            self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> SimulatorServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def serve(config: SimConfig, host: str, port: int) -> None:
+    """Run the simulator in the foreground until interrupted."""
+    web.run_app(Simulator(config).app, host=host, port=port, access_log=None, print=None)

@@ -1,0 +1,159 @@
+"""The Faust application: `create_app(settings)`; `app` is built on first access."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import faust
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from streams.core.processor import Prices, TaskProcessor
+from streams.kafka.agent import TaskAgent
+from streams.kafka.limits import WriteLimits
+from streams.llm.openai_client import OpenAIClient
+from streams.observability.metrics import Metrics
+from streams.observability.status import StatusView, render_html
+from streams.pipelines.registry import PipelineRegistry
+from streams.resilience.breaker import CircuitBreaker
+from streams.resilience.limiter import RateLimiter
+from streams.resilience.pool import ClientPool
+from streams.resilience.retry import RetryPolicy
+from streams.settings import Settings, load_settings
+
+
+def make_processor_factory(
+    settings: Settings,
+    registry: PipelineRegistry,
+    metrics: Metrics | None = None,
+    limits: WriteLimits | None = None,
+) -> Any:
+    """A factory called inside the worker's event loop (the HTTP client binds to it)."""
+    llm = settings.llm
+    res = settings.resilience
+    room = (limits or WriteLimits(settings.kafka.max_request_bytes)).record_room(settings)
+
+    def make() -> TaskProcessor:
+        pool = ClientPool(
+            base_url=llm.base_url,
+            api_key=llm.api_key.get_secret_value() if llm.api_key else None,
+            make_http=lambda url, key: OpenAIClient(
+                base_url=url,
+                api_key=key,
+                connect_timeout_s=llm.connect_timeout_s,
+                read_timeout_s=llm.read_timeout_s,
+                max_connections=settings.batch.concurrency,
+            ),
+            # Without a configured limit the first call goes alone and the provider's
+            # x-ratelimit headers set the ceiling (or none: unlimited).
+            make_limiter=lambda: RateLimiter(rpm=llm.rpm, tpm=llm.tpm, burst_s=llm.burst_s),
+            make_breaker=lambda name: CircuitBreaker(
+                name,
+                window_s=res.breaker_window_s,
+                min_calls=res.breaker_min_calls,
+                failure_rate=res.breaker_failure_rate,
+                open_s=res.breaker_open_s,
+                probes=res.breaker_probes,
+            ),
+            metrics=metrics,
+            slow_call_s=res.breaker_slow_call_s,
+        )
+        guarded = pool.primary(llm.model)
+        return TaskProcessor(
+            registry,
+            guarded,
+            default_model=llm.model,
+            policy=RetryPolicy(
+                max_attempts=llm.max_attempts,
+                backoff_base_s=llm.backoff_base_s,
+                backoff_max_s=llm.backoff_max_s,
+            ),
+            deadline_s=llm.task_deadline_s,
+            max_task_bytes=settings.batch.max_task_bytes,
+            prices=Prices(llm.price_per_1k_prompt_usd, llm.price_per_1k_completion_usd),
+            context_window=llm.context_window,
+            clients=pool.for_model,
+            close=pool.close,
+            metrics=metrics,
+            batch_deadline_s=settings.batch_api.deadline_s,
+            tier_price_ratio=settings.batch_api.price_ratio,
+            room=room,
+        )
+
+    return make
+
+
+def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.App:
+    """The worker's Faust app. `limits`: what each written topic takes (read from the
+    broker at start by `run_worker`; without them, the producer's limit and Kafka's
+    default topic limit)."""
+    registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)  # Faust makes only the last level
+    buffer = max(settings.batch.buffer, settings.batch.size)
+    app = faust.App(
+        settings.app_id,
+        broker=settings.kafka.broker_url,
+        store="memory://",  # no Faust tables: the task store (streams.kafka.store) keeps the state
+        # Exactly-once is the worker's own (streams.kafka.eos): Faust runs at-least-once and
+        # its offset commits go into the worker's transactions.
+        processing_guarantee="at_least_once",
+        topic_partitions=settings.kafka.partitions,
+        topic_replication_factor=settings.kafka.replication_factor,
+        topic_disable_leader=True,
+        broker_session_timeout=settings.kafka.session_timeout_s,
+        broker_heartbeat_interval=max(0.5, settings.kafka.session_timeout_s / 5),
+        broker_commit_interval=settings.kafka.commit_interval_s,
+        # Every task ends well before Faust would call the stream stuck.
+        stream_processing_timeout=settings.llm.task_deadline_s + 60,
+        broker_max_poll_interval=max(300.0, settings.llm.task_deadline_s + 120),
+        # Backpressure: Faust pauses a partition once its stream's buffer is 80% full
+        # (mode's FlowControlQueue), so fetched-but-unprocessed records stay under about
+        # `buffer` however slow the LLM is. The buffer must never fill up: then Faust's
+        # conductor waits on it and delivers nothing else, and live records would queue
+        # behind a full replay lane. Each poll after the 80% mark pauses at least one more
+        # partition, so polls of 20% / partitions records always fit.
+        stream_buffer_maxsize=buffer,
+        broker_max_poll_records=max(1, buffer // (5 * settings.kafka.partitions)),
+        producer_linger=0.005,
+        producer_max_request_size=settings.kafka.max_request_bytes,
+        consumer_auto_offset_reset="earliest",
+        datadir=str(settings.data_dir),
+        web_port=settings.web_port,
+        web_bind=settings.web_bind,
+        autodiscover=False,
+    )
+    app.llm_streams_settings = settings  # type: ignore[attr-defined]  # for CLI helpers
+    metrics = Metrics()
+    app.llm_streams_metrics = metrics  # type: ignore[attr-defined]
+    app.llm_streams_agent = TaskAgent(  # type: ignore[attr-defined]  # for the worker's stop
+        app, settings, make_processor_factory(settings, registry, metrics, limits), metrics,
+        limits,
+    )  # fmt: skip
+
+    @app.page("/metrics")
+    async def metrics_page(web: Any, request: Any) -> Any:
+        # aiohttp refuses a charset inside content_type=, so the header is set whole.
+        return web.bytes(metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    status = StatusView(metrics)
+
+    @app.page("/status.json")
+    async def status_json(web: Any, request: Any) -> Any:
+        return web.bytes(orjson.dumps(status.snapshot()),
+                         headers={"Content-Type": "application/json"})  # fmt: skip
+
+    @app.page("/status")
+    async def status_page(web: Any, request: Any) -> Any:
+        return web.html(render_html(status.snapshot()))
+
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    # `faust -A streams.kafka.app` and `python -m streams` need a module-level app; build it
+    # only when asked so importing this module reads no environment.
+    if name == "app":
+        value = create_app(load_settings())
+        globals()["app"] = value
+        return value
+    raise AttributeError(name)

@@ -1,0 +1,1 @@
+"""Metrics (one registry, bounded labels), tracing, scrubbed logs, the status view."""

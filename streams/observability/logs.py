@@ -1,0 +1,98 @@
+"""Worker logs: text or JSON lines, with the task in hand, scrubbed of secrets and PII.
+
+Every line passes through a scrubber: the API keys the worker knows are
+replaced by `[SECRET]`, and the redactor used on prompts runs over the message
+(e-mails, phones, ID and card numbers), so an exception that quotes a payload
+does not put personal data in the logs. In JSON mode each line is one object:
+`ts`, `level`, `logger`, `message`, `task_id` (the task the log line was
+written for, when there is one), `exc` (a traceback, scrubbed too).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from contextvars import ContextVar
+from typing import Any
+
+import orjson
+
+from streams.preprocess import Redactor
+
+current_task_id: ContextVar[str | None] = ContextVar("llm_streams_task_id", default=None)
+
+
+class Scrubber:
+    def __init__(self, secrets: list[str]) -> None:
+        # Longest first, so a key that contains another is replaced whole.
+        self.secrets = sorted({s for s in secrets if len(s) >= 6}, key=len, reverse=True)
+        self.redactor = Redactor()
+
+    def __call__(self, text: str) -> str:
+        for secret in self.secrets:
+            if secret in text:
+                text = text.replace(secret, "[SECRET]")
+        return self.redactor.redact(text, Counter())
+
+
+class TaskContext(logging.Filter):
+    """Adds `task_id` (from the job running) to every record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.task_id = current_task_id.get()
+        return True
+
+
+class ScrubbedText(logging.Formatter):
+    def __init__(self, secrets: list[str]) -> None:
+        super().__init__("[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s")
+        self.scrub = Scrubber(secrets)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        task_id = getattr(record, "task_id", None)
+        return self.scrub(f"{line} [task {task_id}]" if task_id else line)
+
+
+class JsonLines(logging.Formatter):
+    def __init__(self, secrets: list[str]) -> None:
+        super().__init__()
+        self.scrub = Scrubber(secrets)
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": self.scrub(record.getMessage()),
+            "task_id": getattr(record, "task_id", None),
+        }
+        if record.exc_info:
+            entry["exc"] = self.scrub(self.formatException(record.exc_info))
+        return orjson.dumps(entry).decode()
+
+
+def logging_config(level: str, fmt: str, secrets: list[str]) -> dict[str, Any]:
+    """A `logging.config.dictConfig` for the worker (Faust/mode passes it on)."""
+    formatter = JsonLines if fmt == "json" else ScrubbedText
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "filters": {"task": {"()": TaskContext}},
+        "formatters": {"default": {"()": formatter, "secrets": secrets}},
+        "handlers": {
+            "default": {
+                "class": "logging.StreamHandler",
+                "stream": "ext://sys.stdout",
+                "formatter": "default",
+                "filters": ["task"],
+                "level": level.upper(),
+            }
+        },
+        "root": {"level": level.upper(), "handlers": ["default"]},
+    }
+
+
+__all__ = ["JsonLines", "ScrubbedText", "Scrubber", "current_task_id", "logging_config"]

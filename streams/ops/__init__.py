@@ -1,0 +1,1 @@
+"""Operator work over the topics: replay, backtrack, diff, redrive."""

@@ -1,0 +1,365 @@
+"""Replay: send a historical range of a task topic again, through the replay lane.
+
+A replay reads `[start, end)` of each partition of a source topic (from times
+with `offsets_for_times`, or explicit offsets), and republishes each task into
+the replay topic, tagged with the replay id and the record it came from. A task
+whose result key is already in the results topic is skipped — so a replay
+under a new prompt version (new keys) re-analyses everything, and running the
+same replay twice sends nothing twice — unless `force` asks for a fresh answer.
+
+Resumable: the replay's plan and progress are checkpointed in a compacted
+topic (`<app_id>-replays`, keyed by replay id) after each acked chunk. The id
+is derived from the arguments, so running the same command again after a kill
+continues where the last checkpoint stopped (at most one chunk is sent again,
+and the worker answers those from the task store without a call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.structs import ConsumerRecord
+
+from streams.contract.headers import FORCE_HEADER, REPLAY_ID_HEADER, REPLAY_OF_HEADER, TIER_HEADER
+from streams.contract.records import decode_task, now_iso, result_key
+from streams.errors import ConfigError, TaskError
+from streams.kafka import clients
+from streams.kafka.clients import partitions_of, reader
+from streams.kafka.scan import end_offsets, json_object, scan
+from streams.kafka.topics import ensure_topics, replays_topic
+from streams.llm.tokens import count_messages
+from streams.pipelines.registry import PipelineRegistry
+from streams.settings import Settings
+
+log = logging.getLogger(__name__)
+
+CHUNK = 500  # records between checkpoints
+DEFAULT_COMPLETION_TOKENS = 200  # estimate when no earlier result and no max_tokens
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """What the user asked for (the CLI's arguments)."""
+
+    source: str
+    since: datetime | None = None
+    until: datetime | None = None
+    from_offsets: dict[int, int] = field(default_factory=dict)
+    pipeline: str | None = None
+    prompt_version: str | None = None
+    force: bool = False
+    tier: str | None = None  # sync | flex | batch; None: the pipeline's lane policy
+
+    def replay_id(self) -> str:
+        """Same arguments, same id: a second run resumes the first."""
+        parts = [
+            self.source,
+            self.since.isoformat() if self.since else "",
+            self.until.isoformat() if self.until else "",
+            ",".join(f"{p}:{o}" for p, o in sorted(self.from_offsets.items())),
+            self.pipeline or "",
+            self.prompt_version or "",
+            "force" if self.force else "",
+        ]
+        return "rp-" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Counts:
+    read: int = 0
+    published: int = 0
+    answered: int = 0  # skipped: result key already in the results topic
+    filtered: int = 0  # skipped: another pipeline than asked
+    invalid: int = 0  # skipped: not a valid task (its dead letter exists already)
+    prompt_tokens: int = 0
+    completion_tokens: float = 0.0  # estimated
+
+    def cost_usd(self, settings: Settings, tier: str = "sync") -> float:
+        """Estimated cost at the sync price, or at the batch price (batch and flex)."""
+        llm = settings.llm
+        full = (
+            self.prompt_tokens * llm.price_per_1k_prompt_usd
+            + self.completion_tokens * llm.price_per_1k_completion_usd
+        ) / 1000
+        return full if tier == "sync" else full * settings.batch_api.price_ratio
+
+
+@dataclass
+class Checkpoint:
+    replay_id: str
+    source: str
+    start: dict[int, int]
+    end: dict[int, int]
+    next: dict[int, int]
+    counts: Counts
+    done: bool = False
+    updated_at: str = ""
+
+    @property
+    def total(self) -> int:
+        return sum(max(0, self.end[p] - self.start[p]) for p in self.end)
+
+    @property
+    def progressed(self) -> int:
+        return sum(max(0, min(self.next[p], self.end[p]) - self.start[p]) for p in self.end)
+
+    def dumps(self) -> bytes:
+        return orjson.dumps(
+            asdict(self) | {"updated_at": now_iso()}, option=orjson.OPT_NON_STR_KEYS
+        )
+
+    @classmethod
+    def loads(cls, raw: bytes) -> Checkpoint:
+        data = orjson.loads(raw)
+
+        def ints(d: dict[str, int]) -> dict[int, int]:
+            return {int(k): int(v) for k, v in d.items()}
+
+        return cls(
+            replay_id=data["replay_id"],
+            source=data["source"],
+            start=ints(data["start"]),
+            end=ints(data["end"]),
+            next=ints(data["next"]),
+            counts=Counts(**data["counts"]),
+            done=bool(data["done"]),
+            updated_at=data.get("updated_at", ""),
+        )
+
+
+async def resolve_range(
+    settings: Settings, request: ReplayRequest
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Per partition of the source, the first offset to replay and the one to stop at."""
+    parts = await partitions_of(settings, request.source)
+    if not parts:
+        raise ConfigError(f"source topic {request.source!r} does not exist or has no partitions")
+    unknown = set(request.from_offsets) - set(parts)
+    if unknown:
+        raise ConfigError(f"--from-offset names partitions {sorted(unknown)} that "
+                          f"{request.source!r} does not have (it has {parts})")  # fmt: skip
+    consumer = reader(settings, "replay-plan")
+    await consumer.start()
+    try:
+        tps = [TopicPartition(request.source, p) for p in parts]
+        ends = {tp.partition: o for tp, o in (await end_offsets(consumer, tps)).items()}
+        starts = {tp.partition: o for tp, o in (await consumer.beginning_offsets(tps)).items()}
+
+        async def at(when: datetime) -> dict[int, int]:
+            ms = int(when.timestamp() * 1000)
+            found = await consumer.offsets_for_times(dict.fromkeys(tps, ms))
+            # None: no record at or after that time in the partition.
+            return {tp.partition: (o.offset if o is not None else ends[tp.partition])
+                    for tp, o in found.items()}  # fmt: skip
+
+        start: dict[int, int] = {}
+        since = await at(request.since) if request.since else None
+        for p in parts:
+            if p in request.from_offsets:
+                start[p] = max(request.from_offsets[p], starts[p])
+            elif since is not None:
+                start[p] = since[p]
+            else:  # only --from-offset given, and not for this partition
+                start[p] = ends[p]
+        end = await at(request.until) if request.until else dict(ends)
+        return start, {p: max(start[p], end[p]) for p in parts}
+    finally:
+        await consumer.stop()
+
+
+async def answered(
+    settings: Settings,
+) -> tuple[set[bytes], dict[tuple[str, str | None], tuple[int, int]]]:
+    """Result keys in the results topic, and (completion tokens, results) per
+    (pipeline, prompt version) and per (pipeline, None) for cost estimates."""
+    keys: set[bytes] = set()
+    usage: dict[tuple[str, str | None], tuple[int, int]] = {}
+    async for records in scan(settings, settings.topics.results):
+        for r in records:
+            if r.key is None or r.value is None:
+                continue
+            keys.add(r.key)
+            result = json_object(r.value) or {}
+            spent = result.get("usage")
+            pipeline, version = result.get("pipeline"), result.get("prompt_version")
+            if result.get("cached") or not isinstance(spent, dict) or not isinstance(pipeline, str):
+                continue
+            try:
+                tokens = int(spent["completion_tokens"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            for k in ((pipeline, version if isinstance(version, str) else None),
+                      (pipeline, None)):  # fmt: skip
+                total, n = usage.get(k, (0, 0))
+                usage[k] = (total + tokens, n + 1)
+    return keys, usage
+
+
+async def load_checkpoint(settings: Settings, replay_id: str) -> Checkpoint | None:
+    latest: bytes | None = None
+    async for records in scan(settings, replays_topic(settings)):
+        for r in records:
+            if r.key == replay_id.encode() and r.value is not None:
+                latest = r.value
+    return Checkpoint.loads(latest) if latest is not None else None
+
+
+Progress = Callable[[Checkpoint], None]
+
+
+class Replayer:
+    """Plans, filters, estimates and (unless dry) publishes one replay."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        request: ReplayRequest,
+        registry: PipelineRegistry,
+        *,
+        chunk: int = CHUNK,
+    ) -> None:
+        self.settings = settings
+        self.chunk = chunk
+        self.request = request
+        self.registry = registry
+        self._pending: list[asyncio.Future[Any]] = []
+        self.finished_before = False  # the checkpoint said done: nothing sent
+        self.resumed_at: str | None = None  # time of the checkpoint resumed from
+        self._keys: set[bytes] = set()
+        self._usage: dict[tuple[str, str | None], tuple[int, int]] = {}
+        if request.pipeline is not None:
+            pipeline = registry.get(request.pipeline)  # unknown: InvalidInput, said at once
+            if request.prompt_version is not None:
+                pipeline.version(request.prompt_version)
+
+    async def run(self, *, dry_run: bool, on_progress: Progress | None = None) -> Checkpoint:
+        settings, request = self.settings, self.request
+        replay_id = request.replay_id()
+        checkpoint = None if dry_run else await load_checkpoint(settings, replay_id)
+        if checkpoint is None:
+            start, end = await resolve_range(settings, request)
+            checkpoint = Checkpoint(replay_id=replay_id, source=request.source, start=start,
+                                    end=end, next=dict(start), counts=Counts())  # fmt: skip
+        elif checkpoint.done:
+            self.finished_before = True
+            return checkpoint
+        else:
+            self.resumed_at = checkpoint.updated_at
+        self._keys, self._usage = await answered(settings)
+        producer: AIOKafkaProducer | None = None
+        if not dry_run:
+            await ensure_topics(settings)
+            producer = clients.producer(
+                settings, acks="all", enable_idempotence=settings.kafka.idempotent_producer,
+                linger_ms=5,
+            )  # fmt: skip
+            await producer.start()
+        try:
+            if on_progress:
+                on_progress(checkpoint)
+            since_checkpoint = 0
+            chunks = scan(settings, request.source, checkpoint.next, checkpoint.end, self.chunk)
+            async for records in chunks:
+                for record in records:
+                    send = self._one(record, checkpoint)
+                    if send is not None and producer is not None:
+                        key, value, headers = send
+                        sent = await producer.send(
+                            settings.topics.replay, key=key, value=value, headers=headers
+                        )
+                        self._pending.append(sent)
+                    checkpoint.next[record.partition] = record.offset + 1
+                since_checkpoint += len(records)
+                if since_checkpoint >= self.chunk:
+                    await self._checkpoint(producer, checkpoint)
+                    since_checkpoint = 0
+                if on_progress:
+                    on_progress(checkpoint)
+            checkpoint.next = dict(checkpoint.end)  # gaps (compaction) at the tail
+            checkpoint.done = True
+            await self._checkpoint(producer, checkpoint)
+            if on_progress:
+                on_progress(checkpoint)
+            return checkpoint
+        finally:
+            if producer is not None:
+                await producer.stop()
+
+    def _one(
+        self, record: ConsumerRecord[bytes, bytes], cp: Checkpoint
+    ) -> tuple[bytes, bytes, list[tuple[str, bytes]]] | None:
+        """Count the record; the (key, value, headers) to publish, or None to skip it."""
+        counts, request = cp.counts, self.request
+        counts.read += 1
+        try:
+            task = decode_task(record.value, max_bytes=self.settings.batch.max_task_bytes)
+            if request.pipeline is not None and task.pipeline != request.pipeline:
+                counts.filtered += 1
+                return None
+            pipeline = self.registry.get(task.pipeline)
+            version = pipeline.version(request.prompt_version or task.prompt_version, task.task_id)
+            key = result_key(pipeline.name, version.version, task.task_id, task.input)
+            if key.encode() in self._keys and not request.force:
+                counts.answered += 1
+                return None
+            prompt = version.render(task.input, self.settings.llm.model)
+        except TaskError:
+            counts.invalid += 1
+            return None
+        counts.published += 1
+        counts.prompt_tokens += count_messages(prompt.messages)
+        counts.completion_tokens += self._completion_estimate(
+            pipeline.name, version.version, prompt.params
+        )
+        # Pin the version resolved here, so the worker's result key is the one checked.
+        value = task.model_dump(mode="json", exclude_none=True)
+        value["prompt_version"] = version.version
+        headers = [
+            (REPLAY_ID_HEADER, cp.replay_id.encode()),
+            (REPLAY_OF_HEADER, f"{record.topic}/{record.partition}/{record.offset}".encode()),
+        ]
+        if request.force:
+            headers.append((FORCE_HEADER, b"1"))
+        if request.tier is not None:
+            headers.append((TIER_HEADER, request.tier.encode()))
+        return task.task_id.encode(), orjson.dumps(value), headers
+
+    def _completion_estimate(self, pipeline: str, version: str, params: dict[str, Any]) -> float:
+        for k in ((pipeline, version), (pipeline, None)):
+            if k in self._usage:
+                total, n = self._usage[k]
+                return total / n
+        return float(params.get("max_tokens") or DEFAULT_COMPLETION_TOKENS)
+
+    async def _checkpoint(self, producer: AIOKafkaProducer | None, cp: Checkpoint) -> None:
+        """Once the chunk's records are acked, record how far the replay got."""
+        if producer is None:
+            return
+        pending, self._pending = self._pending, []
+        for sent in pending:
+            await sent
+        await (
+            await producer.send(
+                replays_topic(self.settings), key=cp.replay_id.encode(), value=cp.dumps()
+            )
+        )
+
+
+__all__ = [
+    "Checkpoint",
+    "Counts",
+    "ReplayRequest",
+    "Replayer",
+    "answered",
+    "load_checkpoint",
+    "replays_topic",
+    "resolve_range",
+]

@@ -1,0 +1,622 @@
+"""Load `pipelines/*.yaml`, check slots, render prompts in a sandboxed Jinja2 environment."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import jsonschema
+import jsonschema_rs
+import yaml
+from jinja2 import StrictUndefined, TemplateError, Undefined
+from jinja2.sandbox import SandboxedEnvironment
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from streams.errors import ConfigError, InvalidInput
+from streams.pipelines.defaults import has_defaults
+from streams.preprocess import Redactor, clean
+
+# How a chunked input's per-chunk answers merge, per output field (streams.core.chunking).
+REDUCERS = (
+    "vote", "majority", "mean", "min", "max", "union", "first", "last", "longest", "join",
+    "any", "all",
+)  # fmt: skip
+
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "object": dict,
+    "array": list,
+}
+
+
+class Slot(BaseModel):
+    """A typed template variable taken from the task's `input`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["string", "integer", "number", "boolean", "object", "array"] = "string"
+    required: bool = True
+    default: Any = None
+    enum: list[Any] | None = None
+    max_length: int | None = Field(None, ge=1)
+
+
+FallbackCategory = Literal[
+    "circuit_open", "upstream_error", "timeout", "rate_limited", "invalid_output"
+]
+
+
+def _default_fallback_on() -> list[FallbackCategory]:
+    return ["circuit_open", "upstream_error", "timeout"]
+
+
+class Fallback(BaseModel):
+    """A model (on the same or another OpenAI-compatible endpoint) to try next."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1)
+    base_url: str | None = None
+    api_key_env: str | None = Field(None, description="Variable holding that endpoint's key.")
+
+
+class OverflowPolicy(BaseModel):
+    """What to do when a prompt does not fit the model's context window."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    strategy: Literal["truncate"] = Field(
+        description="truncate: cut the slot's text to fit, then retry once."
+    )
+    slot: str = Field(min_length=1, description="The string slot to shorten.")
+    keep: Literal["head", "tail"] = "head"
+
+
+class VersionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    system: str
+    template: str
+    slots: dict[str, Slot] = Field(min_length=1)
+    model: str | None = None
+    fallbacks: list[Fallback] = Field(default_factory=list)
+    fallback_on: list[FallbackCategory] = Field(default_factory=_default_fallback_on)
+    params: dict[str, Any] = Field(default_factory=dict)
+    response_format: Literal["json_schema", "json_object"] = "json_schema"
+    example_input: dict[str, Any] | None = None
+    on_context_overflow: OverflowPolicy | None = None
+
+    @model_validator(mode="after")
+    def _params_make_sense(self) -> VersionSpec:
+        """Refuse sampling settings that are out of range or work against each other."""
+        p = self.params
+        temperature, top_p, max_tokens = p.get("temperature"), p.get("top_p"), p.get("max_tokens")
+        if temperature is not None and not 0 <= temperature <= 2:
+            raise ValueError(f"params.temperature {temperature} is outside 0..2")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"params.top_p {top_p} is outside (0, 1]")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"params.max_tokens {max_tokens!r} must be a positive integer")
+        if (temperature or 0) > 0.8 and max_tokens is not None and max_tokens < 50:
+            raise ValueError(
+                f"params: temperature {temperature} with max_tokens {max_tokens} contradict "
+                "each other (wide sampling, too little room for a JSON answer); lower the "
+                "temperature or raise max_tokens"
+            )
+        return self
+
+    def warnings(self) -> list[str]:
+        """Allowed, but worth a second look."""
+        p = self.params
+        found = []
+        if p.get("temperature", 0) > 0 and p.get("top_p", 1) < 1:
+            found.append("both temperature and top_p change sampling; tune one of them")
+        if p.get("temperature", 0) > 1.2:
+            found.append(f"temperature {p['temperature']} makes JSON answers fail validation often")
+        return found
+
+    @model_validator(mode="after")
+    def _overflow_slot_is_text(self) -> VersionSpec:
+        policy = self.on_context_overflow
+        if policy is not None:
+            slot = self.slots.get(policy.slot)
+            if slot is None or slot.type != "string":
+                raise ValueError(f"on_context_overflow.slot {policy.slot!r} is not a string slot")
+        return self
+
+
+class StageSpec(BaseModel):
+    """A follow-up stage: another pipeline run on this one's answer.
+
+    `when` and each `input` value are Jinja expressions over `input` (this task's
+    slots, cleaned and redacted), `output` (the first stage's answer) and
+    `stages` (answers of the stages before, by name; null when skipped).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_-]*$")
+    pipeline: str = Field(min_length=1)
+    version: str | None = None
+    when: str | None = None
+    input: dict[str, str] = Field(min_length=1)
+
+
+class ChunkingSpec(BaseModel):
+    """Inputs whose `slot` is over the budget are split, each chunk answered on its own,
+    and the answers merged field by field (see streams.core.chunking). A pipeline
+    without it dead-letters such inputs as context_overflow (or truncates them, when a
+    version says `on_context_overflow: truncate`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    slot: str = Field(min_length=1, description="The string slot to split.")
+    max_tokens: int | None = Field(
+        None,
+        ge=32,
+        description="Tokens of the slot's text per chunk; default: what the model's context "
+        "window leaves (85%) after the prompt around it and the answer's budget.",
+    )
+    overlap_tokens: int = Field(64, ge=0, description="Whole sentences repeated across a cut.")
+    max_chunks: int = Field(16, ge=2, description="More than this: dead letter, not a bill.")
+    parallel: int = Field(4, ge=1, le=32, description="Chunks of one task asked at once.")
+    weight_field: str | None = Field(
+        "confidence", description="Numeric output field weighting `vote` (1 when absent)."
+    )
+    reduce: dict[str, str] = Field(
+        default_factory=dict, description="Output field -> reducer (default: first)."
+    )
+
+    @model_validator(mode="after")
+    def _known_reducers(self) -> ChunkingSpec:
+        unknown = {f: r for f, r in self.reduce.items() if r not in REDUCERS}
+        if unknown:
+            raise ValueError(f"chunking.reduce: unknown reducers {unknown} (known: {REDUCERS})")
+        if self.max_tokens is not None and self.overlap_tokens >= self.max_tokens // 2:
+            raise ValueError("chunking.overlap_tokens must be under half of max_tokens")
+        return self
+
+
+class PackingSpec(BaseModel):
+    """Short records answered several to a request (see streams.core.packing)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    slot: str = Field(min_length=1, description="The string slot measured against max_chars.")
+    max_chars: int = Field(200, ge=1, description="Longer records are answered alone.")
+    max_items: int = Field(20, ge=2, le=100, description="Tasks per request at most.")
+    linger_s: float = Field(
+        0.02, ge=0, le=2, description="How long a task waits for others to fill its pack."
+    )
+
+
+class LanePolicy(BaseModel):
+    """How each lane's calls are made and priced: sync (a call), flex (a call at the batch
+    price with slower answers, a plain call when flex has no capacity), batch (the
+    provider's Batch API: half price, answers within 24 h; replay lane only)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    live: Literal["sync", "flex"] = "sync"
+    replay: Literal["sync", "flex", "batch"] = "sync"
+
+    def of(self, lane: str) -> str:
+        return self.live if lane == "live" else self.replay
+
+
+class ReviewSpec(BaseModel):
+    """Results a person should look at: they also go to the review topic, with reasons."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    confidence_below: float | None = Field(None, ge=0, le=1)
+    confidence_field: str = "confidence"
+    rules: dict[str, str] = Field(
+        default_factory=dict,
+        description="name -> Jinja expression over `input` and `output`; true flags it.",
+    )
+
+
+PiiKind = Literal["email", "cn_id", "bank_card", "phone"]
+
+
+class PreprocessSpec(BaseModel):
+    """Cleaning and PII redaction of every string slot before rendering (all on by default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    clean: bool = True
+    redact: list[PiiKind] = Field(default_factory=lambda: list(get_args(PiiKind)))
+    extra_patterns: dict[str, str] = Field(
+        default_factory=dict, description="name -> regex; matches become [NAME]."
+    )
+
+    @model_validator(mode="after")
+    def _patterns_compile(self) -> PreprocessSpec:
+        for name, pattern in self.extra_patterns.items():
+            if not name.replace("_", "").isalnum():
+                raise ValueError(f"extra_patterns: name {name!r} must be letters, digits, _")
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"extra_patterns.{name}: not a regex: {exc}") from None
+        return self
+
+
+class PipelineSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    default_version: str
+    output_schema: str
+    quote_fields: list[str] = Field(
+        default_factory=list,
+        description="Output paths `a[].b` whose strings must quote the `quote_source` slot.",
+    )
+    quote_source: str | None = None
+    repair_token_cap: int = Field(
+        4000,
+        ge=0,
+        description="Tokens (prompt + completion) one task may spend on repair attempts, "
+        "which resend the rejected answer with the validator's message; 0 = never repair.",
+    )
+    preprocess: PreprocessSpec = Field(default_factory=PreprocessSpec)
+    review: ReviewSpec | None = None
+    chunking: ChunkingSpec | None = None
+    packing: PackingSpec | None = None
+    lanes: LanePolicy = Field(default_factory=LanePolicy)
+    stages: list[StageSpec] = Field(
+        default_factory=list,
+        description="Stages after the first, in order; their answers land under output.stages.",
+    )
+    traffic: dict[str, float] | None = Field(
+        None,
+        description="A/B split: version -> weight. Tasks that pin no version are bucketed "
+        "by a hash of their task_id, so a task always gets the same version.",
+    )
+    versions: dict[str, VersionSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _default_exists(self) -> PipelineSpec:
+        if self.default_version not in self.versions:
+            raise ValueError(f"default_version {self.default_version!r} is not in versions")
+        if self.chunking is not None:
+            for name, version in self.versions.items():
+                slot = version.slots.get(self.chunking.slot)
+                if slot is None or slot.type != "string":
+                    raise ValueError(
+                        f"chunking.slot {self.chunking.slot!r} is not a string slot of {name}"
+                    )
+        if self.packing is not None:
+            for name, version in self.versions.items():
+                slot = version.slots.get(self.packing.slot)
+                if slot is None or slot.type != "string":
+                    raise ValueError(
+                        f"packing.slot {self.packing.slot!r} is not a string slot of {name}"
+                    )
+                if re.search(r"</?\s*item\b", version.system + version.template, re.I):
+                    raise ValueError(f"packing: {name}'s prompts use <item> tags, which packs use")
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names) or "main" in names:
+            raise ValueError("stage names must be unique and not 'main'")
+        if self.traffic is not None:
+            unknown = set(self.traffic) - set(self.versions)
+            if unknown:
+                raise ValueError(f"traffic names versions {sorted(unknown)} not in versions")
+            if any(w < 0 for w in self.traffic.values()) or sum(self.traffic.values()) <= 0:
+                raise ValueError("traffic weights must be >= 0 with a positive sum")
+        return self
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    messages: list[dict[str, str]]
+    model: str
+    params: dict[str, Any]
+    response_format: dict[str, Any]
+    variables: dict[str, Any]
+    redactions: Counter[str] = field(default_factory=Counter)  # PII replaced, by kind
+
+
+# Tags a template uses to delimit record text (`<comment>{{ text }}</comment>`).
+_TAG = re.compile(r"</?\s*([A-Za-z][\w.-]*)\s*>")
+
+
+def delimiter_guard(template: str) -> Callable[[str], str] | None:
+    """What makes record text unable to close (or open) the template's delimiters: every
+    `<tag`/`</tag` of a tag the template uses becomes `&lt;tag`/`&lt;/tag`; None when
+    the template delimits nothing. Record text is data: it stays inside its tags."""
+    names = sorted({m.group(1).lower() for m in _TAG.finditer(template)})
+    if not names:
+        return None
+    pattern = re.compile(
+        r"<(\s*/?\s*)(" + "|".join(re.escape(n) for n in names) + r")(?![\w.-])", re.IGNORECASE
+    )
+    return lambda text: pattern.sub(r"&lt;\1\2", text)
+
+
+_ENV = SandboxedEnvironment(
+    undefined=StrictUndefined, autoescape=False, keep_trailing_newline=False
+)
+
+
+class PipelineVersion:
+    """One prompt version: compiled templates plus model parameters."""
+
+    def __init__(self, pipeline: Pipeline, version: str, spec: VersionSpec) -> None:
+        self.pipeline = pipeline
+        self.version = version
+        self.spec = spec
+        try:
+            self._system = _ENV.from_string(spec.system)
+            self._user = _ENV.from_string(spec.template)
+            self._guard = delimiter_guard(spec.system + "\n" + spec.template)
+        except TemplateError as exc:
+            raise ConfigError(f"pipeline {pipeline.name} {version}: template error: {exc}") from exc
+
+    def bind(
+        self, task_input: dict[str, Any], redactions: Counter[str] | None = None
+    ) -> dict[str, Any]:
+        """Check the input against the slots; return the template variables, strings
+        cleaned and redacted (counted into `redactions`) as the pipeline says."""
+        pre = self.pipeline.spec.preprocess
+        redactor = self.pipeline.redactor
+        counts = redactions if redactions is not None else Counter()
+        variables: dict[str, Any] = {}
+        for name, slot in self.spec.slots.items():
+            if name not in task_input or task_input[name] is None:
+                if slot.required:
+                    raise InvalidInput(f"input.{name} is required", code="missing_slot")
+                variables[name] = slot.default
+                continue
+            value = task_input[name]
+            expected = _JSON_TYPES[slot.type]
+            if isinstance(value, bool) and slot.type in {"integer", "number"}:
+                expected = ()
+            if not isinstance(value, expected):
+                raise InvalidInput(
+                    f"input.{name} must be {slot.type}, got {type(value).__name__}",
+                    code="slot_type",
+                )
+            if isinstance(value, str) and pre.clean:
+                value = clean(value)
+            if slot.type == "string" and slot.required and not str(value).strip():
+                raise InvalidInput(f"input.{name} is empty", code="empty_slot")
+            if slot.enum is not None and value not in slot.enum:
+                raise InvalidInput(f"input.{name} must be one of {slot.enum}", code="slot_enum")
+            if (
+                slot.max_length is not None
+                and hasattr(value, "__len__")
+                and len(value) > slot.max_length
+            ):
+                raise InvalidInput(
+                    f"input.{name} has length {len(value)}, over {slot.max_length}",
+                    code="slot_too_long",
+                )
+            if isinstance(value, str):
+                value = redactor.redact(value, counts)
+                if self._guard is not None:
+                    value = self._guard(value)
+            variables[name] = value
+        return variables
+
+    def render(self, task_input: dict[str, Any], default_model: str) -> RenderedPrompt:
+        redactions: Counter[str] = Counter()
+        variables = self.bind(task_input, redactions)
+        try:
+            system = self._system.render(**variables).strip()
+            user = self._user.render(**variables).strip()
+        except TemplateError as exc:
+            raise InvalidInput(f"prompt does not render: {exc}", code="render_error") from exc
+        schema = self.pipeline.output_schema
+        if self.spec.response_format == "json_schema":
+            response_format: dict[str, Any] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": self.pipeline.name.replace("-", "_"),
+                    "schema": schema,
+                    "strict": True,
+                },
+            }
+        else:
+            response_format = {"type": "json_object"}
+        return RenderedPrompt(
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+            model=self.spec.model or default_model,
+            params=dict(self.spec.params),
+            response_format=response_format,
+            variables=variables,
+            redactions=redactions,
+        )
+
+
+class Pipeline:
+    """A named pipeline: versions, output schema and its compiled validator."""
+
+    def __init__(self, spec: PipelineSpec, output_schema: dict[str, Any]) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.output_schema = output_schema
+        pre = spec.preprocess
+        self.redactor = Redactor(pre.redact, pre.extra_patterns)
+        # jsonschema (Python) is the reference and writes the error messages; the Rust
+        # validator answers "is it valid?" ~100x faster on the hot path (0.6 us vs 107 us).
+        self.validator = jsonschema.Draft202012Validator(output_schema)
+        self.is_valid = jsonschema_rs.validator_for(output_schema).is_valid
+        # Optional fields with a `default` are filled in every output (defaults shown).
+        self.fills_defaults = has_defaults(output_schema)
+        self.versions = {v: PipelineVersion(self, v, s) for v, s in spec.versions.items()}
+        self.stages: list[Stage] = []  # resolved by the registry once every pipeline loaded
+        try:
+            self._review_rules = {
+                name: _ENV.compile_expression(expr)
+                for name, expr in (spec.review.rules if spec.review else {}).items()
+            }
+        except TemplateError as exc:
+            raise ConfigError(f"pipeline {spec.name}: review rule: {exc}") from exc
+        total = sum((spec.traffic or {}).values())
+        self._split: list[tuple[float, str]] = []
+        edge = 0.0
+        for name, weight in sorted((spec.traffic or {}).items()):
+            if weight > 0:
+                edge += weight / total
+                self._split.append((edge, name))
+
+    def review_reasons(self, variables: dict[str, Any], output: dict[str, Any]) -> list[str]:
+        """Why this answer needs a person (empty: it does not)."""
+        review = self.spec.review
+        if review is None:
+            return []
+        reasons = []
+        confidence = output.get(review.confidence_field)
+        if (
+            review.confidence_below is not None
+            and isinstance(confidence, int | float)
+            and confidence < review.confidence_below
+        ):
+            reasons.append("low_confidence")
+        for name, rule in self._review_rules.items():
+            try:
+                hit = bool(rule(input=variables, output=output))
+            except (TemplateError, TypeError, ValueError):
+                hit = False  # a rule that cannot judge this answer does not flag it
+            if hit:
+                reasons.append(name)
+        return reasons
+
+    def bucket(self, task_id: str) -> str:
+        """The version of the traffic split this task id falls in (stable across runs)."""
+        digest = hashlib.sha256(f"{self.name}\x1f{task_id}".encode()).digest()
+        point = int.from_bytes(digest[:8], "big") / 2**64
+        for edge, name in self._split:
+            if point < edge:
+                return name
+        return self._split[-1][1]
+
+    def version(self, requested: str | None, task_id: str | None = None) -> PipelineVersion:
+        """The version asked for; else, with a traffic split and a task id, the task's
+        bucket; else the default."""
+        name = (
+            requested
+            or (self.bucket(task_id) if task_id is not None and self._split else None)
+            or self.spec.default_version
+        )
+        try:
+            return self.versions[name]
+        except KeyError:
+            raise InvalidInput(
+                f"pipeline {self.name!r} has no prompt version {name!r} "
+                f"(known: {sorted(self.versions)})",
+                code="unknown_version",
+            ) from None
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A resolved stage: its pipeline, and its expressions compiled."""
+
+    name: str
+    pipeline: Pipeline
+    version: str | None
+    when: Callable[..., Any] | None
+    inputs: dict[str, Callable[..., Any]]
+
+    def applies(self, context: dict[str, Any]) -> bool:
+        return self.when is None or bool(self.when(**context))
+
+    def build_input(self, context: dict[str, Any]) -> dict[str, Any]:
+        built = {}
+        for slot, expression in self.inputs.items():
+            value = expression(**context)
+            built[slot] = None if isinstance(value, Undefined) else value
+        return built
+
+
+def _resolve_stages(pipeline: Pipeline, pipelines: dict[str, Pipeline]) -> None:
+    stages = []
+    for spec in pipeline.spec.stages:
+        where = f"pipeline {pipeline.name} stage {spec.name}"
+        target = pipelines.get(spec.pipeline)
+        if target is None:
+            raise ConfigError(f"{where}: unknown pipeline {spec.pipeline!r}")
+        if target.spec.stages:
+            raise ConfigError(f"{where}: pipeline {spec.pipeline!r} has stages itself")
+        if spec.version is not None and spec.version not in target.versions:
+            raise ConfigError(f"{where}: {spec.pipeline!r} has no version {spec.version!r}")
+        try:
+            when = _ENV.compile_expression(spec.when) if spec.when else None
+            inputs: dict[str, Callable[..., Any]] = {
+                k: _ENV.compile_expression(v) for k, v in spec.input.items()
+            }
+        except TemplateError as exc:
+            raise ConfigError(f"{where}: expression error: {exc}") from exc
+        stages.append(Stage(spec.name, target, spec.version, when, inputs))
+    pipeline.stages = stages
+
+
+class PipelineRegistry:
+    """Every pipeline of a directory, loaded and checked once at start-up."""
+
+    def __init__(self, pipelines: dict[str, Pipeline]) -> None:
+        self.pipelines = pipelines
+
+    @classmethod
+    def load(cls, pipelines_dir: Path, schemas_dir: Path) -> PipelineRegistry:
+        files = sorted(pipelines_dir.glob("*.yaml")) + sorted(pipelines_dir.glob("*.yml"))
+        if not files:
+            raise ConfigError(f"no pipeline files (*.yaml) in {pipelines_dir}")
+        pipelines: dict[str, Pipeline] = {}
+        for path in files:
+            pipeline = _load_one(path, schemas_dir)
+            if pipeline.name in pipelines:
+                raise ConfigError(f"{path}: pipeline {pipeline.name!r} is defined twice")
+            pipelines[pipeline.name] = pipeline
+        for pipeline in pipelines.values():
+            _resolve_stages(pipeline, pipelines)
+        return cls(pipelines)
+
+    def get(self, name: str) -> Pipeline:
+        try:
+            return self.pipelines[name]
+        except KeyError:
+            raise InvalidInput(
+                f"unknown pipeline {name!r} (known: {sorted(self.pipelines)})",
+                code="unknown_pipeline",
+            ) from None
+
+
+def _load_one(path: Path, schemas_dir: Path) -> Pipeline:
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        spec = PipelineSpec.model_validate(raw)
+    except (yaml.YAMLError, ValidationError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    schema_path = schemas_dir / spec.output_schema
+    try:
+        schema = json.loads(schema_path.read_text(encoding="utf-8"))
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except (OSError, ValueError, jsonschema.SchemaError) as exc:
+        raise ConfigError(f"{path}: output schema {schema_path}: {exc}") from exc
+    pipeline = Pipeline(spec, schema)
+    if spec.chunking is not None:
+        known = set(schema.get("properties") or {})
+        unknown = sorted(set(spec.chunking.reduce) - known)
+        if unknown:
+            raise ConfigError(f"{path}: chunking.reduce names fields {unknown} not in the schema")
+    for version in pipeline.versions.values():
+        if version.spec.example_input is not None:
+            try:
+                version.render(version.spec.example_input, "example-model")
+            except InvalidInput as exc:
+                raise ConfigError(f"{path}: {version.version} example_input: {exc}") from exc
+    return pipeline

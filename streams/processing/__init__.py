@@ -1,1 +1,0 @@
-"""Pure async processing steps: no Faust here."""

@@ -1,0 +1,153 @@
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from pathlib import Path
+
+import orjson
+import pytest
+
+from streams.contract.records import (
+    MESSAGE_LIMIT,
+    DeadLetter,
+    Source,
+    contract_schemas,
+    dead_letter_value,
+    decode_task,
+    error_info,
+    payload_of,
+    result_key,
+    task_id_hint,
+)
+from streams.errors import Category, InvalidInput
+
+SCHEMAS = Path(__file__).resolve().parents[3] / "schemas"
+
+
+def test_schema_files_equal_the_models() -> None:
+    for filename, schema in contract_schemas().items():
+        on_disk = json.loads((SCHEMAS / filename).read_text(encoding="utf-8"))
+        assert on_disk == schema, (
+            f"{filename} is stale: run `python -m streams.contract.records schemas`"
+        )
+
+
+def test_decode_valid_task() -> None:
+    raw = orjson.dumps(
+        {"task_id": "a", "pipeline": "p", "input": {"text": "hi"}, "metadata": {"x": 1}}
+    )
+    task = decode_task(raw, max_bytes=1000)
+    assert task.task_id == "a" and task.input == {"text": "hi"} and task.prompt_version is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "code", "words"),
+    [
+        (None, "empty_record", "tombstone"),
+        (b"{nope", "not_json", "not JSON"),
+        (b"[1]", "not_an_object", "list"),
+        (b"null", "not_an_object", "NoneType"),
+        (b'{"pipeline": "p", "input": {"a": 1}}', "invalid_input", "task_id"),
+        (b'{"task_id": "", "pipeline": "p", "input": {"a": 1}}', "invalid_input", "task_id"),
+        (b'{"task_id": "a", "input": {"a": 1}}', "invalid_input", "pipeline"),
+        (b'{"task_id": "a", "pipeline": "p", "input": {}}', "invalid_input", "input"),
+        (b'{"task_id": "a", "pipeline": "p", "input": "s"}', "invalid_input", "input"),
+        (b'{"task_id": 5, "pipeline": "p", "input": {"a": 1}}', "invalid_input", "task_id"),
+        (
+            b'{"task_id": "a", "pipeline": "p", "input": {"a": 1}, "extra": 1}',
+            "invalid_input",
+            "extra",
+        ),
+    ],
+)
+def test_decode_rejects_bad_records_saying_what_is_wrong(
+    raw: bytes | None, code: str, words: str
+) -> None:
+    with pytest.raises(InvalidInput) as info:
+        decode_task(raw, max_bytes=1000)
+    assert info.value.code == code
+    assert words in info.value.message
+
+
+def test_decode_rejects_oversized_records() -> None:
+    raw = orjson.dumps({"task_id": "a", "pipeline": "p", "input": {"t": "x" * 2000}})
+    with pytest.raises(InvalidInput) as info:
+        decode_task(raw, max_bytes=1000)
+    assert info.value.code == "too_large"
+    assert "1000-byte limit" in info.value.message
+
+
+def test_result_key_is_deterministic_and_sensitive_to_each_part() -> None:
+    base = result_key("p", "v1", "t1", {"text": "héllo", "n": 1})
+    assert base == result_key("p", "v1", "t1", {"n": 1, "text": "héllo"})  # key order
+    assert base == result_key("p", "v1", "t1", {"text": "he\u0301llo", "n": 1})  # NFC
+    variants = {
+        result_key("q", "v1", "t1", {"text": "héllo", "n": 1}),
+        result_key("p", "v2", "t1", {"text": "héllo", "n": 1}),
+        result_key("p", "v1", "t2", {"text": "héllo", "n": 1}),
+        result_key("p", "v1", "t1", {"text": "hello", "n": 1}),
+        result_key("pv", "1", "t1", {"text": "héllo", "n": 1}),  # no ambiguity at part borders
+    }
+    assert base not in variants and len(variants) == 5
+
+
+def test_payload_keeps_json_or_base64_of_the_bytes() -> None:
+    assert payload_of(b'{"a": 1}') == {"a": 1}
+    assert payload_of(b"\xff\x00") == {"raw_base64": "/wA="}
+    assert payload_of(None) == {"raw_base64": ""}
+
+
+def test_task_id_hint_from_value_then_key() -> None:
+    assert task_id_hint(b'{"task_id": "abc"}', b"k") == "abc"
+    assert task_id_hint(b"junk", b"k") == "k"
+    assert task_id_hint(b"junk", b"\xff") is None
+
+
+def _letter(payload: object, message: str = "too large") -> DeadLetter:
+    return DeadLetter(
+        task_id="t1", error=error_info(Category.INVALID_INPUT, "too_large", message, False),
+        attempts=0, payload=payload, source=Source(topic="t", partition=0, offset=1),
+        failed_at="2026-01-01T00:00:00.000Z",
+    )  # fmt: skip
+
+
+def test_a_dead_letter_that_fits_keeps_its_payload_whole() -> None:
+    raw = orjson.dumps({"task_id": "t1", "input": {"text": "short"}})
+    value = dead_letter_value(_letter(payload_of(raw)), raw, room=10_000)
+    assert orjson.loads(value)["payload"] == {"task_id": "t1", "input": {"text": "short"}}
+
+
+@pytest.mark.parametrize("room", [2_000, 50_000, 300_000])
+def test_a_large_dead_letter_keeps_a_head_its_size_and_sha256_within_room(room: int) -> None:
+    text = 'quote " backslash \\ ctl \x01 中文 ' * 40_000  # escapes grow the JSON
+    raw = orjson.dumps({"task_id": "t1", "pipeline": "p", "input": {"text": text}})
+    value = dead_letter_value(_letter(payload_of(raw)), raw, room=room)
+    assert len(value) <= room
+    payload = orjson.loads(value)["payload"]
+    assert payload["truncated"] is True and payload["size"] == len(raw)
+    assert payload["sha256"] == hashlib.sha256(raw).hexdigest()
+    assert raw.decode().startswith(payload["head"]) and len(payload["head"]) > room // 10
+
+
+def test_a_large_record_that_is_not_utf8_keeps_a_base64_head() -> None:
+    raw = b"\xff\xfe" + bytes(range(256)) * 4000
+    value = dead_letter_value(_letter(payload_of(raw)), raw, room=20_000)
+    payload = orjson.loads(value)["payload"]
+    assert len(value) <= 20_000 and "head" not in payload
+    assert raw.startswith(base64.b64decode(payload["head_base64"]))
+
+
+def test_an_error_message_is_capped() -> None:
+    info = error_info(Category.INVALID_OUTPUT, "x", "y" * 100_000, True)
+    assert len(info.message) < MESSAGE_LIMIT + 50 and info.message.endswith("characters)")
+
+
+def test_a_task_id_hint_longer_than_the_contract_allows_is_no_hint() -> None:
+    assert task_id_hint(orjson.dumps({"task_id": "x" * 600}), b"k") == "k"
+    assert task_id_hint(None, b"k" * 600) is None
+
+
+def test_every_error_category_is_in_the_dead_letter_schema() -> None:
+    schema = contract_schemas()["dead-letter.schema.json"]
+    assert schema["$defs"]["Category"]["enum"] == [c.value for c in Category]

@@ -1,0 +1,296 @@
+"""The batch lane against the simulator's Files and Batch API, through the real SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from streams.contract.lanes import Lane
+from streams.contract.records import Source
+from streams.core.batches import BatchLane, batch_key, error_of, item_key
+from streams.core.processor import Prices, TaskProcessor
+from streams.dev.simulator import SimulatorServer
+from streams.errors import BadRequest, UpstreamError
+from streams.llm.client import LLMRequest
+from streams.llm.openai_client import OpenAIClient
+from streams.pipelines.registry import PipelineRegistry
+from streams.resilience.breaker import CircuitBreaker
+from streams.resilience.guarded import GuardedClient
+from streams.resilience.limiter import RateLimiter
+from streams.resilience.retry import RetryPolicy
+from streams.settings import BatchApiSettings
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+class LedgerStore:
+    """The task store's ledger map in memory, counting writes."""
+
+    def __init__(self) -> None:
+        self.maps: dict[int, dict[bytes, bytes]] = {}
+        self.writes = 0
+
+    def get(self, partition: int, key: bytes) -> bytes | None:
+        return self.maps.get(partition, {}).get(key)
+
+    async def put(self, partition: int, key: bytes, value: bytes) -> None:
+        self.writes += 1
+        self.maps.setdefault(partition, {})[key] = value
+
+
+SETTINGS = BatchApiSettings(
+    linger_s=0.05, poll_s=0.05, poll_max_s=0.2, max_items=50, intake_per_s=100_000
+)
+
+
+def _request(text: str) -> LLMRequest:
+    return LLMRequest(
+        messages=[{"role": "system", "content": "Analyse."},
+                  {"role": "user", "content": f"<comment>{text}</comment>"}],
+        model="sim-1", params={"max_tokens": 300}, response_format={"type": "json_object"},
+    )  # fmt: skip
+
+
+@pytest.fixture
+async def client(simulator: SimulatorServer) -> AsyncIterator[OpenAIClient]:
+    simulator.sim.config.batch_delay_s = 0.2
+    c = OpenAIClient(
+        base_url=simulator.base_url, api_key="k", connect_timeout_s=2, read_timeout_s=5
+    )
+    yield c
+    await c.close()
+
+
+async def test_requests_are_gathered_into_one_batch_and_answered_by_custom_id(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    store = LedgerStore()
+    lane = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
+    texts = [f"Great blender {i}." if i % 2 else f"Broke on day {i}." for i in range(30)]
+    answers = await asyncio.gather(*(
+        lane.complete(0, f"rk-{i}", 1, _request(t)) for i, t in enumerate(texts)
+    ))  # fmt: skip
+    stats = simulator.sim.snapshot()
+    assert stats["batches"] == 1 and stats["batch_items_submitted"] == 30
+    assert stats["requests"] == 0  # no synchronous call
+    for text, answer in zip(texts, answers, strict=True):
+        output = orjson.loads(answer.content)
+        assert output["sentiment"] == ("positive" if "Great" in text else "negative")
+        assert answer.prompt_tokens > 0 and answer.completion_tokens > 0
+    # The ledger knows the batch, done, and where each request went.
+    (batch_raw,) = [v for k, v in store.maps[0].items() if k.startswith(b"batch/")]
+    batch = orjson.loads(batch_raw)
+    assert batch["state"] == "done" and batch["status"] == "completed"
+    assert orjson.loads(store.maps[0][item_key("rk-3", 1)])["batch"] == batch["local_id"]
+    await lane.close()
+
+
+async def test_an_expired_batch_sends_its_unanswered_requests_again(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    simulator.sim.config.batch_expire_next = 1
+    simulator.sim.config.batch_expire_fraction = 0.5
+    lane = BatchLane(client, LedgerStore(), SETTINGS)  # type: ignore[arg-type]
+    answers = await asyncio.gather(*(
+        lane.complete(0, f"rk-{i}", 1, _request(f"Fine {i}.")) for i in range(20)
+    ))  # fmt: skip
+    assert len(answers) == 20
+    batch_api = simulator.sim.batch
+    assert simulator.sim.snapshot()["batches_by_status"] == {"expired": 1, "completed": 1}
+    # Sent again only after its batch gave it no answer; never while one was pending.
+    for custom_id, outcomes in batch_api.outcomes.items():
+        assert outcomes in (["ok"], ["expired", "ok"]), (custom_id, outcomes)
+        assert batch_api.submissions[custom_id] == len(outcomes)
+    assert sum(1 for o in batch_api.outcomes.values() if o[0] == "expired") == 10
+    await lane.close()
+
+
+async def test_per_item_errors_come_back_in_the_taxonomy(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    simulator.sim.config.batch_item_error_rate = 1.0
+    lane = BatchLane(client, LedgerStore(), SETTINGS)  # type: ignore[arg-type]
+    with pytest.raises(UpstreamError, match="HTTP 500"):
+        await lane.complete(0, "rk-x", 1, _request("Fine."))
+    assert (
+        error_of(
+            {
+                "custom_id": "a",
+                "response": {
+                    "status_code": 400,
+                    "body": {"error": {"message": "bad", "code": "invalid"}},
+                },
+            }
+        ).category.value
+        == "bad_request"
+    )  # type: ignore[union-attr]
+    await lane.close()
+
+
+async def test_a_restarted_worker_waits_for_the_batch_it_finds_in_the_ledger(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    simulator.sim.config.batch_delay_s = 0.6
+    store = LedgerStore()
+    first = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
+    running = [asyncio.create_task(first.complete(0, f"rk-{i}", 1, _request(f"Ok {i}.")))
+               for i in range(5)]  # fmt: skip
+    for _ in range(200):  # the batch is created ...
+        if simulator.sim.snapshot()["batches"]:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.1)
+    for task in running:  # ... and the worker dies
+        task.cancel()
+    await first.close()
+    second = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]  # same ledger
+    answers = await asyncio.gather(*(
+        second.complete(0, f"rk-{i}", 1, _request(f"Ok {i}.")) for i in range(5)
+    ))  # fmt: skip
+    assert len(answers) == 5
+    assert simulator.sim.snapshot()["batches"] == 1  # no second batch
+    assert all(n == 1 for n in simulator.sim.batch.submissions.values())
+    # A request the ledger has in a finished batch is answered from its files, again.
+    third = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
+    again = await third.complete(0, "rk-2", 1, _request("Ok 2."))
+    assert again.content == answers[2].content
+    assert simulator.sim.snapshot()["batches"] == 1
+    await second.close()
+    await third.close()
+
+
+async def test_a_batch_recorded_but_never_created_is_abandoned_and_sent_anew(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    store = LedgerStore()
+    # The worker wrote the batch to the ledger and died before creating it.
+    store.maps[0] = {
+        batch_key("lost"): orjson.dumps({"local_id": "lost", "partition": 0,
+                                         "items": [["rk-1", 1]], "tokens": 10,
+                                         "created_at": 0.0, "state": "creating"}),
+        item_key("rk-1", 1): orjson.dumps({"batch": "lost"}),
+    }  # fmt: skip
+    lane = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
+    answer = await lane.complete(0, "rk-1", 1, _request("Fine."))
+    assert orjson.loads(answer.content)["sentiment"]
+    assert orjson.loads(store.maps[0][batch_key("lost")])["state"] == "abandoned"
+    assert simulator.sim.snapshot()["batches"] == 1
+    await lane.close()
+
+
+async def test_the_enqueued_token_limit_holds_later_batches_back(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    settings = SETTINGS.model_copy(update={"max_items": 5, "max_enqueued_tokens": 2_000})
+    lane = BatchLane(client, LedgerStore(), settings)  # type: ignore[arg-type]
+    answers = await asyncio.gather(*(
+        lane.complete(0, f"rk-{i}", 1, _request(f"Fine {i}.")) for i in range(15)
+    ))  # fmt: skip
+    assert len(answers) == 15
+    batches = simulator.sim.batch.batches.values()
+    assert len(batches) == 3
+    # One batch at a time (each ~1,700 tokens with its budgets): never two in progress.
+    spans = sorted((b.created_at, b.finished_at or 0) for b in batches)
+    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(spans))
+    await lane.close()
+
+
+async def test_the_processor_answers_a_batch_tier_task_at_the_batch_price(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    registry = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
+    processor = TaskProcessor(
+        registry, GuardedClient(client, limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("s")),
+        default_model="sim-1", policy=RetryPolicy(max_attempts=3, backoff_base_s=0.01),
+        deadline_s=0.05,  # far too short for a batch: the batch tier has its own deadline
+        max_task_bytes=10_000, prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0),
+        batch_deadline_s=60,
+    )  # fmt: skip
+    processor.batches = BatchLane(client, LedgerStore(), SETTINGS)  # type: ignore[arg-type]
+    raw = orjson.dumps({"task_id": "b1", "pipeline": "comment-analysis",
+                        "input": {"text": "Arrived late, works great."}})  # fmt: skip
+    prep = processor.prepare(raw, None, Source(topic="r", partition=0, offset=1))
+    assert not isinstance(prep, type(None))
+    batch_out = await processor.answer(prep, Lane.REPLAY, None, "batch")  # type: ignore[arg-type]
+    assert batch_out.kind == "result", orjson.loads(batch_out.value)
+    assert simulator.sim.snapshot()["requests"] == 0
+    result = orjson.loads(batch_out.value)
+    full = Prices(1.0, 2.0).cost(
+        result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"]
+    )
+    assert result["cost_usd"] == pytest.approx(full * 0.5)
+    # Batch is for the replay lane only: a live task asking for it is answered in a call.
+    processor.deadline_s = 5
+    live = await processor.answer(prep, Lane.LIVE, None, "batch")  # type: ignore[arg-type]
+    assert live.kind == "result" and simulator.sim.snapshot()["requests"] == 1
+    assert orjson.loads(live.value)["cost_usd"] == pytest.approx(full)
+    await processor.batches.close()
+
+
+async def test_the_flex_tier_calls_at_the_batch_price_and_falls_back_when_it_has_no_room(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    registry = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
+    limiter = RateLimiter(rpm=None)
+    processor = TaskProcessor(
+        registry, GuardedClient(client, limiter=limiter, breaker=CircuitBreaker("s")),
+        default_model="sim-1", policy=RetryPolicy(max_attempts=3, backoff_base_s=0.01),
+        deadline_s=10, max_task_bytes=10_000, prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0),
+    )  # fmt: skip
+    raw = orjson.dumps({"task_id": "f1", "pipeline": "comment-analysis",
+                        "input": {"text": "Works great."}})  # fmt: skip
+    prep = processor.prepare(raw, None, Source(topic="r", partition=0, offset=1))
+    flex = await processor.answer(prep, Lane.REPLAY, None, "flex")  # type: ignore[arg-type]
+    result = orjson.loads(flex.value)
+    full = Prices(1.0, 2.0).cost(
+        result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"]
+    )
+    assert result["cost_usd"] == pytest.approx(full * 0.5)
+    assert simulator.sim.snapshot()["by_outcome"] == {"ok_flex": 1}
+    # No flex capacity: the task goes on as a plain call, at the plain price; the 429 is
+    # not taken for a rate limit.
+    simulator.sim.config.flex_unavailable_rate = 1.0
+    rate_before, paused_before = limiter.requests.per_minute, limiter.paused_until
+    fallback = await processor.answer(prep, Lane.REPLAY, None, "flex")  # type: ignore[arg-type]
+    result = orjson.loads(fallback.value)
+    assert fallback.kind == "result" and result["attempts"] == 2
+    assert result["cost_usd"] == pytest.approx(full)
+    assert simulator.sim.snapshot()["by_outcome"] == {"ok_flex": 1, "flex_unavailable": 1, "ok": 1}
+    assert limiter.requests.per_minute == rate_before and limiter.paused_until == paused_before
+
+
+async def test_a_batch_over_the_providers_token_limit_alone_fails_its_requests_clearly(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    simulator.sim.config.batch_token_limit = 100  # far below one request's estimate
+    lane = BatchLane(client, LedgerStore(), SETTINGS)  # type: ignore[arg-type]
+    with pytest.raises(BadRequest, match="alone is over the provider's enqueued-token limit"):
+        await lane.complete(0, "rk-big", 1, _request("Fine."))
+    assert simulator.sim.snapshot()["batches_by_status"] == {"failed": 1}  # not sent again
+    await lane.close()
+
+
+async def test_a_batch_that_cannot_be_created_fails_its_requests(
+    client: OpenAIClient, simulator: SimulatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def no_wait(_: float) -> None:
+        return None
+
+    async def refused(data: bytes, name: str) -> str:
+        raise UpstreamError("HTTP 503: files API down", code="http_503")
+
+    monkeypatch.setattr("streams.core.batches.asyncio.sleep", no_wait)
+    monkeypatch.setattr(client, "upload_batch_file", refused)
+    store = LedgerStore()
+    lane = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
+    with pytest.raises(UpstreamError, match="files API down"):
+        await lane.complete(0, "rk-1", 1, _request("Fine."))
+    # The ledger says the batch was never submitted, so a re-run sends it anew.
+    (record,) = [orjson.loads(v) for k, v in store.maps[0].items() if k.startswith(b"batch/")]
+    assert (record["state"], record["status"]) == ("done", "not_submitted")
+    await lane.close()

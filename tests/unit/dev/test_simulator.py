@@ -1,0 +1,149 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import jsonschema
+import pytest
+
+from streams.dev import sim_content
+from streams.dev.simulator import SimulatorServer
+
+ROOT = Path(__file__).resolve().parents[3]
+SCHEMA = json.loads((ROOT / "schemas" / "comment-analysis.output.schema.json").read_text())
+
+
+def _body(text: str, fmt: dict | None = None, max_tokens: int = 100) -> dict:
+    body = {"model": "sim-1", "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": "analyse"},
+                         {"role": "user", "content": f"<comment>{text}</comment>"}]}  # fmt: skip
+    if fmt:
+        body["response_format"] = fmt
+    return body
+
+
+async def _post(
+    sim: SimulatorServer, body: dict, headers: dict | None = None
+) -> tuple[int, Any, dict]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{sim.base_url}/chat/completions", json=body, headers=headers or {}) as r,
+    ):
+        return r.status, r.headers.copy(), await r.json()  # case-insensitive, like HTTP
+
+
+@pytest.mark.parametrize(
+    ("text", "label"),
+    [
+        ("I love it, excellent quality!", "positive"),
+        ("Terrible. Broke after two days.", "negative"),
+        ("Arrived late but works great.", "mixed"),
+        ("It is a lamp.", "neutral"),
+        ("质量很好，非常满意！", "positive"),
+        ("快递太慢了，很失望。", "negative"),
+        ("Not good at all.", "negative"),
+    ],
+)
+def test_sentiment_is_deterministic_from_the_text(text: str, label: str) -> None:
+    assert sim_content.sentiment(text) == label
+    first = sim_content.instance(SCHEMA, text)
+    assert first == sim_content.instance(SCHEMA, text)
+    jsonschema.validate(first, SCHEMA)
+    assert first["sentiment"] == label
+    for issue in first["issues"]:
+        assert issue["evidence"] in text
+
+
+def test_instance_of_an_arbitrary_schema_is_valid() -> None:
+    schema = {
+        "type": "object", "required": ["a", "b", "c", "d", "e"], "additionalProperties": False,
+        "$defs": {"tag": {"type": "string", "enum": ["x", "y"]}},
+        "properties": {
+            "a": {"type": "integer", "minimum": 3, "maximum": 9},
+            "b": {"type": "array", "items": {"$ref": "#/$defs/tag"}, "minItems": 1},
+            "c": {"type": "string", "minLength": 5, "maxLength": 6},
+            "d": {"type": ["boolean", "null"]},
+            "e": {"type": "object", "properties": {"f": {"const": 1}}, "required": ["f"]},
+        },
+    }  # fmt: skip
+    jsonschema.validate(sim_content.instance(schema, "some text"), schema)
+
+
+async def test_json_schema_answers_are_valid_with_usage(simulator: SimulatorServer) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}
+    status, _, body = await _post(simulator, _body("Great product, fast delivery", fmt))
+    assert status == 200
+    content = json.loads(body["choices"][0]["message"]["content"])
+    jsonschema.validate(content, SCHEMA)
+    assert content["sentiment"] == "positive"
+    assert body["usage"]["prompt_tokens"] > 10 and body["usage"]["completion_tokens"] > 0
+    status, _, body = await _post(simulator, _body("Great", {"type": "json_object"}))
+    assert json.loads(body["choices"][0]["message"]["content"])["sentiment"] == "positive"
+
+
+async def test_rate_limit_answers_429_with_openai_headers(simulator: SimulatorServer) -> None:
+    simulator.sim.config.rpm = 60  # one request per second, no burst of 60
+    first = await _post(simulator, _body("a"))
+    assert first[0] == 200
+    assert first[1]["x-ratelimit-limit-requests"] == "60"
+    assert "x-ratelimit-remaining-requests" in first[1] and "x-ratelimit-reset-requests" in first[1]
+    status, headers, body = await _post(simulator, _body("b"))
+    assert status == 429
+    assert body["error"]["code"] == "rate_limit_exceeded"
+    assert 0 < float(headers["retry-after-ms"]) <= 1000 and headers["retry-after"] == "1"
+    assert simulator.sim.snapshot()["by_status"] == {"200": 1, "429": 1}
+
+
+async def test_token_limit_answers_429(simulator: SimulatorServer) -> None:
+    simulator.sim.config.tpm = 6000  # 100 tokens per second
+    assert (await _post(simulator, _body("a", max_tokens=90)))[0] == 200
+    status, headers, body = await _post(simulator, _body("b", max_tokens=90))
+    assert status == 429 and body["error"]["type"] == "tokens"
+    assert headers["x-ratelimit-limit-tokens"] == "6000"
+
+
+async def test_api_key_is_checked(simulator: SimulatorServer) -> None:
+    simulator.sim.config.api_key = "secret"
+    status, _, body = await _post(simulator, _body("a"), {"Authorization": "Bearer wrong"})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    status, _, _ = await _post(simulator, _body("a"), {"Authorization": "Bearer secret"})
+    assert status == 200
+
+
+async def test_context_window_overflow_is_a_400(simulator: SimulatorServer) -> None:
+    simulator.sim.config.context_window = 50
+    status, _, body = await _post(simulator, _body("x " * 100, max_tokens=10))
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+
+
+async def test_fault_rates_and_duplicates_are_counted(simulator: SimulatorServer) -> None:
+    cfg = simulator.sim.config
+    cfg.error_500_rate = 1.0
+    assert (await _post(simulator, _body("a")))[0] == 500
+    cfg.error_500_rate, cfg.error_503_rate = 0.0, 1.0
+    assert (await _post(simulator, _body("a")))[0] == 503
+    cfg.error_503_rate, cfg.malformed_rate = 0.0, 1.0
+    _, _, body = await _post(simulator, _body("a", {"type": "json_object"}))
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(body["choices"][0]["message"]["content"])
+    cfg.malformed_rate = 0.0
+    await _post(simulator, _body("a"))
+    stats = simulator.sim.snapshot()
+    assert stats["by_status"] == {"200": 2, "500": 1, "503": 1}
+    assert stats["duplicate_successes"] == 1  # the same prompt answered twice
+    assert stats["by_outcome"]["malformed"] == 1
+
+
+async def test_config_and_stats_endpoints(simulator: SimulatorServer) -> None:
+    async with aiohttp.ClientSession() as s:
+        root = simulator.base_url.removesuffix("/v1")
+        async with s.post(f"{root}/sim/config", json={"rpm": 123}) as r:
+            assert r.status == 200 and (await r.json())["rpm"] == 123
+        async with s.post(f"{root}/sim/config", json={"nope": 1}) as r:
+            assert r.status == 400
+        async with s.get(f"{simulator.base_url}/models") as r:
+            assert "sim-1" in [m["id"] for m in (await r.json())["data"]]
+        async with s.get(f"{root}/sim/stats") as r:
+            assert (await r.json())["requests"] == 0

@@ -1,0 +1,135 @@
+"""Replay planning without a broker: ids, checkpoints, and what each record becomes."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from aiokafka.structs import ConsumerRecord
+
+from streams.contract.records import result_key
+from streams.errors import InvalidInput
+from streams.ops.replay import (
+    FORCE_HEADER,
+    REPLAY_ID_HEADER,
+    REPLAY_OF_HEADER,
+    Checkpoint,
+    Counts,
+    Replayer,
+    ReplayRequest,
+)
+from streams.pipelines.registry import PipelineRegistry
+from streams.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[3]
+SINCE = datetime(2026, 11, 1, tzinfo=UTC)
+
+
+@pytest.fixture
+def registry() -> PipelineRegistry:
+    return PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
+
+
+def record(value: bytes | None, offset: int = 7) -> ConsumerRecord[bytes, bytes]:
+    return ConsumerRecord(topic="llm-tasks", partition=2, offset=offset, timestamp=0,
+                          timestamp_type=0, key=b"k", value=value, checksum=None,
+                          serialized_key_size=1, serialized_value_size=0, headers=())  # fmt: skip
+
+
+def task(text: str = "The zip broke.", **extra: Any) -> bytes:
+    return orjson.dumps({"task_id": "t-1", "pipeline": "comment-analysis",
+                         "input": {"text": text}, **extra})  # fmt: skip
+
+
+def checkpoint() -> Checkpoint:
+    return Checkpoint(replay_id="rp-x", source="llm-tasks", start={0: 0, 1: 5},
+                      end={0: 10, 1: 5}, next={0: 0, 1: 5}, counts=Counts())  # fmt: skip
+
+
+def test_the_same_arguments_give_the_same_replay_id() -> None:
+    a = ReplayRequest(source="llm-tasks", since=SINCE, prompt_version="v2")
+    assert a.replay_id() == ReplayRequest(source="llm-tasks", since=SINCE,
+                                          prompt_version="v2").replay_id()  # fmt: skip
+    assert a.replay_id().startswith("rp-")
+    others = [
+        ReplayRequest(source="llm-tasks", since=SINCE, prompt_version="v3"),
+        ReplayRequest(source="llm-tasks", since=SINCE, prompt_version="v2", force=True),
+        ReplayRequest(source="other", since=SINCE, prompt_version="v2"),
+        ReplayRequest(source="llm-tasks", from_offsets={0: 3}, prompt_version="v2"),
+    ]
+    assert len({a.replay_id(), *(o.replay_id() for o in others)}) == 5
+
+
+def test_a_checkpoint_round_trips_with_its_progress() -> None:
+    cp = checkpoint()
+    cp.next[0] = 4
+    cp.counts.published = 3
+    back = Checkpoint.loads(cp.dumps())
+    assert back.start == cp.start and back.next == {0: 4, 1: 5} and back.counts.published == 3
+    assert back.total == 10 and back.progressed == 4 and back.updated_at
+
+
+def test_a_task_not_answered_is_sent_pinned_to_the_version_with_its_origin(
+    registry: PipelineRegistry,
+) -> None:
+    settings = load_settings()
+    replayer = Replayer(settings, ReplayRequest(source="llm-tasks", since=SINCE), registry)
+    cp = checkpoint()
+    sent = replayer._one(record(task()), cp)
+    assert sent is not None
+    key, value, headers = sent
+    assert key == b"t-1" and orjson.loads(value)["prompt_version"] == "v1"
+    assert dict(headers) == {REPLAY_ID_HEADER: b"rp-x", REPLAY_OF_HEADER: b"llm-tasks/2/7"}
+    c = cp.counts
+    assert (c.read, c.published) == (1, 1) and c.prompt_tokens > 50
+    assert c.completion_tokens == 400  # no earlier results: the version's max_tokens
+
+
+def test_answered_tasks_are_skipped_unless_forced(registry: PipelineRegistry) -> None:
+    settings = load_settings()
+    rk = result_key("comment-analysis", "v1", "t-1", {"text": "The zip broke."})
+    plain = Replayer(settings, ReplayRequest(source="llm-tasks", since=SINCE), registry)
+    plain._keys = {rk.encode()}
+    cp = checkpoint()
+    assert plain._one(record(task()), cp) is None and cp.counts.answered == 1
+    forced = Replayer(settings, ReplayRequest(source="llm-tasks", since=SINCE, force=True),
+                      registry)  # fmt: skip
+    forced._keys = {rk.encode()}
+    forced._usage = {("comment-analysis", None): (300, 3)}
+    cp = checkpoint()
+    sent = forced._one(record(task()), cp)
+    assert sent is not None and dict(sent[2])[FORCE_HEADER] == b"1"
+    assert cp.counts.completion_tokens == 100  # mean of the earlier results
+
+
+def test_bad_records_and_other_pipelines_are_counted_not_sent(registry: PipelineRegistry) -> None:
+    settings = load_settings()
+    only = ReplayRequest(source="llm-tasks", since=SINCE, pipeline="comment-analysis")
+    replayer = Replayer(settings, only, registry)
+    cp = checkpoint()
+    assert replayer._one(record(b"{not json"), cp) is None
+    assert replayer._one(record(None), cp) is None
+    assert replayer._one(record(task(prompt_version="v9")), cp) is None  # unknown version
+    other = orjson.dumps({"task_id": "t-2", "pipeline": "tickets", "input": {"text": "x"}})
+    assert replayer._one(record(other), cp) is None
+    assert (cp.counts.invalid, cp.counts.filtered, cp.counts.published) == (3, 1, 0)
+
+
+def test_an_unknown_pipeline_or_version_is_refused_before_anything_is_read(
+    registry: PipelineRegistry,
+) -> None:
+    settings = load_settings()
+    with pytest.raises(InvalidInput, match="no prompt version 'v9'"):
+        Replayer(settings, ReplayRequest(source="t", since=SINCE, pipeline="comment-analysis",
+                                         prompt_version="v9"), registry)  # fmt: skip
+    with pytest.raises(InvalidInput):
+        Replayer(settings, ReplayRequest(source="t", since=SINCE, pipeline="nope"), registry)
+
+
+def test_cost_uses_the_price_table() -> None:
+    settings = load_settings(llm={"price_per_1k_prompt_usd": 1.0,
+                                  "price_per_1k_completion_usd": 2.0})  # fmt: skip
+    assert Counts(prompt_tokens=1000, completion_tokens=500).cost_usd(settings) == 2.0

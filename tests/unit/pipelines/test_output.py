@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from streams.errors import InvalidOutput
+from streams.llm.client import LLMResponse
+from streams.pipelines.output import parse_output
+from streams.pipelines.registry import Pipeline, PipelineRegistry, PipelineSpec
+
+ROOT = Path(__file__).resolve().parents[3]
+GOOD = {
+    "sentiment": "negative", "confidence": 0.9, "topics": ["delivery"],
+    "issues": [{"category": "delivery", "evidence": "arrived   late"}],
+    "summary": "late", "language": "en",
+}  # fmt: skip
+
+
+@pytest.fixture
+def pipeline() -> Pipeline:
+    return PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas").get("comment-analysis")
+
+
+def _resp(content: str, finish: str = "stop") -> LLMResponse:
+    return LLMResponse(
+        content=content, model="m", prompt_tokens=1, completion_tokens=1, finish_reason=finish
+    )
+
+
+def test_valid_output_passes(pipeline: Pipeline) -> None:
+    out = parse_output(
+        _resp(orjson.dumps(GOOD).decode()), pipeline, {"text": "It arrived late. Bad."}
+    )
+    assert out == GOOD
+
+
+@pytest.mark.parametrize(
+    ("content", "finish", "code"),
+    [
+        ('{"sentiment": "neg', "stop", "not_json"),
+        ("[1, 2]", "stop", "not_object"),
+        (orjson.dumps({**GOOD, "sentiment": "angry"}).decode(), "stop", "schema"),
+        (orjson.dumps({**GOOD, "confidence": 2}).decode(), "stop", "schema"),
+        (
+            orjson.dumps({k: v for k, v in GOOD.items() if k != "summary"}).decode(),
+            "stop",
+            "schema",
+        ),
+        (orjson.dumps({**GOOD, "extra": 1}).decode(), "stop", "schema"),
+        (orjson.dumps(GOOD).decode(), "length", "truncated"),
+        (
+            orjson.dumps(
+                {**GOOD, "issues": [{"category": "price", "evidence": "too pricey"}]}
+            ).decode(),
+            "stop",
+            "evidence_not_quoted",
+        ),
+    ],
+)
+def test_invalid_outputs_say_why(pipeline: Pipeline, content: str, finish: str, code: str) -> None:
+    with pytest.raises(InvalidOutput) as info:
+        parse_output(_resp(content, finish), pipeline, {"text": "It arrived late. Bad."})
+    assert info.value.code == code
+    assert info.value.retryable
+
+
+def _pipeline_with(schema: dict[str, object]) -> Pipeline:
+    spec = PipelineSpec(
+        name="p", default_version="v1", output_schema="s.json",
+        versions={"v1": {"system": "s", "template": "{{ text }}",
+                         "slots": {"text": {"type": "string"}}, "response_format": "json_object"}},
+    )  # fmt: skip
+    return Pipeline(spec, schema)
+
+
+SCHEMA_WITH_DEFAULTS = {
+    "type": "object",
+    "required": ["label"],
+    "properties": {
+        "label": {"type": "string"},
+        "confidence": {"type": "number", "default": 0.5},
+        "tags": {"type": "array", "items": {"type": "string"}, "default": []},
+        "issues": {"type": "array", "items": {"$ref": "#/$defs/issue"}},
+        "meta": {"type": "object", "properties": {"lang": {"type": "string", "default": "und"}}},
+    },
+    "$defs": {
+        "issue": {
+            "type": "object",
+            "required": ["what"],
+            "properties": {"what": {"type": "string"}, "severity": {"default": "low"}},
+        }
+    },
+}
+
+
+def test_defaults_of_optional_fields_are_filled_and_present_values_kept() -> None:
+    pipeline = _pipeline_with(SCHEMA_WITH_DEFAULTS)
+    assert pipeline.fills_defaults
+    answer = {"label": "x", "tags": ["kept"], "issues": [{"what": "a"}, {"what": "b",
+              "severity": "high"}], "meta": {}}  # fmt: skip
+    out = parse_output(_resp(orjson.dumps(answer).decode()), pipeline, {})
+    assert out == {
+        "label": "x", "confidence": 0.5, "tags": ["kept"],
+        "issues": [{"what": "a", "severity": "low"}, {"what": "b", "severity": "high"}],
+        "meta": {"lang": "und"},
+    }  # fmt: skip
+    # Each output gets its own copy of a default, never a shared object.
+    one = parse_output(_resp('{"label": "y"}'), pipeline, {})
+    two = parse_output(_resp('{"label": "z"}'), pipeline, {})
+    one["tags"].append("changed")
+    assert two["tags"] == [] and "meta" not in two
+
+
+def test_a_schema_without_defaults_leaves_outputs_as_answered(pipeline: Pipeline) -> None:
+    assert not pipeline.fills_defaults
+    out = parse_output(_resp(orjson.dumps(GOOD).decode()), pipeline, {"text": "arrived late"})
+    assert out == GOOD

@@ -1,0 +1,205 @@
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from streams.errors import ConfigError, InvalidInput
+from streams.pipelines.registry import PipelineRegistry
+from streams.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def registry() -> PipelineRegistry:
+    return PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
+
+
+def test_renders_comment_analysis(registry: PipelineRegistry) -> None:
+    version = registry.get("comment-analysis").version(None)
+    prompt = version.render({"text": "Great blender", "product": "blender", "rating": 5}, "m")
+    assert version.version == "v1"
+    assert prompt.model == "m"
+    assert prompt.messages[0]["role"] == "system" and "sentiment" in prompt.messages[0]["content"]
+    user = prompt.messages[1]["content"]
+    assert (
+        "<comment>Great blender</comment>" in user and "Product: blender" in user and "5/5" in user
+    )
+    assert prompt.response_format["type"] == "json_schema"
+    assert prompt.response_format["json_schema"]["schema"]["required"]
+    assert prompt.params == {"temperature": 0, "max_tokens": 400}
+
+
+def test_optional_slots_take_defaults(registry: PipelineRegistry) -> None:
+    prompt = registry.get("comment-analysis").version("v1").render({"text": "ok"}, "m")
+    assert "Product" not in prompt.messages[1]["content"]
+    assert prompt.variables == {"text": "ok", "product": "", "rating": None}
+
+
+@pytest.mark.parametrize(
+    ("task_input", "code"),
+    [
+        ({"body": "x"}, "missing_slot"),
+        ({"text": 3}, "slot_type"),
+        ({"text": "   "}, "empty_slot"),
+        ({"text": "x" * 8001}, "slot_too_long"),
+        ({"text": "ok", "rating": True}, "slot_type"),
+        ({"text": "ok", "rating": "5"}, "slot_type"),
+    ],
+)
+def test_slot_errors_are_invalid_input(
+    registry: PipelineRegistry, task_input: dict, code: str
+) -> None:
+    with pytest.raises(InvalidInput) as info:
+        registry.get("comment-analysis").version(None).render(task_input, "m")
+    assert info.value.code == code
+
+
+def test_unknown_pipeline_and_version(registry: PipelineRegistry) -> None:
+    with pytest.raises(InvalidInput) as info:
+        registry.get("nope")
+    assert info.value.code == "unknown_pipeline" and "comment-analysis" in info.value.message
+    with pytest.raises(InvalidInput) as info:
+        registry.get("comment-analysis").version("v9")
+    assert info.value.code == "unknown_version"
+
+
+def test_template_sandbox_blocks_attribute_escapes(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text(
+        "name: p\ndefault_version: v1\noutput_schema: comment-analysis.output.schema.json\n"
+        "versions:\n  v1:\n    system: s\n    template: '{{ text.__class__.__mro__ }}'\n"
+        "    slots: {text: {type: string}}\n"
+    )
+    reg = PipelineRegistry.load(tmp_path, ROOT / "schemas")
+    with pytest.raises(InvalidInput) as info:
+        reg.get("p").version(None).render({"text": "x"}, "m")
+    assert info.value.code == "render_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        (
+            "name: p\ndefault_version: v2\noutput_schema: comment-analysis.output.schema.json\n"
+            "versions:\n  v1: {system: s, template: t, slots: {text: {}}}\n",
+            "default_version",
+        ),
+        (
+            "name: p\ndefault_version: v1\noutput_schema: missing.json\n"
+            "versions:\n  v1: {system: s, template: t, slots: {text: {}}}\n",
+            "missing.json",
+        ),
+        (
+            "name: p\ndefault_version: v1\noutput_schema: comment-analysis.output.schema.json\n"
+            "versions:\n  v1: {system: s, template: '{{ text', slots: {text: {}}}\n",
+            "template",
+        ),
+        (
+            "name: p\ndefault_version: v1\noutput_schema: comment-analysis.output.schema.json\n"
+            "versions:\n  v1: {system: s, template: t, slots: {text: {}}, example_input: {}}\n",
+            "example_input",
+        ),
+        (
+            "name: p\ndefault_version: v1\noutput_schema: comment-analysis.output.schema.json\n"
+            "versions:\n  v1: {system: s, template: t, slots: {n: {type: integer}},\n"
+            "       on_context_overflow: {strategy: truncate, slot: n}}\n",
+            "on_context_overflow.slot",
+        ),
+        (": not yaml : [", "p.yaml"),
+    ],
+)
+def test_bad_pipeline_files_stop_the_start(tmp_path: Path, body: str, words: str) -> None:
+    (tmp_path / "p.yaml").write_text(body)
+    with pytest.raises(ConfigError) as info:
+        PipelineRegistry.load(tmp_path, ROOT / "schemas")
+    assert words in str(info.value)
+
+
+def test_settings_find_the_checkout_pipelines() -> None:
+    s = load_settings()
+    assert (s.pipelines_dir / "comment-analysis.yaml").exists()
+
+
+def _spec_with(tmp_path: Path, **changes: Any) -> Path:
+    spec = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
+    v2 = copy.deepcopy(spec["versions"]["v1"])
+    v2["system"] += "Be brief.\n"
+    spec["versions"]["v2"] = v2
+    for key, value in changes.items():
+        if key.startswith("v1_"):
+            spec["versions"]["v1"][key[3:]] = value
+        else:
+            spec[key] = value
+    folder = tmp_path / "pipelines"
+    folder.mkdir(exist_ok=True)
+    (folder / "comment-analysis.yaml").write_text(yaml.safe_dump(spec))
+    return folder
+
+
+def test_traffic_split_buckets_each_task_the_same_way_in_proportion(tmp_path: Path) -> None:
+    folder = _spec_with(tmp_path, traffic={"v1": 90, "v2": 10})
+    pipeline = PipelineRegistry.load(folder, ROOT / "schemas").get("comment-analysis")
+    ids = [f"task-{i}" for i in range(100_000)]
+    first = [pipeline.version(None, task_id).version for task_id in ids]
+    chosen = Counter(first)
+    # Within 1 percentage point of the weights over 100,000 ids ...
+    assert abs(chosen["v1"] / 100_000 - 0.90) <= 0.01 and chosen["v2"] + chosen["v1"] == 100_000
+    assert abs(chosen["v2"] / 100_000 - 0.10) <= 0.01
+    # ... and stable per id, also for a freshly loaded registry (another worker).
+    again = PipelineRegistry.load(folder, ROOT / "schemas").get("comment-analysis")
+    assert [again.version(None, task_id).version for task_id in ids] == first
+    # A pinned version wins; without a task id, the default.
+    assert pipeline.version("v2", "task-1").version == "v2"
+    assert pipeline.version(None).version == "v1"
+
+
+def test_a_split_naming_unknown_versions_or_with_no_weight_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not in versions"):
+        PipelineRegistry.load(_spec_with(tmp_path, traffic={"v3": 1}), ROOT / "schemas")
+    with pytest.raises(ConfigError, match="positive sum"):
+        PipelineRegistry.load(_spec_with(tmp_path, traffic={"v1": 0}), ROOT / "schemas")
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"temperature": 0.9, "max_tokens": 40}, "contradict"),
+        ({"temperature": 2.5}, "outside 0..2"),
+        ({"top_p": 0}, "outside \\(0, 1\\]"),
+        ({"max_tokens": 0}, "positive integer"),
+    ],
+)
+def test_contradictory_or_out_of_range_parameters_are_refused(
+    tmp_path: Path, params: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        PipelineRegistry.load(_spec_with(tmp_path, v1_params=params), ROOT / "schemas")
+
+
+def test_doubtful_parameters_load_with_a_warning(tmp_path: Path) -> None:
+    folder = _spec_with(tmp_path, v1_params={"temperature": 1.3, "top_p": 0.9, "max_tokens": 400})
+    pipeline = PipelineRegistry.load(folder, ROOT / "schemas").get("comment-analysis")
+    warnings = pipeline.spec.versions["v1"].warnings()
+    assert any("top_p" in w for w in warnings) and any("1.3" in w for w in warnings)
+
+
+def test_review_flags_low_confidence_and_rule_hits(registry: PipelineRegistry) -> None:
+    pipeline = registry.get("comment-analysis")
+    happy = {"sentiment": "positive", "confidence": 0.9}
+    assert pipeline.review_reasons({"rating": 5, "text": "t"}, happy) == []
+    assert pipeline.review_reasons({"rating": 1, "text": "t"}, happy) == ["rating_contradicts"]
+    unsure = {"sentiment": "negative", "confidence": 0.2}
+    assert pipeline.review_reasons({"rating": 5, "text": "t"}, unsure) == [
+        "low_confidence", "rating_contradicts"]  # fmt: skip
+    assert pipeline.review_reasons({"rating": None, "text": "t"}, happy) == []
+
+
+def test_a_review_rule_that_does_not_compile_is_refused(tmp_path: Path) -> None:
+    folder = _spec_with(tmp_path, review={"rules": {"broken": "output.sentiment =="}})
+    with pytest.raises(ConfigError, match="review rule"):
+        PipelineRegistry.load(folder, ROOT / "schemas")
