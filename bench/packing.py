@@ -24,7 +24,7 @@ import orjson
 
 from streams.contract.records import Source
 from streams.core.packing import packed_messages
-from streams.core.processor import Prices, TaskProcessor
+from streams.core.processor import ProcessorConfig, TaskProcessor
 from streams.dev.simulator import SimConfig, SimulatorServer
 from streams.llm.openai_client import OpenAIClient
 from streams.llm.tokens import count_messages
@@ -73,8 +73,8 @@ async def on_simulator(
         )
         processor = TaskProcessor(
             registry, GuardedClient(client, limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("sim")),
-            default_model="gpt-4o-mini", policy=RetryPolicy(max_attempts=3, backoff_base_s=0.01),
-            deadline_s=60, max_task_bytes=10_000, prices=Prices(),
+            ProcessorConfig(default_model="gpt-4o-mini", deadline_s=60, max_task_bytes=10_000,
+                            policy=RetryPolicy(max_attempts=3, backoff_base_s=0.01)),
         )  # fmt: skip
         raws = [orjson.dumps({"task_id": f"task-{i:06d}", "pipeline": "comment-analysis", "input": c})
                 for i, c in enumerate(comments)]  # fmt: skip

@@ -26,7 +26,7 @@ from pathlib import Path
 import orjson
 
 from streams.contract.records import Source
-from streams.core.processor import Prices, TaskProcessor
+from streams.core.processor import ProcessorConfig, TaskProcessor
 from streams.dev import sim_content
 from streams.dev.brokers.common import free_port, wait_for_port
 from streams.llm.openai_client import OpenAIClient
@@ -60,8 +60,8 @@ async def processor_cpu_ms(registry: PipelineRegistry, comments: list[dict[str, 
                               connect_timeout_s=2, read_timeout_s=10)  # fmt: skip
         processor = TaskProcessor(
             registry, GuardedClient(client, limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("sim")),
-            default_model="sim-1", policy=RetryPolicy(max_attempts=3), deadline_s=60,
-            max_task_bytes=10_000, prices=Prices(),
+            ProcessorConfig(default_model="sim-1", policy=RetryPolicy(max_attempts=3),
+                            deadline_s=60, max_task_bytes=10_000),
         )  # fmt: skip
         raws = [orjson.dumps({"task_id": f"c-{i}", "pipeline": "comment-analysis",
                               "input": comments[i % len(comments)]}) for i in range(tasks)]  # fmt: skip

@@ -217,6 +217,18 @@ def decode_task(raw: bytes | None, *, max_bytes: int) -> Task:
         raise InvalidInput(f"record breaks the task contract: {_describe(exc)}") from exc
 
 
+def json_object(value: bytes | None) -> dict[str, Any] | None:
+    """A stored value as a JSON object, or None: a tombstone, or a value this project did
+    not write (readers of our topics skip those rather than fail)."""
+    if value is None:
+        return None
+    try:
+        data = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def task_id_hint(raw: bytes | None, key: bytes | None) -> str | None:
     """Best guess of the task id of a record that failed to decode, for its dead letter."""
     if raw:

@@ -42,8 +42,14 @@ import orjson
 from aiolimiter import AsyncLimiter
 
 from streams.core.dispatch import parked
-from streams.errors import AuthError, BadRequest, RateLimited, TaskError, UpstreamError
-from streams.llm.client import LLMRequest, LLMResponse, parse_completion
+from streams.errors import BadRequest, RateLimited, TaskError, UpstreamError
+from streams.llm.client import (
+    LLMRequest,
+    LLMResponse,
+    completion_budget,
+    error_for_status,
+    parse_completion,
+)
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
 from streams.settings import BatchApiSettings
@@ -123,13 +129,7 @@ def error_of(line: dict[str, Any]) -> TaskError | _Resubmit:
             if code in ("batch_expired", "batch_cancelled")
             else UpstreamError(f"batch: {message}", code=code)
         )
-    if status == 429:
-        return RateLimited(f"batch: HTTP 429: {message}", code=code)
-    if status in (401, 403):
-        return AuthError(f"batch: HTTP {status}: {message}", code=code)
-    if 400 <= status < 500:
-        return BadRequest(f"batch: HTTP {status}: {message}", code=code)
-    return UpstreamError(f"batch: HTTP {status}: {message}", code=code)
+    return error_for_status(status, code, f"batch: HTTP {status}: {message}")
 
 
 @dataclass
@@ -186,7 +186,7 @@ class BatchLane:
         self.settings = settings
         # A batch's ledger record lists its requests and must fit the ledger topic.
         self.max_items = max(1, min(settings.max_items, (ledger_room - 1024) // LEDGER_ITEM_BYTES))
-        self.metrics = metrics
+        self.metrics = metrics or Metrics()  # none given: one nobody scrapes
         self._pending: dict[int, list[_Waiting]] = {}
         self._queued: set[tuple[str, int]] = set()
         self._timers: dict[int, asyncio.TimerHandle] = {}
@@ -229,11 +229,7 @@ class BatchLane:
                         async with self._intake:  # at a pace (the job holds its slot)
                             pass
                         line = request_line(custom_id, request)
-                        tokens = self._prompt_tokens(request) + int(
-                            request.params.get("max_completion_tokens")
-                            or request.params.get("max_tokens")
-                            or 1024
-                        )
+                        tokens = self._prompt_tokens(request) + completion_budget(request.params)
                         self._enqueue(_Waiting(partition, custom_id, attempt, line, tokens))
                     async with parked():
                         answer = await future
@@ -546,12 +542,10 @@ class BatchLane:
     # -- metrics and shutdown ------------------------------------------------------------
 
     def _count_batch(self, status: str) -> None:
-        if self.metrics is not None:
-            self.metrics.batches.labels(status).inc()
+        self.metrics.batches.labels(status).inc()
 
     def _count_request(self, outcome: str) -> None:
-        if self.metrics is not None:
-            self.metrics.batch_requests.labels(outcome).inc()
+        self.metrics.batch_requests.labels(outcome).inc()
 
     async def close(self) -> None:
         for timer in self._timers.values():

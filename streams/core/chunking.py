@@ -130,13 +130,31 @@ def _join(values: list[Any], schema: dict[str, Any]) -> str:
     return text[:limit].rstrip() if isinstance(limit, int) else text
 
 
+# How each reducer merges one field's values (`weights` only for vote).
+_REDUCE: dict[str, Callable[[list[Any], dict[str, Any], list[float]], Any]] = {
+    "vote": lambda values, schema, weights: _vote(values, weights),
+    "majority": lambda values, schema, weights: _vote(values, [1.0] * len(values)),
+    "mean": lambda values, schema, weights: round(sum(values) / len(values), 6),
+    "min": lambda values, schema, weights: min(values),
+    "max": lambda values, schema, weights: max(values),
+    "union": lambda values, schema, weights: _union(values, schema),
+    "first": lambda values, schema, weights: values[0],
+    "last": lambda values, schema, weights: values[-1],
+    "longest": lambda values, schema, weights: max(values, key=lambda v: len(str(v))),
+    "join": lambda values, schema, weights: _join(values, schema),
+    "any": lambda values, schema, weights: any(values),
+    "all": lambda values, schema, weights: all(values),
+}
+
+
 def reduce_outputs(
     outputs: list[dict[str, Any]],
     reducers: dict[str, str],
     schema: dict[str, Any],
     weight_field: str | None = None,
 ) -> dict[str, Any]:
-    """One answer from the chunks' answers, field by field."""
+    """One answer from the chunks' answers, field by field (`first` when the pipeline
+    names no reducer for a field)."""
     props = schema.get("properties") or {}
     fields: list[str] = []
     for output in outputs:
@@ -144,38 +162,16 @@ def reduce_outputs(
     merged: dict[str, Any] = {}
     for name in fields:
         having = [o for o in outputs if name in o]
-        values = [o[name] for o in having]
-        how = reducers.get(name, "first")
         field_schema = props.get(name)
         sub: dict[str, Any] = field_schema if isinstance(field_schema, dict) else {}
-        if how in ("vote", "majority"):
-            weights = [
-                float(o.get(weight_field, 1.0))
-                if how == "vote" and weight_field and isinstance(o.get(weight_field), int | float)
-                else 1.0
-                for o in having
-            ]
-            merged[name] = _vote(values, weights)
-        elif how == "mean":
-            merged[name] = round(sum(values) / len(values), 6)
-        elif how == "min":
-            merged[name] = min(values)
-        elif how == "max":
-            merged[name] = max(values)
-        elif how == "union":
-            merged[name] = _union(values, sub)
-        elif how == "last":
-            merged[name] = values[-1]
-        elif how == "longest":
-            merged[name] = max(values, key=lambda v: len(str(v)))
-        elif how == "join":
-            merged[name] = _join(values, sub)
-        elif how == "any":
-            merged[name] = any(values)
-        elif how == "all":
-            merged[name] = all(values)
-        else:  # first
-            merged[name] = values[0]
+        weights = [
+            float(o[weight_field])
+            if weight_field and isinstance(o.get(weight_field), int | float)
+            else 1.0
+            for o in having
+        ]
+        reduce = _REDUCE[reducers.get(name, "first")]
+        merged[name] = reduce([o[name] for o in having], sub, weights)
     return merged
 
 

@@ -47,7 +47,7 @@ class Host(Protocol):
     prompt_tokens: int
     completion_tokens: int
 
-    def _auth(self, request: web.Request) -> web.Response | None: ...
+    def auth(self, request: web.Request) -> web.Response | None: ...
 
     def count_tokens(self, text: str) -> int: ...
 
@@ -142,7 +142,7 @@ class BatchAPI:
         return file_id
 
     async def upload(self, request: web.Request) -> web.Response:
-        if (denied := self.sim._auth(request)) is not None:
+        if (denied := self.sim.auth(request)) is not None:
             return denied
         form = await request.post()
         upload = form.get("file")
@@ -164,7 +164,7 @@ class BatchAPI:
         )
 
     async def download(self, request: web.Request) -> web.Response:
-        if (denied := self.sim._auth(request)) is not None:
+        if (denied := self.sim.auth(request)) is not None:
             return denied
         found = self.files.get(request.match_info["id"])
         if found is None:
@@ -172,7 +172,7 @@ class BatchAPI:
         return web.Response(body=found[1], content_type="application/octet-stream")
 
     async def create(self, request: web.Request) -> web.Response:
-        if (denied := self.sim._auth(request)) is not None:
+        if (denied := self.sim.auth(request)) is not None:
             return denied
         body = orjson.loads(await request.read())
         found = self.files.get(str(body.get("input_file_id")))
@@ -332,7 +332,7 @@ class BatchAPI:
             await self._finish(batch)
 
     async def retrieve(self, request: web.Request) -> web.Response:
-        if (denied := self.sim._auth(request)) is not None:
+        if (denied := self.sim.auth(request)) is not None:
             return denied
         batch = self.batches.get(request.match_info["id"])
         if batch is None:
@@ -341,7 +341,7 @@ class BatchAPI:
         return web.json_response(batch.view())
 
     async def list(self, request: web.Request) -> web.Response:
-        if (denied := self.sim._auth(request)) is not None:
+        if (denied := self.sim.auth(request)) is not None:
             return denied
         limit = int(request.query.get("limit", "20"))
         after = request.query.get("after")
@@ -364,7 +364,7 @@ class BatchAPI:
         )
 
     async def cancel(self, request: web.Request) -> web.Response:
-        if (denied := self.sim._auth(request)) is not None:
+        if (denied := self.sim.auth(request)) is not None:
             return denied
         batch = self.batches.get(request.match_info["id"])
         if batch is None:

@@ -196,7 +196,7 @@ class Simulator:
         return web.json_response(self.snapshot())
 
     async def models(self, request: web.Request) -> web.Response:
-        if (denied := self._auth(request)) is not None:
+        if (denied := self.auth(request)) is not None:
             return denied
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "llm-streams-sim"}
@@ -205,7 +205,7 @@ class Simulator:
         return web.json_response({"object": "list", "data": data})
 
     # -- chat ----------------------------------------------------------------
-    def _auth(self, request: web.Request) -> web.Response | None:
+    def auth(self, request: web.Request) -> web.Response | None:
         key = self.config.api_key
         if key and request.headers.get("Authorization") != f"Bearer {key}":
             self._count(401, "auth")
@@ -281,7 +281,7 @@ class Simulator:
         return self._sem
 
     async def chat(self, request: web.Request) -> web.Response:
-        if (denied := self._auth(request)) is not None:
+        if (denied := self.auth(request)) is not None:
             return denied
         try:
             body = orjson.loads(await request.read())
@@ -490,7 +490,7 @@ class SimulatorServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        server = site._server  # the bound socket tells the port actually used
+        server = site._server  # noqa: SLF001  # aiohttp: the bound socket tells the port used
         if server is not None and self.port == 0:
             self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
         return self

@@ -1,16 +1,12 @@
-"""The task agent: micro-batches in, one result or dead letter out per record.
+"""The task agent: the thin Faust edge. Micro-batches in; per record the headers are
+read, the core decides (`core.decide`) and answers (`core.processor`), the writer
+writes (`kafka.writer`), and the record is acked.
 
 Offset safety: the stream runs without automatic acks (`noack_take`). An
 event counts as finished once its result or dead letter is acknowledged by
 the broker, and finished events are acked to Faust in arrival order per
 partition (`InOrderAcks`), so Faust's commit never passes a record still in
 flight, however many run concurrently.
-
-Outcomes are written through the task store (`streams.kafka.store`), whose maps are
-backed by the results, dead-letter and task-state topics: a record that runs
-again (after a crash or a rebalance) finds its answer there and writes
-nothing; a new record for an answered task gets the stored answer back
-(`cached: true`), and identical inputs of different tasks share one LLM call.
 """
 
 from __future__ import annotations
@@ -19,11 +15,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn, cast
+from typing import Any, cast
 
 import faust
-import orjson
-from aiokafka.errors import KafkaError
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace import Status as SpanStatus
 
@@ -33,31 +27,33 @@ from streams.contract.headers import (
     REROUTED_FROM_HEADER,
     TIER_HEADER,
 )
-from streams.contract.lanes import Lane
+from streams.contract.lanes import Lane, Tier
 from streams.contract.records import Source
 from streams.core.batches import BatchLane
+from streams.core.cache import ContentCache
+from streams.core.decide import Asked, Decider
 from streams.core.dispatch import Dispatcher, LaneSlots
 from streams.core.offsets import InOrderAcks, Ticket
-from streams.core.processor import Outcome, Prepared, TaskProcessor
-from streams.errors import InternalError, WriteRefused
+from streams.core.processor import Outcome, TaskProcessor
+from streams.errors import InternalError
 from streams.kafka import faust_private
-from streams.kafka.eos import PartitionLost, Transactions
-from streams.kafka.limits import WriteLimits, refused_for_good
+from streams.kafka.eos import Transactions
+from streams.kafka.limits import WriteLimits
 from streams.kafka.routing import partition_for
 from streams.kafka.shutdown import Watchdog
-from streams.kafka.store import ContentCache, Kind, MapView, Status, TaskState, TaskStore
+from streams.kafka.store import Kind, MapView, TaskStore
 from streams.kafka.topics import ledger_topic, state_topic
+from streams.kafka.writer import CannotWrite, Headers, Writer
 from streams.llm.openai_client import OpenAIClient
 from streams.observability.logs import current_task_id
 from streams.observability.metrics import Metrics
-from streams.observability.tracing import TRACER, context_from_headers, headers_for
+from streams.observability.tracing import TRACER, context_from_headers
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
 
-SEND_ATTEMPTS = 8
 BACKTRACK_NOTES = {b"restore": "backtrack: restored", b"rerun": "backtrack: re-run"}
-TIERS = (b"sync", b"flex", b"batch")
+TIERS = {tier.value.encode(): tier for tier in Tier}
 
 
 def header(message: Any, name: str) -> bytes | None:
@@ -71,8 +67,14 @@ def header(message: Any, name: str) -> bytes | None:
     return found
 
 
-class CannotWrite(Exception):
-    """The broker cannot be written to: the worker is stopping, the record stays unacked."""
+def asked(message: Any) -> Asked:
+    """How a record asks to be answered, from its headers."""
+    backtrack = header(message, BACKTRACK_HEADER)
+    return Asked(
+        force=header(message, FORCE_HEADER) == b"1" or backtrack == b"rerun",
+        tier=TIERS.get(header(message, TIER_HEADER) or b""),
+        note=BACKTRACK_NOTES.get(backtrack or b""),
+    )
 
 
 class TaskAgent:
@@ -113,6 +115,8 @@ class TaskAgent:
         self._topics = {topic.get_topic_name(): topic for topic in (
             self.live_topic, self.replay_topic, self.results_topic, self.dead_letter_topic,
             self.state_topic, self.review_topic, self.ledger_topic)}  # fmt: skip
+        # A stop takes at most `shutdown_grace_s`; what is unfinished then stays unacked.
+        self.watchdog = Watchdog(settings.shutdown_grace_s, self.left_behind)
         self.store = TaskStore(
             settings, self._send, self.metrics, state_room=self.limits.room(state_topic(settings))
         )
@@ -122,15 +126,18 @@ class TaskAgent:
             if settings.processing_guarantee == "exactly_once"
             else None
         )
+        self.writer = Writer(
+            settings, send=self._topic_send, store=self.store, eos=self.eos, limits=self.limits,
+            metrics=self.metrics, watchdog=self.watchdog, crash=app.crash,
+        )  # fmt: skip
         self.cache = ContentCache()
         self.acks: InOrderAcks[Any] = InOrderAcks()
-        # A stop takes at most `shutdown_grace_s`; what is unfinished then stays unacked.
-        self.watchdog = Watchdog(settings.shutdown_grace_s, self.left_behind)
+        self._decider: Decider | None = None
         self._inputs = {settings.topics.tasks, settings.topics.replay}
         app.on_partitions_assigned.connect(self._on_assigned)  # type: ignore[arg-type]  # faust types receivers as taking only keyword args after the sender
         # faust types the agent function's param as StreamT
         self.live_agent = app.agent(self.live_topic, name="llm-streams.tasks")(self.run_live)  # type: ignore[arg-type]
-        replay_agent = app.agent(self.replay_topic, name="llm-streams.ops.replay")
+        replay_agent = app.agent(self.replay_topic, name="llm-streams.replay")
         self.replay_agent = replay_agent(self.run_replay)  # type: ignore[arg-type]
         self.metrics.watch_stream(self.stream_state)
 
@@ -200,36 +207,24 @@ class TaskAgent:
         key: bytes,
         value: bytes,
         partition: int,
-        headers: list[tuple[str, bytes]] | None = None,
+        headers: Headers | None = None,
         *,
         via: int | None = None,
     ) -> None:
-        """One write to `partition` of `topic`, returned once the broker acked it. `via`:
-        the task partition whose record caused it, when that is another (exactly-once:
-        the write goes into that partition's transaction)."""
-        if self.eos is not None:  # into the partition's transaction
-            await self.eos.send(topic, key, value, partition, headers, via=via)
-            return
-        target = self._topics[topic]
-        pending = await target.send(key=key, value=value, partition=partition, headers=headers)
+        """The store's write function: through the writer (and exactly-once)."""
+        await self.writer.send(topic, key, value, partition, headers, via=via)
+
+    async def _topic_send(
+        self, topic: str, key: bytes, value: bytes, partition: int, headers: Headers | None
+    ) -> None:
+        """One write through Faust's producer, returned once the broker acked it."""
+        pending = await self._topics[topic].send(
+            key=key, value=value, partition=partition, headers=headers
+        )
         await pending
 
-    async def _send_review(
-        self, outcome: Outcome, prep: Prepared, partition: int, headers: list[tuple[str, bytes]]
-    ) -> None:
-        """The result again, on the review topic, with why a person should look at it."""
-        value = orjson.loads(outcome.value)
-        value["review"] = {"reasons": list(outcome.review)}
-        raw = orjson.dumps(value)
-        topic = self.settings.topics.review
-        if len(raw) > self.limits.room(topic):  # the result fits its topic; this copy not
-            log.warning("review copy of %s left out: %d bytes, over what %s takes",
-                        outcome.key, len(raw), topic)  # fmt: skip
-            self.metrics.writes_refused.labels(topic, "record_too_large").inc()
-            return
-        await self._send(topic, outcome.key.encode(), raw, partition, headers)
-        for reason in outcome.review:
-            self.metrics.reviews.labels(prep.pipeline.name, reason).inc()
+    async def _crash(self, exc: BaseException) -> None:
+        await self.writer.crash(exc)
 
     def lane_of(self, topic: str) -> Lane:
         return Lane.REPLAY if topic == self.settings.topics.replay else Lane.LIVE
@@ -250,6 +245,8 @@ class TaskAgent:
                     ops, MapView(self.store, Kind.LEDGER), settings.batch_api, self.metrics,
                     ledger_room=self.limits.room(ledger_topic(settings)),
                 )  # fmt: skip
+            self._decider = Decider(self._processor, self.store, self.cache, self.metrics,
+                                    settings.topics.results)  # fmt: skip
         processor = self._processor
         self._running_lanes += 1
         dispatcher = Dispatcher(slots=self.slots, lane=lane)
@@ -292,7 +289,7 @@ class TaskAgent:
             self._running_lanes -= 1
             if self._running_lanes == 0:  # the last lane out closes what they share
                 log.info("task agents stopped; left unacknowledged: %s", self.left_behind())
-                self._processor = None
+                self._processor = self._decider = None
                 await processor.close()
                 await self.store.close()
                 if self.eos is not None:
@@ -350,7 +347,7 @@ class TaskAgent:
                 m.tasks_completed.labels(lane_name, kind).inc()
                 if outcome is not None and outcome.category is not None:
                     m.dead_letters.labels(outcome.category).inc()
-                    error = orjson.loads(outcome.value).get("error") or {}
+                    error = outcome.error or {}
                     log.info(
                         "dead letter %s/%s after %d attempt(s) for %s/%d/%d: %s",
                         error.get("category"), error.get("code"), outcome.attempts,
@@ -372,47 +369,40 @@ class TaskAgent:
         """Answer one record and write its outcome: what it ended as (result, dead_letter,
         already_done: an earlier run wrote it, rerouted: forwarded to its task's partition)
         and the outcome written (None when nothing was)."""
-        prepared = processor.prepare(message.value, message.key, source)
-        if isinstance(prepared, Outcome):  # bad input: a dead letter, unless written
-            if self._written(Kind.DEAD_LETTERS, prepared.key, source):
+        decider = self._decider
+        assert decider is not None  # made with the processor
+        prep = processor.prepare(message.value, message.key, source)
+        if isinstance(prep, Outcome):  # bad input: a dead letter, unless written
+            if decider.dead_letter_written(prep.key, source):
                 return "already_done", None
-            await self._deliver(prepared, None, source)
-            return prepared.kind, prepared
-        task_id = prepared.task.task_id
+            await self.writer.deliver(prep, source.partition)
+            return prep.kind, prep
+        task_id = prep.task.task_id
         home = partition_for(task_id, self.settings.kafka.partitions)
+        lane = self.lane_of(message.topic)
         if home != message.partition:  # keyed otherwise by its producer: answer it at home
             await self._reroute(message, source, home, task_id)
             return "rerouted", None
         if message.key != task_id.encode():
             # On its task's partition after all: answered here, where its answers live.
-            self.metrics.misrouted.labels(self.lane_of(message.topic).name.lower(),
-                                          "answered").inc()  # fmt: skip
+            self.metrics.misrouted.labels(lane.name.lower(), "answered").inc()
         span.set_attributes({
-            "llm_streams.pipeline": prepared.pipeline.name,
-            "llm_streams.prompt_version": prepared.version.version,
-            "llm_streams.result_key": prepared.result_key,
+            "llm_streams.pipeline": prep.pipeline.name,
+            "llm_streams.prompt_version": prep.version.version,
+            "llm_streams.result_key": prep.result_key,
         })  # fmt: skip
-        state = self.store.state(source.partition, task_id)
-        if state is not None and state.wrote(source):  # this very record, before a crash
-            return "already_done", None
-        backtrack = header(message, BACKTRACK_HEADER)
-        force = header(message, FORCE_HEADER) == b"1" or backtrack == b"rerun"
-        asked = header(message, TIER_HEADER)
-        tier = asked.decode() if asked in TIERS else None
-        lane = self.lane_of(message.topic)
-        outcome, written = await self._answer(prepared, processor, lane, force, tier)
-        if not written:
-            note = BACKTRACK_NOTES.get(backtrack or b"")
-            await self._deliver(outcome, prepared, source, note)
-            return outcome.kind, outcome
-        if self._state_missing(prepared, outcome):
-            # Written by a run killed before its state was: write that now.
-            try:
-                await self.store.put_state(source.partition, self._state_after(outcome, prepared,
-                                                                               source))  # fmt: skip
-            except PartitionLost as exc:  # the new owner will
-                log.info("not writing the state of %s: %s", source, exc)
-        return "already_done", None
+        how = asked(message)
+        decision = await decider.decide(prep, lane, how)
+        if decision.outcome is None:
+            if decision.state is not None:
+                await self.writer.put_state(source.partition, decision.state)
+            return decision.kind, None
+        written = await self.writer.deliver(
+            decision.outcome, source.partition, prep=prep,
+            state_for=lambda outcome: decider.state_after(outcome, prep, how.note),
+            failed=lambda outcome, error: processor.failed(prep, error, outcome),
+        )  # fmt: skip
+        return written.kind, written
 
     async def _reroute(self, message: Any, source: Source, home: int, task_id: str) -> None:
         """Forward a record to the partition its task id maps to, keyed by the task id;
@@ -424,10 +414,10 @@ class TaskAgent:
                  source.topic, source.partition, source.offset, task_id, home)  # fmt: skip
 
         def forward() -> Awaitable[None]:
-            return self._send(message.topic, task_id.encode(), message.value, home, headers,
-                              via=source.partition)  # fmt: skip
+            return self.writer.send(message.topic, task_id.encode(), message.value, home,
+                                    headers, via=source.partition)  # fmt: skip
 
-        await self._write_or_stop(forward, what=f"the forward of {origin.decode()}")
+        await self.writer.write_or_stop(forward, what=f"the forward of {origin.decode()}")
         self.metrics.misrouted.labels(self.lane_of(message.topic).name.lower(),
                                       "rerouted").inc()  # fmt: skip
 
@@ -438,242 +428,7 @@ class TaskAgent:
         not redriven as a provider fault), written once."""
         error = InternalError(f"internal error: {exc!r}", code="internal_error")
         outcome = processor.dead_letter(error, message.value, message.key, source)
-        if self._written(Kind.DEAD_LETTERS, outcome.key, source):
+        if self._decider is not None and self._decider.dead_letter_written(outcome.key, source):
             return "already_done", None
-        await self._deliver(outcome, None, source)
+        await self.writer.deliver(outcome, source.partition)
         return outcome.kind, outcome
-
-    async def _answer(
-        self,
-        prep: Prepared,
-        processor: TaskProcessor,
-        lane: Lane,
-        force: bool = False,
-        tier: str | None = None,
-    ) -> tuple[Outcome, bool]:
-        """The outcome of a valid task, and whether an earlier run of this very record
-        (before a crash or rebalance) already wrote it. `force` (a forced replay) asks
-        the LLM again even when the task or an identical input was answered."""
-        store, p = self.store, prep.source.partition
-        stored = store.get(Kind.RESULTS, p, prep.result_key.encode())
-        if stored is not None:
-            earlier = orjson.loads(stored)
-            if earlier.get("source") == prep.source.model_dump():
-                return self._stored(prep, "result", prep.result_key, stored, earlier), True
-            if not force:  # answered before for another record of the task: no call
-                self.metrics.cache_hits.labels(prep.pipeline.name, "result").inc()
-                return processor.from_cache(prep, earlier["output"], earlier["model"]), False
-        dead = store.get(Kind.DEAD_LETTERS, p, prep.task.task_id.encode())
-        if dead is not None:
-            letter = orjson.loads(dead)
-            if letter.get("source") == prep.source.model_dump():
-                return self._stored(prep, "dead_letter", prep.task.task_id, dead, letter), True
-
-        earlier = self._earlier_stages(prep)
-
-        async def call() -> tuple[Outcome, tuple[dict[str, Any], str] | None]:
-            outcome = await processor.answer(prep, lane, earlier, tier)
-            if outcome.kind == "result" and outcome.output is not None and outcome.model:
-                return outcome, (outcome.output, outcome.model)
-            return outcome, None
-
-        if force:
-            outcome, answer = await call()
-            if answer is not None:
-                self.cache.put(prep.content_key, *answer)
-            return outcome, False
-        value, shared = await self.cache.shared(prep.content_key, call)
-        if shared:  # an identical input of another task was answered (or in flight)
-            output, model = value
-            self.metrics.cache_hits.labels(prep.pipeline.name, "content").inc()
-            return processor.from_cache(prep, output, model), False
-        return cast(Outcome, value), False
-
-    @staticmethod
-    def _stored(prep: Prepared, kind: str, key: str, raw: bytes, record: dict[str, Any]) -> Outcome:
-        """An outcome as an earlier run wrote it."""
-        category = (record.get("error") or {}).get("category")
-        return Outcome(kind="result" if kind == "result" else "dead_letter", key=key,
-                       value=raw, task_id=prep.task.task_id, category=category,
-                       attempts=int(record.get("attempts", 0)))  # fmt: skip
-
-    def _earlier_stages(self, prep: Prepared) -> dict[str, Any] | None:
-        """Answers of the stages an earlier run of this task got before a later stage
-        failed, when they are for the same input and version."""
-        if not prep.pipeline.stages:
-            return None
-        state = self.store.state(prep.source.partition, prep.task.task_id)
-        if (
-            state is None
-            or not state.stage_outputs
-            or state.input_hash != prep.content_key
-            or state.prompt_version != prep.version.version
-        ):
-            return None
-        return state.stage_outputs
-
-    def _state_missing(self, prep: Prepared, outcome: Outcome) -> bool:
-        state = self.store.state(prep.source.partition, prep.task.task_id)
-        want = Status.SUCCEEDED if outcome.kind == "result" else Status.DEAD_LETTERED
-        return (
-            state is None
-            or state.status is not want
-            or (outcome.kind == "result" and state.result_key != prep.result_key)
-        )
-
-    def _written(self, kind: Kind, key: str, source: Source) -> bool:
-        """Did an earlier run of this very record write `key`?"""
-        stored = self.store.get(kind, source.partition, key.encode())
-        return stored is not None and orjson.loads(stored).get("source") == source.model_dump()
-
-    def _state_after(
-        self, outcome: Outcome, prep: Prepared, source: Source, note: str | None = None
-    ) -> TaskState:
-        before = self.store.state(source.partition, prep.task.task_id) or TaskState(
-            task_id=prep.task.task_id, status=Status.RECEIVED, updated_at=""
-        )
-        result = outcome.kind == "result"
-        error = orjson.loads(outcome.value).get("error") if not result else None
-        return before.moved(
-            Status.SUCCEEDED if result else Status.DEAD_LETTERED,
-            note=note or ("cached" if result and outcome.attempts == 0 else None),
-            attempts=outcome.attempts,
-            input_hash=prep.content_key,
-            pipeline=prep.pipeline.name,
-            prompt_version=prep.version.version,
-            result_key=prep.result_key if result else before.result_key,
-            result_topic=self.settings.topics.results if result else before.result_topic,
-            result_partition=source.partition if result else before.result_partition,
-            source=source,
-            last_error=error,
-            stage=outcome.stage,
-            stage_outputs=None if result else outcome.stages,
-        )
-
-    async def _deliver(
-        self, outcome: Outcome, prep: Prepared | None, source: Source, note: str | None = None
-    ) -> None:
-        """Write the outcome, then the task's state and a review copy, through the store,
-        waiting for the broker's acks. The outcome goes first: a state that says this
-        record wrote its outcome (`TaskState.wrote`) is then never ahead of the outcome,
-        even after a kill between the two. A write the broker may take later is written
-        again (only the writes that failed); one it refuses for good (too large, invalid,
-        not authorised) makes the task a `write_refused` dead letter, or is left out when
-        it is only the review copy. A worker that cannot write stops without acking
-        (`CannotWrite`), so the record runs again after the restart."""
-        pending = {"outcome", "state", "review"} if prep is not None else {"outcome"}
-        if not outcome.review:
-            pending.discard("review")
-        delay = 0.1
-        failures = 0
-        while pending:
-            # The trace goes on in the outcome's headers (the task's span is current).
-            trace_headers = headers_for()
-            names = ["outcome"] if "outcome" in pending else sorted(pending)
-            writes = [self._write(name, outcome, prep, source, note, trace_headers)
-                      for name in names]  # fmt: skip
-            failed: BaseException | None = None
-            became: Outcome | None = None  # a result the results topic refused for good
-            for name, done in zip(names, await asyncio.gather(*writes, return_exceptions=True),
-                                  strict=True):  # fmt: skip
-                if done is None:
-                    pending.discard(name)
-                    continue
-                if isinstance(done, PartitionLost):  # its new owner answers the record
-                    log.info("not writing %s %s: %s", outcome.kind, outcome.key, done)
-                    return
-                if not isinstance(done, Exception):
-                    raise done  # cancelled: unacked, the record runs again
-                refused = refused_for_good(done)
-                topic = self._topic_of(name, outcome)
-                if refused is None:
-                    failed = done
-                    continue
-                self.metrics.writes_refused.labels(topic, refused).inc()
-                log.warning("%s refused the %s of %s for good: %r", topic, name, outcome.key, done)
-                if name == "review":  # a copy: the result itself is written
-                    pending.discard(name)
-                elif name == "outcome" and prep is not None and outcome.kind == "result":
-                    became = self._processor_failed(prep, outcome, refused, done)
-                else:  # a dead letter or a task state the broker will not take: misconfigured
-                    await self._stop(f"{topic} refuses the {name} of {outcome.key}", done)
-            if became is not None:  # write the dead letter, and the state that says so
-                outcome = became
-                pending = {"outcome", "state"}
-                continue
-            if failed is None:
-                continue  # these are written: the next ones
-            failures += 1
-            if failures == SEND_ATTEMPTS:
-                await self._stop(f"cannot write {outcome.kind} {outcome.key}", failed)
-            log.warning("write of %s failed (%r); retry %d in %.1fs", outcome.key, failed,
-                        failures, delay)  # fmt: skip
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
-
-    async def _write(
-        self,
-        name: str,
-        outcome: Outcome,
-        prep: Prepared | None,
-        source: Source,
-        note: str | None,
-        headers: list[tuple[str, bytes]],
-    ) -> None:
-        p = source.partition
-        if name == "outcome":
-            kind = Kind.RESULTS if outcome.kind == "result" else Kind.DEAD_LETTERS
-            await self.store.put(kind, p, outcome.key.encode(), outcome.value, headers)
-        elif name == "state" and prep is not None:
-            await self.store.put_state(p, self._state_after(outcome, prep, source, note))
-        elif name == "review" and prep is not None:
-            await self._send_review(outcome, prep, p, headers)
-
-    def _topic_of(self, name: str, outcome: Outcome) -> str:
-        t = self.settings.topics
-        if name == "state":
-            return state_topic(self.settings)
-        if name == "review":
-            return t.review
-        return t.results if outcome.kind == "result" else t.dead_letters
-
-    def _processor_failed(
-        self, prep: Prepared, outcome: Outcome, refused: str, exc: BaseException
-    ) -> Outcome:
-        processor = self._processor
-        if processor is None:  # pragma: no cover - a job always runs with one
-            raise RuntimeError("no processor")
-        error = WriteRefused(
-            f"the results topic refused the task's result ({refused}): {exc!r}", code=refused
-        )
-        return processor.failed(prep, error, outcome)
-
-    async def _write_or_stop(self, write: Callable[[], Awaitable[None]], what: str) -> None:
-        """One write, again while the broker may take it later; stop when it will not."""
-        delay = 0.1
-        for attempt in range(1, SEND_ATTEMPTS + 1):
-            try:
-                await write()
-                return
-            except PartitionLost as exc:
-                log.info("not writing %s: %s", what, exc)
-                return
-            except KafkaError as exc:
-                if refused_for_good(exc) is not None or attempt == SEND_ATTEMPTS:
-                    await self._stop(f"cannot write {what}", exc)
-                log.warning("write of %s failed (%r); retry %d in %.1fs", what, exc, attempt,
-                            delay)  # fmt: skip
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-
-    async def _stop(self, why: str, exc: BaseException | None) -> NoReturn:
-        """The broker cannot be written to: stop the worker without acking the record."""
-        log.critical("%s: %r; stopping the worker", why, exc)
-        error = CannotWrite(why)
-        await self._crash(exc or error)
-        raise error from exc
-
-    async def _crash(self, exc: BaseException) -> None:
-        """Stop the worker because of `exc`, within the shutdown grace."""
-        self.watchdog.start(f"crash: {exc!r}")
-        await self.app.crash(exc)

@@ -8,7 +8,7 @@ import faust
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from streams.core.processor import Prices, TaskProcessor
+from streams.core.processor import ProcessorConfig, TaskProcessor
 from streams.kafka.agent import TaskAgent
 from streams.kafka.limits import WriteLimits
 from streams.llm.openai_client import OpenAIClient
@@ -18,7 +18,6 @@ from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.pool import ClientPool
-from streams.resilience.retry import RetryPolicy
 from streams.settings import Settings, load_settings
 
 
@@ -32,6 +31,7 @@ def make_processor_factory(
     llm = settings.llm
     res = settings.resilience
     room = (limits or WriteLimits(settings.kafka.max_request_bytes)).record_room(settings)
+    config = ProcessorConfig.from_settings(settings, room)
 
     def make() -> TaskProcessor:
         pool = ClientPool(
@@ -58,27 +58,10 @@ def make_processor_factory(
             metrics=metrics,
             slow_call_s=res.breaker_slow_call_s,
         )
-        guarded = pool.primary(llm.model)
         return TaskProcessor(
-            registry,
-            guarded,
-            default_model=llm.model,
-            policy=RetryPolicy(
-                max_attempts=llm.max_attempts,
-                backoff_base_s=llm.backoff_base_s,
-                backoff_max_s=llm.backoff_max_s,
-            ),
-            deadline_s=llm.task_deadline_s,
-            max_task_bytes=settings.batch.max_task_bytes,
-            prices=Prices(llm.price_per_1k_prompt_usd, llm.price_per_1k_completion_usd),
-            context_window=llm.context_window,
-            clients=pool.for_model,
-            close=pool.close,
-            metrics=metrics,
-            batch_deadline_s=settings.batch_api.deadline_s,
-            tier_price_ratio=settings.batch_api.price_ratio,
-            room=room,
-        )
+            registry, pool.primary(llm.model), config, clients=pool.for_model,
+            metrics=metrics, close=pool.close,
+        )  # fmt: skip
 
     return make
 

@@ -18,10 +18,10 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
+from streams.contract.records import json_object
 from streams.kafka.clients import partitions_of, reader
 from streams.settings import Settings
 
@@ -119,18 +119,6 @@ async def scan(
             yield records
     finally:
         await consumer.stop()
-
-
-def json_object(value: bytes | None) -> dict[str, Any] | None:
-    """A stored value as a JSON object, or None: a tombstone, or a value this project did
-    not write (readers of our topics skip those rather than fail)."""
-    if value is None:
-        return None
-    try:
-        data = orjson.loads(value)
-    except orjson.JSONDecodeError:
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def latest_objects(records: Iterable[ConsumerRecord[bytes, bytes]]) -> dict[bytes, dict[str, Any]]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from enum import StrEnum
 from pathlib import Path
@@ -29,135 +28,17 @@ from typing import Any
 
 import orjson
 from aiokafka import TopicPartition
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-from streams.contract.records import Source, now_iso
+from streams.core.taskstate import TaskState
 from streams.kafka.clients import reader
 from streams.kafka.scan import end_offsets, read_range
 from streams.kafka.topics import ledger_topic, state_topic
 from streams.observability.metrics import Metrics
+from streams.resilience.retry import retry_transient
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
-
-HISTORY_LIMIT = 20
-
-
-class Status(StrEnum):
-    RECEIVED = "received"
-    PROCESSING = "processing"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    DEAD_LETTERED = "dead_lettered"
-
-
-# Stored records are read by every version of the worker during a rolling upgrade:
-# fields a newer version added are ignored, not a reason to fail (extra="ignore").
-
-
-class StoredSource(BaseModel):
-    """Where a record came from (`records.Source`), as a task state stores it."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    topic: str
-    partition: int
-    offset: int
-
-
-class HistoryEntry(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    prompt_version: str | None = None
-    result_key: str | None = None
-    status: Status
-    at: str
-    note: str | None = None
-    source: StoredSource | None = None  # the record whose run made this move
-
-
-class TaskState(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    task_id: str
-    status: Status
-    stage: str = "main"
-    attempts: int = 0
-    input_hash: str | None = None
-    pipeline: str | None = None
-    prompt_version: str | None = None
-    result_key: str | None = None
-    result_topic: str | None = None
-    result_partition: int | None = None
-    source: StoredSource | None = None
-    last_error: dict[str, Any] | None = None
-    # Multi-stage pipelines, after a failed stage: the answers of the stages before it
-    # (by stage name), for the input hash and version above; a re-run starts from there.
-    stage_outputs: dict[str, Any] | None = None
-    updated_at: str
-    history: list[HistoryEntry] = Field(default_factory=list)
-
-    def dumps(self) -> bytes:
-        return orjson.dumps(self.model_dump(mode="json", exclude_none=True))
-
-    @classmethod
-    def loads(cls, raw: bytes) -> TaskState:
-        return cls.model_validate(orjson.loads(raw))
-
-    def dumps_within(self, room: int) -> bytes:
-        """The state as stored, cut to `room` bytes when it is larger: the stage answers go
-        first (a re-run asks those stages again), then the older history, then the last
-        error's message."""
-        raw = self.dumps()
-        if len(raw) <= room:
-            return raw
-        state = self.model_copy(update={"stage_outputs": None})
-        for cut in (
-            {},
-            {"history": self.history[-1:]},
-            {"history": self.history[-1:], "last_error": _short_error(self.last_error)},
-        ):
-            raw = state.model_copy(update=cut).dumps()
-            if len(raw) <= room:
-                return raw
-        return raw  # what is left (ids, keys) is small; the write path refuses the rest
-
-    def moved(self, status: Status, note: str | None = None, **changes: Any) -> TaskState:
-        """This state moved to `status`, with the move appended to its history."""
-        at = now_iso()
-        source = changes.get("source")
-        if isinstance(source, Source):
-            changes["source"] = source = StoredSource(**source.model_dump())
-        entry = HistoryEntry(
-            prompt_version=changes.get("prompt_version", self.prompt_version),
-            result_key=changes.get("result_key", self.result_key),
-            status=status,
-            at=at,
-            note=note,
-            source=source,
-        )
-        history = [*self.history, entry][-HISTORY_LIMIT:]
-        return self.model_copy(
-            update={**changes, "status": status, "updated_at": at, "history": history}
-        )
-
-    def wrote(self, source: Source) -> bool:
-        """Did the run of the record at `source` write this task's outcome? (Several
-        records of one task can each have written one before their offsets committed.)"""
-        done = (Status.SUCCEEDED, Status.DEAD_LETTERED)
-        where = (source.topic, source.partition, source.offset)
-        return any(
-            e.status in done
-            and e.source is not None
-            and (e.source.topic, e.source.partition, e.source.offset) == where
-            for e in self.history
-        )
-
-
-def _short_error(error: dict[str, Any] | None) -> dict[str, Any] | None:
-    if not error:
-        return error
-    return {**error, "message": str(error.get("message", ""))[:500]}
 
 
 class Kind(StrEnum):
@@ -205,7 +86,7 @@ class TaskStore:
             Kind.LEDGER: ledger_topic(settings),
         }
         self._send = send
-        self.metrics = metrics
+        self.metrics = metrics or Metrics()  # none given: one nobody scrapes
         self._maps: dict[int, dict[Kind, Map]] = {}
         self._rocks_dir = rocks_dir(settings)
         self._ready: dict[int, asyncio.Event] = {}
@@ -255,25 +136,21 @@ class TaskStore:
     async def _load(self, partition: int) -> None:
         maps = self._maps[partition]
         started = time.monotonic()
-        delay = 0.5
-        while True:
-            try:
-                counts = await load_partition(
-                    self.settings, self.topics, partition, maps, self._unreadable
-                )
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # broker away: keep trying, records of p wait
-                log.warning("loading state of partition %d failed (%r); again in %.1fs",
-                            partition, exc, delay)  # fmt: skip
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+
+        async def load() -> dict[Kind, int]:
+            return await load_partition(self.settings, self.topics, partition, maps,
+                                        self._unreadable)  # fmt: skip
+
+        # The broker away: keep trying (the partition's records wait) until revoked.
+        counts = await retry_transient(
+            load, what=f"loading state of partition {partition}",
+            transient=lambda exc: isinstance(exc, Exception), first_s=0.5, max_s=10.0,
+            sleep=asyncio.sleep,
+        )  # fmt: skip
         log.info("state of partition %d loaded in %.2fs: %s", partition,
                  time.monotonic() - started, counts)  # fmt: skip
-        if self.metrics is not None:
-            for kind, n in counts.items():
-                self.metrics.state_loaded.labels(kind.value).inc(n)
+        for kind, n in counts.items():
+            self.metrics.state_loaded.labels(kind.value).inc(n)
         self._loading.pop(partition, None)
         self._ready[partition].set()
 
@@ -283,14 +160,19 @@ class TaskStore:
             "version, or not by llm-streams): %r",
             kind.value, record.topic, record.partition, record.offset, record.value[:200],
         )  # fmt: skip
-        if self.metrics is not None:
-            self.metrics.store_unreadable.labels(kind.value).inc()
+        self.metrics.store_unreadable.labels(kind.value).inc()
 
     # -- reads and writes --------------------------------------------------------------
 
     def get(self, kind: Kind, partition: int, key: bytes) -> bytes | None:
         maps = self._maps.get(partition)
         return maps[kind].get(key) if maps is not None else None
+
+    def result(self, partition: int, result_key: str) -> bytes | None:
+        return self.get(Kind.RESULTS, partition, result_key.encode())
+
+    def dead_letter(self, partition: int, key: str) -> bytes | None:
+        return self.get(Kind.DEAD_LETTERS, partition, key.encode())
 
     def state(self, partition: int, task_id: str) -> TaskState | None:
         raw = self.get(Kind.TASKS, partition, task_id.encode())
@@ -429,67 +311,4 @@ async def load_partition(
         await consumer.stop()
 
 
-class ContentCache:
-    """Answers by content key, shared by identical inputs (any task id) in this worker.
-
-    Bounded LRU of outputs, plus single flight: while one task's call for a
-    content key runs, identical tasks wait for it instead of calling again.
-    """
-
-    def __init__(self, max_entries: int = 50_000) -> None:
-        self.max_entries = max_entries
-        self._done: OrderedDict[str, tuple[dict[str, Any], str]] = OrderedDict()
-        self._running: dict[str, asyncio.Future[tuple[dict[str, Any], str] | None]] = {}
-
-    def get(self, key: str) -> tuple[dict[str, Any], str] | None:
-        hit = self._done.get(key)
-        if hit is not None:
-            self._done.move_to_end(key)
-        return hit
-
-    def put(self, key: str, output: dict[str, Any], model: str) -> None:
-        self._done[key] = (output, model)
-        self._done.move_to_end(key)
-        while len(self._done) > self.max_entries:
-            self._done.popitem(last=False)
-
-    async def shared(
-        self, key: str, call: Callable[[], Awaitable[tuple[Any, tuple[dict[str, Any], str] | None]]]
-    ) -> tuple[Any, bool]:
-        """`call()` once per key at a time. Returns (what call returned, False) for the
-        caller that made the call, or (the cached answer, True) for those that waited.
-        When the call gives no answer (a dead letter), a waiter makes its own call."""
-        while True:
-            hit = self.get(key)
-            if hit is not None:
-                return hit, True
-            running = self._running.get(key)
-            if running is None:
-                break
-            waited = await asyncio.shield(running)
-            if waited is not None:
-                return waited, True
-        future: asyncio.Future[tuple[dict[str, Any], str] | None] = (
-            asyncio.get_running_loop().create_future()
-        )
-        self._running[key] = future
-        answer: tuple[dict[str, Any], str] | None = None
-        try:
-            value, answer = await call()
-            if answer is not None:
-                self.put(key, *answer)
-            return value, False
-        finally:
-            del self._running[key]
-            future.set_result(answer)
-
-
-__all__ = [
-    "ContentCache",
-    "HistoryEntry",
-    "Kind",
-    "Status",
-    "TaskState",
-    "TaskStore",
-    "load_partition",
-]
+__all__ = ["Kind", "MapView", "TaskStore", "load_partition", "readable"]

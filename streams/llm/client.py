@@ -7,7 +7,54 @@ from typing import Any, Protocol
 
 import orjson
 
-from streams.errors import UpstreamError
+from streams.errors import (
+    AuthError,
+    BadRequest,
+    ContextOverflow,
+    RateLimited,
+    TaskError,
+    Timeout,
+    UpstreamError,
+)
+
+# The answer's budget when a pipeline sets none.
+DEFAULT_MAX_TOKENS = 1024
+
+
+def budget_key(params: dict[str, Any]) -> str:
+    """The parameter that carries the answer's token budget: `max_completion_tokens` when
+    the request uses it (newer OpenAI models), else `max_tokens`."""
+    return "max_completion_tokens" if "max_completion_tokens" in params else "max_tokens"
+
+
+def completion_budget(params: dict[str, Any], default: int = DEFAULT_MAX_TOKENS) -> int:
+    """Tokens the answer may take, whichever parameter carries them."""
+    return int(params.get("max_completion_tokens") or params.get("max_tokens") or default)
+
+
+def with_budget(params: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """The params with the answer's budget set to `tokens`, in the parameter it uses."""
+    return {**params, budget_key(params): tokens}
+
+
+def error_for_status(
+    status: int, code: str | None, message: str, *, retry_after: float | None = None
+) -> TaskError:
+    """An HTTP error answer in the project's taxonomy, one map for the synchronous calls
+    and the Batch API's error lines: 429 rate_limited, 401/403 auth, 408 timeout, 409 and
+    5xx upstream_error, a context-length 400 context_overflow, other 4xx bad_request."""
+    code = code or f"http_{status}"
+    if status == 429:
+        return RateLimited(message, retry_after=retry_after, code=code)
+    if status in (401, 403):
+        return AuthError(message, code=code)
+    if status == 408:
+        return Timeout(message, code=code)
+    if status >= 500 or status == 409:
+        return UpstreamError(message, code=code)
+    if code == "context_length_exceeded" or "maximum context length" in message:
+        return ContextOverflow(message, code="context_length_exceeded")
+    return BadRequest(message, code=code)
 
 
 @dataclass(frozen=True)

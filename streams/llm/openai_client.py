@@ -12,15 +12,11 @@ import openai
 import orjson
 
 from streams.errors import (
-    AuthError,
-    BadRequest,
-    ContextOverflow,
-    RateLimited,
     TaskError,
     Timeout,
     UpstreamError,
 )
-from streams.llm.client import LLMRequest, LLMResponse, parse_completion
+from streams.llm.client import LLMRequest, LLMResponse, error_for_status, parse_completion
 
 
 def retry_after_seconds(headers: Any) -> float | None:
@@ -81,21 +77,10 @@ def map_error(exc: Exception) -> TaskError:
         return UpstreamError(f"cannot reach the LLM endpoint: {exc}", code="connection_error")
     if isinstance(exc, openai.APIStatusError):
         status = exc.status_code
-        code = _error_code(exc) or f"http_{status}"
-        message = f"HTTP {status}: {exc.message}"
-        if status == 429:
-            return RateLimited(
-                message, retry_after=retry_after_seconds(exc.response.headers), code=code
-            )
-        if status in (401, 403):
-            return AuthError(message, code=code)
-        if status in (408,):
-            return Timeout(message, code=code)
-        if status >= 500 or status == 409:
-            return UpstreamError(message, code=code)
-        if code == "context_length_exceeded" or "maximum context length" in exc.message:
-            return ContextOverflow(message, code="context_length_exceeded")
-        return BadRequest(message, code=code)
+        return error_for_status(
+            status, _error_code(exc), f"HTTP {status}: {exc.message}",
+            retry_after=retry_after_seconds(exc.response.headers),
+        )  # fmt: skip
     return UpstreamError(f"unexpected LLM client error: {exc!r}", code="client_error")
 
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import orjson
 
-from streams.kafka.scan import json_object, scan
+from streams.contract.records import json_object
+from streams.kafka.scan import scan
 from streams.settings import Settings
 
 

@@ -29,12 +29,15 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
 from streams.contract.headers import FORCE_HEADER, REPLAY_ID_HEADER, REPLAY_OF_HEADER, TIER_HEADER
-from streams.contract.records import decode_task, now_iso, result_key
+from streams.contract.lanes import Tier
+from streams.contract.records import decode_task, json_object, now_iso, result_key
+from streams.core.outcome import Prices
 from streams.errors import ConfigError, TaskError
 from streams.kafka import clients
 from streams.kafka.clients import partitions_of, reader
-from streams.kafka.scan import end_offsets, json_object, scan
+from streams.kafka.scan import end_offsets, scan
 from streams.kafka.topics import ensure_topics, replays_topic
+from streams.llm.client import completion_budget
 from streams.llm.tokens import count_messages
 from streams.pipelines.registry import PipelineRegistry
 from streams.settings import Settings
@@ -84,12 +87,8 @@ class Counts:
 
     def cost_usd(self, settings: Settings, tier: str = "sync") -> float:
         """Estimated cost at the sync price, or at the batch price (batch and flex)."""
-        llm = settings.llm
-        full = (
-            self.prompt_tokens * llm.price_per_1k_prompt_usd
-            + self.completion_tokens * llm.price_per_1k_completion_usd
-        ) / 1000
-        return full if tier == "sync" else full * settings.batch_api.price_ratio
+        prices = Prices.from_settings(settings)
+        return prices.estimate(self.prompt_tokens, self.completion_tokens, Tier(tier))
 
 
 @dataclass
@@ -262,36 +261,42 @@ class Replayer:
                 linger_ms=5,
             )  # fmt: skip
             await producer.start()
+        progress = on_progress or (lambda _cp: None)
         try:
-            if on_progress:
-                on_progress(checkpoint)
-            since_checkpoint = 0
-            chunks = scan(settings, request.source, checkpoint.next, checkpoint.end, self.chunk)
-            async for records in chunks:
-                for record in records:
-                    send = self._one(record, checkpoint)
-                    if send is not None and producer is not None:
-                        key, value, headers = send
-                        sent = await producer.send(
-                            settings.topics.replay, key=key, value=value, headers=headers
-                        )
-                        self._pending.append(sent)
-                    checkpoint.next[record.partition] = record.offset + 1
-                since_checkpoint += len(records)
-                if since_checkpoint >= self.chunk:
-                    await self._checkpoint(producer, checkpoint)
-                    since_checkpoint = 0
-                if on_progress:
-                    on_progress(checkpoint)
+            progress(checkpoint)
+            await self._publish(producer, checkpoint, progress)
             checkpoint.next = dict(checkpoint.end)  # gaps (compaction) at the tail
             checkpoint.done = True
             await self._checkpoint(producer, checkpoint)
-            if on_progress:
-                on_progress(checkpoint)
+            progress(checkpoint)
             return checkpoint
         finally:
             if producer is not None:
                 await producer.stop()
+
+    async def _publish(
+        self, producer: AIOKafkaProducer | None, checkpoint: Checkpoint, progress: Progress
+    ) -> None:
+        """Read the rest of the range, send what is to be answered again (unless dry),
+        checkpointing after each chunk of records."""
+        since_checkpoint = 0
+        chunks = scan(self.settings, self.request.source, checkpoint.next, checkpoint.end,
+                      self.chunk)  # fmt: skip
+        async for records in chunks:
+            for record in records:
+                send = self._one(record, checkpoint)
+                if send is not None and producer is not None:
+                    key, value, headers = send
+                    sent = await producer.send(
+                        self.settings.topics.replay, key=key, value=value, headers=headers
+                    )
+                    self._pending.append(sent)
+                checkpoint.next[record.partition] = record.offset + 1
+            since_checkpoint += len(records)
+            if since_checkpoint >= self.chunk:
+                await self._checkpoint(producer, checkpoint)
+                since_checkpoint = 0
+            progress(checkpoint)
 
     def _one(
         self, record: ConsumerRecord[bytes, bytes], cp: Checkpoint
@@ -337,7 +342,7 @@ class Replayer:
             if k in self._usage:
                 total, n = self._usage[k]
                 return total / n
-        return float(params.get("max_tokens") or DEFAULT_COMPLETION_TOKENS)
+        return float(completion_budget(params, DEFAULT_COMPLETION_TOKENS))
 
     async def _checkpoint(self, producer: AIOKafkaProducer | None, cp: Checkpoint) -> None:
         """Once the chunk's records are acked, record how far the replay got."""

@@ -19,6 +19,7 @@ from jinja2.sandbox import SandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from streams.errors import ConfigError, InvalidInput
+from streams.llm.client import budget_key
 from streams.pipelines.defaults import has_defaults
 from streams.preprocess import Redactor, clean
 
@@ -99,7 +100,7 @@ class VersionSpec(BaseModel):
     def _params_make_sense(self) -> VersionSpec:
         """Refuse sampling settings that are out of range or work against each other."""
         p = self.params
-        temperature, top_p, max_tokens = p.get("temperature"), p.get("top_p"), p.get("max_tokens")
+        temperature, top_p, max_tokens = p.get("temperature"), p.get("top_p"), p.get(budget_key(p))
         if temperature is not None and not 0 <= temperature <= 2:
             raise ValueError(f"params.temperature {temperature} is outside 0..2")
         if top_p is not None and not 0 < top_p <= 1:
@@ -286,24 +287,21 @@ class PipelineSpec(BaseModel):
     )
     versions: dict[str, VersionSpec] = Field(min_length=1)
 
+    def _string_slot(self, what: str, slot_name: str) -> None:
+        for name, version in self.versions.items():
+            slot = version.slots.get(slot_name)
+            if slot is None or slot.type != "string":
+                raise ValueError(f"{what}.slot {slot_name!r} is not a string slot of {name}")
+
     @model_validator(mode="after")
     def _default_exists(self) -> PipelineSpec:
         if self.default_version not in self.versions:
             raise ValueError(f"default_version {self.default_version!r} is not in versions")
         if self.chunking is not None:
-            for name, version in self.versions.items():
-                slot = version.slots.get(self.chunking.slot)
-                if slot is None or slot.type != "string":
-                    raise ValueError(
-                        f"chunking.slot {self.chunking.slot!r} is not a string slot of {name}"
-                    )
+            self._string_slot("chunking", self.chunking.slot)
         if self.packing is not None:
+            self._string_slot("packing", self.packing.slot)
             for name, version in self.versions.items():
-                slot = version.slots.get(self.packing.slot)
-                if slot is None or slot.type != "string":
-                    raise ValueError(
-                        f"packing.slot {self.packing.slot!r} is not a string slot of {name}"
-                    )
                 if re.search(r"</?\s*item\b", version.system + version.template, re.I):
                     raise ValueError(f"packing: {name}'s prompts use <item> tags, which packs use")
         names = [s.name for s in self.stages]
@@ -379,36 +377,41 @@ class PipelineVersion:
                     raise InvalidInput(f"input.{name} is required", code="missing_slot")
                 variables[name] = slot.default
                 continue
-            value = task_input[name]
-            expected = _JSON_TYPES[slot.type]
-            if isinstance(value, bool) and slot.type in {"integer", "number"}:
-                expected = ()
-            if not isinstance(value, expected):
-                raise InvalidInput(
-                    f"input.{name} must be {slot.type}, got {type(value).__name__}",
-                    code="slot_type",
-                )
-            if isinstance(value, str) and pre.clean:
-                value = clean(value)
-            if slot.type == "string" and slot.required and not str(value).strip():
-                raise InvalidInput(f"input.{name} is empty", code="empty_slot")
-            if slot.enum is not None and value not in slot.enum:
-                raise InvalidInput(f"input.{name} must be one of {slot.enum}", code="slot_enum")
-            if (
-                slot.max_length is not None
-                and hasattr(value, "__len__")
-                and len(value) > slot.max_length
-            ):
-                raise InvalidInput(
-                    f"input.{name} has length {len(value)}, over {slot.max_length}",
-                    code="slot_too_long",
-                )
+            value = self._checked(name, slot, task_input[name], pre.clean)
             if isinstance(value, str):
                 value = redactor.redact(value, counts)
                 if self._guard is not None:
                     value = self._guard(value)
             variables[name] = value
         return variables
+
+    @staticmethod
+    def _checked(name: str, slot: Slot, value: Any, cleaning: bool) -> Any:
+        """One slot's value checked against its spec (cleaned when the pipeline cleans)."""
+        expected = _JSON_TYPES[slot.type]
+        if isinstance(value, bool) and slot.type in {"integer", "number"}:
+            expected = ()
+        if not isinstance(value, expected):
+            raise InvalidInput(
+                f"input.{name} must be {slot.type}, got {type(value).__name__}",
+                code="slot_type",
+            )
+        if isinstance(value, str) and cleaning:
+            value = clean(value)
+        if slot.type == "string" and slot.required and not str(value).strip():
+            raise InvalidInput(f"input.{name} is empty", code="empty_slot")
+        if slot.enum is not None and value not in slot.enum:
+            raise InvalidInput(f"input.{name} must be one of {slot.enum}", code="slot_enum")
+        if (
+            slot.max_length is not None
+            and hasattr(value, "__len__")
+            and len(value) > slot.max_length
+        ):
+            raise InvalidInput(
+                f"input.{name} has length {len(value)}, over {slot.max_length}",
+                code="slot_too_long",
+            )
+        return value
 
     def render(self, task_input: dict[str, Any], default_model: str) -> RenderedPrompt:
         redactions: Counter[str] = Counter()

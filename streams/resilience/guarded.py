@@ -19,14 +19,13 @@ from streams.errors import (
     Timeout,
     UpstreamError,
 )
-from streams.llm.client import LLMClient, LLMRequest, LLMResponse
+from streams.llm.client import LLMClient, LLMRequest, LLMResponse, completion_budget
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
 from streams.resilience.breaker import Admission, CircuitBreaker, State
 from streams.resilience.clock import Clock, MonotonicClock
 from streams.resilience.limiter import RateLimiter
 
-DEFAULT_MAX_TOKENS = 1024
 # An attempt still waiting for its answer this close to the task's deadline is cut
 # short here (code CUT_SHORT), so the client sees a timeout rather than a cancellation.
 DEADLINE_MARGIN_S = 0.05
@@ -52,15 +51,14 @@ class GuardedClient:
         self.breaker = breaker
         self.clock = clock or MonotonicClock()
         self.count_prompt = count_prompt
-        self.metrics = metrics
+        self.metrics = metrics or Metrics()  # none given: one nobody scrapes
         # An attempt cut at its task's deadline counts against the endpoint once it had
         # waited this long for an answer (a hung endpoint); a shorter one says nothing.
         self.slow_call_s = slow_call_s
 
     def estimate(self, request: LLMRequest) -> int:
         """Tokens a call may use: prompt (offline tokenizer) + its completion budget."""
-        budget = request.params.get("max_completion_tokens") or request.params.get("max_tokens")
-        return self.count_prompt(request.messages) + int(budget or DEFAULT_MAX_TOKENS)
+        return self.count_prompt(request.messages) + completion_budget(request.params)
 
     async def complete(
         self,
@@ -96,8 +94,7 @@ class GuardedClient:
                     self.limiter.throttled(exc.retry_after)
                 permit.reconcile(0)  # refused before any token was used
                 self._count(request.model, lane, permit.waited_s, started, exc)
-                if self.metrics is not None:
-                    self.metrics.limiter_throttled.labels(request.model).inc()
+                self.metrics.limiter_throttled.labels(request.model).inc()
                 raise  # throttling says nothing about the endpoint's health
             except (Timeout, UpstreamError) as exc:
                 # A call cut at its task's deadline soon after it began says nothing.
@@ -155,8 +152,6 @@ class GuardedClient:
         response: LLMResponse | None = None,
     ) -> None:
         m = self.metrics
-        if m is None:
-            return
         m.limiter_wait.labels(lane.name.lower()).observe(waited_s)
         m.llm_seconds.labels(model).observe(self.clock.now() - started)
         if error is not None:

@@ -109,14 +109,14 @@ class Permit:
     def reconcile(self, actual_tokens: int) -> None:
         if not self.settled:
             self.settled = True
-            self.limiter._reconcile(self.estimated_tokens, actual_tokens)
+            self.limiter.reconcile_tokens(self.estimated_tokens, actual_tokens)
 
     def abandon(self) -> None:
         """No answer (cancelled): the estimate stays spent; a probe's turn passes on."""
         if not self.settled:
             self.settled = True
             if self.probe:
-                self.limiter._probe_abandoned()
+                self.limiter.probe_abandoned()
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ class RateLimiter:
             probe = await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled() and future.result():
-                self._probe_abandoned()  # granted as the probe, then cancelled: pass it on
+                self.probe_abandoned()  # granted as the probe, then cancelled: pass it on
             raise
         return Permit(self, tokens, self.clock.now() - started, probe=probe)
 
@@ -198,7 +198,7 @@ class RateLimiter:
             self.tokens.level -= tokens
         return self.probing
 
-    def _probe_abandoned(self) -> None:
+    def probe_abandoned(self) -> None:
         """The probe got no answer: the next call probes instead."""
         if self.probing and self._probe_out:
             self._probe_out = False
@@ -235,7 +235,7 @@ class RateLimiter:
             for task in (sleeper, waker):
                 task.cancel()
 
-    def _reconcile(self, estimated: int, actual: int) -> None:
+    def reconcile_tokens(self, estimated: int, actual: int) -> None:
         if self.tokens is not None:
             self.tokens.level += estimated - actual
         self._learned()

@@ -34,7 +34,7 @@ class ClientPool:
         self.make_http = make_http
         self.make_limiter = make_limiter
         self.make_breaker = make_breaker
-        self.metrics = metrics
+        self.metrics = metrics or Metrics()  # none given: one nobody scrapes
         self.slow_call_s = slow_call_s
         self._http: dict[tuple[str | None, str | None], LLMClient] = {}
         self._breakers: dict[str, CircuitBreaker] = {}
@@ -50,13 +50,11 @@ class ClientPool:
             breaker = self._breakers.get(name)
             if breaker is None:
                 breaker = self._breakers[name] = self.make_breaker(name)
-                if self.metrics is not None:
-                    metrics = self.metrics
-                    breaker.on_change = lambda n, _old, new: metrics.breaker_changed(n, new.value)
-                    metrics.breaker_changed(name, breaker.state.value)
+                metrics = self.metrics
+                breaker.on_change = lambda n, _old, new: metrics.breaker_changed(n, new.value)
+                metrics.breaker_changed(name, breaker.state.value)
             limiter = self.make_limiter()
-            if self.metrics is not None:
-                self.metrics.watch_limiter(model, limiter.rates)
+            self.metrics.watch_limiter(model, limiter.rates)
             self._guarded[key] = GuardedClient(
                 http, limiter=limiter, breaker=breaker, metrics=self.metrics,
                 slow_call_s=self.slow_call_s,

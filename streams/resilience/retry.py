@@ -1,4 +1,9 @@
-"""Retries of one task's LLM call: only what can succeed, capped by attempts and time.
+"""Every retry of the project: a task's LLM call (`call_with_retries`), and the worker's
+own I/O to Kafka (`retry_transient`: writes, loading the task store). Both over
+tenacity; each names what it retries and is capped by attempts (or runs until the
+caller is cancelled, for a load that records wait on), with waits that grow.
+
+Retries of one task's LLM call: only what can succeed, capped by attempts and time.
 
 Retried: rate_limited, timeout, upstream_error; invalid_output at most
 `invalid_output_retries` times. An attempt that failed while the endpoint was
@@ -11,16 +16,25 @@ wins when it is longer.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_never,
+    wait_exponential,
+)
 
 from streams.errors import Category, RateLimited, StreamsError, Transient
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,4 +111,37 @@ async def call_with_retries(
                 if isinstance(exc, Transient) and exc.endpoint_down:
                     outage_attempts += 1
                 raise
+    raise AssertionError("unreachable: tenacity re-raises the last error")  # pragma: no cover
+
+
+async def retry_transient(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    transient: Callable[[BaseException], bool],
+    attempts: int | None = None,
+    first_s: float = 0.1,
+    max_s: float = 5.0,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> T:
+    """`fn()` again after each failure `transient` accepts, waiting `first_s` doubling up to
+    `max_s`, at most `attempts` calls (None: until the caller is cancelled); what is not
+    transient, or the last failure, is raised as it is."""
+
+    def say(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        wait = state.next_action.sleep if state.next_action else 0.0
+        log.warning("%s failed (%r); retry %d in %.1fs", what, exc, state.attempt_number, wait)
+
+    retrying = AsyncRetrying(
+        retry=retry_if_exception(transient),
+        stop=stop_after_attempt(attempts) if attempts else stop_never,
+        wait=wait_exponential(multiplier=first_s, max=max_s),
+        sleep=sleep,
+        before_sleep=say,
+        reraise=True,
+    )
+    async for attempt in retrying:
+        with attempt:
+            return await fn()
     raise AssertionError("unreachable: tenacity re-raises the last error")  # pragma: no cover

@@ -20,8 +20,8 @@ import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
+from streams.contract.records import json_object
 from streams.dev.brokers.common import free_port
-from streams.kafka.scan import json_object
 from streams.kafka.topics import ensure_topics
 from streams.settings import Settings, settings_env
 

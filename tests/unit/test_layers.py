@@ -5,6 +5,7 @@ development tooling; the contract imports nothing of ours but the error taxonomy
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ ALLOWED = {
                       "streams.observability", "streams.resilience", "streams.pipelines",
                       "streams.core"},
     "streams.ops": {"streams.errors", "streams.settings", "streams.contract", "streams.llm",
-                    "streams.pipelines", "streams.kafka"},
+                    "streams.pipelines", "streams.core", "streams.kafka"},
     "streams.dev": {"streams.errors", "streams.settings", "streams.llm", "streams.kafka",
                     "streams.ops"},
     "streams.cli": {"streams.errors", "streams.settings", "streams.kafka", "streams.ops",
@@ -124,3 +125,16 @@ def test_the_worker_never_imports_the_development_tooling() -> None:
     loaded = _loaded_by("import streams.kafka.worker, streams.kafka.app, streams.__main__")
     assert "streams.kafka.agent" in loaded
     assert not {m for m in loaded if m.startswith("streams.dev")}
+
+
+def test_the_code_map_names_every_part_and_only_modules_that_exist() -> None:
+    text = (PACKAGE.parent / "ARCHITECTURE.md").read_text()
+    modules = _modules()
+    parts = {_part(m).removeprefix("streams.") for m in modules if m.count(".") >= 1}
+    for part in parts - {"__main__"}:
+        assert f"`{part}/`" in text or f"`{part}.py`" in text, f"{part} is missing from the map"
+    named = set(re.findall(r"`((?:contract|llm|resilience|pipelines|core|kafka|ops|observability"
+                           r"|cli|dev)\.[a-z_]+)", text))  # fmt: skip
+    assert named, "the map names no module"
+    missing = sorted(n for n in named if f"streams.{n}" not in modules)
+    assert not missing, f"the map names modules that do not exist: {missing}"

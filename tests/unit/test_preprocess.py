@@ -11,17 +11,14 @@ import pytest
 import yaml
 
 from streams.contract.records import Source
-from streams.core.processor import Prices, TaskProcessor
 from streams.errors import ConfigError
 from streams.llm.client import LLMRequest
 from streams.llm.openai_client import OpenAIClient
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
 from streams.preprocess import Redactor, clean, luhn, valid_cn_id
-from streams.resilience.breaker import CircuitBreaker
-from streams.resilience.guarded import GuardedClient
-from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
+from tests.conftest import MakeProcessor
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,7 +95,7 @@ def test_a_bad_extra_pattern_is_refused_when_the_pipeline_loads(tmp_path: Path) 
 
 
 async def test_no_raw_pii_reaches_the_llm_and_redactions_are_counted(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, make_processor: MakeProcessor
 ) -> None:
     sent: list[LLMRequest] = []
 
@@ -112,13 +109,8 @@ async def test_no_raw_pii_reaches_the_llm_and_redactions_are_counted(
 
     client = OpenAIClient(base_url="http://127.0.0.1:9/v1", api_key="k", connect_timeout_s=1,
                           read_timeout_s=1)  # fmt: skip
-    processor = TaskProcessor(
-        registry,
-        GuardedClient(client, limiter=RateLimiter(rpm=1_000_000),
-                      breaker=CircuitBreaker("x", min_calls=1000)),
-        default_model="m", policy=RetryPolicy(max_attempts=1), deadline_s=5,
-        max_task_bytes=10_000, metrics=metrics, prices=Prices(),
-    )  # fmt: skip
+    processor = make_processor(client, registry=registry, metrics=metrics, default_model="m",
+                               policy=RetryPolicy(max_attempts=1))  # fmt: skip
     pii = ["li.lei@example.com", "13812345678", "11010519491231002X", "4111 1111 1111 1111"]
     text = "Broken on arrival. Contact " + ", ".join(pii) + "."
     task = {"task_id": "t1", "pipeline": "comment-analysis", "input": {"text": text}}

@@ -10,20 +10,20 @@ from pathlib import Path
 import orjson
 import pytest
 
-from streams.contract.lanes import Lane
+from streams.contract.lanes import Lane, Tier
 from streams.contract.records import Source
 from streams.core.batches import BatchLane, batch_key, error_of, item_key
-from streams.core.processor import Prices, TaskProcessor
+from streams.core.processor import Prices
 from streams.dev.simulator import SimulatorServer
 from streams.errors import BadRequest, UpstreamError
 from streams.llm.client import LLMRequest
 from streams.llm.openai_client import OpenAIClient
 from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.breaker import CircuitBreaker
-from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
 from streams.settings import BatchApiSettings
+from tests.conftest import MakeProcessor
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -201,22 +201,21 @@ async def test_the_enqueued_token_limit_holds_later_batches_back(
 
 
 async def test_the_processor_answers_a_batch_tier_task_at_the_batch_price(
-    client: OpenAIClient, simulator: SimulatorServer
+    client: OpenAIClient, simulator: SimulatorServer, make_processor: MakeProcessor
 ) -> None:
     registry = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
-    processor = TaskProcessor(
-        registry, GuardedClient(client, limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("s")),
-        default_model="sim-1", policy=RetryPolicy(max_attempts=3, backoff_base_s=0.01),
+    processor = make_processor(
+        client, registry=registry, limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("s"),
+        policy=RetryPolicy(max_attempts=3, backoff_base_s=0.01),
         deadline_s=0.05,  # far too short for a batch: the batch tier has its own deadline
-        max_task_bytes=10_000, prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0),
-        batch_deadline_s=60,
+        prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0), batch_deadline_s=60,
     )  # fmt: skip
     processor.batches = BatchLane(client, LedgerStore(), SETTINGS)  # type: ignore[arg-type]
     raw = orjson.dumps({"task_id": "b1", "pipeline": "comment-analysis",
                         "input": {"text": "Arrived late, works great."}})  # fmt: skip
     prep = processor.prepare(raw, None, Source(topic="r", partition=0, offset=1))
     assert not isinstance(prep, type(None))
-    batch_out = await processor.answer(prep, Lane.REPLAY, None, "batch")  # type: ignore[arg-type]
+    batch_out = await processor.answer(prep, Lane.REPLAY, None, Tier.BATCH)
     assert batch_out.kind == "result", orjson.loads(batch_out.value)
     assert simulator.sim.snapshot()["requests"] == 0
     result = orjson.loads(batch_out.value)
@@ -225,27 +224,30 @@ async def test_the_processor_answers_a_batch_tier_task_at_the_batch_price(
     )
     assert result["cost_usd"] == pytest.approx(full * 0.5)
     # Batch is for the replay lane only: a live task asking for it is answered in a call.
-    processor.deadline_s = 5
-    live = await processor.answer(prep, Lane.LIVE, None, "batch")  # type: ignore[arg-type]
+    lane = processor.batches
+    processor = make_processor(client, registry=registry, limiter=RateLimiter(rpm=None),
+                               prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0))  # fmt: skip
+    processor.batches = lane
+    live = await processor.answer(prep, Lane.LIVE, None, Tier.BATCH)
     assert live.kind == "result" and simulator.sim.snapshot()["requests"] == 1
     assert orjson.loads(live.value)["cost_usd"] == pytest.approx(full)
     await processor.batches.close()
 
 
 async def test_the_flex_tier_calls_at_the_batch_price_and_falls_back_when_it_has_no_room(
-    client: OpenAIClient, simulator: SimulatorServer
+    client: OpenAIClient, simulator: SimulatorServer, make_processor: MakeProcessor
 ) -> None:
     registry = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
     limiter = RateLimiter(rpm=None)
-    processor = TaskProcessor(
-        registry, GuardedClient(client, limiter=limiter, breaker=CircuitBreaker("s")),
-        default_model="sim-1", policy=RetryPolicy(max_attempts=3, backoff_base_s=0.01),
-        deadline_s=10, max_task_bytes=10_000, prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0),
+    processor = make_processor(
+        client, registry=registry, limiter=limiter, breaker=CircuitBreaker("s"),
+        policy=RetryPolicy(max_attempts=3, backoff_base_s=0.01), deadline_s=10,
+        prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0),
     )  # fmt: skip
     raw = orjson.dumps({"task_id": "f1", "pipeline": "comment-analysis",
                         "input": {"text": "Works great."}})  # fmt: skip
     prep = processor.prepare(raw, None, Source(topic="r", partition=0, offset=1))
-    flex = await processor.answer(prep, Lane.REPLAY, None, "flex")  # type: ignore[arg-type]
+    flex = await processor.answer(prep, Lane.REPLAY, None, Tier.FLEX)
     result = orjson.loads(flex.value)
     full = Prices(1.0, 2.0).cost(
         result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"]

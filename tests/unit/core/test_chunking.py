@@ -21,6 +21,7 @@ from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
+from tests.conftest import MakeProcessor
 
 ROOT = Path(__file__).resolve().parents[3]
 COUNT = counter()
@@ -108,16 +109,17 @@ def test_reducers() -> None:
 
 
 @pytest.fixture
-async def processor(simulator: SimulatorServer) -> AsyncIterator[TaskProcessor]:
+async def processor(
+    simulator: SimulatorServer, make_processor: MakeProcessor
+) -> AsyncIterator[TaskProcessor]:
     client = OpenAIClient(
         base_url=simulator.base_url, api_key="k", connect_timeout_s=1, read_timeout_s=2
     )
     guarded = GuardedClient(
         client, limiter=RateLimiter(rpm=1_000_000), breaker=CircuitBreaker("sim", min_calls=1000)
     )
-    yield TaskProcessor(
-        PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas"), guarded,
-        default_model="sim-1", policy=RetryPolicy(max_attempts=2, backoff_base_s=0.001),
+    yield make_processor(
+        guarded=guarded, policy=RetryPolicy(max_attempts=2, backoff_base_s=0.001),
         deadline_s=10, max_task_bytes=20_000, prices=Prices(prompt_per_1k=1.0),
         context_window=1200,  # a small local model: 1,020 usable, 400 for the answer
     )  # fmt: skip
@@ -157,9 +159,11 @@ async def test_a_short_comment_is_one_call(
 
 
 async def test_too_many_chunks_is_a_dead_letter_before_any_call(
-    processor: TaskProcessor, simulator: SimulatorServer
+    processor: TaskProcessor, simulator: SimulatorServer, make_processor: MakeProcessor
 ) -> None:
-    processor.context_window = 820  # leaves ~60 tokens per chunk: 1,700 need over 16
+    processor = make_processor(  # leaves ~60 tokens per chunk: 1,700 need over 16
+        guarded=processor.client, max_task_bytes=20_000, context_window=820
+    )
     text = _long_comment(400)[:7_900]  # within the slot's max_length
     out = await processor.process(_task(text), None, Source(topic="t", partition=0, offset=3))
     assert out.kind == "dead_letter"
@@ -199,3 +203,10 @@ def test_a_wrong_chunking_block_is_refused_when_the_pipeline_loads(
     (tmp_path / "comment-analysis.yaml").write_text(spec[:start] + block + "\n" + spec[end:])
     with pytest.raises(ConfigError, match=message):
         PipelineRegistry.load(tmp_path, ROOT / "schemas")
+
+
+def test_every_reducer_a_pipeline_may_name_exists() -> None:
+    from streams.core.chunking import _REDUCE
+    from streams.pipelines.registry import REDUCERS
+
+    assert set(_REDUCE) == set(REDUCERS)

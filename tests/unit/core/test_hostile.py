@@ -8,13 +8,9 @@ import orjson
 import pytest
 
 from streams.contract.records import RecordRoom, Source
-from streams.core.processor import Outcome, Prices, TaskProcessor
+from streams.core.processor import Outcome, Prices
 from streams.errors import REDRIVABLE, Category
-from streams.pipelines.registry import PipelineRegistry
-from streams.resilience.breaker import CircuitBreaker
-from streams.resilience.guarded import GuardedClient
-from streams.resilience.limiter import RateLimiter
-from streams.resilience.retry import RetryPolicy
+from tests.conftest import MakeProcessor
 from tests.fakes import FakeLLM, answer
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -23,24 +19,17 @@ GOOD = {"sentiment": "positive", "confidence": 0.9, "topics": ["quality"], "issu
         "summary": "good", "language": "en"}  # fmt: skip
 
 
-def make(llm: FakeLLM, room: RecordRoom, max_task_bytes: int = 10_000_000) -> TaskProcessor:
-    return TaskProcessor(
-        PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas"),
-        GuardedClient(llm, limiter=RateLimiter(rpm=1_000_000), breaker=CircuitBreaker("f")),
-        default_model="fake-1", policy=RetryPolicy(max_attempts=2, backoff_base_s=0),
-        deadline_s=5, max_task_bytes=max_task_bytes, prices=Prices(1.0, 2.0), room=room,
-    )  # fmt: skip
-
-
 def task(text: str) -> bytes:
     return orjson.dumps({"task_id": "t1", "pipeline": "comment-analysis", "input": {"text": text}})
 
 
-async def test_a_result_over_what_the_results_topic_takes_is_a_dead_letter() -> None:
+async def test_a_result_over_what_the_results_topic_takes_is_a_dead_letter(
+    make_processor: MakeProcessor,
+) -> None:
     llm = FakeLLM(lambda _r: answer(GOOD, prompt_tokens=100, completion_tokens=20))
-    out = await make(llm, RecordRoom(result=300, dead_letter=100_000)).process(
-        task("Great phone."), b"t1", SRC
-    )
+    out = await make_processor(
+        llm, room=RecordRoom(result=300, dead_letter=100_000), prices=Prices(1.0, 2.0)
+    ).process(task("Great phone."), b"t1", SRC)
     assert out.kind == "dead_letter" and out.category == "output_too_large"
     letter = orjson.loads(out.value)
     assert letter["error"]["code"] == "result_too_large" and not letter["error"]["retryable"]
@@ -50,11 +39,13 @@ async def test_a_result_over_what_the_results_topic_takes_is_a_dead_letter() -> 
     assert Category.OUTPUT_TOO_LARGE not in REDRIVABLE  # the same answer would come back
 
 
-async def test_an_oversized_input_is_dead_lettered_with_a_head_that_fits() -> None:
+async def test_an_oversized_input_is_dead_lettered_with_a_head_that_fits(
+    make_processor: MakeProcessor,
+) -> None:
     raw = task("x" * 3_000_000)
-    out = make(FakeLLM(), RecordRoom(dead_letter=50_000), max_task_bytes=65_536).prepare(
-        raw, b"t1", SRC
-    )
+    out = make_processor(
+        FakeLLM(), room=RecordRoom(dead_letter=50_000), max_task_bytes=65_536
+    ).prepare(raw, b"t1", SRC)
     assert isinstance(out, Outcome) and out.category == "invalid_input"
     letter = orjson.loads(out.value)
     assert len(out.value) <= 50_000 and letter["error"]["code"] == "too_large"
@@ -63,15 +54,15 @@ async def test_an_oversized_input_is_dead_lettered_with_a_head_that_fits() -> No
 
 
 async def test_a_bug_in_the_worker_is_an_internal_error_never_retried(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, make_processor: MakeProcessor
 ) -> None:
     llm = FakeLLM(lambda _r: answer(GOOD))
-    processor = make(llm, RecordRoom())
+    processor = make_processor(llm)
 
     def broken(*_args: object, **_kwargs: object) -> object:
         raise KeyError("a bug")
 
-    monkeypatch.setattr("streams.core.processor.parse_output", broken)
+    monkeypatch.setattr("streams.core.calls.parse_output", broken)
     out = await processor.process(task("Great phone."), b"t1", SRC)
     letter = orjson.loads(out.value)
     assert out.category == "internal_error" == letter["error"]["category"]

@@ -24,10 +24,9 @@ from streams.core.processor import Outcome, Prices, TaskProcessor
 from streams.dev.simulator import SimulatorServer
 from streams.llm.openai_client import OpenAIClient
 from streams.pipelines.registry import PipelineRegistry
-from streams.resilience.breaker import CircuitBreaker
-from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
+from tests.conftest import MakeProcessor
 
 ROOT = Path(__file__).resolve().parents[3]
 PACKING = "packing: {slot: text, max_chars: 200, max_items: 20, linger_s: 0.05}\n"
@@ -81,7 +80,9 @@ async def test_a_failing_send_settles_every_item_to_be_answered_alone() -> None:
 
 
 @pytest.fixture
-async def make_processor(simulator: SimulatorServer, tmp_path: Path) -> AsyncIterator[Any]:
+async def packing(
+    simulator: SimulatorServer, tmp_path: Path, make_processor: MakeProcessor
+) -> AsyncIterator[Any]:
     clients: list[OpenAIClient] = []
 
     def make(packing: bool = True) -> TaskProcessor:
@@ -93,13 +94,10 @@ async def make_processor(simulator: SimulatorServer, tmp_path: Path) -> AsyncIte
         client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
                               read_timeout_s=2)  # fmt: skip
         clients.append(client)
-        return TaskProcessor(
-            PipelineRegistry.load(folder, ROOT / "schemas"),
-            GuardedClient(client, limiter=RateLimiter(rpm=None),
-                          breaker=CircuitBreaker("sim", min_calls=1000)),
-            default_model="sim-1", policy=RetryPolicy(max_attempts=2, backoff_base_s=0.001),
-            deadline_s=10, max_task_bytes=10_000,
-            prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0),
+        return make_processor(
+            client, registry=PipelineRegistry.load(folder, ROOT / "schemas"),
+            limiter=RateLimiter(rpm=None), policy=RetryPolicy(max_attempts=2,
+            backoff_base_s=0.001), deadline_s=10, prices=Prices(1.0, 2.0),
         )  # fmt: skip
 
     yield make
@@ -117,14 +115,14 @@ async def _run(processor: TaskProcessor, texts: list[str], prefix: str = "p") ->
 
 
 async def test_twenty_short_comments_go_in_one_request_with_the_same_answers(
-    make_processor: Any, simulator: SimulatorServer
+    packing: Any, simulator: SimulatorServer
 ) -> None:
     texts = [f"{TEXTS[i % 5]} ({i})" for i in range(20)]
-    packed = await _run(make_processor(packing=True), texts)
+    packed = await _run(packing(packing=True), texts)
     first = simulator.sim.snapshot()
     assert first["requests"] == 1
     packed_usage = first["prompt_tokens"]
-    alone = await _run(make_processor(packing=False), texts)
+    alone = await _run(packing(packing=False), texts)
     after = simulator.sim.snapshot()
     assert after["requests"] - first["requests"] == 20
     alone_usage = after["prompt_tokens"] - packed_usage
@@ -140,10 +138,10 @@ async def test_twenty_short_comments_go_in_one_request_with_the_same_answers(
 
 
 async def test_an_item_missing_from_the_answer_is_answered_alone(
-    make_processor: Any, simulator: SimulatorServer
+    packing: Any, simulator: SimulatorServer
 ) -> None:
     simulator.sim.config.packed_drop_items = 1
-    outcomes = await _run(make_processor(), [f"{TEXTS[i % 5]} ({i})" for i in range(8)])
+    outcomes = await _run(packing(), [f"{TEXTS[i % 5]} ({i})" for i in range(8)])
     assert all(o.kind == "result" for o in outcomes)
     assert simulator.sim.snapshot()["requests"] == 2  # the pack, then the missing one alone
     attempts = sorted(orjson.loads(o.value)["attempts"] for o in outcomes)
@@ -151,27 +149,27 @@ async def test_an_item_missing_from_the_answer_is_answered_alone(
 
 
 async def test_an_invalid_item_is_answered_alone_and_the_others_kept(
-    make_processor: Any, simulator: SimulatorServer
+    packing: Any, simulator: SimulatorServer
 ) -> None:
     simulator.sim.config.packed_invalid_items = 2
-    outcomes = await _run(make_processor(), [f"{TEXTS[i % 5]} ({i})" for i in range(6)])
+    outcomes = await _run(packing(), [f"{TEXTS[i % 5]} ({i})" for i in range(6)])
     assert all(o.kind == "result" for o in outcomes)
     pipeline = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas").get("comment-analysis")
     assert all(pipeline.is_valid(orjson.loads(o.value)["output"]) for o in outcomes)
     assert simulator.sim.snapshot()["requests"] == 3
 
 
-async def test_long_records_are_not_packed(make_processor: Any, simulator: SimulatorServer) -> None:
+async def test_long_records_are_not_packed(packing: Any, simulator: SimulatorServer) -> None:
     long_text = "It works. " * 30  # 300 characters, over max_chars
-    outcomes = await _run(make_processor(), [long_text, long_text + "!", "Short one."])
+    outcomes = await _run(packing(), [long_text, long_text + "!", "Short one."])
     assert all(o.kind == "result" for o in outcomes)
     assert simulator.sim.snapshot()["requests"] == 3
 
 
 async def test_the_same_task_twice_is_not_packed_twice(
-    make_processor: Any, simulator: SimulatorServer
+    packing: Any, simulator: SimulatorServer
 ) -> None:
-    processor = make_processor()
+    processor = packing()
     raw = orjson.dumps({"task_id": "dup", "pipeline": "comment-analysis",
                         "input": {"text": "Fine."}})  # fmt: skip
     outcomes = await asyncio.gather(*(
@@ -182,10 +180,10 @@ async def test_the_same_task_twice_is_not_packed_twice(
 
 
 async def test_a_failed_pack_sends_each_task_alone_and_each_ends_once(
-    make_processor: Any, simulator: SimulatorServer
+    packing: Any, simulator: SimulatorServer
 ) -> None:
     simulator.sim.config.error_500_rate = 1.0  # the pack and every call after it fail
-    outcomes = await _run(make_processor(), [f"{TEXTS[i % 5]} ({i})" for i in range(4)])
+    outcomes = await _run(packing(), [f"{TEXTS[i % 5]} ({i})" for i in range(4)])
     assert [o.kind for o in outcomes] == ["dead_letter"] * 4
     for o in outcomes:
         letter = orjson.loads(o.value)

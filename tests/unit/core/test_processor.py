@@ -11,7 +11,8 @@ import orjson
 import pytest
 
 from streams.contract.records import Source, result_key
-from streams.core.processor import WINDOW_SHARE, Prices, TaskProcessor
+from streams.core.processor import Prices, TaskProcessor
+from streams.core.window import WINDOW_SHARE
 from streams.dev.simulator import SimulatorServer
 from streams.llm.openai_client import OpenAIClient
 from streams.llm.tokens import count_messages
@@ -20,28 +21,23 @@ from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
+from tests.conftest import MakeProcessor
 
 ROOT = Path(__file__).resolve().parents[3]
 SRC = Source(topic="t", partition=0, offset=7)
 
 
 @pytest.fixture
-async def processor(simulator: SimulatorServer) -> AsyncIterator[TaskProcessor]:
+async def processor(
+    simulator: SimulatorServer, make_processor: MakeProcessor
+) -> AsyncIterator[TaskProcessor]:
     client = OpenAIClient(
         base_url=simulator.base_url, api_key="k", connect_timeout_s=1, read_timeout_s=0.5
     )
     guarded = GuardedClient(
         client, limiter=RateLimiter(rpm=1_000_000), breaker=CircuitBreaker("sim", min_calls=1000)
     )
-    yield TaskProcessor(
-        PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas"),
-        guarded,
-        default_model="sim-1",
-        policy=RetryPolicy(max_attempts=3, backoff_base_s=0.001, backoff_max_s=0.002),
-        deadline_s=5,
-        max_task_bytes=10_000,
-        prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0),
-    )
+    yield make_processor(guarded=guarded, prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0))
     await client.close()
 
 
@@ -116,11 +112,13 @@ async def test_rate_limit_is_learned_and_respected_without_429s(
 
 
 async def test_deadline_bounds_the_whole_task(
-    processor: TaskProcessor, simulator: SimulatorServer
+    processor: TaskProcessor, simulator: SimulatorServer, make_processor: MakeProcessor
 ) -> None:
-    processor.deadline_s = 0.3
+    processor = make_processor(
+        guarded=processor.client, deadline_s=0.3,
+        policy=RetryPolicy(max_attempts=10, backoff_base_s=0.01, backoff_max_s=0.01),
+    )  # fmt: skip
     simulator.sim.config.latency_ms = 2000
-    processor.policy = RetryPolicy(max_attempts=10, backoff_base_s=0.01, backoff_max_s=0.01)
     out = await processor.process(_task(), b"t1", SRC)
     assert out.category == "deadline_exceeded"
     assert "deadline" in orjson.loads(out.value)["error"]["message"]
@@ -198,7 +196,10 @@ async def test_an_open_circuit_past_the_deadline_is_circuit_open(processor: Task
 
 
 async def test_a_truncated_answer_is_retried_once_with_a_larger_budget(
-    processor: TaskProcessor, simulator: SimulatorServer, tmp_path: Path
+    processor: TaskProcessor,
+    simulator: SimulatorServer,
+    tmp_path: Path,
+    make_processor: MakeProcessor,
 ) -> None:
     import shutil
 
@@ -207,7 +208,8 @@ async def test_a_truncated_answer_is_retried_once_with_a_larger_budget(
     # Answers here take ~45 tokens: 36 cuts them; 36 x 1.5 = 54 fits.
     (tmp_path / "p" / "c.yaml").write_text(pipeline.replace("max_tokens: 400", "max_tokens: 36"))
     shutil.copytree(ROOT / "schemas", tmp_path / "s")
-    processor.registry = PipelineRegistry.load(tmp_path / "p", tmp_path / "s")
+    registry = PipelineRegistry.load(tmp_path / "p", tmp_path / "s")
+    processor = make_processor(guarded=processor.client, registry=registry)
     seen: list[int] = []
     original = processor.client.client.complete
 
@@ -224,11 +226,14 @@ async def test_a_truncated_answer_is_retried_once_with_a_larger_budget(
     text = "Arrived late, box crushed. Works great."
     version = processor.registry.get("comment-analysis").version(None, "t2")
     prompt_tokens = count_messages(version.render({"text": text}, "sim-1").messages)
-    processor.context_window = math.ceil((prompt_tokens + 40) / WINDOW_SHARE)
+    processor = make_processor(
+        guarded=processor.client, registry=registry,
+        context_window=math.ceil((prompt_tokens + 40) / WINDOW_SHARE),
+    )  # fmt: skip
     seen.clear()
     out = await processor.process(_task(text), b"t2", SRC)
     assert len(seen) == 2, orjson.loads(out.value)
-    assert seen[0] == 36 and seen[1] == int(processor.context_window * WINDOW_SHARE) - (
+    assert seen[0] == 36 and seen[1] == int(processor.config.context_window * WINDOW_SHARE) - (
         prompt_tokens
     )
     assert seen[1] < 54
@@ -266,7 +271,7 @@ async def test_context_overflow_that_no_cut_can_fix_is_dead_lettered(
 
 
 async def test_context_overflow_without_a_policy_is_dead_lettered_at_once(
-    simulator: SimulatorServer, tmp_path: Path
+    simulator: SimulatorServer, tmp_path: Path, make_processor: MakeProcessor
 ) -> None:
     spec = (ROOT / "pipelines" / "comment-analysis.yaml").read_text()
     policy = "    on_context_overflow: {strategy: truncate, slot: text, keep: head}\n"
@@ -276,15 +281,11 @@ async def test_context_overflow_without_a_policy_is_dead_lettered_at_once(
     client = OpenAIClient(
         base_url=simulator.base_url, api_key="k", connect_timeout_s=1, read_timeout_s=2
     )
-    processor = TaskProcessor(
-        PipelineRegistry.load(tmp_path, ROOT / "schemas"),
-        GuardedClient(client, limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("sim")),
-        default_model="sim-1",
+    processor = make_processor(
+        client, registry=PipelineRegistry.load(tmp_path, ROOT / "schemas"),
+        limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("sim"),
         policy=RetryPolicy(max_attempts=3),
-        deadline_s=5,
-        max_task_bytes=10_000,
-        prices=Prices(),
-    )
+    )  # fmt: skip
     try:
         out = await processor.process(_task("Too long. " * 700), b"t1", SRC)
     finally:
@@ -295,14 +296,15 @@ async def test_context_overflow_without_a_policy_is_dead_lettered_at_once(
     assert simulator.sim.snapshot()["requests"] == 1
 
 
-def _without_chunking(processor: TaskProcessor, tmp_path: Path) -> None:
+def _without_chunking(tmp_path: Path) -> PipelineRegistry:
     """comment-analysis as it would be without its chunking block."""
     spec = (ROOT / "pipelines" / "comment-analysis.yaml").read_text()
     start = spec.index("chunking:")
     end = spec.index("versions:")
     (tmp_path / "comment-analysis.yaml").write_text(spec[:start] + spec[end:])
-    processor.registry = PipelineRegistry.load(tmp_path, ROOT / "schemas")
-    assert processor.registry.get("comment-analysis").spec.chunking is None
+    registry = PipelineRegistry.load(tmp_path, ROOT / "schemas")
+    assert registry.get("comment-analysis").spec.chunking is None
+    return registry
 
 
 def _spy(processor: TaskProcessor) -> list[Any]:
@@ -319,10 +321,11 @@ def _spy(processor: TaskProcessor) -> list[Any]:
 
 
 async def test_the_answer_budget_is_cut_to_what_the_context_window_leaves(
-    processor: TaskProcessor, tmp_path: Path
+    processor: TaskProcessor, tmp_path: Path, make_processor: MakeProcessor
 ) -> None:
-    _without_chunking(processor, tmp_path)
-    processor.context_window = 1400  # 85% = 1,190 for prompt + answer
+    processor = make_processor(  # 85% of 1,400 = 1,190 for prompt + answer
+        guarded=processor.client, registry=_without_chunking(tmp_path), context_window=1400
+    )
     sent = _spy(processor)
     text = "Arrived late. " + " ".join(f"Part {i} was fine." for i in range(120))
     out = await processor.process(_task(text), b"t1", SRC)
@@ -341,16 +344,21 @@ async def test_a_short_prompt_keeps_its_budget_without_counting_tokens(
     def no_count(messages: Any) -> int:
         raise AssertionError("counted tokens for a prompt far from the window's edge")
 
-    monkeypatch.setattr("streams.core.processor.count_messages", no_count)
+    monkeypatch.setattr("streams.core.window.count_messages", no_count)
     out = await processor.process(_task(), b"t1", SRC)
     assert out.kind == "result" and sent[0].params["max_tokens"] == 400
 
 
 async def test_a_prompt_over_the_window_is_shortened_before_any_call(
-    processor: TaskProcessor, simulator: SimulatorServer, tmp_path: Path
+    processor: TaskProcessor,
+    simulator: SimulatorServer,
+    tmp_path: Path,
+    make_processor: MakeProcessor,
 ) -> None:
-    _without_chunking(processor, tmp_path)  # (with it, the input would be chunked)
-    processor.context_window = 1000  # the simulator's own window stays large
+    processor = make_processor(  # (with chunking, the input would be chunked)
+        guarded=processor.client, registry=_without_chunking(tmp_path),
+        context_window=1000,  # the simulator's own window stays large
+    )  # fmt: skip
     words = " ".join(f"The blender part {i} was fine." for i in range(220))  # ~1,800 tokens
     out = await processor.process(_task("Arrived late. " + words), b"t1", SRC)
     assert out.kind == "result", orjson.loads(out.value)
@@ -360,7 +368,7 @@ async def test_a_prompt_over_the_window_is_shortened_before_any_call(
 
 
 async def test_the_repair_token_cap_stops_a_repair(
-    simulator: SimulatorServer, tmp_path: Path
+    simulator: SimulatorServer, tmp_path: Path, make_processor: MakeProcessor
 ) -> None:
     spec = (ROOT / "pipelines" / "comment-analysis.yaml").read_text()
     (tmp_path / "comment-analysis.yaml").write_text(
@@ -369,11 +377,10 @@ async def test_the_repair_token_cap_stops_a_repair(
     client = OpenAIClient(
         base_url=simulator.base_url, api_key="k", connect_timeout_s=1, read_timeout_s=2
     )
-    processor = TaskProcessor(
-        PipelineRegistry.load(tmp_path, ROOT / "schemas"),
-        GuardedClient(client, limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("sim")),
-        default_model="sim-1", policy=RetryPolicy(max_attempts=3), deadline_s=5,
-        max_task_bytes=10_000, prices=Prices(),
+    processor = make_processor(
+        client, registry=PipelineRegistry.load(tmp_path, ROOT / "schemas"),
+        limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("sim"),
+        policy=RetryPolicy(max_attempts=3),
     )  # fmt: skip
     simulator.sim.config.malformed_rate = 1.0
     try:

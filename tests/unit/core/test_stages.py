@@ -22,6 +22,7 @@ from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
+from tests.conftest import MakeProcessor
 
 ROOT = Path(__file__).resolve().parents[3]
 SRC = Source(topic="t", partition=0, offset=7)
@@ -31,16 +32,16 @@ HAPPY = "Great kettle, I love it. Excellent value."
 
 
 @pytest.fixture
-async def processor(simulator: SimulatorServer) -> AsyncIterator[TaskProcessor]:
+async def processor(
+    simulator: SimulatorServer, make_processor: MakeProcessor
+) -> AsyncIterator[TaskProcessor]:
     client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
                           read_timeout_s=1)  # fmt: skip
     guarded = GuardedClient(client, limiter=RateLimiter(rpm=1_000_000),
                             breaker=CircuitBreaker("sim", min_calls=1000))  # fmt: skip
-    yield TaskProcessor(
-        PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas"), guarded,
-        default_model="sim-1", policy=RetryPolicy(max_attempts=2, backoff_base_s=0.001,
-                                                  backoff_max_s=0.002),
-        deadline_s=5, max_task_bytes=10_000, prices=Prices(prompt_per_1k=1, completion_per_1k=1),
+    yield make_processor(
+        guarded=guarded, prices=Prices(prompt_per_1k=1, completion_per_1k=1),
+        policy=RetryPolicy(max_attempts=2, backoff_base_s=0.001, backoff_max_s=0.002),
     )  # fmt: skip
     await client.close()
 

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from streams.contract.records import Source
-from streams.core.processor import Prices, TaskProcessor
+from streams.core.processor import TaskProcessor
 from streams.dev.sim_content import comment_text
 from streams.dev.simulator import SimulatorServer
 from streams.llm.openai_client import OpenAIClient
@@ -18,7 +18,7 @@ from streams.preprocess import clean
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
-from streams.resilience.retry import RetryPolicy
+from tests.conftest import MakeProcessor
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -71,7 +71,7 @@ def test_record_text_stays_inside_its_delimiters(registry: PipelineRegistry, tex
 
 @pytest.fixture
 async def processor(
-    simulator: SimulatorServer, registry: PipelineRegistry
+    simulator: SimulatorServer, registry: PipelineRegistry, make_processor: MakeProcessor
 ) -> AsyncIterator[TaskProcessor]:
     client = OpenAIClient(
         base_url=simulator.base_url, api_key="k", connect_timeout_s=1, read_timeout_s=2
@@ -79,9 +79,7 @@ async def processor(
     guarded = GuardedClient(
         client, limiter=RateLimiter(rpm=1_000_000), breaker=CircuitBreaker("sim", min_calls=1000)
     )
-    yield TaskProcessor(registry, guarded, default_model="sim-1",
-                        policy=RetryPolicy(max_attempts=3, backoff_base_s=0.001),
-                        deadline_s=5, max_task_bytes=10_000, prices=Prices())  # fmt: skip
+    yield make_processor(guarded=guarded, registry=registry)
     await client.close()
 
 

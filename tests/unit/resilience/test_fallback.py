@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from streams.contract.records import Source
-from streams.core.processor import Prices, TaskProcessor
+from streams.core.processor import TaskProcessor
 from streams.dev.simulator import SimConfig, SimulatorServer
 from streams.llm.openai_client import OpenAIClient
 from streams.pipelines.registry import PipelineRegistry
@@ -18,6 +18,7 @@ from streams.resilience.breaker import CircuitBreaker, State
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.pool import ClientPool
 from streams.resilience.retry import RetryPolicy
+from tests.conftest import MakeProcessor
 
 ROOT = Path(__file__).resolve().parents[3]
 SRC = Source(topic="t", partition=0, offset=1)
@@ -47,7 +48,9 @@ def _pipelines(tmp_path: Path, backup_url: str, fallback_on: str = "") -> tuple[
     return tmp_path / "p", tmp_path / "s"
 
 
-def _processor(sim: SimulatorServer, dirs: tuple[Path, Path]) -> tuple[TaskProcessor, ClientPool]:
+def _processor(
+    sim: SimulatorServer, dirs: tuple[Path, Path], make_processor: MakeProcessor
+) -> tuple[TaskProcessor, ClientPool]:
     pool = ClientPool(
         base_url=sim.base_url,
         api_key="k",
@@ -57,17 +60,11 @@ def _processor(sim: SimulatorServer, dirs: tuple[Path, Path]) -> tuple[TaskProce
         make_limiter=lambda: RateLimiter(rpm=1_000_000),
         make_breaker=lambda name: CircuitBreaker(name, min_calls=3, failure_rate=0.5, open_s=60),
     )
-    processor = TaskProcessor(
-        PipelineRegistry.load(*dirs),
-        pool.primary("sim-1"),
-        default_model="sim-1",
+    processor = make_processor(
+        guarded=pool.primary("sim-1"), registry=PipelineRegistry.load(*dirs),
+        clients=pool.for_model, close=pool.close, deadline_s=10,
         policy=RetryPolicy(max_attempts=2, backoff_base_s=0.001, backoff_max_s=0.001),
-        deadline_s=10,
-        max_task_bytes=10_000,
-        prices=Prices(),
-        clients=pool.for_model,
-        close=pool.close,
-    )
+    )  # fmt: skip
     return processor, pool
 
 
@@ -76,10 +73,12 @@ async def test_an_endpoint_outage_falls_back_to_another_endpoint(
     backup: SimulatorServer,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    make_processor: MakeProcessor,
 ) -> None:
     monkeypatch.setenv("BACKUP_KEY", "bk")
     backup.sim.config.api_key = "bk"  # the fallback's own key, read from its variable
-    processor, pool = _processor(simulator, _pipelines(tmp_path, backup.base_url))
+    processor, pool = _processor(simulator, _pipelines(tmp_path, backup.base_url),
+                                 make_processor)  # fmt: skip
     simulator.sim.config.error_503_rate = 1.0  # primary endpoint (sim-1 and sim-2) down
     try:
         raw = orjson.dumps(
@@ -104,10 +103,15 @@ async def test_an_endpoint_outage_falls_back_to_another_endpoint(
 
 
 async def test_categories_outside_fallback_on_do_not_fall_back(
-    simulator: SimulatorServer, backup: SimulatorServer, tmp_path: Path
+    simulator: SimulatorServer,
+    backup: SimulatorServer,
+    tmp_path: Path,
+    make_processor: MakeProcessor,
 ) -> None:
     processor, _ = _processor(
-        simulator, _pipelines(tmp_path, backup.base_url, fallback_on="circuit_open")
+        simulator,
+        _pipelines(tmp_path, backup.base_url, fallback_on="circuit_open"),
+        make_processor,
     )
     simulator.sim.config.error_503_rate = 1.0
     try:

@@ -11,20 +11,17 @@ from pathlib import Path
 import orjson
 
 from streams.contract.records import Source
-from streams.core.processor import Prices, TaskProcessor
 from streams.dev.simulator import SimulatorServer
 from streams.llm.openai_client import OpenAIClient
-from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.breaker import CircuitBreaker, State
-from streams.resilience.guarded import GuardedClient
-from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
+from tests.conftest import MakeProcessor
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 async def test_outage_opens_the_circuit_and_only_probes_reach_the_endpoint(
-    simulator: SimulatorServer,
+    simulator: SimulatorServer, make_processor: MakeProcessor
 ) -> None:
     transitions: list[tuple[float, State]] = []
     opened = asyncio.Event()
@@ -41,15 +38,10 @@ async def test_outage_opens_the_circuit_and_only_probes_reach_the_endpoint(
     client = OpenAIClient(
         base_url=simulator.base_url, api_key="k", connect_timeout_s=1, read_timeout_s=2
     )
-    processor = TaskProcessor(
-        PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas"),
-        GuardedClient(client, limiter=RateLimiter(rpm=1_000_000), breaker=breaker),
-        default_model="sim-1",
+    processor = make_processor(
+        client, breaker=breaker, deadline_s=30,
         policy=RetryPolicy(max_attempts=20, backoff_base_s=0.05, backoff_max_s=0.2),
-        deadline_s=30,
-        max_task_bytes=10_000,
-        prices=Prices(),
-    )
+    )  # fmt: skip
     simulator.sim.config.latency_ms = 20
     simulator.sim.config.error_503_rate = 1.0  # the outage
 

@@ -1,0 +1,241 @@
+"""One task's requests: the primary model with retries, then each fallback; per attempt
+the repair turn, the truncation retry, the window fit, the tier (a call, a flex call,
+or a line in a Batch API batch) and the output contract.
+
+Every retry goes through `resilience.retry.call_with_retries`; every attempt of the
+sync and flex tiers through the guarded client (breaker, limiter).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+from opentelemetry.trace import SpanKind
+
+from streams.contract.lanes import Lane, Tier
+from streams.core.batches import BatchLane
+from streams.core.outcome import Spend
+from streams.core.window import check_repair_cap, fit_window
+from streams.errors import (
+    BadRequest,
+    CircuitOpen,
+    ContextOverflow,
+    InvalidOutput,
+    OutputRejected,
+    RateLimited,
+    StreamsError,
+    TaskError,
+)
+from streams.llm.client import LLMRequest, LLMResponse, completion_budget, with_budget
+from streams.observability.metrics import Metrics
+from streams.observability.tracing import TRACER, mark_error
+from streams.pipelines.output import parse_output
+from streams.pipelines.registry import Fallback, Pipeline, PipelineVersion, RenderedPrompt
+from streams.resilience.guarded import CAPACITY_CODES, GuardedClient
+from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries
+
+log = logging.getLogger(__name__)
+
+# The guarded client of a model on the primary endpoint, or on (base_url, key env).
+ClientFor = Callable[[str, str | None, str | None], GuardedClient]
+
+
+class Calls:
+    """Asks the LLM for one task's answers and checks them against the output contract."""
+
+    def __init__(
+        self,
+        client: GuardedClient,
+        *,
+        policy: RetryPolicy,
+        context_window: int,
+        metrics: Metrics,
+        clients: ClientFor | None = None,
+    ) -> None:
+        self.client = client
+        self.policy = policy
+        self.context_window = context_window
+        self.metrics = metrics
+        self.clients = clients
+        self.batches: BatchLane | None = None  # the batch tier, when the worker has one
+
+    async def call(
+        self,
+        pipeline: Pipeline,
+        version: PipelineVersion,
+        prompt: RenderedPrompt,
+        attempts: Attempts,
+        spend: Spend,
+        lane: Lane,
+        deadline_at: float,
+    ) -> dict[str, Any]:
+        """The primary model with retries, then each fallback on the configured categories."""
+        candidates: list[tuple[GuardedClient, RenderedPrompt]] = [(self.client, prompt)]
+        for fb in version.spec.fallbacks:
+            candidates.append((self.fallback_client(fb), replace(prompt, model=fb.model)))
+
+        def attempt_on(
+            client: GuardedClient, candidate: RenderedPrompt, wait: bool
+        ) -> Callable[[Attempts], Awaitable[dict[str, Any]]]:
+            async def run(a: Attempts) -> dict[str, Any]:
+                return await self._attempt(pipeline, candidate, a, spend, lane, deadline_at,
+                                           client, wait_for_circuit=wait)  # fmt: skip
+
+            return run
+
+        for i, (client, candidate) in enumerate(candidates):
+            has_next = i + 1 < len(candidates)
+            try:
+                # With a fallback ready, an open circuit moves on at once instead of waiting.
+                return await call_with_retries(
+                    attempt_on(client, candidate, not has_next), self.policy, attempts
+                )
+            except TaskError as exc:
+                if not has_next or exc.category.value not in version.spec.fallback_on:
+                    raise
+                log.warning("%s failed with %s; falling back to %s", candidate.model,
+                            exc.category.value, candidates[i + 1][1].model)  # fmt: skip
+                attempts.previous = attempts.count
+                attempts.last_error = None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def fallback_client(self, fallback: Fallback) -> GuardedClient:
+        if self.clients is None:
+            raise BadRequest("fallback models need a client pool", code="no_client_pool")
+        return self.clients(fallback.model, fallback.base_url, fallback.api_key_env)
+
+    async def _attempt(
+        self,
+        pipeline: Pipeline,
+        prompt: RenderedPrompt,
+        attempts: Attempts,
+        spend: Spend,
+        lane: Lane,
+        deadline_at: float,
+        client: GuardedClient,
+        *,
+        wait_for_circuit: bool = True,
+    ) -> dict[str, Any]:
+        messages = list(prompt.messages)
+        params = prompt.params
+        last = attempts.last_error
+        if last is not None:
+            self.metrics.retries.labels(last.category.value).inc()
+        if isinstance(last, InvalidOutput) and last.code == "truncated":
+            # Cut at the budget: the same prompt with 1.5x the budget, within the window.
+            budget = completion_budget(params, spend.completion_tokens or 256)
+            room = self.context_window - spend.last_prompt_tokens
+            params = with_budget(params, max(1, min(int(budget * 1.5), room)))
+        repair = isinstance(last, InvalidOutput) and last.code != "truncated" and bool(spend.calls)
+        try:
+            if repair and last is not None:
+                # One repair: show the model its answer and what was wrong with it.
+                messages += [
+                    {"role": "assistant", "content": spend.calls[-1]},
+                    {"role": "user", "content": f"That answer was rejected: {last.message}. "
+                     "Reply with one corrected JSON object only."},
+                ]  # fmt: skip
+                check_repair_cap(pipeline.spec.repair_token_cap, messages, params,
+                                 spend.repair_tokens, last)  # fmt: skip
+            params = fit_window(messages, params, prompt.params, self.context_window)
+        except (OutputRejected, ContextOverflow):
+            attempts.count -= 1  # refused before any call
+            raise
+        request = LLMRequest(messages=messages, model=prompt.model, params=params,
+                             response_format=prompt.response_format)  # fmt: skip
+        with TRACER.start_as_current_span(
+            f"chat {prompt.model}",
+            kind=SpanKind.CLIENT,
+            attributes={
+                "gen_ai.operation.name": "chat",
+                "gen_ai.system": "openai",
+                "gen_ai.request.model": prompt.model,
+                "gen_ai.request.max_tokens": completion_budget(params, 0),
+                "llm_streams.attempt": attempts.count,
+                "llm_streams.lane": lane.name.lower(),
+            },
+            record_exception=False,
+        ) as span:
+            try:
+                response = await self.send(request, spend, attempts, lane, deadline_at, client,
+                                           wait_for_circuit)  # fmt: skip
+            except CircuitOpen:
+                attempts.count -= 1  # refused locally: no call was made
+                mark_error(span, CircuitOpen("circuit open"))
+                raise
+            except StreamsError as exc:
+                mark_error(span, exc)
+                raise
+            span.set_attributes({
+                "gen_ai.response.model": response.model,
+                "gen_ai.usage.input_tokens": response.prompt_tokens,
+                "gen_ai.usage.output_tokens": response.completion_tokens,
+            })  # fmt: skip
+            spend.last_prompt_tokens = response.prompt_tokens
+            spend.prompt_tokens += response.prompt_tokens
+            spend.completion_tokens += response.completion_tokens
+            spend.model = response.model
+            spend.calls.append(response.content)
+            if repair:
+                spend.repair_tokens += response.prompt_tokens + response.completion_tokens
+            try:
+                output = parse_output(response, pipeline, prompt.variables)
+            except InvalidOutput as exc:
+                self.count_output(response.model, ok=False)
+                mark_error(span, exc)
+                raise
+            self.count_output(response.model, ok=True)
+            return output
+
+    async def send(
+        self,
+        request: LLMRequest,
+        spend: Spend,
+        attempts: Attempts,
+        lane: Lane,
+        deadline_at: float,
+        client: GuardedClient | None = None,
+        wait_for_circuit: bool = True,
+    ) -> LLMResponse:
+        """One attempt's request: a call (flex tier: at the flex price, falling back to a
+        plain call when flex has no capacity), or a line in a batch (batch tier)."""
+        if spend.tier is Tier.BATCH and spend.route is not None and self.batches is not None:
+            partition, custom_id = spend.route
+            response = await self.batches.complete(partition, custom_id, attempts.count, request)
+            spend.discounted_prompt += response.prompt_tokens
+            spend.discounted_completion += response.completion_tokens
+            m = self.metrics
+            m.llm_requests.labels(request.model, "ok", "").inc()
+            m.tokens.labels(response.model, "prompt").inc(response.prompt_tokens)
+            m.tokens.labels(response.model, "completion").inc(response.completion_tokens)
+            return response
+        guarded = client or self.client
+        if spend.tier is Tier.FLEX:
+            flex = replace(request, params={**request.params, "service_tier": "flex"})
+            try:
+                response = await guarded.complete(
+                    flex, lane=lane, deadline_at=deadline_at, wait_for_circuit=wait_for_circuit
+                )
+            except RateLimited as exc:
+                if exc.code not in CAPACITY_CODES:
+                    raise
+                log.info("flex tier has no capacity (%s); this task goes on at the sync price",
+                         exc.code)  # fmt: skip
+                spend.tier = Tier.SYNC
+                self.metrics.mitigations.labels("*", "flex_fallback").inc()
+                raise
+            spend.discounted_prompt += response.prompt_tokens
+            spend.discounted_completion += response.completion_tokens
+            return response
+        return await guarded.complete(
+            request, lane=lane, deadline_at=deadline_at, wait_for_circuit=wait_for_circuit
+        )
+
+    def count_output(self, model: str, *, ok: bool) -> None:
+        self.metrics.outputs.labels(model, "pass" if ok else "fail").inc()
+
+
+__all__ = ["Calls", "ClientFor"]

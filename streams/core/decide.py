@@ -1,0 +1,176 @@
+"""What one valid record needs, given what the task store already holds: nothing (this
+very record wrote its outcome before a crash or a rebalance), a stored answer, a
+shared answer of an identical input, or the LLM — and the task state after it.
+
+Plain data against a `StoreView` (the edge's task store in the worker, a dict in a
+test): the at-least-once and exactly-once guarantees rest on these answers, so they
+live in one place, apart from how records arrive and are written.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+from streams.contract.lanes import Lane, Tier
+from streams.contract.records import Source, json_object
+from streams.core.cache import ContentCache
+from streams.core.outcome import Outcome, Prepared, stored
+from streams.core.processor import TaskProcessor
+from streams.core.taskstate import Status, TaskState
+from streams.observability.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class StoreView(Protocol):
+    """What the decisions read of the task store, per task partition."""
+
+    def result(self, partition: int, result_key: str) -> bytes | None: ...
+
+    def dead_letter(self, partition: int, key: str) -> bytes | None: ...
+
+    def state(self, partition: int, task_id: str) -> TaskState | None: ...
+
+
+@dataclass(frozen=True)
+class Asked:
+    """How a record asks to be answered (its headers, as the edge read them)."""
+
+    force: bool = False  # a forced replay or a backtrack re-run: ask the LLM again
+    tier: Tier | None = None  # a replay's --lane
+    note: str | None = None  # for the task's history (backtrack: restored / re-run)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """`outcome` to write (None: nothing, an earlier run of this record wrote it), or, for
+    an outcome already written, `state` to write when the run that wrote it died before
+    writing the task's state."""
+
+    kind: str  # result | dead_letter | already_done
+    outcome: Outcome | None = None
+    state: TaskState | None = None
+
+
+class Decider:
+    def __init__(
+        self,
+        processor: TaskProcessor,
+        store: StoreView,
+        cache: ContentCache,
+        metrics: Metrics,
+        results_topic: str,
+    ) -> None:
+        self.processor = processor
+        self.store = store
+        self.cache = cache
+        self.metrics = metrics
+        self.results_topic = results_topic
+
+    def dead_letter_written(self, key: str, source: Source) -> bool:
+        """Did an earlier run of this very record write its dead letter under `key`?"""
+        letter = json_object(self.store.dead_letter(source.partition, key))
+        return letter is not None and letter.get("source") == source.model_dump()
+
+    async def decide(self, prep: Prepared, lane: Lane, asked: Asked) -> Decision:
+        source, task_id = prep.source, prep.task.task_id
+        state = self.store.state(source.partition, task_id)
+        if state is not None and state.wrote(source):  # this very record, before a crash
+            return Decision("already_done")
+        outcome, written = await self._answer(prep, lane, asked)
+        if not written:
+            return Decision(outcome.kind, outcome)
+        if self._state_missing(state, prep, outcome):
+            # Written by a run killed before its state was: write that now.
+            return Decision("already_done", state=self.state_after(outcome, prep, asked.note))
+        return Decision("already_done")
+
+    async def _answer(self, prep: Prepared, lane: Lane, asked: Asked) -> tuple[Outcome, bool]:
+        """The outcome of a valid task, and whether an earlier run of this very record
+        already wrote it. `asked.force` asks the LLM again even when the task or an
+        identical input was answered."""
+        p, me = prep.source.partition, prep.source.model_dump()
+        raw = self.store.result(p, prep.result_key)
+        earlier = json_object(raw)
+        if raw is not None and earlier is not None:
+            if earlier.get("source") == me:
+                return stored(prep, "result", prep.result_key, raw, earlier), True
+            if not asked.force:  # answered before for another record of the task: no call
+                self.metrics.cache_hits.labels(prep.pipeline.name, "result").inc()
+                return self.processor.from_cache(prep, earlier["output"], earlier["model"]), False
+        raw = self.store.dead_letter(p, prep.task.task_id)
+        letter = json_object(raw)
+        if raw is not None and letter is not None and letter.get("source") == me:
+            return stored(prep, "dead_letter", prep.task.task_id, raw, letter), True
+
+        stages = self._earlier_stages(prep)
+
+        async def call() -> tuple[Outcome, tuple[dict[str, Any], str] | None]:
+            outcome = await self.processor.answer(prep, lane, stages, asked.tier)
+            if outcome.kind == "result" and outcome.output is not None and outcome.model:
+                return outcome, (outcome.output, outcome.model)
+            return outcome, None
+
+        if asked.force:
+            outcome, answer = await call()
+            if answer is not None:
+                self.cache.put(prep.content_key, *answer)
+            return outcome, False
+        value, shared = await self.cache.shared(prep.content_key, call)
+        if shared:  # an identical input of another task was answered (or in flight)
+            output, model = value
+            self.metrics.cache_hits.labels(prep.pipeline.name, "content").inc()
+            return self.processor.from_cache(prep, output, model), False
+        return cast(Outcome, value), False
+
+    def _earlier_stages(self, prep: Prepared) -> dict[str, Any] | None:
+        """Answers of the stages an earlier run of this task got before a later stage
+        failed, when they are for the same input and version."""
+        if not prep.pipeline.stages:
+            return None
+        state = self.store.state(prep.source.partition, prep.task.task_id)
+        if (
+            state is None
+            or not state.stage_outputs
+            or state.input_hash != prep.content_key
+            or state.prompt_version != prep.version.version
+        ):
+            return None
+        return state.stage_outputs
+
+    @staticmethod
+    def _state_missing(state: TaskState | None, prep: Prepared, outcome: Outcome) -> bool:
+        want = Status.SUCCEEDED if outcome.kind == "result" else Status.DEAD_LETTERED
+        return (
+            state is None
+            or state.status is not want
+            or (outcome.kind == "result" and state.result_key != prep.result_key)
+        )
+
+    def state_after(self, outcome: Outcome, prep: Prepared, note: str | None = None) -> TaskState:
+        """The task's state once `outcome` (of the record at `prep.source`) is written."""
+        source = prep.source
+        before = self.store.state(source.partition, prep.task.task_id) or TaskState(
+            task_id=prep.task.task_id, status=Status.RECEIVED, updated_at=""
+        )
+        result = outcome.kind == "result"
+        return before.moved(
+            Status.SUCCEEDED if result else Status.DEAD_LETTERED,
+            note=note or ("cached" if result and outcome.attempts == 0 else None),
+            attempts=outcome.attempts,
+            input_hash=prep.content_key,
+            pipeline=prep.pipeline.name,
+            prompt_version=prep.version.version,
+            result_key=prep.result_key if result else before.result_key,
+            result_topic=self.results_topic if result else before.result_topic,
+            result_partition=source.partition if result else before.result_partition,
+            source=source,
+            last_error=None if result else outcome.error,
+            stage=outcome.stage,
+            stage_outputs=None if result else outcome.stages,
+        )
+
+
+__all__ = ["Asked", "Decider", "Decision", "StoreView"]

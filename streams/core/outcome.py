@@ -1,0 +1,298 @@
+"""What one record ends as, built once as plain data: the outcome the edge writes.
+
+A result or a dead letter, serialised here and nowhere else (the edge never
+parses it again), sized to fit its topic (`RecordRoom`): a result too large
+becomes a dead letter `output_too_large`, a dead letter keeps a head of a large
+payload. Cost is priced here too, one rule for every tier: the price table, and
+the batch price (`Prices.discount`) for tokens of batch and flex calls.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from streams.contract.lanes import Tier
+from streams.contract.records import (
+    DeadLetter,
+    RecordRoom,
+    Result,
+    Source,
+    Task,
+    Usage,
+    dead_letter_value,
+    error_info,
+    now_iso,
+    payload_of,
+    task_id_hint,
+)
+from streams.core.stages import MAIN
+from streams.errors import OutputTooLarge, StreamsError
+from streams.observability.metrics import Metrics
+from streams.observability.tracing import current_trace_id
+from streams.pipelines.registry import Pipeline, PipelineVersion, RenderedPrompt
+from streams.resilience.retry import Attempts
+from streams.settings import Settings
+
+
+@dataclass(frozen=True)
+class Prices:
+    """USD per 1,000 tokens, and the share of it batch and flex calls cost."""
+
+    prompt_per_1k: float = 0.0
+    completion_per_1k: float = 0.0
+    discount: float = 0.5  # batch (and flex) price / sync price
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Prices:
+        llm = settings.llm
+        return cls(llm.price_per_1k_prompt_usd, llm.price_per_1k_completion_usd,
+                   settings.batch_api.price_ratio)  # fmt: skip
+
+    def cost(
+        self,
+        prompt_tokens: int,
+        completion_tokens: float,
+        discounted_prompt: int = 0,
+        discounted_completion: int = 0,
+    ) -> float:
+        """USD for the tokens; the `discounted_*` ones (among them) at the batch price."""
+        full = prompt_tokens * self.prompt_per_1k + completion_tokens * self.completion_per_1k
+        off = (
+            discounted_prompt * self.prompt_per_1k + discounted_completion * self.completion_per_1k
+        )
+        return round((full - off * (1 - self.discount)) / 1000, 8)
+
+    def estimate(self, prompt_tokens: int, completion_tokens: float, tier: Tier) -> float:
+        """What asking costs in `tier` (a replay's estimate)."""
+        if tier is Tier.SYNC:
+            return self.cost(prompt_tokens, completion_tokens)
+        return round(self.cost(prompt_tokens, completion_tokens) * self.discount, 8)
+
+
+@dataclass
+class Spend:
+    """What one task's calls used, and how they were made and priced."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    model: str = ""
+    calls: list[str] = field(default_factory=list)  # the answers' text, for a repair
+    last_prompt_tokens: int = 0
+    repair_tokens: int = 0
+    tier: Tier = Tier.SYNC
+    route: tuple[int, str] | None = None  # batch tier: (partition, custom_id)
+    discounted_prompt: int = 0  # tokens billed at the batch/flex price
+    discounted_completion: int = 0
+
+    def add(self, other: Spend) -> None:
+        """Take in a part's spend (a chunk's, a pack's share)."""
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        self.discounted_prompt += other.discounted_prompt
+        self.discounted_completion += other.discounted_completion
+        self.model = other.model or self.model
+        self.last_prompt_tokens = max(self.last_prompt_tokens, other.last_prompt_tokens)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A decoded, rendered task: what answering it needs, and its keys."""
+
+    task: Task
+    pipeline: Pipeline
+    version: PipelineVersion
+    prompt: RenderedPrompt
+    result_key: str
+    content_key: str
+    raw: bytes | None
+    key: bytes | None
+    source: Source
+    started: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What to write for one input record."""
+
+    kind: Literal["result", "dead_letter"]
+    key: str
+    value: bytes
+    task_id: str | None
+    category: str | None = None
+    error: dict[str, Any] | None = None  # a dead letter's error, as written
+    latency_ms: float = 0.0
+    attempts: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+    output: dict[str, Any] | None = None
+    model: str | None = None
+    # Multi-stage pipelines: every answer known so far by stage name (kept in the task
+    # state, so a re-run resumes from the stage that failed), and where it ended.
+    stages: dict[str, Any] | None = None
+    stage: str = MAIN
+    review: tuple[str, ...] = ()  # reasons this result also goes to the review topic
+    review_value: bytes | None = None  # the result with those reasons, for that topic
+
+
+class Outcomes:
+    """Builds results and dead letters within the room their topics give them."""
+
+    def __init__(
+        self, room: RecordRoom, prices: Prices, metrics: Metrics, default_model: str
+    ) -> None:
+        self.room = room
+        self.prices = prices
+        self.metrics = metrics
+        self.default_model = default_model
+
+    def cost(self, pipeline: str, spend: Spend) -> float:
+        """The spend's cost, counted once on the cost metric."""
+        cost = self.prices.cost(spend.prompt_tokens, spend.completion_tokens,
+                                spend.discounted_prompt, spend.discounted_completion)  # fmt: skip
+        if cost > 0:
+            model = spend.model or self.default_model
+            self.metrics.cost.labels(pipeline, model, spend.tier.value).inc(cost)
+        return cost
+
+    def result(
+        self,
+        prep: Prepared,
+        output: dict[str, Any],
+        *,
+        model: str,
+        usage: Usage,
+        cost: float,
+        attempts: int,
+        cached: bool,
+        stages: dict[str, Any] | None = None,
+    ) -> Outcome:
+        latency_ms = (time.monotonic() - prep.started) * 1000
+        record = Result(
+            task_id=prep.task.task_id,
+            result_key=prep.result_key,
+            pipeline=prep.pipeline.name,
+            prompt_version=prep.version.version,
+            model=model,
+            output=output,
+            usage=usage,
+            cost_usd=cost,
+            attempts=attempts,
+            latency_ms=round(latency_ms, 2),
+            cached=cached,
+            source=prep.source,
+            trace_id=current_trace_id(),
+            processed_at=now_iso(),
+        ).model_dump(mode="json")
+        value = orjson.dumps(record)
+        reasons = tuple(prep.pipeline.review_reasons(prep.prompt.variables, output))
+        outcome = Outcome(
+            kind="result",
+            key=prep.result_key,
+            value=value,
+            task_id=prep.task.task_id,
+            latency_ms=latency_ms,
+            attempts=attempts,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cost_usd=cost,
+            output=output,
+            model=model,
+            stages=stages,
+            stage=prep.pipeline.stages[-1].name if prep.pipeline.stages else MAIN,
+            review=reasons,
+            review_value=orjson.dumps({**record, "review": {"reasons": list(reasons)}})
+            if reasons
+            else None,
+        )
+        if len(value) > self.room.result:
+            too_large = OutputTooLarge(
+                f"the result is {len(value)} bytes, over the {self.room.result} bytes the "
+                "results topic takes (its max.message.bytes and the producer's limit)",
+                code="result_too_large",
+            )
+            return self.failed(prep, too_large, outcome)
+        return outcome
+
+    def cached(self, prep: Prepared, output: dict[str, Any], model: str) -> Outcome:
+        """A result answered without an LLM call (same input answered before): no cost."""
+        return self.result(prep, output, model=model, usage=Usage(prompt_tokens=0,
+                           completion_tokens=0), cost=0.0, attempts=0, cached=True)  # fmt: skip
+
+    def dead(
+        self,
+        exc: StreamsError,
+        raw: bytes | None,
+        key: bytes | None,
+        task: Task | None,
+        source: Source,
+        attempts: Attempts,
+        spend: Spend,
+        started: float,
+    ) -> Outcome:
+        task_id = task.task_id if task else task_id_hint(raw, key)
+        error = error_info(exc.category, exc.code, exc.message, exc.retryable)
+        letter = DeadLetter(
+            task_id=task_id,
+            error=error,
+            attempts=attempts.count,
+            payload=payload_of(raw),
+            source=source,
+            failed_at=now_iso(),
+        )
+        cost = self.cost(task.pipeline, spend) if task is not None else 0.0
+        return Outcome(
+            kind="dead_letter",
+            key=task_id or f"{source.topic}/{source.partition}/{source.offset}",
+            value=dead_letter_value(letter, raw, self.room.dead_letter),
+            task_id=task_id,
+            category=exc.category.value,
+            error=error.model_dump(mode="json"),
+            latency_ms=(time.monotonic() - started) * 1000,
+            attempts=attempts.count,
+            prompt_tokens=spend.prompt_tokens,
+            completion_tokens=spend.completion_tokens,
+            cost_usd=cost,
+        )
+
+    def failed(self, prep: Prepared, exc: StreamsError, like: Outcome) -> Outcome:
+        """A dead letter for a task whose outcome `like` cannot be written as it is; the
+        tokens and cost it spent stay on it (they were counted when spent)."""
+        error = error_info(exc.category, exc.code, exc.message, exc.retryable)
+        letter = DeadLetter(task_id=prep.task.task_id, error=error, attempts=like.attempts,
+                            payload=payload_of(prep.raw), source=prep.source,
+                            failed_at=now_iso())  # fmt: skip
+        return Outcome(
+            kind="dead_letter",
+            key=prep.task.task_id,
+            value=dead_letter_value(letter, prep.raw, self.room.dead_letter),
+            task_id=prep.task.task_id,
+            category=exc.category.value,
+            error=error.model_dump(mode="json"),
+            latency_ms=like.latency_ms,
+            attempts=like.attempts,
+            prompt_tokens=like.prompt_tokens,
+            completion_tokens=like.completion_tokens,
+            cost_usd=like.cost_usd,
+        )
+
+
+def stored(prep: Prepared, kind: str, key: str, raw: bytes, record: dict[str, Any]) -> Outcome:
+    """An outcome as an earlier run wrote it."""
+    error = record.get("error") if kind == "dead_letter" else None
+    return Outcome(
+        kind="result" if kind == "result" else "dead_letter",
+        key=key,
+        value=raw,
+        task_id=prep.task.task_id,
+        category=(error or {}).get("category"),
+        error=error,
+        attempts=int(record.get("attempts", 0)),
+    )
+
+
+__all__ = ["Outcome", "Outcomes", "Prepared", "Prices", "Spend", "stored"]

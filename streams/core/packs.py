@@ -1,0 +1,138 @@
+"""Packed requests: a task's answer from a pack it shares with others (`core.packing`
+gathers the packs and holds the wire format; this sends them and hands out the answers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import orjson
+from opentelemetry.trace import SpanKind
+
+from streams.contract.lanes import Lane
+from streams.core.calls import Calls
+from streams.core.outcome import Prepared
+from streams.core.packing import (
+    Item,
+    Key,
+    PackedAnswer,
+    Packer,
+    packed_messages,
+    packed_schema,
+    shares,
+    split_answers,
+)
+from streams.core.window import fit_window
+from streams.errors import InvalidOutput, OutputRejected, TaskError
+from streams.llm.client import LLMRequest, LLMResponse, budget_key, completion_budget
+from streams.observability.tracing import TRACER
+from streams.pipelines.output import check_output
+from streams.pipelines.registry import PipelineRegistry, RenderedPrompt
+from streams.resilience.retry import Attempts, call_with_retries
+
+
+class Packs:
+    def __init__(self, calls: Calls, registry: PipelineRegistry) -> None:
+        self.calls = calls
+        self.registry = registry
+        self.packer = Packer(self._send)
+
+    async def ask(
+        self, prep: Prepared, prompt: RenderedPrompt, lane: Lane, deadline_at: float
+    ) -> PackedAnswer:
+        """This task's answer from a pack it shares with others (or None inside: alone)."""
+        pipeline, version = prep.pipeline, prep.version
+        packing = pipeline.spec.packing
+        assert packing is not None
+        system = prompt.messages[0]["content"]
+        key = (pipeline.name, version.version, prompt.model, lane.name, system)
+
+        def check(data: Any) -> dict[str, Any]:
+            return check_output(data, pipeline, prompt.variables)
+
+        item = Item(prep.task.task_id, prompt, deadline_at, check)
+        return await self.packer.submit(key, item, packing.max_items, packing.linger_s)
+
+    async def _send(self, key: Key, items: list[Item]) -> None:
+        """One request for the items; each gets its own answer, or None to go alone."""
+        pipeline = self.registry.get(key[0])
+        lane = Lane[key[3]]
+        seen: set[str] = set()
+        unique = []
+        for item in items:
+            if item.task_id in seen:
+                item.settle(PackedAnswer(None, reason="its task id is twice in the pack"))
+            else:
+                seen.add(item.task_id)
+                unique.append(item)
+        items = unique
+        first = items[0].prompt
+        messages = packed_messages(
+            key[4], [(i.task_id, i.prompt.messages[-1]["content"]) for i in items]
+        )
+        per_item = completion_budget(first.params)
+        response_format: dict[str, Any] = (
+            {"type": "json_schema", "json_schema": {
+                "name": pipeline.name.replace("-", "_") + "_packed",
+                "schema": packed_schema(pipeline.output_schema), "strict": True}}
+            if first.response_format.get("type") == "json_schema"
+            else {"type": "json_object"}
+        )  # fmt: skip
+        attempts = Attempts()
+        try:
+            asked = {**first.params, budget_key(first.params): per_item * len(items)}
+            params = fit_window(messages, asked, first.params, self.calls.context_window)
+            request = LLMRequest(messages=messages, model=first.model, params=params,
+                                 response_format=response_format)  # fmt: skip
+            deadline_at = min(i.deadline_at for i in items)
+
+            async def attempt(a: Attempts) -> LLMResponse:
+                with TRACER.start_as_current_span(
+                    f"chat {first.model}", kind=SpanKind.CLIENT,
+                    attributes={"gen_ai.operation.name": "chat", "gen_ai.system": "openai",
+                                "gen_ai.request.model": first.model,
+                                "llm_streams.pack_size": len(items),
+                                "llm_streams.attempt": a.count},
+                ):  # fmt: skip
+                    response = await self.calls.client.complete(
+                        request, lane=lane, deadline_at=deadline_at
+                    )
+                if response.finish_reason == "length":
+                    raise OutputRejected("pack answer cut at max_tokens", code="truncated")
+                return response
+
+            response = await call_with_retries(attempt, self.calls.policy, attempts)
+        except TaskError as exc:
+            for item in items:
+                item.settle(PackedAnswer(None, reason=f"pack failed ({exc.category.value}: "
+                                         f"{exc.message})", calls=attempts.count))  # fmt: skip
+            return
+        ids = [i.task_id for i in items]
+        answers = split_answers(response.content, ids)
+        prompt_parts = shares(response.prompt_tokens,
+                              [len(i.prompt.messages[-1]["content"]) for i in items])  # fmt: skip
+        completion_parts = shares(
+            response.completion_tokens,
+            [len(orjson.dumps(answers[i])) if i in answers else 0 for i in ids],
+        )
+        for item, prompt_tokens, completion_tokens in zip(
+            items, prompt_parts, completion_parts, strict=True
+        ):
+            paid = PackedAnswer(None, prompt_tokens=prompt_tokens,
+                                completion_tokens=completion_tokens, model=response.model,
+                                calls=attempts.count)  # fmt: skip
+            if item.task_id not in answers:
+                item.settle(replace(paid, reason="missing from the pack's answer"))
+                continue
+            try:
+                output = item.check(answers[item.task_id])
+            except InvalidOutput as exc:
+                self.calls.count_output(response.model, ok=False)
+                item.settle(replace(paid, reason=f"invalid in the pack: {exc.message}"))
+                continue
+            self.calls.count_output(response.model, ok=True)
+            item.settle(replace(paid, output=output))
+
+
+__all__ = ["Packs"]

@@ -1,0 +1,140 @@
+"""A task's state, as the task store keeps it on `<app_id>-task-state-changelog`:
+its status, keys, last error, the answers of earlier stages, and a short history of
+its moves (which record made each one: how a record that runs again knows it already
+wrote its outcome).
+
+Stored records are read by every version of the worker during a rolling upgrade:
+fields a newer version added are ignored, not a reason to fail (extra="ignore").
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from streams.contract.records import Source, now_iso
+
+HISTORY_LIMIT = 20
+
+
+class Status(StrEnum):
+    RECEIVED = "received"
+    PROCESSING = "processing"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    DEAD_LETTERED = "dead_lettered"
+
+
+# Stored records are read by every version of the worker during a rolling upgrade:
+# fields a newer version added are ignored, not a reason to fail (extra="ignore").
+
+
+class StoredSource(BaseModel):
+    """Where a record came from (`records.Source`), as a task state stores it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    topic: str
+    partition: int
+    offset: int
+
+
+class HistoryEntry(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    prompt_version: str | None = None
+    result_key: str | None = None
+    status: Status
+    at: str
+    note: str | None = None
+    source: StoredSource | None = None  # the record whose run made this move
+
+
+class TaskState(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    task_id: str
+    status: Status
+    stage: str = "main"
+    attempts: int = 0
+    input_hash: str | None = None
+    pipeline: str | None = None
+    prompt_version: str | None = None
+    result_key: str | None = None
+    result_topic: str | None = None
+    result_partition: int | None = None
+    source: StoredSource | None = None
+    last_error: dict[str, Any] | None = None
+    # Multi-stage pipelines, after a failed stage: the answers of the stages before it
+    # (by stage name), for the input hash and version above; a re-run starts from there.
+    stage_outputs: dict[str, Any] | None = None
+    updated_at: str
+    history: list[HistoryEntry] = Field(default_factory=list)
+
+    def dumps(self) -> bytes:
+        return orjson.dumps(self.model_dump(mode="json", exclude_none=True))
+
+    @classmethod
+    def loads(cls, raw: bytes) -> TaskState:
+        return cls.model_validate(orjson.loads(raw))
+
+    def dumps_within(self, room: int) -> bytes:
+        """The state as stored, cut to `room` bytes when it is larger: the stage answers go
+        first (a re-run asks those stages again), then the older history, then the last
+        error's message."""
+        raw = self.dumps()
+        if len(raw) <= room:
+            return raw
+        state = self.model_copy(update={"stage_outputs": None})
+        for cut in (
+            {},
+            {"history": self.history[-1:]},
+            {"history": self.history[-1:], "last_error": _short_error(self.last_error)},
+        ):
+            raw = state.model_copy(update=cut).dumps()
+            if len(raw) <= room:
+                return raw
+        return raw  # what is left (ids, keys) is small; the write path refuses the rest
+
+    def moved(self, status: Status, note: str | None = None, **changes: Any) -> TaskState:
+        """This state moved to `status`, with the move appended to its history."""
+        at = now_iso()
+        source = changes.get("source")
+        if isinstance(source, Source):
+            changes["source"] = source = StoredSource(**source.model_dump())
+        entry = HistoryEntry(
+            prompt_version=changes.get("prompt_version", self.prompt_version),
+            result_key=changes.get("result_key", self.result_key),
+            status=status,
+            at=at,
+            note=note,
+            source=source,
+        )
+        history = [*self.history, entry][-HISTORY_LIMIT:]
+        return self.model_copy(
+            update={**changes, "status": status, "updated_at": at, "history": history}
+        )
+
+    def wrote(self, source: Source) -> bool:
+        """Did the run of the record at `source` write this task's outcome? (Several
+        records of one task can each have written one before their offsets committed.)"""
+        done = (Status.SUCCEEDED, Status.DEAD_LETTERED)
+        where = (source.topic, source.partition, source.offset)
+        return any(
+            e.status in done
+            and e.source is not None
+            and (e.source.topic, e.source.partition, e.source.offset) == where
+            for e in self.history
+        )
+
+
+def _short_error(error: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not error:
+        return error
+    return {**error, "message": str(error.get("message", ""))[:500]}
+
+
+__all__ = ["HISTORY_LIMIT", "HistoryEntry", "Status", "StoredSource", "TaskState"]

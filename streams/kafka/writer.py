@@ -1,0 +1,265 @@
+"""The worker's writes: an outcome, the task's state and a review copy, a forwarded record.
+
+Each goes to the partition of the task it belongs to, through the task store (so
+the maps hold what the topics hold) and, with exactly-once, into that partition's
+transaction. The outcome is written first: a state saying a record wrote its
+outcome (`TaskState.wrote`) is then never ahead of the outcome, even after a
+kill between the two. A write the broker may take later is written again (only
+the writes that failed, with backoff); one it refuses for good (too large,
+invalid, not authorised) makes the task a `write_refused` dead letter, or is
+left out when it is only the review copy; a worker that cannot write stops
+without acking (`CannotWrite`), so the record runs again after the restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, NoReturn
+
+from aiokafka.errors import KafkaError
+
+from streams.core.outcome import Outcome, Prepared
+from streams.core.taskstate import TaskState
+from streams.errors import WriteRefused
+from streams.kafka.eos import PartitionLost, Transactions
+from streams.kafka.limits import WriteLimits, refused_for_good
+from streams.kafka.shutdown import Watchdog
+from streams.kafka.store import Kind, TaskStore
+from streams.kafka.topics import state_topic
+from streams.observability.metrics import Metrics
+from streams.observability.tracing import headers_for
+from streams.resilience.retry import retry_transient
+from streams.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SEND_ATTEMPTS = 8
+Headers = list[tuple[str, bytes]]
+# Faust's topic send: (key, value, partition, headers) -> awaitable delivery
+TopicSend = Callable[[str, bytes, bytes, int, Headers | None], Awaitable[None]]
+
+
+class CannotWrite(Exception):
+    """The broker cannot be written to: the worker is stopping, the record stays unacked."""
+
+
+class Writer:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        send: TopicSend,
+        store: TaskStore,
+        eos: Transactions | None,
+        limits: WriteLimits,
+        metrics: Metrics,
+        watchdog: Watchdog,
+        crash: Callable[[BaseException], Coroutine[Any, Any, None]],
+    ) -> None:
+        self.settings = settings
+        self._topic_send = send
+        self.store = store
+        self.eos = eos
+        self.limits = limits
+        self.metrics = metrics
+        self.watchdog = watchdog
+        self._crash_app = crash
+
+    async def send(
+        self,
+        topic: str,
+        key: bytes,
+        value: bytes,
+        partition: int,
+        headers: Headers | None = None,
+        *,
+        via: int | None = None,
+    ) -> None:
+        """One write to `partition` of `topic`, returned once the broker acked it. `via`:
+        the task partition whose record caused it, when that is another (exactly-once:
+        the write goes into that partition's transaction)."""
+        if self.eos is not None:  # into the partition's transaction
+            await self.eos.send(topic, key, value, partition, headers, via=via)
+            return
+        await self._topic_send(topic, key, value, partition, headers)
+
+    async def deliver(
+        self,
+        outcome: Outcome,
+        partition: int,
+        *,
+        prep: Prepared | None = None,
+        state_for: Callable[[Outcome], TaskState] | None = None,
+        failed: Callable[[Outcome, WriteRefused], Outcome] | None = None,
+    ) -> Outcome:
+        """Write `outcome` to `partition`, then the state `state_for(outcome)` and its review
+        copy; returns what was written. `failed` makes a result the results topic refuses
+        for good a dead letter (then that is what was written)."""
+        pending = {"outcome"}
+        if state_for is not None:
+            pending.add("state")
+        if outcome.review_value is not None:
+            pending.add("review")
+        current = [outcome]  # what is being written (a refused result becomes a dead letter)
+
+        async def write_pending() -> None:
+            while pending:
+                before = current[0]
+                await self._write_round(current, pending, partition, prep, state_for, failed)
+                if current[0] is not before:  # write the dead letter, and the state after it
+                    pending.clear()
+                    pending.update({"outcome", "state"} if state_for is not None else {"outcome"})
+
+        await self._or_stop(write_pending, f"the {outcome.kind} {outcome.key}")
+        return current[0]
+
+    async def _write_round(
+        self,
+        current: list[Outcome],
+        pending: set[str],
+        partition: int,
+        prep: Prepared | None,
+        state_for: Callable[[Outcome], TaskState] | None,
+        failed: Callable[[Outcome, WriteRefused], Outcome] | None,
+    ) -> None:
+        """The pending writes due now (the outcome first, then the others together); the
+        ones that succeed leave `pending`; raises a failure the broker may mend."""
+        outcome = current[0]
+        names = ["outcome"] if "outcome" in pending else sorted(pending)
+        # The trace goes on in the outcome's headers (the task's span is current).
+        trace = headers_for()
+        done = await asyncio.gather(
+            *(self._write(n, outcome, partition, prep, state_for, trace) for n in names),
+            return_exceptions=True,
+        )
+        transient: BaseException | None = None
+        for name, error in zip(names, done, strict=True):
+            if error is None:
+                pending.discard(name)
+            elif not isinstance(error, Exception) or isinstance(error, PartitionLost):
+                raise error  # cancelled (unacked), or not this worker's partition
+            elif (refused := refused_for_good(error)) is None:
+                transient = error  # the broker may take it later
+            else:
+                self._refused(name, outcome, refused, error, pending, current, failed)
+        if transient is not None:
+            raise transient
+
+    def _refused(
+        self,
+        name: str,
+        outcome: Outcome,
+        refused: str,
+        error: Exception,
+        pending: set[str],
+        current: list[Outcome],
+        failed: Callable[[Outcome, WriteRefused], Outcome] | None,
+    ) -> None:
+        """A write refused for good: a review copy is left out, a result becomes a
+        write_refused dead letter; anything else means the worker cannot write."""
+        topic = self._topic_of(name, outcome)
+        self.metrics.writes_refused.labels(topic, refused).inc()
+        log.warning("%s refused the %s of %s for good: %r", topic, name, outcome.key, error)
+        if name == "review":  # a copy: the result itself is written
+            pending.discard(name)
+        elif name == "outcome" and outcome.kind == "result" and failed is not None:
+            why = WriteRefused(
+                f"the results topic refused the task's result ({refused}): {error!r}", code=refused
+            )
+            current[0] = failed(outcome, why)
+        else:  # a dead letter or a task state the broker will not take: misconfigured
+            raise error
+
+    async def _write(
+        self,
+        name: str,
+        outcome: Outcome,
+        partition: int,
+        prep: Prepared | None,
+        state_for: Callable[[Outcome], TaskState] | None,
+        headers: Headers,
+    ) -> None:
+        if name == "outcome":
+            kind = Kind.RESULTS if outcome.kind == "result" else Kind.DEAD_LETTERS
+            await self.store.put(kind, partition, outcome.key.encode(), outcome.value, headers)
+        elif name == "state" and state_for is not None:
+            await self.store.put_state(partition, state_for(outcome))
+        elif name == "review" and outcome.review_value is not None:
+            await self._review(outcome, outcome.review_value, prep, partition, headers)
+
+    async def _review(
+        self,
+        outcome: Outcome,
+        value: bytes,
+        prep: Prepared | None,
+        partition: int,
+        headers: Headers,
+    ) -> None:
+        """The result again, on the review topic, with why a person should look at it."""
+        topic = self.settings.topics.review
+        if len(value) > self.limits.room(topic):  # the result fits its topic; this copy not
+            log.warning("review copy of %s left out: %d bytes, over what %s takes",
+                        outcome.key, len(value), topic)  # fmt: skip
+            self.metrics.writes_refused.labels(topic, "record_too_large").inc()
+            return
+        await self.send(topic, outcome.key.encode(), value, partition, headers)
+        pipeline = prep.pipeline.name if prep is not None else "?"
+        for reason in outcome.review:
+            self.metrics.reviews.labels(pipeline, reason).inc()
+
+    async def put_state(self, partition: int, state: TaskState) -> None:
+        """A task state alone (one an earlier run missed); dropped when the partition is
+        not this worker's any more (its new owner writes it)."""
+        try:
+            await self.store.put_state(partition, state)
+        except PartitionLost as exc:
+            log.info("not writing the state of %s: %s", state.task_id, exc)
+
+    def _topic_of(self, name: str, outcome: Outcome) -> str:
+        t = self.settings.topics
+        if name == "state":
+            return state_topic(self.settings)
+        if name == "review":
+            return t.review
+        return t.results if outcome.kind == "result" else t.dead_letters
+
+    async def write_or_stop(self, write: Callable[[], Awaitable[None]], what: str) -> None:
+        """One write, again while the broker may take it later; stop when it will not."""
+        await self._or_stop(write, what)
+
+    async def _or_stop(self, write: Callable[[], Awaitable[None]], what: str) -> None:
+        """`write()` again while it fails for a reason the broker may mend (with backoff, at
+        most SEND_ATTEMPTS times); dropped when the partition is not this worker's any
+        more; otherwise the worker stops without acking."""
+
+        def transient(exc: BaseException) -> bool:
+            return (
+                isinstance(exc, KafkaError)
+                and not isinstance(exc, PartitionLost)
+                and refused_for_good(exc) is None
+            )
+
+        try:
+            await retry_transient(write, what=f"write of {what}", transient=transient,
+                                  attempts=SEND_ATTEMPTS, sleep=asyncio.sleep)  # fmt: skip
+        except PartitionLost as exc:  # its new owner answers the record
+            log.info("not writing %s: %s", what, exc)
+        except KafkaError as exc:
+            await self.stop(f"cannot write {what}", exc)
+
+    async def stop(self, why: str, exc: BaseException | None) -> NoReturn:
+        """The broker cannot be written to: stop the worker without acking the record."""
+        log.critical("%s: %r; stopping the worker", why, exc)
+        error = CannotWrite(why)
+        await self.crash(exc or error)
+        raise error from exc
+
+    async def crash(self, exc: BaseException) -> None:
+        """Stop the worker because of `exc`, within the shutdown grace."""
+        self.watchdog.start(f"crash: {exc!r}")
+        await self._crash_app(exc)
+
+
+__all__ = ["SEND_ATTEMPTS", "CannotWrite", "Writer"]

@@ -1,0 +1,54 @@
+"""The content cache: single flight and a bounded LRU."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from streams.core.cache import ContentCache
+
+
+async def test_identical_inputs_share_one_call() -> None:
+    cache = ContentCache()
+    calls = 0
+    release = asyncio.Event()
+
+    async def call() -> tuple[Any, tuple[dict[str, Any], str] | None]:
+        nonlocal calls
+        calls += 1
+        await release.wait()
+        return "outcome", ({"sentiment": "positive"}, "m")
+
+    tasks = [asyncio.create_task(cache.shared("ck1-a", call)) for _ in range(5)]
+    await asyncio.sleep(0.01)
+    release.set()
+    results = await asyncio.gather(*tasks)
+    assert calls == 1
+    assert results.count(("outcome", False)) == 1  # the caller that made the call
+    assert results.count((({"sentiment": "positive"}, "m"), True)) == 4
+    # Later identical inputs hit the cache without a call.
+    assert await cache.shared("ck1-a", call) == (({"sentiment": "positive"}, "m"), True)
+    assert calls == 1
+
+
+async def test_a_failed_call_lets_waiters_call_themselves() -> None:
+    cache = ContentCache()
+    calls = 0
+
+    async def dead() -> tuple[Any, tuple[dict[str, Any], str] | None]:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.01)
+        return "dead letter", None
+
+    first, second = await asyncio.gather(cache.shared("ck1-b", dead), cache.shared("ck1-b", dead))
+    assert first == second == ("dead letter", False)
+    assert calls == 2
+
+
+def test_cache_is_bounded() -> None:
+    cache = ContentCache(max_entries=3)
+    for i in range(5):
+        cache.put(f"k{i}", {"i": i}, "m")
+    assert cache.get("k0") is None and cache.get("k1") is None
+    assert cache.get("k4") == ({"i": 4}, "m")

@@ -1,0 +1,84 @@
+"""The agent's wiring: the store shares the task topics' partitions and follows the
+group's assignment of the task topics (both lanes), loading each partition once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import faust
+import pytest
+
+from streams.kafka import store as store_module
+from streams.kafka.agent import TaskAgent, asked
+from streams.kafka.store import Kind
+from streams.kafka.topics import ledger_topic, state_topic
+from streams.settings import load_settings
+
+
+@pytest.fixture
+def agent() -> TaskAgent:
+    app = faust.App("agent-test", broker="kafka://127.0.0.1:1", autodiscover=False)
+    return TaskAgent(app, load_settings(), make_processor=lambda: None)  # type: ignore[arg-type,return-value]
+
+
+def test_the_store_shares_the_task_topics_partitions(agent: TaskAgent) -> None:
+    s = agent.settings
+    # The results and dead-letter topics ARE the store's maps: one write, nothing extra.
+    assert agent.store.topics == {
+        Kind.RESULTS: s.topics.results,
+        Kind.DEAD_LETTERS: s.topics.dead_letters,
+        Kind.TASKS: state_topic(s),
+        Kind.LEDGER: ledger_topic(s),
+    }
+    for topic in (agent.results_topic, agent.dead_letter_topic, agent.state_topic,
+                  agent.ledger_topic):  # fmt: skip
+        assert topic.partitions == s.kafka.partitions
+
+
+async def test_the_store_follows_the_assignment_of_the_task_topics(
+    agent: TaskAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class TP:
+        def __init__(self, topic: str, partition: int) -> None:
+            self.topic, self.partition = topic, partition
+
+    loaded: list[int] = []
+
+    async def load(settings: Any, topics: Any, partition: int, *_: Any) -> dict[Kind, int]:
+        loaded.append(partition)
+        return dict.fromkeys(Kind, 0)
+
+    monkeypatch.setattr(store_module, "load_partition", load)
+    t = agent.settings.topics
+    signal = agent.app.on_partitions_assigned
+    await signal.send({TP(t.tasks, 0), TP(t.replay, 0), TP(t.tasks, 2), TP("other", 5)})
+    for p in (0, 2):
+        await agent.store.ready(p)
+    assert agent.store.owned() == {0, 2}
+    await signal.send({TP(t.tasks, 2), TP(t.tasks, 4)})
+    await agent.store.ready(4)
+    assert agent.store.owned() == {2, 4}
+    assert sorted(loaded) == [0, 2, 4]  # 2 was kept, not loaded again
+    await agent.store.close()
+
+
+class Message:
+    def __init__(self, headers: list[tuple[str, bytes]]) -> None:
+        self.headers = headers
+
+
+@pytest.mark.parametrize(
+    ("headers", "force", "tier", "note"),
+    [
+        ([], False, None, None),
+        ([("llm-streams-force", b"1"), ("llm-streams-tier", b"batch")], True, "batch", None),
+        ([("llm-streams-backtrack", b"rerun")], True, None, "backtrack: re-run"),
+        ([("llm-streams-backtrack", b"restore")], False, None, "backtrack: restored"),
+        ([("llm-streams-tier", b"gold")], False, None, None),  # not a tier: ignored
+    ],
+)
+def test_headers_say_how_a_record_is_answered(
+    headers: list[tuple[str, bytes]], force: bool, tier: str | None, note: str | None
+) -> None:
+    how = asked(Message(headers))
+    assert (how.force, how.tier, how.note) == (force, tier, note)
