@@ -52,6 +52,7 @@ from streams.llm.client import (
 )
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
+from streams.resilience.retry import retry_transient
 from streams.settings import BatchApiSettings
 
 log = logging.getLogger(__name__)
@@ -352,19 +353,16 @@ class BatchLane:
     async def _create(self, batch: _Batch) -> dict[str, Any]:
         """Upload the file and create the batch, retrying transient errors a few times."""
         data = b"".join(w.line for w in batch.lines)
-        delay = 1.0
-        for attempt in range(1, 6):
-            try:
-                file_id = await self.ops.upload_batch_file(data, f"{batch.local_id}.jsonl")
-                return await self.ops.create_batch(file_id, {METADATA_KEY: batch.local_id})
-            except (UpstreamError, RateLimited) as exc:
-                if attempt == 5:
-                    raise
-                log.warning("creating batch %s failed (%s); again in %.0fs", batch.local_id,
-                            exc.message, delay)  # fmt: skip
-                await asyncio.sleep(delay)
-                delay *= 2
-        raise AssertionError("unreachable")  # pragma: no cover
+
+        async def create() -> dict[str, Any]:
+            file_id = await self.ops.upload_batch_file(data, f"{batch.local_id}.jsonl")
+            return await self.ops.create_batch(file_id, {METADATA_KEY: batch.local_id})
+
+        return await retry_transient(
+            create, what=f"creating batch {batch.local_id}",
+            transient=lambda exc: isinstance(exc, UpstreamError | RateLimited),
+            attempts=5, first_s=1.0, max_s=16.0, sleep=asyncio.sleep,
+        )  # fmt: skip
 
     def _release(self, batch: _Batch) -> None:
         """The batch's tokens are no longer enqueued. Synchronous, so that a watcher
@@ -475,6 +473,8 @@ class BatchLane:
             after = str(page[-1]["id"])
 
     async def _poll(self, remote_id: str) -> dict[str, Any]:
+        """Wait for the batch to end (a poll, not a retry: an unfinished batch is no
+        failure), polling less often as it runs; a provider error is only logged."""
         delay = self.settings.poll_s
         while True:
             try:
