@@ -11,7 +11,15 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from streams.errors import ConfigError
@@ -30,6 +38,84 @@ def _data_dir(name: str) -> Path:
 
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
+
+
+class KafkaSecurity(_Section):
+    """How every Kafka client of the project authenticates and encrypts
+    (`streams.kafka.security` builds the clients' configuration from it, in one place).
+    Secrets come from the environment or from files (Kubernetes secrets mounted as
+    files); they are never printed."""
+
+    protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL."
+    )
+    ssl_cafile: Path | None = Field(
+        None, description="CA bundle (PEM) the broker's certificate is checked against; "
+        "default: the system's trusted CAs."
+    )  # fmt: skip
+    ssl_certfile: Path | None = Field(
+        None, description="Client certificate (PEM) for mutual TLS; with SSL_KEYFILE."
+    )
+    ssl_keyfile: Path | None = Field(None, description="The client certificate's key (PEM).")
+    ssl_key_password: SecretStr | None = Field(
+        None, description="Password of an encrypted SSL_KEYFILE."
+    )
+    ssl_key_password_file: Path | None = Field(
+        None, description="A file holding SSL_KEY_PASSWORD (instead of the variable)."
+    )
+    ssl_check_hostname: bool = Field(
+        True, description="Check that the broker's certificate names the host connected to."
+    )
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = (
+        Field(None, description="SASL mechanism, with a SASL_* protocol.")
+    )
+    sasl_username: str | None = Field(None, description="SASL user (PLAIN, SCRAM).")
+    sasl_username_file: Path | None = Field(None, description="A file holding SASL_USERNAME.")
+    sasl_password: SecretStr | None = Field(None, description="SASL password (PLAIN, SCRAM).")
+    sasl_password_file: Path | None = Field(None, description="A file holding SASL_PASSWORD.")
+    sasl_oauth_token_provider: str | None = Field(
+        None, description="OAUTHBEARER: `module:name` of an aiokafka AbstractTokenProvider "
+        "(a class, made with no arguments, or an instance)."
+    )  # fmt: skip
+    sasl_oauth_msk_region: str | None = Field(
+        None, description="OAUTHBEARER on AWS MSK with IAM: the cluster's region (needs the "
+        "`msk` extra: aws-msk-iam-sasl-signer-python)."
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KafkaSecurity:
+        name = "LLM_STREAMS_KAFKA__SECURITY__"
+        tls = self.protocol in ("SSL", "SASL_SSL")
+        sasl = self.protocol.startswith("SASL_")
+        if not tls and any((self.ssl_cafile, self.ssl_certfile, self.ssl_keyfile)):
+            raise ValueError(f"{name}SSL_* files are set but {name}PROTOCOL is "
+                             f"{self.protocol}: use SSL or SASL_SSL")  # fmt: skip
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError(f"{name}SSL_CERTFILE and {name}SSL_KEYFILE go together "
+                             "(mutual TLS)")  # fmt: skip
+        if not sasl and self.sasl_mechanism is not None:
+            raise ValueError(f"{name}SASL_MECHANISM is set but {name}PROTOCOL is "
+                             f"{self.protocol}: use SASL_PLAINTEXT or SASL_SSL")  # fmt: skip
+        if sasl and self.sasl_mechanism is None:
+            raise ValueError(f"{name}PROTOCOL {self.protocol} needs {name}SASL_MECHANISM "
+                             f"({', '.join(SASL_MECHANISMS)})")  # fmt: skip
+        if self.sasl_mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+            if self.sasl_username is None and self.sasl_username_file is None:
+                raise ValueError(f"{self.sasl_mechanism} needs {name}SASL_USERNAME "
+                                 f"(or {name}SASL_USERNAME_FILE)")  # fmt: skip
+            if self.sasl_password is None and self.sasl_password_file is None:
+                raise ValueError(f"{self.sasl_mechanism} needs {name}SASL_PASSWORD "
+                                 f"(or {name}SASL_PASSWORD_FILE)")  # fmt: skip
+        if self.sasl_mechanism == "OAUTHBEARER" and (
+            (self.sasl_oauth_token_provider is None) == (self.sasl_oauth_msk_region is None)
+        ):
+            raise ValueError(f"OAUTHBEARER needs one of {name}SASL_OAUTH_TOKEN_PROVIDER "
+                             f"and {name}SASL_OAUTH_MSK_REGION")  # fmt: skip
+        return self
 
 
 class KafkaSettings(_Section):
@@ -51,6 +137,7 @@ class KafkaSettings(_Section):
         description="Largest record any producer of the project sends (the producer's "
         "max_request_size); records are cut to fit it and each topic's max.message.bytes.",
     )
+    security: KafkaSecurity = KafkaSecurity()
 
     @field_validator("broker_url")
     @classmethod
@@ -265,9 +352,20 @@ def load_settings(**overrides: Any) -> Settings:
         return Settings(**overrides)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{env_name(e['loc'])}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors()
+            f"{env_name(e['loc'])}: {e['msg']}{_got(e['loc'], e.get('input'))}"
+            for e in exc.errors()
         )
         raise ConfigError(f"invalid settings: {problems}") from exc
+
+
+_SECRET_PARTS = ("security", "api_key", "password", "token")
+
+
+def _got(loc: tuple[int | str, ...], value: Any) -> str:
+    """The refused value, for the message — unless it is (or may hold) a secret."""
+    if isinstance(value, dict) or any(part in str(name) for name in loc for part in _SECRET_PARTS):
+        return ""
+    return f" (got {value!r})"
 
 
 def settings_env(settings: Settings) -> dict[str, str]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -33,6 +34,41 @@ def iso_time_or_exit(option: str, value: str | None) -> datetime | None:
         click.echo(f"{option}: not an ISO time: {value!r}", err=True)
         sys.exit(2)
     return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+T = TypeVar("T")
+
+
+def on_kafka(settings: Settings, work: Coroutine[Any, Any, T]) -> T:
+    """Run a command's Kafka work after the connection check (`kafka.security.preflight`):
+    a wrong broker address, credential or certificate is one line naming the setting,
+    exit status 2, not a traceback after the client's retries."""
+    from streams.kafka.security import preflight
+
+    async def checked() -> T:
+        await preflight(settings)
+        return await work
+
+    from aiokafka.errors import (
+        ClusterAuthorizationFailedError,
+        GroupAuthorizationFailedError,
+        TopicAuthorizationFailedError,
+        TransactionalIdAuthorizationFailed,
+    )
+
+    denied = (TopicAuthorizationFailedError, GroupAuthorizationFailedError,
+              ClusterAuthorizationFailedError, TransactionalIdAuthorizationFailed)  # fmt: skip
+
+    try:
+        return asyncio.run(checked())
+    except ConfigError as exc:
+        work.close()
+        click.echo(f"llm-streams: {exc}", err=True)
+        sys.exit(2)
+    except denied as exc:  # an ACL the command needs is missing
+        click.echo(f"llm-streams: Kafka: not authorized: {exc!r}; grant the ACLs "
+                   "`llm-streams acls` lists for this command", err=True)  # fmt: skip
+        sys.exit(2)
 
 
 @click.group()
@@ -70,7 +106,7 @@ def publish(source: Any, pipeline: str, topic: str | None) -> None:
     from streams.cli.commands import publish_lines
 
     settings = settings_or_exit()
-    sent, bad = asyncio.run(publish_lines(settings, source, pipeline=pipeline, topic=topic))
+    sent, bad = on_kafka(settings, publish_lines(settings, source, pipeline=pipeline, topic=topic))
     click.echo(f"published {sent} task(s); {bad} invalid line(s) skipped", err=True)
     if bad:
         sys.exit(1)
@@ -86,7 +122,7 @@ def tail(topic: str, from_beginning: bool, max_records: int, idle_timeout: float
     from streams.cli.commands import tail_topic
 
     settings = settings_or_exit()
-    asyncio.run(tail_topic(settings, topic, from_beginning, max_records, idle_timeout))
+    on_kafka(settings, tail_topic(settings, topic, from_beginning, max_records, idle_timeout))
 
 
 @cli.command("simulate-llm")
@@ -131,11 +167,21 @@ def simulate_llm(host: str, port: int, jitter_ms: float, **knobs: Any) -> None:
 @click.option("--count", type=int, default=0, help="Sample comments to publish (0 = all).")
 @click.option("--timeout", type=float, default=120.0, show_default=True)
 @click.option("--quiet", is_flag=True, help="Only the summary.")
-def demo(count: int, timeout: float, quiet: bool) -> None:
+@click.option(
+    "--external",
+    is_flag=True,
+    help="Use the Kafka the settings name (LLM_STREAMS_KAFKA__BROKER_URL and its "
+    "__SECURITY__* settings) instead of the embedded broker; topics of its own.",
+)
+def demo(count: int, timeout: float, quiet: bool, external: bool) -> None:
     """Embedded broker + simulator (or your endpoint) + worker + sample comments, live."""
     from streams.dev.demo import run_demo
 
-    sys.exit(run_demo(count=count, timeout_s=timeout, quiet=quiet))
+    try:
+        sys.exit(run_demo(count=count, timeout_s=timeout, quiet=quiet, external=external))
+    except ConfigError as exc:
+        click.echo(f"llm-streams: {exc}", err=True)
+        sys.exit(2)
 
 
 @cli.command()
@@ -157,7 +203,7 @@ def status(task_id: str | None, url: str | None, once: bool, every: float) -> No
 
         target = url or f"http://127.0.0.1:{settings.web_port}/status.json"
         sys.exit(watch(target, once=once, every_s=every))
-    state = asyncio.run(task_state(settings, task_id))
+    state = on_kafka(settings, task_state(settings, task_id))
     if state is None:
         click.echo(f"no state for task {task_id!r}", err=True)
         sys.exit(1)
@@ -195,7 +241,7 @@ def redrive(categories: tuple[str, ...], since: str | None, dry_run: bool) -> No
 
     settings = settings_or_exit()
     when = iso_time_or_exit("--since", since)
-    plan = asyncio.run(run_redrive(settings, set(categories), when, dry_run))
+    plan = on_kafka(settings, run_redrive(settings, set(categories), when, dry_run))
     verb = "would re-queue" if dry_run else "re-queued"
     click.echo(
         f"{verb} {len(plan.requeue)} task(s); skipped: {plan.skipped_category} other category, "
@@ -292,12 +338,12 @@ def backtrack(
     action: Any = "restore" if restore_version else "rerun"
     try:
         registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
-        plan = asyncio.run(plan_backtrack(settings, registry, selection, action,
+        plan = on_kafka(settings, plan_backtrack(settings, registry, selection, action,
                                           restore_version or as_version))  # fmt: skip
     except ConfigError as exc:
         click.echo(f"backtrack: {exc}", err=True)
         sys.exit(2)
-    sent = 0 if dry_run else asyncio.run(send_backtrack(settings, plan, action))
+    sent = 0 if dry_run else on_kafka(settings, send_backtrack(settings, plan, action))
     verb = "would send" if dry_run else "sent"
     click.echo(f"{verb} {len(plan.send) if dry_run else sent} task(s) to {action}")
     if plan.no_result:
@@ -330,8 +376,8 @@ def diff(pipeline: str, from_version: str, to_version: str) -> None:
     except (ConfigError, TaskError) as exc:
         click.echo(f"diff: {exc}", err=True)
         sys.exit(2)
-    pairs, only_from, only_to = asyncio.run(
-        version_pairs(settings, pipeline, from_version, to_version)
+    pairs, only_from, only_to = on_kafka(
+        settings, version_pairs(settings, pipeline, from_version, to_version)
     )
     console = Console(soft_wrap=True)
     console.print(f"{pipeline}: {len(pairs)} task(s) answered under both {from_version} and "
@@ -382,6 +428,14 @@ def pipelines_validate(directory: Path | None) -> None:
         for v, spec in sorted(p.spec.versions.items()):
             for warning in spec.warnings():
                 click.echo(f"warn {name} {v}: {warning}")
+
+
+@cli.command()
+def acls() -> None:
+    """The least Kafka ACLs the worker and each command need, for these settings."""
+    from streams.kafka.acls import markdown
+
+    click.echo(markdown(settings_or_exit()))
 
 
 def main() -> None:

@@ -7,11 +7,11 @@ import uuid
 from typing import IO, Any
 
 import orjson
-from aiokafka import AIOKafkaConsumer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from streams.errors import InvalidInput
+from streams.kafka import clients
 from streams.kafka.publisher import TaskPublisher
 from streams.kafka.topics import ensure_topics
 from streams.ops.render import describe
@@ -33,7 +33,7 @@ async def publish_lines(
     settings: Settings, source: IO[bytes], *, pipeline: str, topic: str | None
 ) -> tuple[int, int]:
     lines = [ln for ln in source.read().splitlines() if ln.strip()]
-    await ensure_topics(settings)
+    await ensure_topics(settings, [topic or settings.topics.tasks])
     console = Console(stderr=True)
     sent = bad = 0
     columns = (TextColumn("publishing"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
@@ -56,9 +56,10 @@ async def tail_topic(
     settings: Settings, topic: str, from_beginning: bool, max_records: int, idle_timeout: float
 ) -> None:
     console = Console()
-    consumer = AIOKafkaConsumer(
+    consumer = clients.consumer(
+        settings,
         topic,
-        bootstrap_servers=settings.bootstrap_servers,
+        purpose="tail",
         group_id=f"llm-streams-tail-{uuid.uuid4().hex[:8]}",
         auto_offset_reset="earliest" if from_beginning else "latest",
         enable_auto_commit=False,

@@ -16,6 +16,7 @@ from rich.progress import (
 )
 
 from streams.errors import ConfigError, TaskError
+from streams.kafka.security import preflight
 from streams.ops.replay import Checkpoint, Replayer, ReplayRequest
 from streams.pipelines.registry import PipelineRegistry
 from streams.settings import Settings
@@ -62,8 +63,12 @@ def run_replay_command(
                             skipped=c.answered + c.filtered + c.invalid,
                             cost=c.cost_usd(settings, tier or "sync"))  # fmt: skip
 
+        async def checked() -> Checkpoint:
+            await preflight(settings)
+            return await replayer.run(dry_run=dry_run, on_progress=show)
+
         try:
-            cp = asyncio.run(replayer.run(dry_run=dry_run, on_progress=show))
+            cp = asyncio.run(checked())
         except ConfigError as exc:
             progress.stop()
             console.print(f"replay: {exc}", highlight=False)

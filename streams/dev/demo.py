@@ -22,14 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaConsumer
 from rich.console import Console
 from rich.table import Table
 
 from streams.dev.brokers.common import free_port
 from streams.dev.brokers.tansu import TansuBroker
 from streams.dev.simulator import SimConfig, SimulatorServer
+from streams.kafka import clients
 from streams.kafka.publisher import TaskPublisher
+from streams.kafka.security import preflight
 from streams.kafka.topics import ensure_topics
 from streams.ops.render import describe
 from streams.settings import load_settings
@@ -66,31 +67,45 @@ def _spawn_worker(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes
         )  # fmt: skip
 
 
-def run_demo(*, count: int, timeout_s: float, quiet: bool) -> int:
-    return asyncio.run(_demo(count=count, timeout_s=timeout_s, quiet=quiet))
-
-
-async def _demo(*, count: int, timeout_s: float, quiet: bool) -> int:
-    console = Console()
-    workdir = Path(tempfile.mkdtemp(prefix="llm-streams-demo-"))
-    real_llm = bool(os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL"))
-    broker = TansuBroker(log_file=workdir / "tansu.log").start()
-    sim: SimulatorServer | None = None
-    worker: subprocess.Popen[bytes] | None = None
-    started = time.monotonic()
-    try:
-        env = {
-            **os.environ,
+def _environment(broker: TansuBroker | None, workdir: Path, demo_id: str) -> dict[str, str]:
+    """The worker's environment: the embedded broker, or the Kafka the settings name
+    (with topics of the demo's own, never someone's real ones)."""
+    env = {
+        **os.environ,
+        "LLM_STREAMS_STORE": "memory://",
+        "LLM_STREAMS_PROCESSING_GUARANTEE": "at_least_once",
+        "LLM_STREAMS_DATA_DIR": str(workdir / "worker"),
+        "LLM_STREAMS_WEB_PORT": str(free_port()),
+        "LLM_STREAMS_APP_ID": demo_id,
+    }
+    if broker is not None:
+        env.update({
             "LLM_STREAMS_KAFKA__BROKER_URL": broker.url,
             # Tansu holds each group join for session_timeout / 2.
             "LLM_STREAMS_KAFKA__SESSION_TIMEOUT_S": "6",
             "LLM_STREAMS_KAFKA__IDEMPOTENT_PRODUCER": "false",
-            "LLM_STREAMS_STORE": "memory://",
-            "LLM_STREAMS_PROCESSING_GUARANTEE": "at_least_once",
-            "LLM_STREAMS_DATA_DIR": str(workdir / "worker"),
-            "LLM_STREAMS_WEB_PORT": str(free_port()),
-            "LLM_STREAMS_APP_ID": f"llm-streams-demo-{uuid.uuid4().hex[:6]}",
-        }
+        })  # fmt: skip
+    else:
+        for name in ("tasks", "replay", "results", "dead_letters", "review"):
+            env[f"LLM_STREAMS_TOPICS__{name.upper()}"] = f"{demo_id}-{name}"
+    return env
+
+
+def run_demo(*, count: int, timeout_s: float, quiet: bool, external: bool = False) -> int:
+    return asyncio.run(_demo(count=count, timeout_s=timeout_s, quiet=quiet, external=external))
+
+
+async def _demo(*, count: int, timeout_s: float, quiet: bool, external: bool) -> int:
+    console = Console()
+    workdir = Path(tempfile.mkdtemp(prefix="llm-streams-demo-"))
+    real_llm = bool(os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL"))
+    broker = None if external else TansuBroker(log_file=workdir / "tansu.log").start()
+    sim: SimulatorServer | None = None
+    worker: subprocess.Popen[bytes] | None = None
+    started = time.monotonic()
+    demo_id = f"llm-streams-demo-{uuid.uuid4().hex[:6]}"
+    try:
+        env = _environment(broker, workdir, demo_id)
         if real_llm:
             where = os.environ.get("OPENAI_BASE_URL") or "api.openai.com"
             console.print(f"[bold]LLM:[/bold] your endpoint {where} (OPENAI_* set)")
@@ -105,7 +120,13 @@ async def _demo(*, count: int, timeout_s: float, quiet: bool) -> int:
             )
         os.environ.update({k: v for k, v in env.items() if k.startswith("LLM_STREAMS_")})
         settings = load_settings()
-        console.print(f"[bold]Broker:[/bold] embedded Tansu at {broker.bootstrap} (memory only)")
+        if broker is not None:
+            console.print(f"[bold]Broker:[/bold] embedded Tansu at {broker.bootstrap} "
+                          "(memory only)")  # fmt: skip
+        else:
+            await preflight(settings)
+            console.print(f"[bold]Broker:[/bold] {settings.bootstrap_servers} "
+                          f"({settings.kafka.security.protocol}), topics {demo_id}-*")  # fmt: skip
         await ensure_topics(settings)
 
         log_path = workdir / "worker.log"
@@ -144,7 +165,8 @@ async def _demo(*, count: int, timeout_s: float, quiet: bool) -> int:
                 worker.wait()
         if sim is not None:
             await sim.stop()
-        broker.stop()
+        if broker is not None:
+            broker.stop()
 
 
 async def _watch(
@@ -157,10 +179,11 @@ async def _watch(
     quiet: bool,
     real_llm: bool,
 ) -> int:
-    consumer = AIOKafkaConsumer(
+    consumer = clients.consumer(
+        settings,
         settings.topics.results,
         settings.topics.dead_letters,
-        bootstrap_servers=settings.bootstrap_servers,
+        purpose="demo-view",
         group_id=f"llm-streams-demo-view-{uuid.uuid4().hex[:6]}",
         auto_offset_reset="earliest",
         enable_auto_commit=False,

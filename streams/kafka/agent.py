@@ -94,8 +94,10 @@ class TaskAgent:
         self.metrics = metrics or Metrics()
         self.limits = limits or WriteLimits(settings.kafka.max_request_bytes)
         self._streams: dict[Lane, faust.Stream[Any]] = {}
-        # internal=True: Faust creates missing topics with the configured partitions.
-        raw: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw", "internal": True}
+        # Not internal: the worker makes its topics before Faust starts (`ensure_topics`,
+        # co-partitioned, only when missing), so Faust never asks to create one — a
+        # principal without CREATE (topics made ahead of time) runs as well.
+        raw: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw"}
         # One agent per lane, each with its own stream buffer, so a live record never
         # waits behind replay records; they share the concurrency slots (live first, replay
         # never the live reserve) and the rate limiter (which serves live first).

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from streams.core.processor import ProcessorConfig, TaskProcessor
 from streams.kafka.agent import TaskAgent
 from streams.kafka.limits import WriteLimits
+from streams.kafka.security import faust_credentials
 from streams.llm.openai_client import OpenAIClient
 from streams.observability.metrics import Metrics
 from streams.observability.status import StatusView, render_html
@@ -76,6 +77,7 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
     app = faust.App(
         settings.app_id,
         broker=settings.kafka.broker_url,
+        broker_credentials=faust_credentials(settings),  # the clients' own security
         store="memory://",  # no Faust tables: the task store (streams.kafka.store) keeps the state
         # Exactly-once is the worker's own (streams.kafka.eos): Faust runs at-least-once and
         # its offset commits go into the worker's transactions.

@@ -7,11 +7,11 @@ from types import TracebackType
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaProducer
 from pydantic import ValidationError
 
 from streams.contract.records import Task
 from streams.errors import InvalidInput
+from streams.kafka import clients
 from streams.observability.tracing import headers_for
 from streams.settings import Settings
 
@@ -26,8 +26,8 @@ class TaskPublisher:
     def __init__(self, settings: Settings, *, topic: str | None = None, linger_ms: int = 5) -> None:
         self.settings = settings
         self.topic = topic or settings.topics.tasks
-        self._producer = AIOKafkaProducer(
-            bootstrap_servers=settings.bootstrap_servers,
+        self._producer = clients.producer(
+            settings,
             enable_idempotence=settings.kafka.idempotent_producer,
             acks="all",
             linger_ms=linger_ms,

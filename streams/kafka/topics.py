@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
+from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
 
 from streams.errors import ConfigError
 from streams.kafka import clients
@@ -47,14 +46,21 @@ def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
 
 
 def written_topics(settings: Settings) -> list[str]:
-    """Topics the worker writes (each record it writes must fit the topic's limit)."""
+    """Topics the worker reads and writes (each record it writes must fit the topic's
+    limit); it makes no other."""
     t = settings.topics
     return [t.tasks, t.replay, t.results, t.dead_letters, t.review, state_topic(settings),
             ledger_topic(settings)]  # fmt: skip
 
 
-async def ensure_topics(settings: Settings, *, timeout_s: float = 30.0) -> list[str]:
-    """Create missing topics with the configured partitions; return the names created."""
+async def ensure_topics(
+    settings: Settings, names: list[str] | None = None, *, timeout_s: float = 30.0
+) -> list[str]:
+    """Create missing topics (all of the project's, or `names` of them: a command
+    touches only its own, and needs ACLs for no more) with the configured partitions;
+    check those co-partitioned with the tasks have that many. Returns the names created."""
+    specs = topic_specs(settings)
+    names = list(specs) if names is None else names
     admin = clients.admin(settings, request_timeout_ms=int(timeout_s * 1000))
     await admin.start()
     try:
@@ -64,32 +70,69 @@ async def ensure_topics(settings: Settings, *, timeout_s: float = 30.0) -> list[
                 name=name,
                 num_partitions=settings.kafka.partitions,
                 replication_factor=settings.kafka.replication_factor,
-                topic_configs=config,
+                topic_configs=specs[name],
             )
-            for name, config in topic_specs(settings).items()
+            for name in names
             if name not in existing
         ]
-        created = [t.name for t in wanted]
+        created = []
         if wanted:
-            with contextlib.suppress(TopicAlreadyExistsError):  # a concurrent worker made it
-                await admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000))
+            response = await admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000))
+            created = _created(response, [t.name for t in wanted])
             log.info("created topics %s", created)
-        await _check_partitions(admin, settings)
+        await _check_partitions(admin, settings, names)
         return created
     finally:
         await admin.close()
 
 
-async def _check_partitions(admin: AIOKafkaAdminClient, settings: Settings) -> None:
+_EXISTS, _TOPIC_DENIED, _CLUSTER_DENIED = 36, 29, 31
+
+
+def _created(response: Any, names: list[str]) -> list[str]:
+    """The topics a CreateTopics answer says were made; a topic a concurrent worker made
+    is fine; one this principal may not create is a clear error (topics can be made
+    ahead of time: docs/SECURITY.md)."""
+    denied, failed = [], []
+    for name, code, *rest in response.topic_errors:
+        if code in (_TOPIC_DENIED, _CLUSTER_DENIED):
+            denied.append(name)
+        elif code not in (0, _EXISTS):
+            failed.append(f"{name}: {(rest[0] if rest else None) or f'error {code}'}")
+    if denied:
+        raise ConfigError(
+            f"topics {sorted(denied)} do not exist and this Kafka principal may not create "
+            "them (no CREATE ACL): create them ahead of time with the partitions and configs "
+            "docs/SECURITY.md lists, or grant CREATE on them"
+        )
+    if failed:
+        raise ConfigError("cannot create topics: " + "; ".join(failed))
+    return [n for n in names if n not in denied]
+
+
+async def _check_partitions(
+    admin: AIOKafkaAdminClient, settings: Settings, among: list[str]
+) -> None:
     """The task store is co-partitioned with the task topics: every topic it reads or
     writes needs `kafka.partitions` partitions."""
     t = settings.topics
-    names = [t.tasks, t.replay, t.results, t.dead_letters, state_topic(settings),
-             ledger_topic(settings)]  # fmt: skip
+    names = [n for n in (t.tasks, t.replay, t.results, t.dead_letters, state_topic(settings),
+                         ledger_topic(settings)) if n in among]  # fmt: skip
+    if not names:
+        return
     found: dict[str, int] = {}
+    denied = []
     for description in await admin.describe_topics(names):
-        if description.get("error_code", 0) == 0:
+        code = description.get("error_code", 0)
+        if code == 0:
             found[description["topic"]] = len(description["partitions"])
+        elif code == _TOPIC_DENIED:
+            denied.append(description["topic"])
+    if denied:
+        raise ConfigError(
+            f"this Kafka principal may not DESCRIBE topics {sorted(denied)}: grant the "
+            "ACLs docs/SECURITY.md lists for a worker"
+        )
     wrong = {name: n for name, n in found.items() if n != settings.kafka.partitions}
     if wrong:
         raise ConfigError(

@@ -20,12 +20,15 @@ log = logging.getLogger(__name__)
 def run_worker(settings: Settings) -> None:
     from streams.kafka.app import create_app
     from streams.kafka.limits import read_limits
+    from streams.kafka.security import preflight
     from streams.kafka.topics import ensure_topics, written_topics
 
     loop = _new_loop()
     asyncio.set_event_loop(loop)
-    # Before Faust starts: the topics exist, co-partitioned with the task store.
-    loop.run_until_complete(ensure_topics(settings))
+    # Before Faust starts: Kafka is reachable with these credentials (or a clear word
+    # why not), the topics exist, co-partitioned with the task store.
+    loop.run_until_complete(preflight(settings))
+    loop.run_until_complete(ensure_topics(settings, written_topics(settings)))
     if settings.processing_guarantee == "exactly_once":
         from streams.kafka.eos import check_transactions
 
@@ -59,8 +62,11 @@ class BoundedWorker(faust.Worker):
 
 
 def secrets(settings: Settings) -> list[str]:
-    """Keys the logs must never show: the LLM key and every fallback endpoint's key."""
-    found = []
+    """Secrets the logs must never show: the LLM key, every fallback endpoint's key, the
+    Kafka SASL password and client key password."""
+    from streams.kafka.security import secrets as kafka_secrets
+
+    found = kafka_secrets(settings)
     if settings.llm.api_key is not None:
         found.append(settings.llm.api_key.get_secret_value())
     try:

@@ -167,7 +167,7 @@ async def send_backtrack(settings: Settings, plan: Plan, action: Action) -> int:
     """Send the planned records into the replay lane; return how many."""
     if not plan.send:
         return 0
-    await ensure_topics(settings)
+    await ensure_topics(settings, [settings.topics.replay])
     producer = clients.producer(settings, acks="all",
                                 enable_idempotence=settings.kafka.idempotent_producer)  # fmt: skip
     await producer.start()

@@ -255,7 +255,7 @@ class Replayer:
         self._keys, self._usage = await answered(settings)
         producer: AIOKafkaProducer | None = None
         if not dry_run:
-            await ensure_topics(settings)
+            await ensure_topics(settings, [settings.topics.replay, replays_topic(settings)])
             producer = clients.producer(
                 settings, acks="all", enable_idempotence=settings.kafka.idempotent_producer,
                 linger_ms=5,

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
 from streams.contract.records import json_object
 from streams.dev.brokers.common import free_port
+from streams.kafka import clients
 from streams.kafka.topics import ensure_topics
 from streams.settings import Settings, settings_env
 
@@ -108,8 +109,8 @@ class Scrape:
 
 async def committed(settings: Settings) -> int:
     """Records committed by the worker's group, over all task partitions."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers,
-                                group_id=settings.app_id, enable_auto_commit=False)  # fmt: skip
+    consumer = clients.consumer(settings, purpose="committed", group_id=settings.app_id,
+                                enable_auto_commit=False)  # fmt: skip
     await consumer.start()
     try:
         parts = consumer.partitions_for_topic(settings.topics.tasks) or set()
@@ -171,9 +172,7 @@ async def produce(
 ) -> list[tuple[int, int]]:
     """Send raw records to the tasks topic; return (partition, offset) of each."""
     await ensure_topics(settings)  # co-partitioned, before the broker auto-creates them
-    producer = AIOKafkaProducer(
-        bootstrap_servers=settings.bootstrap_servers, acks="all", linger_ms=5
-    )
+    producer = clients.producer(settings, acks="all", linger_ms=5)  # over any protocol
     await producer.start()
     try:
         futures = [await producer.send(settings.topics.tasks, key=k, value=v) for k, v in records]
@@ -208,10 +207,11 @@ async def collect(
 ) -> Collected:
     """Read results and dead letters until every expected source offset is answered
     (and `until`, when given, holds), then `settle_s` more to catch duplicates."""
-    consumer = AIOKafkaConsumer(
+    consumer = clients.consumer(
+        settings,
         settings.topics.results,
         settings.topics.dead_letters,
-        bootstrap_servers=settings.bootstrap_servers,
+        purpose="collector",
         group_id=f"collector-{uuid.uuid4().hex[:8]}",
         auto_offset_reset="earliest",
         enable_auto_commit=False,

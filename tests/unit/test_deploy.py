@@ -234,3 +234,31 @@ def test_the_tests_kafka_container_is_configured_like_the_compose_broker() -> No
     for name in ("KAFKA_PROCESS_ROLES", "KAFKA_CONTROLLER_LISTENER_NAMES",
                  "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP", "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR"):  # fmt: skip
         assert env[name] == str(kafka["environment"][name])
+
+
+def test_the_secured_setups_read_their_secrets_from_mounted_files(monkeypatch: Any) -> None:
+    """k8s and the compose profile `sasl-ssl` run SASL_SSL with the CA and credentials as
+    files of a secret: every file a setting names is one the secret mounts there."""
+    from compose_spec import PyCompose
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _k8s_docs()}
+    settings = _settings_from(docs[("ConfigMap", "llm-streams-settings")]["data"], monkeypatch)
+    sec = settings.kafka.security
+    assert (sec.protocol, sec.sasl_mechanism) == ("SASL_SSL", "SCRAM-SHA-512")
+    pod = docs[("StatefulSet", "llm-streams-worker")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "kafka")
+    volume = next(v for v in pod["volumes"] if v["name"] == "kafka")
+    secret = docs[("Secret", volume["secret"]["secretName"])]["stringData"]
+    for path in (sec.ssl_cafile, sec.sasl_username_file, sec.sasl_password_file):
+        assert path is not None and str(path.parent) == mount["mountPath"]
+        assert path.name in secret, path
+    assert settings.shutdown_grace_s < pod["terminationGracePeriodSeconds"]
+
+    compose = PyCompose.from_yaml((ROOT / "docker-compose.yml").read_text()).to_dict()
+    service = compose["services"]["worker-sasl-ssl"]
+    secured = _settings_from(service["environment"], monkeypatch).kafka.security
+    mounted = {f"/run/secrets/{name}" for name in service["secrets"]}
+    for path in (secured.ssl_cafile, secured.sasl_username_file, secured.sasl_password_file):
+        assert str(path) in mounted
+    assert set(service["secrets"]) <= set(compose["secrets"])

@@ -16,10 +16,12 @@ import subprocess
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
 from streams.dev.brokers.common import free_port, wait_for_port
+from streams.dev.brokers.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -89,17 +91,45 @@ def _java() -> str:
     return java
 
 
+SECURED = ("SASL_SSL", "SSL", "SASL_PLAINTEXT")
+
+
+@dataclass(frozen=True)
+class Secured:
+    """Secured listeners of a one-node test cluster, beside its PLAINTEXT one (which the
+    harness uses as a super user to make topics and ACLs): SASL_SSL and SASL_PLAINTEXT
+    with SCRAM-SHA-256/512 users made at format time and PLAIN users, and SSL that
+    requires a client certificate (principal: its CN). `acls`: the KRaft
+    StandardAuthorizer is on, so only what ACLs grant is allowed."""
+
+    tls: TlsFiles
+    scram: dict[str, str] = field(default_factory=dict)
+    plain: dict[str, str] = field(default_factory=dict)
+    acls: bool = False
+
+
 class ApacheKafka:
     """A KRaft cluster on loopback: one node by default, or `nodes` (each broker and
     controller) with replication factor and min ISR set for them. Nodes can be stopped,
-    killed and started again on the same ports and data (restart and failover tests)."""
+    killed and started again on the same ports and data (restart and failover tests).
+    `secure` adds secured listeners (one node only)."""
 
-    def __init__(self, jars: Path | None = None, heap_mb: int = 768, nodes: int = 1) -> None:
+    def __init__(
+        self,
+        jars: Path | None = None,
+        heap_mb: int = 768,
+        nodes: int = 1,
+        secure: Secured | None = None,
+    ) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
+        if secure is not None and nodes != 1:
+            raise ValueError("secured listeners are for a one-node cluster")
         self.jars = jars
         self.heap_mb = heap_mb
         self.nodes = nodes
+        self.secure = secure
+        self.secure_ports = {name: free_port() for name in SECURED} if secure else {}
         self.ports = [free_port() for _ in range(nodes)]
         self.controller_ports = [free_port() for _ in range(nodes)]
         self.workdir: Path | None = None
@@ -121,6 +151,10 @@ class ApacheKafka:
     @property
     def url(self) -> str:
         return "kafka://" + ";".join(f"127.0.0.1:{port}" for port in self.ports)
+
+    def secured_url(self, protocol: str) -> str:
+        """`kafka://127.0.0.1:<port>` of the secured listener of `protocol`."""
+        return f"kafka://127.0.0.1:{self.secure_ports[protocol]}"
 
     def _node_dir(self, node: int) -> Path:
         assert self.workdir is not None, "cluster not started"
@@ -154,9 +188,46 @@ class ApacheKafka:
             "auto.create.topics.enable": "true",
             "log.flush.interval.messages": "9223372036854775807",
         }
+        if self.secure is not None:
+            props.update(self._secured_props(port, controller))
         path = workdir / "server.properties"
         path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
         return path
+
+    def _secured_props(self, port: int, controller: int) -> dict[str, str]:
+        secure = self.secure
+        assert secure is not None
+        extra = ",".join(f"{name}://127.0.0.1:{p}" for name, p in self.secure_ports.items())
+        scram = "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+        plain_users = " ".join(f'user_{u}="{pw}"' for u, pw in secure.plain.items())
+        plain = f"org.apache.kafka.common.security.plain.PlainLoginModule required {plain_users};"
+        props = {
+            "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller},"
+            + extra,
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}," + extra,
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,"
+            + ",".join(f"{n}:{n}" for n in SECURED),
+            "inter.broker.listener.name": "PLAINTEXT",
+            "sasl.enabled.mechanisms": "SCRAM-SHA-512,SCRAM-SHA-256,PLAIN",
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": str(secure.tls.broker_keystore),
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(secure.tls.ca),
+            "listener.name.ssl.ssl.client.auth": "required",
+            # A client certificate's principal is its CN (User:worker).
+            "ssl.principal.mapping.rules": "RULE:^CN=([^,]*).*$/$1/,DEFAULT",
+        }
+        for listener in ("sasl_ssl", "sasl_plaintext"):
+            props[f"listener.name.{listener}.scram-sha-512.sasl.jaas.config"] = scram
+            props[f"listener.name.{listener}.scram-sha-256.sasl.jaas.config"] = scram
+            props[f"listener.name.{listener}.plain.sasl.jaas.config"] = plain
+        if secure.acls:
+            props["authorizer.class.name"] = (
+                "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+            )
+            # The broker's own connections (PLAINTEXT, controller) are ANONYMOUS.
+            props["super.users"] = "User:ANONYMOUS;User:admin"
+        return props
 
     def start(self, timeout_s: float = 90.0) -> ApacheKafka:
         jars = resolve_jars(self.jars)
@@ -164,10 +235,14 @@ class ApacheKafka:
         self._jvm = [_java(), f"-Xmx{self.heap_mb}m", "-Xms128m", "-XX:+UseSerialGC",
                      "-cp", f"{jars}/*"]  # fmt: skip
         cluster_id = _cluster_id()
+        scram: list[str] = []
+        for name, password in (self.secure.scram if self.secure else {}).items():
+            for mechanism in ("SCRAM-SHA-512", "SCRAM-SHA-256"):
+                scram += ["--add-scram", f"{mechanism}=[name={name},password={password}]"]
         for node in range(self.nodes):
             subprocess.run(
                 [*self._jvm, "kafka.tools.StorageTool", "format", "-t", cluster_id,
-                 "-c", str(self._config(node))],
+                 "-c", str(self._config(node)), *scram],
                 check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
         try:
