@@ -282,8 +282,24 @@ class Settings(BaseSettings):
     batch_api: BatchApiSettings = BatchApiSettings()
     tracing: TracingSettings = TracingSettings()
     store: str = Field(
-        "memory://",
-        description="Task store maps: memory:// or rocksdb://[path] (default: data dir/store).",
+        "rocksdb://",
+        description="Task store maps: rocksdb://[path] (on disk, default: data dir/store; "
+        "a restart reads only what the topics gained since) or memory:// (read again from "
+        "the topics on every assignment; memory grows with the history).",
+    )
+    store_cache_mb: int = Field(
+        64,
+        ge=8,
+        le=65536,
+        description="Memory the on-disk task store may use for all its partitions (block "
+        "cache and write buffers): what bounds a worker's memory, whatever the history.",
+    )
+    store_cleanup_after_s: float = Field(
+        600.0,
+        ge=0,
+        description="A partition's on-disk store is deleted once the worker has not owned "
+        "it for this long (kept meanwhile: a partition coming back reads only what it "
+        "missed).",
     )
     processing_guarantee: Literal["at_least_once", "exactly_once"] = "at_least_once"
     data_dir: Path = Field(Path("var/llm-streams"), description="Worker state directory.")

@@ -35,6 +35,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
 
 
+@pytest.fixture(autouse=True)
+def own_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings loaded in a test keep their state (the on-disk task store) in the test's
+    own directory, never in the checkout, and never shared with another test."""
+    monkeypatch.setenv("LLM_STREAMS_DATA_DIR", str(tmp_path / "data"))
+
+
 @pytest.fixture
 async def simulator() -> AsyncIterator[SimulatorServer]:
     """An LLM simulator on a free loopback port; change `simulator.sim.config` per test."""

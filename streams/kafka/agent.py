@@ -123,11 +123,12 @@ class TaskAgent:
             settings, self._send, self.metrics, state_room=self.limits.room(state_topic(settings))
         )
         # Exactly-once: every write of partition p in p's transaction with its offsets.
-        self.eos = (
-            Transactions(settings, on_error=self._crash, on_fenced=self._on_fenced)
-            if settings.processing_guarantee == "exactly_once"
-            else None
-        )
+        self.eos: Transactions | None = None
+        if settings.processing_guarantee == "exactly_once":
+            self.eos = Transactions(
+                settings, on_error=self._crash, on_fenced=self._on_fenced,
+                on_committed=self.store.committed,
+            )  # fmt: skip
         self.writer = Writer(
             settings, send=self._topic_send, store=self.store, eos=self.eos, limits=self.limits,
             metrics=self.metrics, watchdog=self.watchdog, crash=app.crash,
@@ -207,23 +208,24 @@ class TaskAgent:
         self,
         topic: str,
         key: bytes,
-        value: bytes,
+        value: bytes | None,
         partition: int,
         headers: Headers | None = None,
         *,
         via: int | None = None,
-    ) -> None:
+    ) -> int:
         """The store's write function: through the writer (and exactly-once)."""
-        await self.writer.send(topic, key, value, partition, headers, via=via)
+        return await self.writer.send(topic, key, value, partition, headers, via=via)
 
     async def _topic_send(
-        self, topic: str, key: bytes, value: bytes, partition: int, headers: Headers | None
-    ) -> None:
-        """One write through Faust's producer, returned once the broker acked it."""
+        self, topic: str, key: bytes, value: bytes | None, partition: int, headers: Headers | None
+    ) -> int:
+        """One write through Faust's producer, returned with its offset once acked."""
         pending = await self._topics[topic].send(
             key=key, value=value, partition=partition, headers=headers
         )
-        await pending
+        metadata = await pending
+        return int(metadata.offset)
 
     async def _crash(self, exc: BaseException) -> None:
         await self.writer.crash(exc)
@@ -293,9 +295,9 @@ class TaskAgent:
                 log.info("task agents stopped; left unacknowledged: %s", self.left_behind())
                 self._processor = self._decider = None
                 await processor.close()
-                await self.store.close()
-                if self.eos is not None:
+                if self.eos is not None:  # its last commit goes to the store's disk too
                     await self.eos.close()
+                await self.store.close()
 
     def _job(
         self,
@@ -415,7 +417,7 @@ class TaskAgent:
         log.info("record %s/%d/%d of task %r belongs to partition %d: forwarded there",
                  source.topic, source.partition, source.offset, task_id, home)  # fmt: skip
 
-        def forward() -> Awaitable[None]:
+        def forward() -> Awaitable[int]:
             return self.writer.send(message.topic, task_id.encode(), message.value, home,
                                     headers, via=source.partition)  # fmt: skip
 

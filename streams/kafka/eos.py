@@ -70,9 +70,13 @@ class Transactions:
         settings: Settings,
         on_error: Callable[[BaseException], Awaitable[None]] | None = None,
         on_fenced: Callable[[int], Coroutine[Any, Any, None]] | None = None,
+        on_committed: Callable[[int], None] | None = None,
     ) -> None:
         self.settings = settings
         self.on_error = on_error
+        # Told when partition p's transaction committed, before the next one opens: what
+        # it wrote is then durable (the task store's local copy takes it).
+        self.on_committed = on_committed
         # Told when a partition's producer is fenced: by its new owner (a rebalance is
         # on its way), or with no takeover at all (the transaction timed out) — then the
         # worker must start the partition again from its committed offsets.
@@ -155,15 +159,15 @@ class Transactions:
         self,
         topic: str,
         key: bytes,
-        value: bytes,
+        value: bytes | None,
         partition: int,
         headers: list[tuple[str, bytes]] | None = None,
         *,
         via: int | None = None,
-    ) -> None:
+    ) -> int:
         """A write to `partition` of `topic` in the open transaction of task partition
-        `via` (default: `partition` itself), returned once the broker has it (readable by
-        read_committed readers once the transaction commits)."""
+        `via` (default: `partition` itself), returned with its offset once the broker has
+        it (readable by read_committed readers once the transaction commits)."""
         owner = partition if via is None else via
         await self.ready(owner)
         part = self._parts.get(owner)
@@ -187,10 +191,11 @@ class Transactions:
             if part.sending == 0:
                 part.idle.set()
         try:
-            await delivery
+            metadata = await delivery
         except ProducerFenced as exc:
             self._fenced(owner, part)
             raise PartitionLost(f"partition {owner}: fenced") from exc
+        return int(metadata.offset)
 
     def record_offsets(self, offsets: Mapping[Any, int]) -> bool:
         """Faust's safe offsets (its TP -> next offset), kept for the partition's next
@@ -239,6 +244,8 @@ class Transactions:
                     await part.producer.send_offsets_to_transaction(offsets, self.group_id)
                 await part.producer.commit_transaction()
                 part.writes = 0
+                if self.on_committed is not None:
+                    self.on_committed(partition)
                 if reopen:
                     await part.producer.begin_transaction()
             except ProducerFenced as exc:

@@ -1,8 +1,9 @@
 """Task state and the answers the worker already has, kept beside the stream.
 
-`TaskStore` holds three maps per task partition, each backed by a topic and
+`TaskStore` holds four maps per task partition, each backed by a topic and
 co-partitioned with the task topics (a task's entries live in the partition
-its record came from):
+its record came from), with a local copy (`kafka.local`: on disk by default,
+read again only from its checkpoint on):
 
 * results: result_key -> result record, backed by the results topic itself,
   so writing a result and recording it are one write;
@@ -21,8 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from enum import StrEnum
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from pydantic import ValidationError
 
 from streams.core.taskstate import TaskState
 from streams.kafka.clients import reader
+from streams.kafka.local import Kind, LocalStore, Maps, now_ms
 from streams.kafka.scan import end_offsets, read_range
 from streams.kafka.topics import ledger_topic, state_topic
 from streams.observability.metrics import Metrics
@@ -41,16 +42,55 @@ from streams.settings import Settings
 log = logging.getLogger(__name__)
 
 
-class Kind(StrEnum):
-    """The maps of the store, each backed by its own topic."""
+Send = Callable[
+    [str, bytes, bytes | None, int, list[tuple[str, bytes]] | None], Awaitable[int | None]
+]  # a write, returned once acked, with its offset (None: not known)
 
-    RESULTS = "results"
-    DEAD_LETTERS = "dead_letters"
-    TASKS = "tasks"
-    LEDGER = "ledger"  # the batch lane's batches and their requests
+LOAD_FLUSH_RECORDS = 20_000  # a load makes its progress durable this often
 
 
-Send = Callable[[str, bytes, bytes, int, list[tuple[str, bytes]] | None], Awaitable[None]]
+class Position:
+    """How far the local maps hold one changelog partition: every record before `safe()`
+    is in them. A write in flight may land below the highest offset written so far only
+    if it started before that one was acked, so each write in flight holds the
+    checkpoint at the top it saw when it began; a write that failed (it may be in the
+    topic all the same) holds it until its key is written again."""
+
+    def __init__(self, top: int) -> None:
+        self.top = top  # past the highest record in the maps
+        self._floors: dict[int, int] = {}
+        self._uncertain: dict[bytes, int] = {}
+        self._next = 0
+
+    def begin(self) -> int:
+        ticket, self._next = self._next, self._next + 1
+        self._floors[ticket] = self.top
+        return ticket
+
+    def done(self, ticket: int, key: bytes, offset: int | None) -> None:
+        self._floors.pop(ticket, None)
+        self._uncertain.pop(key, None)  # a later write of the key supersedes a failed one
+        if offset is not None:
+            self.top = max(self.top, offset + 1)
+
+    def failed(self, ticket: int, key: bytes) -> None:
+        floor = self._floors.pop(ticket, None)
+        if floor is not None:
+            self._uncertain.setdefault(key, floor)
+
+    def safe(self) -> int:
+        return min([self.top, *self._floors.values(), *self._uncertain.values()])
+
+
+class _Partition:
+    def __init__(self, maps: Maps) -> None:
+        self.maps = maps
+        self.positions = {kind: Position(0) for kind in Kind}
+        self.ready = asyncio.Event()
+        self.loading: asyncio.Task[None] | None = None
+
+    def checkpoint(self) -> dict[Kind, int]:
+        return {kind: position.safe() for kind, position in self.positions.items()}
 
 
 class TaskStore:
@@ -58,10 +98,13 @@ class TaskStore:
 
     Entry `key` of partition `p` lives in partition `p` of its topic: results in
     the results topic (keyed by result_key, compacted), dead letters in the
-    dead-letter topic, task states in the task-state topic. The worker reads a
-    partition's three topics to their end when it is assigned the task
-    partition `p`, before any record of `p` is answered (`ready`), and drops
-    them when `p` goes to another worker.
+    dead-letter topic, task states in the task-state topic, the batch ledger in its
+    topic. When the worker is assigned the task partition `p`, it reads what those
+    topics gained since the checkpoint of its local copy (`kafka.local`: all of them
+    for a new partition or `memory://`), before any record of `p` is answered
+    (`ready`). Writes go to the topic, then to the local copy, whose checkpoint moves
+    when they are flushed: every commit interval (at-least-once) or when their
+    transaction commits (exactly-once).
 
     Faust tables would do the same, but their recovery (faust-streaming 0.15.3)
     interleaves with the agent's fetches and, after a restart, now and then
@@ -87,72 +130,129 @@ class TaskStore:
         }
         self._send = send
         self.metrics = metrics or Metrics()  # none given: one nobody scrapes
-        self._maps: dict[int, dict[Kind, Map]] = {}
-        self._rocks_dir = rocks_dir(settings)
-        self._ready: dict[int, asyncio.Event] = {}
-        self._loading: dict[int, asyncio.Task[None]] = {}
+        self.local = LocalStore(rocks_dir(settings), settings.store_cache_mb << 20)
+        # Exactly-once: the local copy takes only what committed (`committed`).
+        self.transactional = settings.processing_guarantee == "exactly_once"
+        self._parts: dict[int, _Partition] = {}
+        self._flusher: asyncio.Task[None] | None = None
 
     # -- ownership ---------------------------------------------------------------------
 
     def assign(self, partitions: set[int]) -> None:
-        """The worker now owns exactly these partitions: load new ones, drop the rest."""
-        for p in set(self._maps) - partitions:
-            task = self._loading.pop(p, None)
-            if task is not None:
-                task.cancel()
-            close_maps(self._maps.pop(p))
-            self._ready.pop(p, None)
-        for p in sorted(partitions - set(self._maps)):
-            self._maps[p] = open_maps(self._rocks_dir, p)
-            self._ready[p] = asyncio.Event()
-            self._loading[p] = asyncio.create_task(self._load(p), name=f"load-state-{p}")
+        """The worker now owns exactly these partitions: load new ones, let the rest go."""
+        for p in set(self._parts) - partitions:
+            self._release(p, keep=not self.transactional)
+        for p in sorted(partitions - set(self._parts)):
+            part = _Partition(self.local.open(p))
+            self._parts[p] = part
+            part.loading = asyncio.create_task(self._load(p, part), name=f"load-state-{p}")
+        for p in self.local.stale(set(self._parts), self.settings.store_cleanup_after_s):
+            log.info("deleting the local store of partition %d (not owned for %.0fs)", p,
+                     self.settings.store_cleanup_after_s)  # fmt: skip
+            self.local.destroy(p)
+        if self.local.base is not None and not self.transactional and self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush_loop(), name="flush-state")
+
+    def _release(self, p: int, *, keep: bool) -> None:
+        """Close a partition's maps: flushed first when `keep` (what is staged is then
+        acked in its topic), else what is staged goes (an aborted or unknown transaction)."""
+        part = self._parts.pop(p)
+        if part.loading is not None:
+            part.loading.cancel()
+        if keep:
+            self._flush(p, part)
+        part.maps.discard()
+        part.maps.close()
+        self.local.release(p)
 
     def drop(self, partition: int) -> None:
-        """Forget a partition's entries (they may hold writes that never committed); its
-        next assignment reads them again from the topics."""
-        self.assign(set(self._maps) - {partition})
+        """Forget a partition's writes since its last checkpoint (they may hold writes that
+        never committed); its next assignment reads them again from the topics."""
+        if partition in self._parts:
+            self._release(partition, keep=False)
+
+    def committed(self, partition: int) -> None:
+        """Exactly-once: the partition's transaction committed; what it wrote is staged and
+        goes to disk with the checkpoint."""
+        part = self._parts.get(partition)
+        if part is not None:
+            self._flush(partition, part)
+
+    def _flush(self, partition: int, part: _Partition) -> None:
+        """The staged writes and the checkpoint to disk; when the disk fails (full?), they
+        stay staged for the next flush (the topics hold them meanwhile)."""
+        if not part.ready.is_set():
+            return  # loading: the loader flushes its own progress
+        try:
+            part.maps.flush(part.checkpoint())
+        except Exception:
+            log.exception("could not write the local store of partition %d", partition)
+            self.metrics.store_flush_errors.inc()
 
     async def ready(self, partition: int) -> None:
         """Wait until partition's entries are loaded (at once when they are)."""
-        event = self._ready.get(partition)
-        if event is None:  # not assigned (yet): load it now rather than answer blind
-            self.assign(set(self._maps) | {partition})
-            event = self._ready[partition]
-        await event.wait()
+        part = self._parts.get(partition)
+        if part is None:  # not assigned (yet): load it now rather than answer blind
+            self.assign(set(self._parts) | {partition})
+            part = self._parts[partition]
+        await part.ready.wait()
 
     def owned(self) -> set[int]:
-        return set(self._maps)
+        return set(self._parts)
 
     async def close(self) -> None:
-        for task in self._loading.values():
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
+            self._flusher = None
+        loading = [part.loading for part in self._parts.values() if part.loading is not None]
+        for task in loading:
             task.cancel()
-        await asyncio.gather(*self._loading.values(), return_exceptions=True)
-        self._loading.clear()
-        for maps in self._maps.values():
-            close_maps(maps)
-        self._maps.clear()
-        self._ready.clear()
+        await asyncio.gather(*loading, return_exceptions=True)
+        for p in list(self._parts):
+            self._release(p, keep=not self.transactional)
 
-    async def _load(self, partition: int) -> None:
-        maps = self._maps[partition]
+    async def _flush_loop(self) -> None:
+        """At-least-once: what was written goes to disk every commit interval."""
+        while True:
+            await asyncio.sleep(self.settings.kafka.commit_interval_s)
+            for p, part in list(self._parts.items()):
+                self._flush(p, part)
+
+    async def _load(self, partition: int, part: _Partition) -> None:
         started = time.monotonic()
+        counts = await self._read(partition, part)
+        if counts is None:  # the local copy is ahead of its topics: they were made again
+            log.warning("the local store of partition %d is ahead of its topics (deleted and "
+                        "made again?): reading them from the start", partition)  # fmt: skip
+            part.maps.close()
+            self.local.destroy(partition)
+            part.maps = self.local.open(partition)
+            counts = await self._read(partition, part) or {}
+        checkpoint = part.maps.checkpoint()
+        for kind, position in part.positions.items():
+            position.top = checkpoint[kind]
+        log.info("state of partition %d loaded in %.2fs: %s records read (from %s)", partition,
+                 time.monotonic() - started, {k.value: n for k, n in counts.items()},
+                 "its checkpoint" if part.maps.persistent else "offset 0")  # fmt: skip
+        for kind, n in counts.items():
+            self.metrics.state_loaded.labels(kind.value).inc(n)
+        part.loading = None
+        part.ready.set()
 
-        async def load() -> dict[Kind, int]:
-            return await load_partition(self.settings, self.topics, partition, maps,
+    async def _read(self, partition: int, part: _Partition) -> dict[Kind, int] | None:
+        """What the topics gained since the local checkpoint, read into the maps; while
+        the broker is away, again (the partition's records wait) until revoked."""
+
+        async def load() -> dict[Kind, int] | None:
+            return await load_partition(self.settings, self.topics, partition, part.maps,
                                         self._unreadable)  # fmt: skip
 
-        # The broker away: keep trying (the partition's records wait) until revoked.
-        counts = await retry_transient(
+        return await retry_transient(
             load, what=f"loading state of partition {partition}",
             transient=lambda exc: isinstance(exc, Exception), first_s=0.5, max_s=10.0,
             sleep=asyncio.sleep,
         )  # fmt: skip
-        log.info("state of partition %d loaded in %.2fs: %s", partition,
-                 time.monotonic() - started, counts)  # fmt: skip
-        for kind, n in counts.items():
-            self.metrics.state_loaded.labels(kind.value).inc(n)
-        self._loading.pop(partition, None)
-        self._ready[partition].set()
 
     def _unreadable(self, kind: Kind, record: Any) -> None:
         log.warning(
@@ -165,8 +265,8 @@ class TaskStore:
     # -- reads and writes --------------------------------------------------------------
 
     def get(self, kind: Kind, partition: int, key: bytes) -> bytes | None:
-        maps = self._maps.get(partition)
-        return maps[kind].get(key) if maps is not None else None
+        part = self._parts.get(partition)
+        return part.maps.get(kind, key) if part is not None else None
 
     def result(self, partition: int, result_key: str) -> bytes | None:
         return self.get(Kind.RESULTS, partition, result_key.encode())
@@ -183,16 +283,25 @@ class TaskStore:
         kind: Kind,
         partition: int,
         key: bytes,
-        value: bytes,
+        value: bytes | None,
         headers: list[tuple[str, bytes]] | None = None,
     ) -> None:
-        """Write to the topic, and once the broker has it, to the map."""
-        await self._send(self.topics[kind], key, value, partition, headers)
-        maps = self._maps.get(partition)
-        if maps is not None:  # still ours
+        """Write to the topic (None: a tombstone), and once the broker has it, to the map."""
+        part = self._parts.get(partition)
+        position = part.positions[kind] if part is not None else None
+        ticket = position.begin() if position is not None else 0
+        try:
+            offset = await self._send(self.topics[kind], key, value, partition, headers)
+        except BaseException:
+            if position is not None:
+                position.failed(ticket, key)
+            raise
+        if part is not None and position is not None and self._parts.get(partition) is part:
+            position.done(ticket, key, offset)
             # A copy: bytes made by orjson.dumps keep about 4 KB of memory each however
             # short they are (measured: 4.2 KB per 335-byte value vs 0.46 KB copied).
-            maps[kind][key] = bytes(memoryview(value))
+            copy = bytes(memoryview(value)) if value is not None else None
+            part.maps.stage(kind, key, copy, now_ms())
 
     async def put_state(self, partition: int, state: TaskState) -> None:
         value = state.dumps_within(self.state_room)
@@ -212,40 +321,12 @@ class MapView:
         await self.store.put(self.kind, partition, key, value)
 
 
-Map = MutableMapping[bytes, bytes]
-
-
 def rocks_dir(settings: Settings) -> Path | None:
     """Where the maps live on disk (`LLM_STREAMS_STORE=rocksdb://[path]`), or None: memory."""
     if not settings.store.startswith("rocksdb://"):
         return None
     path = settings.store.removeprefix("rocksdb://")
     return Path(path) if path else settings.data_dir / "store"
-
-
-def open_maps(base: Path | None, partition: int) -> dict[Kind, Map]:
-    """Empty maps for a partition: dicts, or RocksDB files (rocksdict) emptied first, since
-    the topics are the truth and are read again on every assignment."""
-    if base is None:
-        return {kind: {} for kind in Kind}
-    from rocksdict import Options, Rdict
-
-    maps: dict[Kind, Map] = {}
-    for kind in Kind:
-        path = base / f"p{partition}-{kind.value}"
-        if path.exists():
-            Rdict.destroy(str(path))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # raw_mode: keys and values are our bytes as they are (no pickling).
-        maps[kind] = Rdict(str(path), options=Options(raw_mode=True))  # type: ignore[assignment]  # Rdict has the mapping methods used here but is no MutableMapping subclass
-    return maps
-
-
-def close_maps(maps: dict[Kind, Map]) -> None:
-    for m in maps.values():
-        close = getattr(m, "close", None)
-        if close is not None:
-            close()
 
 
 def readable(kind: Kind, value: bytes) -> bool:
@@ -276,12 +357,15 @@ async def load_partition(
     settings: Settings,
     topics: dict[Kind, str],
     partition: int,
-    maps: dict[Kind, Map],
+    maps: Maps,
     on_unreadable: Callable[[Kind, Any], None] | None = None,
-) -> dict[Kind, int]:
-    """Read partition `partition` of each topic from its start to its real end into `maps`
-    (latest value per key; a null value deletes; a value this version cannot read is
-    skipped and reported to `on_unreadable`). Returns records read per kind."""
+) -> dict[Kind, int] | None:
+    """Read partition `partition` of each topic from the maps' checkpoint to its real end
+    into `maps` (latest value per key; a null value deletes; a value this version cannot
+    read is skipped and reported to `on_unreadable`), durable every LOAD_FLUSH_RECORDS
+    records (a load cut short goes on from there). Returns records read per kind, or
+    None when the maps are ahead of a topic (it was deleted and made again): they are
+    not that topic's any more."""
     consumer = reader(
         settings, "state", client_id=f"{settings.app_id}-state-{partition}",
         max_partition_fetch_bytes=4 * 1024 * 1024,
@@ -289,26 +373,36 @@ async def load_partition(
     await consumer.start()
     try:
         kind_of = {TopicPartition(topic, partition): kind for kind, topic in topics.items()}
-        tps = list(kind_of)
-        ends = await end_offsets(consumer, tps)
+        ends = await end_offsets(consumer, list(kind_of))
+        progress = maps.checkpoint()
+        if any(progress[kind] > ends[tp] for tp, kind in kind_of.items()):
+            return None
         counts = dict.fromkeys(topics, 0)
-        async for records in read_range(consumer, dict.fromkeys(tps, 0), ends):
+        starts = {tp: progress[kind] for tp, kind in kind_of.items()}
+        skipped = False
+        unflushed = 0
+        async for records in read_range(consumer, starts, ends):
             kind = kind_of[TopicPartition(records[0].topic, records[0].partition)]
-            target = maps[kind]
             counts[kind] += len(records)
             for record in records:
                 if record.key is None:
                     continue
-                if record.value is None:
-                    if record.key in target:
-                        del target[record.key]
-                elif readable(kind, record.value):
-                    target[record.key] = record.value
-                elif on_unreadable is not None:
-                    on_unreadable(kind, record)
+                at = record.timestamp if record.timestamp and record.timestamp > 0 else now_ms()
+                if record.value is None or readable(kind, record.value):
+                    maps.stage(kind, record.key, record.value, at)
+                else:
+                    skipped = True
+                    if on_unreadable is not None:
+                        on_unreadable(kind, record)
+            progress[kind] = records[-1].offset + 1
+            unflushed += len(records)
+            if unflushed >= LOAD_FLUSH_RECORDS:
+                maps.flush(progress, skipped=skipped)
+                unflushed = 0
+        maps.flush({kind: ends[tp] for tp, kind in kind_of.items()}, skipped=skipped)
         return counts
     finally:
         await consumer.stop()
 
 
-__all__ = ["Kind", "MapView", "TaskStore", "load_partition", "readable"]
+__all__ = ["Kind", "MapView", "Position", "TaskStore", "load_partition", "readable"]

@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 
 SEND_ATTEMPTS = 8
 Headers = list[tuple[str, bytes]]
-# Faust's topic send: (key, value, partition, headers) -> awaitable delivery
-TopicSend = Callable[[str, bytes, bytes, int, Headers | None], Awaitable[None]]
+# Faust's topic send: (topic, key, value, partition, headers) -> the acked record's offset
+TopicSend = Callable[[str, bytes, bytes | None, int, Headers | None], Awaitable[int]]
 
 
 class CannotWrite(Exception):
@@ -71,19 +71,18 @@ class Writer:
         self,
         topic: str,
         key: bytes,
-        value: bytes,
+        value: bytes | None,
         partition: int,
         headers: Headers | None = None,
         *,
         via: int | None = None,
-    ) -> None:
-        """One write to `partition` of `topic`, returned once the broker acked it. `via`:
-        the task partition whose record caused it, when that is another (exactly-once:
-        the write goes into that partition's transaction)."""
+    ) -> int:
+        """One write to `partition` of `topic`, returned with its offset once the broker
+        acked it. `via`: the task partition whose record caused it, when that is another
+        (exactly-once: the write goes into that partition's transaction)."""
         if self.eos is not None:  # into the partition's transaction
-            await self.eos.send(topic, key, value, partition, headers, via=via)
-            return
-        await self._topic_send(topic, key, value, partition, headers)
+            return await self.eos.send(topic, key, value, partition, headers, via=via)
+        return await self._topic_send(topic, key, value, partition, headers)
 
     async def deliver(
         self,
@@ -225,11 +224,11 @@ class Writer:
             return t.review
         return t.results if outcome.kind == "result" else t.dead_letters
 
-    async def write_or_stop(self, write: Callable[[], Awaitable[None]], what: str) -> None:
+    async def write_or_stop(self, write: Callable[[], Awaitable[object]], what: str) -> None:
         """One write, again while the broker may take it later; stop when it will not."""
         await self._or_stop(write, what)
 
-    async def _or_stop(self, write: Callable[[], Awaitable[None]], what: str) -> None:
+    async def _or_stop(self, write: Callable[[], Awaitable[object]], what: str) -> None:
         """`write()` again while it fails for a reason the broker may mend (with backoff, at
         most SEND_ATTEMPTS times); dropped when the partition is not this worker's any
         more; otherwise the worker stops without acking."""

@@ -38,6 +38,10 @@ class Metrics:
             "llm_streams_state_loaded_records",
             "Records read back into the task store when a partition was assigned, by map.",
             ["map"], registry=r)  # fmt: skip
+        self.store_flush_errors = Counter(
+            "llm_streams_store_flush_errors",
+            "Times the task store could not write its local copy to disk (full?); the "
+            "writes stay in memory until a flush succeeds.", registry=r)  # fmt: skip
         self.store_unreadable = Counter(
             "llm_streams_store_unreadable_records",
             "Records of the worker's own topics it could not read while loading the task "

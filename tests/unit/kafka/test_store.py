@@ -11,27 +11,13 @@ import pytest
 from streams.kafka.store import Kind, readable
 
 
-def test_rocksdb_maps_start_empty_on_every_assignment(tmp_path: Any) -> None:
-    from streams.kafka.store import Kind, close_maps, open_maps, rocks_dir
+def test_where_the_store_lives() -> None:
+    from streams.kafka.store import rocks_dir
     from streams.settings import load_settings
 
-    assert rocks_dir(load_settings()) is None  # memory:// by default
-    settings = load_settings(store="rocksdb://", data_dir=tmp_path)
-    base = rocks_dir(settings)
-    assert base == tmp_path / "store"
-    maps = open_maps(base, 3)
-    maps[Kind.RESULTS][b"rk1-a"] = b"{}"
-    assert maps[Kind.RESULTS].get(b"rk1-a") == b"{}" and b"rk1-a" in maps[Kind.RESULTS]
-    del maps[Kind.RESULTS][b"rk1-a"]
-    assert maps[Kind.RESULTS].get(b"rk1-a") is None
-    maps[Kind.TASKS][b"t1"] = b"state"
-    close_maps(maps)
-    assert (tmp_path / "store" / "p3-tasks").exists()
-    # The topics are the truth: a new assignment reads them into empty maps.
-    again = open_maps(base, 3)
-    assert again[Kind.TASKS].get(b"t1") is None
-    close_maps(again)
-    assert load_settings(store="rocksdb:///srv/x").store == "rocksdb:///srv/x"
+    settings = load_settings()
+    assert rocks_dir(settings) == settings.data_dir / "store"  # on disk by default
+    assert rocks_dir(load_settings(store="memory://")) is None
     assert rocks_dir(load_settings(store="rocksdb:///srv/x")) == Path("/srv/x")
 
 
@@ -48,7 +34,7 @@ async def test_a_failed_load_is_tried_again_and_records_wait_until_it_succeeds(
         attempts.append(partition)
         if len(attempts) < 3:
             raise OSError("broker away")
-        maps[Kind.RESULTS][b"rk1-x"] = b"{}"
+        maps.stage(Kind.RESULTS, b"rk1-x", b"{}", 1)
         return dict.fromkeys(Kind, 1)
 
     real_sleep = asyncio.sleep
@@ -62,7 +48,7 @@ async def test_a_failed_load_is_tried_again_and_records_wait_until_it_succeeds(
     async def send(*args: Any) -> None:
         return None
 
-    store = TaskStore(load_settings(), send)
+    store = TaskStore(load_settings(store="memory://"), send)
     store.assign({2})
     await asyncio.wait_for(store.ready(2), 5)  # waits through two failures
     assert attempts == [2, 2, 2]

@@ -1,0 +1,222 @@
+"""Task store recovery at a large history: restart and takeover time, peak memory, disk.
+
+One run: Apache Kafka 4.1.1 (jars) with ONE task partition whose results topic holds
+`--tasks` results (default 1,000,000, ~0.9 KB each) and whose task-state changelog holds
+as many task states (~0.6 KB): the shapes the worker writes. The LLM simulator answers.
+For each store, `memory://` (the old default) and `rocksdb://` (on disk, checkpointed):
+
+* takeover: a worker with no local store starts and owns the partition;
+* restart: the same worker stopped (SIGTERM) and started again on its own data dir;
+
+and for each: the load time the worker logs for the partition, the time from the
+process start until it answered a task waiting in the topic (Faust's start and the
+group's rebalance included), the worker's peak RSS (VmHWM) and the local store's disk.
+
+    python bench/store_recovery.py [--tasks 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import orjson
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rate_limit_utilisation import Sim
+
+from streams.core.taskstate import Status, TaskState
+from streams.dev.brokers.apache import ApacheKafka
+from streams.dev.brokers.common import free_port
+from streams.kafka.topics import ensure_topics, state_topic
+from streams.settings import Settings, load_settings, settings_env
+
+LOADED = re.compile(r"state of partition 0 loaded in ([0-9.]+)s")
+
+
+def result_value(i: int) -> bytes:
+    """A result record as the worker writes one (~0.9 KB)."""
+    return orjson.dumps({
+        "task_id": f"t-{i:08d}", "result_key": f"rk1-{i:016x}", "pipeline": "comment-analysis",
+        "prompt_version": "v3", "model": "sim-1", "attempts": 1,
+        "output": {"sentiment": "negative", "score": -0.6, "topics": ["durability", "zip"],
+                   "summary": f"Customer {i} reports the zip broke after two days of use; "
+                              "asks for a replacement and rates the product poorly.",
+                   "language": "en", "pii_found": False},
+        "usage": {"prompt_tokens": 182, "completion_tokens": 64, "cost_usd": 0.000412},
+        "source": {"topic": "tasks", "partition": 0, "offset": i},
+        "input_hash": f"{i:064x}", "trace_id": f"{i:032x}",
+        "created_at": "2026-11-30T10:00:00.000000+00:00",
+        "processed_at": "2026-11-30T10:00:01.250000+00:00",
+        "review": [], "latency_ms": 812.4, "tier": "standard",
+    })  # fmt: skip
+
+
+def state_value(i: int) -> bytes:
+    """A task state as the worker writes one after the result (~0.6 KB)."""
+    state = TaskState(task_id=f"t-{i:08d}", status=Status.RECEIVED, updated_at="")
+    return state.moved(
+        Status.SUCCEEDED, attempts=1, input_hash=f"{i:064x}", pipeline="comment-analysis",
+        prompt_version="v3", result_key=f"rk1-{i:016x}", result_topic="results",
+        result_partition=0,
+    ).dumps()  # fmt: skip
+
+
+async def fill(settings: Settings, n: int) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=settings.bootstrap_servers, acks=1,
+                                linger_ms=20, max_batch_size=512 * 1024)  # fmt: skip
+    await producer.start()
+    try:
+        started = time.monotonic()
+        for first in range(0, n, 20_000):
+            sends = []
+            for i in range(first, min(n, first + 20_000)):
+                sends.append(await producer.send(settings.topics.results, partition=0,
+                                                 key=f"rk1-{i:016x}".encode(),
+                                                 value=result_value(i)))  # fmt: skip
+                sends.append(await producer.send(state_topic(settings), partition=0,
+                                                 key=f"t-{i:08d}".encode(), value=state_value(i)))  # fmt: skip
+            await asyncio.gather(*sends)
+        print(f"filled {n:,} results and task states in {time.monotonic() - started:.0f}s",
+              flush=True)  # fmt: skip
+    finally:
+        await producer.stop()
+
+
+async def probe(settings: Settings, n: int) -> tuple[bytes, int]:
+    """A new task waiting in the tasks topic; (its task id, results end before it)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers)
+    await consumer.start()
+    try:
+        from aiokafka import TopicPartition
+
+        tp = TopicPartition(settings.topics.results, 0)
+        end = (await consumer.end_offsets([tp]))[tp]
+    finally:
+        await consumer.stop()
+    task_id = f"probe-{n}-{uuid.uuid4().hex[:6]}"
+    producer = AIOKafkaProducer(bootstrap_servers=settings.bootstrap_servers)
+    await producer.start()
+    try:
+        task = {"task_id": task_id, "pipeline": "comment-analysis",
+                "input": {"text": "Arrived late but works."}}  # fmt: skip
+        await producer.send_and_wait(settings.topics.tasks, orjson.dumps(task),
+                                     key=task_id.encode(), partition=0)  # fmt: skip
+    finally:
+        await producer.stop()
+    return task_id.encode(), end
+
+
+async def answered(settings: Settings, task_id: bytes, start: int, timeout_s: float) -> bool:
+    from aiokafka import TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers,
+                                enable_auto_commit=False)  # fmt: skip
+    tp = TopicPartition(settings.topics.results, 0)
+    consumer.assign([tp])
+    await consumer.start()
+    consumer.seek(tp, start)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            for records in (await consumer.getmany(tp, timeout_ms=200)).values():
+                if any(orjson.loads(r.value).get("task_id") == task_id.decode()
+                       for r in records if r.value):  # fmt: skip
+                    return True
+        return False
+    finally:
+        await consumer.stop()
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def disk_mb(path: Path) -> float:
+    if not path.exists():
+        return 0.0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / (1 << 20)
+
+
+async def run_worker(settings: Settings, data: Path, log: Path, n: int) -> dict[str, float]:
+    task_id, start = await probe(settings, n)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
+    env.update(settings_env(settings))
+    env["LLM_STREAMS_WEB_PORT"] = str(free_port())
+    env["LLM_STREAMS_DATA_DIR"] = str(data)
+    began = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "streams.cli", "worker"], env=env,
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        if not await answered(settings, task_id, start, timeout_s=900):
+            raise SystemExit(f"no answer within 900s; see {log}")
+        to_answer = time.monotonic() - began
+        rss = peak_rss_mb(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(120)
+    loads = LOADED.findall(log.read_text())
+    return {"answer_s": to_answer, "load_s": float(loads[-1]) if loads else float("nan"),
+            "rss_mb": rss, "disk_mb": disk_mb(data / "store")}  # fmt: skip
+
+
+async def main(tasks: int) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="store-recovery-"))
+    kafka = ApacheKafka().start()
+    sim = Sim(rpm=0, tpm=0, latency_ms=50, jitter_ms=10, error_rate=0.0)
+    try:
+        suffix = uuid.uuid4().hex[:6]
+        base = load_settings(
+            app_id=f"recovery-{suffix}",
+            kafka={"broker_url": f"kafka://{kafka.bootstrap}", "partitions": 1},
+            topics={name: f"{name}-{suffix}" for name in
+                    ("tasks", "replay", "results", "dead_letters", "review")},
+            llm={"base_url": sim.base, "api_key": "bench-key", "model": "sim-1"},
+        )  # fmt: skip
+        await ensure_topics(base)
+        await fill(base, tasks)
+        rows = []
+        for store in ("memory://", "rocksdb://"):
+            settings = base.model_copy(update={"store": store,
+                                               "app_id": f"{base.app_id}-{store[:3]}"})  # fmt: skip
+            data = folder / store[:3]
+            for phase in ("takeover", "restart"):
+                figures = await run_worker(settings, data, folder / f"{store[:3]}-{phase}.log",
+                                           len(rows))  # fmt: skip
+                rows.append((store, phase, figures))
+                print(f"{store:12} {phase:9} load {figures['load_s']:6.2f}s  answered after "
+                      f"{figures['answer_s']:6.2f}s  peak RSS {figures['rss_mb']:7.0f} MB  "
+                      f"disk {figures['disk_mb']:7.0f} MB", flush=True)  # fmt: skip
+        by = {(s, p): f for s, p, f in rows}
+        mem, rocks = by[("memory://", "restart")], by[("rocksdb://", "restart")]
+        print(f"\n{tasks:,} tasks on one partition:")
+        print(
+            f"  restart load, rocksdb vs memory: {rocks['load_s']:.2f}s vs {mem['load_s']:.2f}s"
+            f" ({mem['load_s'] / max(rocks['load_s'], 1e-3):.0f}x faster)"
+        )
+        print(
+            f"  peak RSS at restart, rocksdb vs memory: {rocks['rss_mb']:.0f} MB vs "
+            f"{mem['rss_mb']:.0f} MB ({rocks['rss_mb'] / mem['rss_mb']:.2f})"
+        )
+    finally:
+        sim.proc.terminate()
+        kafka.stop()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", type=int, default=1_000_000)
+    asyncio.run(main(parser.parse_args().tasks))

@@ -1,0 +1,348 @@
+"""The task store's local copy of one task partition's maps: in memory (`memory://`: read
+again from the topics on every assignment, as large as the history) or on disk
+(`rocksdb://`, the default: RocksDB through rocksdict), where it outlives the process with
+the changelog offsets it holds, so an assignment reads only what the topics gained
+since (incremental recovery, as Kafka Streams' and Faust's stores do).
+
+On disk, a partition is one RocksDB: a column family per map, one for the age index (map,
+write time, key: the oldest entries first, for retention) and one for the checkpoint
+(per map, the next changelog offset to read) and the entry counts. Writes wait in
+`staged` (memory) until `flush`, which writes them with the checkpoint in one WriteBatch:
+the checkpoint never says more than the maps hold, whatever kills the process, and
+exactly-once flushes only what a committed transaction wrote (an aborted one never
+reaches the disk).
+
+Memory is bounded by the settings, not the history: every partition's blocks and
+memtables share one LRU cache (`store_cache_mb`, the memtables charged to it).
+
+Hand-written because neither Faust (its RocksDB tables keep no age index, and their
+recovery is what `kafka.store` avoids) nor rocksdict (a mapping) keeps a checkpoint
+atomically with the data, an age order and counts per map.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import time
+from collections.abc import Iterator, Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+from streams import __version__
+from streams.errors import ConfigError
+
+FORMAT = 1  # the on-disk layout; a store of another format is read again from the topics
+_U64 = struct.Struct(">Q")
+
+
+class Kind(StrEnum):
+    """The maps of the store, each backed by its own topic."""
+
+    RESULTS = "results"
+    DEAD_LETTERS = "dead_letters"
+    TASKS = "tasks"
+    LEDGER = "ledger"  # the batch lane's batches and their requests
+
+
+CODES = {kind: bytes([i + 1]) for i, kind in enumerate(Kind)}
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Maps(Protocol):
+    """One task partition's maps, as the task store keeps them locally."""
+
+    persistent: bool  # kept across assignments and restarts (with its checkpoint)
+
+    def get(self, kind: Kind, key: bytes) -> bytes | None: ...
+
+    def stage(self, kind: Kind, key: bytes, value: bytes | None, at_ms: int) -> None:
+        """Set (None: delete) an entry written at `at_ms`; readable at once, on disk at
+        the next `flush`."""
+
+    def flush(self, checkpoint: Mapping[Kind, int], *, skipped: bool = False) -> None:
+        """Make the staged entries and `checkpoint` (per map: every changelog record
+        before it is in the maps) durable together. `skipped`: records before the
+        checkpoint were left out as unreadable by this version."""
+
+    def discard(self) -> None:
+        """Forget the staged entries (an aborted transaction wrote them)."""
+
+    def checkpoint(self) -> dict[Kind, int]: ...
+
+    def count(self, kind: Kind) -> int: ...
+
+    def oldest(
+        self, kind: Kind, before_ms: int | None, keep: int | None, limit: int
+    ) -> list[bytes]:
+        """Up to `limit` keys to expire, oldest first: written before `before_ms`, or past
+        the newest `keep` entries."""
+
+    def close(self) -> None: ...
+
+
+# -- memory -------------------------------------------------------------------------------
+
+
+class MemoryMaps:
+    """Dicts in write order (a rewrite moves an entry to the end): the oldest first."""
+
+    persistent = False
+
+    def __init__(self) -> None:
+        self._maps: dict[Kind, dict[bytes, tuple[int, bytes]]] = {kind: {} for kind in Kind}
+
+    def get(self, kind: Kind, key: bytes) -> bytes | None:
+        entry = self._maps[kind].get(key)
+        return entry[1] if entry is not None else None
+
+    def stage(self, kind: Kind, key: bytes, value: bytes | None, at_ms: int) -> None:
+        target = self._maps[kind]
+        target.pop(key, None)
+        if value is not None:
+            target[key] = (at_ms, value)
+
+    def flush(self, checkpoint: Mapping[Kind, int], *, skipped: bool = False) -> None:
+        return None  # nothing outlives the assignment: read again from offset 0
+
+    def discard(self) -> None:
+        return None  # the partition is dropped and read again
+
+    def checkpoint(self) -> dict[Kind, int]:
+        return dict.fromkeys(Kind, 0)
+
+    def count(self, kind: Kind) -> int:
+        return len(self._maps[kind])
+
+    def oldest(
+        self, kind: Kind, before_ms: int | None, keep: int | None, limit: int
+    ) -> list[bytes]:
+        target = self._maps[kind]
+        over = max(0, len(target) - keep) if keep is not None else 0
+        found: list[bytes] = []
+        for i, (key, (at, _)) in enumerate(target.items()):
+            if len(found) >= limit or (i >= over and (before_ms is None or at >= before_ms)):
+                break
+            found.append(key)
+        return found
+
+    def close(self) -> None:
+        for target in self._maps.values():
+            target.clear()
+
+
+# -- RocksDB ------------------------------------------------------------------------------
+
+
+class RocksMaps:
+    """One partition's RocksDB (see the module's docstring for its layout)."""
+
+    persistent = True
+    META, AGES = "meta", "ages"
+
+    def __init__(self, path: Path, options: Any, families: dict[str, Any]) -> None:
+        from rocksdict import Rdict
+
+        self.path = path
+        try:
+            self._db = Rdict(str(path), options=options, column_families=families)
+        except Exception as exc:
+            if "lock" in str(exc).lower():
+                raise ConfigError(
+                    f"the task store at {path} is in use by another worker: give each worker "
+                    f"its own LLM_STREAMS_DATA_DIR (or LLM_STREAMS_STORE path) ({exc})"
+                ) from exc
+            raise
+        self._cf = {name: self._db.get_column_family(name) for name in families}
+        self._handles = {name: self._db.get_column_family_handle(name) for name in families}
+        self._staged: dict[tuple[Kind, bytes], tuple[int, bytes | None]] = {}
+        meta = self._cf[self.META]
+        self._counts = {kind: _int(meta.get(b"count/" + kind.value.encode())) for kind in Kind}
+
+    # reads
+
+    def get(self, kind: Kind, key: bytes) -> bytes | None:
+        staged = self._staged.get((kind, key))
+        if staged is not None:
+            return staged[1]
+        raw = self._cf[kind.value].get(key)
+        return raw[8:] if raw is not None else None
+
+    def checkpoint(self) -> dict[Kind, int]:
+        meta = self._cf[self.META]
+        return {kind: _int(meta.get(b"checkpoint/" + kind.value.encode())) for kind in Kind}
+
+    def count(self, kind: Kind) -> int:
+        return self._counts[kind]
+
+    def usable(self) -> bool:
+        """Written in this layout, and not missing records this version can read that the
+        version which wrote it skipped (a rolling upgrade back and forth)."""
+        meta = self._cf[self.META]
+        fmt, version = meta.get(b"format"), meta.get(b"version")
+        if fmt is None:
+            return True  # new
+        return _int(fmt) == FORMAT and (version == __version__.encode() or not meta.get(b"skipped"))
+
+    def oldest(
+        self, kind: Kind, before_ms: int | None, keep: int | None, limit: int
+    ) -> list[bytes]:
+        over = max(0, self._counts[kind] - keep) if keep is not None else 0
+        found: list[bytes] = []
+        for i, (at, key) in enumerate(self._ages(kind)):
+            if len(found) >= limit or (i >= over and (before_ms is None or at >= before_ms)):
+                break
+            found.append(key)
+        return found
+
+    def _ages(self, kind: Kind) -> Iterator[tuple[int, bytes]]:
+        code = CODES[kind]
+        for item in self._cf[self.AGES].keys(from_key=code):
+            index_key = cast(bytes, item)
+            if index_key[:1] != code:
+                return
+            yield _int(index_key[1:9]), index_key[9:]
+
+    # writes
+
+    def stage(self, kind: Kind, key: bytes, value: bytes | None, at_ms: int) -> None:
+        self._staged[(kind, key)] = (at_ms, value)
+
+    def discard(self) -> None:
+        self._staged.clear()
+
+    def flush(self, checkpoint: Mapping[Kind, int], *, skipped: bool = False) -> None:
+        from rocksdict import WriteBatch
+
+        batch = WriteBatch(raw_mode=True)
+        ages = self._handles[self.AGES]
+        counts = dict(self._counts)
+        for (kind, key), (at, value) in self._staged.items():
+            handle = self._handles[kind.value]
+            before = self._cf[kind.value].get(key)
+            if before is not None:  # its age entry moves (or goes)
+                batch.delete(CODES[kind] + before[:8] + key, ages)
+                counts[kind] -= 1
+            if value is None:
+                if before is not None:
+                    batch.delete(key, handle)
+                continue
+            stamp = _U64.pack(max(0, at))
+            batch.put(key, stamp + value, handle)
+            batch.put(CODES[kind] + stamp + key, b"", ages)
+            counts[kind] += 1
+        meta = self._handles[self.META]
+        for kind, offset in checkpoint.items():
+            batch.put(b"checkpoint/" + kind.value.encode(), _U64.pack(offset), meta)
+        for kind, n in counts.items():
+            batch.put(b"count/" + kind.value.encode(), _U64.pack(n), meta)
+        batch.put(b"format", _U64.pack(FORMAT), meta)
+        batch.put(b"version", __version__.encode(), meta)
+        if skipped:
+            batch.put(b"skipped", b"1", meta)
+        self._db.write(batch)
+        self._counts = counts
+        self._staged.clear()
+
+    def close(self) -> None:
+        self._staged.clear()
+        for family in self._cf.values():
+            family.close()
+        self._cf.clear()
+        self._handles.clear()
+        self._db.close()
+
+
+def _int(raw: bytes | None) -> int:
+    return _U64.unpack(raw)[0] if raw is not None else 0
+
+
+class LocalStore:
+    """Opens the partitions' maps: in memory, or RocksDB files under `base` sharing one
+    cache of `cache_bytes` (blocks and memtables)."""
+
+    def __init__(self, base: Path | None, cache_bytes: int = 64 << 20) -> None:
+        self.base = base
+        self.cache_bytes = cache_bytes
+        self._options: tuple[Any, dict[str, Any]] | None = None
+
+    def open(self, partition: int) -> Maps:
+        if self.base is None:
+            return MemoryMaps()
+        path = self.path(partition)
+        path.mkdir(parents=True, exist_ok=True)
+        options, families = self._rocks_options()
+        maps = RocksMaps(path, options, families)
+        if not maps.usable():  # read it all again from the topics
+            maps.close()
+            self.destroy(partition)
+            path.mkdir(parents=True, exist_ok=True)
+            maps = RocksMaps(path, options, families)
+        (path / "last-used").touch()
+        return maps
+
+    def path(self, partition: int) -> Path:
+        assert self.base is not None
+        return self.base / f"partition-{partition}"
+
+    def destroy(self, partition: int) -> None:
+        """Delete a partition's files (it is read again from its topics when assigned)."""
+        if self.base is not None:
+            shutil.rmtree(self.path(partition), ignore_errors=True)
+
+    def stale(self, owned: set[int], idle_s: float) -> list[int]:
+        """Partitions on disk this worker has not owned for `idle_s` seconds."""
+        if self.base is None or not self.base.exists():
+            return []
+        found: list[int] = []
+        for path in self.base.glob("partition-*"):
+            number = path.name.removeprefix("partition-")
+            if not number.isdigit() or int(number) in owned:
+                continue
+            used = path / "last-used"
+            since = used.stat().st_mtime if used.exists() else 0.0
+            if time.time() - since >= idle_s:
+                found.append(int(number))
+        return sorted(found)
+
+    def release(self, partition: int) -> None:
+        """The partition left this worker: its idle time counts from now."""
+        if self.base is not None and self.path(partition).exists():
+            (self.path(partition) / "last-used").touch()
+
+    def _rocks_options(self) -> tuple[Any, dict[str, Any]]:
+        if self._options is None:
+            from rocksdict import BlockBasedOptions, Cache, Options, WriteBufferManager
+
+            cache = Cache(self.cache_bytes)
+            # Memtables count against the same cache: half of it at most.
+            buffers = WriteBufferManager.new_write_buffer_manager_with_cache(
+                self.cache_bytes // 2, False, cache
+            )
+
+            def options() -> Any:
+                opts = Options(raw_mode=True)  # keys and values are our bytes, not pickles
+                opts.create_if_missing(True)
+                opts.create_missing_column_families(True)
+                table = BlockBasedOptions()
+                table.set_block_cache(cache)
+                table.set_cache_index_and_filter_blocks(True)
+                table.set_bloom_filter(10, False)
+                opts.set_block_based_table_factory(table)
+                opts.set_write_buffer_manager(buffers)
+                opts.set_write_buffer_size(8 << 20)
+                opts.set_max_write_buffer_number(2)
+                opts.set_keep_log_file_num(2)
+                opts.set_max_open_files(256)
+                return opts
+
+            names = [*(kind.value for kind in Kind), RocksMaps.META, RocksMaps.AGES]
+            self._options = (options(), {name: options() for name in names})
+        return self._options
+
+
+__all__ = ["CODES", "FORMAT", "Kind", "LocalStore", "Maps", "MemoryMaps", "RocksMaps", "now_ms"]

@@ -1,0 +1,144 @@
+"""The task store's local maps (memory and RocksDB) and how far they hold a changelog."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from streams.errors import ConfigError
+from streams.kafka import local
+from streams.kafka.local import Kind, LocalStore, Maps
+from streams.kafka.store import Position
+
+
+@pytest.fixture(params=["memory", "rocksdb"])
+def maps(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Maps]:
+    store = LocalStore(tmp_path if request.param == "rocksdb" else None, 16 << 20)
+    opened = store.open(0)
+    yield opened
+    opened.close()
+
+
+def test_rocksdb_keeps_what_was_flushed_with_its_checkpoint_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    store = LocalStore(tmp_path, 16 << 20)
+    maps = store.open(3)
+    assert maps.persistent and maps.checkpoint() == dict.fromkeys(Kind, 0)
+    maps.stage(Kind.RESULTS, b"rk1-a", b'{"a": 1}', 1_000)
+    maps.stage(Kind.TASKS, b"t1", b"state-1", 1_000)
+    assert maps.get(Kind.RESULTS, b"rk1-a") == b'{"a": 1}'  # readable before the flush
+    maps.flush({Kind.RESULTS: 7, Kind.TASKS: 3})
+    maps.stage(Kind.TASKS, b"t1", b"state-2", 2_000)  # staged, never flushed: a crash
+    maps.stage(Kind.TASKS, b"t2", b"state-1", 2_000)
+    assert maps.get(Kind.TASKS, b"t1") == b"state-2"
+    maps.close()
+
+    again = store.open(3)
+    assert again.get(Kind.RESULTS, b"rk1-a") == b'{"a": 1}'
+    assert again.get(Kind.TASKS, b"t1") == b"state-1" and again.get(Kind.TASKS, b"t2") is None
+    assert again.checkpoint() == {Kind.RESULTS: 7, Kind.TASKS: 3, Kind.DEAD_LETTERS: 0,
+                                  Kind.LEDGER: 0}  # fmt: skip
+    assert again.count(Kind.TASKS) == 1 and again.count(Kind.RESULTS) == 1
+    again.close()
+
+
+def test_discard_forgets_only_the_staged_writes(maps: Maps) -> None:
+    maps.stage(Kind.LEDGER, b"b1", b"committed", 1)
+    maps.flush({Kind.LEDGER: 1})
+    maps.stage(Kind.LEDGER, b"b2", b"aborted", 2)
+    maps.discard()
+    if maps.persistent:  # memory maps are dropped whole on an abort instead
+        assert maps.get(Kind.LEDGER, b"b2") is None
+    assert maps.get(Kind.LEDGER, b"b1") == b"committed"
+
+
+def test_entries_age_by_their_last_write_and_expire_oldest_first(maps: Maps) -> None:
+    for i, key in enumerate([b"a", b"b", b"c", b"d"]):
+        maps.stage(Kind.RESULTS, key, b"v", 1_000 + i)
+    maps.stage(Kind.RESULTS, b"a", b"v2", 2_000)  # rewritten: now the newest
+    maps.stage(Kind.RESULTS, b"c", None, 2_001)  # deleted
+    maps.flush({Kind.RESULTS: 6})
+    assert maps.count(Kind.RESULTS) == 3
+    assert maps.oldest(Kind.RESULTS, before_ms=1_500, keep=None, limit=10) == [b"b", b"d"]
+    assert maps.oldest(Kind.RESULTS, before_ms=1_500, keep=None, limit=1) == [b"b"]
+    assert maps.oldest(Kind.RESULTS, before_ms=None, keep=1, limit=10) == [b"b", b"d"]
+    assert maps.oldest(Kind.RESULTS, before_ms=None, keep=3, limit=10) == []
+    assert maps.oldest(Kind.TASKS, before_ms=5_000, keep=0, limit=10) == []
+    maps.stage(Kind.RESULTS, b"b", None, 3_000)
+    maps.stage(Kind.RESULTS, b"missing", None, 3_000)  # deleting nothing counts nothing
+    maps.flush({Kind.RESULTS: 8})
+    assert maps.count(Kind.RESULTS) == 2
+    assert maps.oldest(Kind.RESULTS, before_ms=2_500, keep=None, limit=10) == [b"d", b"a"]
+
+
+def test_a_store_another_layout_wrote_or_that_skipped_records_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalStore(tmp_path, 16 << 20)
+    maps = store.open(1)
+    maps.stage(Kind.TASKS, b"t1", b"s", 1)
+    maps.flush({Kind.TASKS: 1}, skipped=True)  # a record this version could not read
+    maps.close()
+    again = store.open(1)  # the same version: what it skipped it would skip again
+    assert again.checkpoint()[Kind.TASKS] == 1
+    again.close()
+
+    monkeypatch.setattr(local, "__version__", "99.0.0")  # a newer version may read it
+    fresh = store.open(1)
+    assert fresh.checkpoint()[Kind.TASKS] == 0 and fresh.get(Kind.TASKS, b"t1") is None
+    fresh.stage(Kind.TASKS, b"t1", b"s", 1)
+    fresh.flush({Kind.TASKS: 1})
+    fresh.close()
+
+    monkeypatch.setattr(local, "FORMAT", local.FORMAT + 1)  # another layout on disk
+    other = store.open(1)
+    assert other.checkpoint()[Kind.TASKS] == 0 and other.count(Kind.TASKS) == 0
+    other.close()
+
+
+def test_a_store_another_worker_holds_is_a_clear_error(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, 16 << 20)
+    maps = store.open(2)
+    with pytest.raises(ConfigError, match=r"in use by another worker.*LLM_STREAMS_DATA_DIR"):
+        LocalStore(tmp_path, 16 << 20).open(2)
+    maps.close()
+
+
+def test_partitions_not_owned_for_long_are_stale(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, 16 << 20)
+    for p in (0, 1, 2):
+        store.open(p).close()
+        store.release(p)
+    old = time.time() - 3_600
+    os.utime(store.path(1) / "last-used", (old, old))
+    os.utime(store.path(2) / "last-used", (old, old))
+    (tmp_path / "partition-x").mkdir()  # not ours: left alone
+    assert store.stale(owned={2}, idle_s=600) == [1]
+    store.destroy(1)
+    assert not store.path(1).exists() and store.path(0).exists()
+    assert LocalStore(None).stale(owned=set(), idle_s=0) == []
+
+
+def test_the_checkpoint_never_passes_a_write_that_may_land_below_it() -> None:
+    position = Position(10)  # loaded to offset 10
+    first, second = position.begin(), position.begin()
+    position.done(second, b"k2", 11)  # acked first, though sent second
+    assert position.safe() == 10  # `first` may still land at 10
+    position.done(first, b"k1", 10)
+    assert position.safe() == 12
+    failed = position.begin()
+    position.failed(failed, b"k3")  # it may be in the topic at 12 all the same
+    later = position.begin()
+    position.done(later, b"k4", 13)
+    assert position.safe() == 12
+    again = position.begin()
+    position.done(again, b"k3", 14)  # the key written again: the failed write no longer counts
+    assert position.safe() == 15
+    unknown = position.begin()
+    position.done(unknown, b"k5", None)  # acked without an offset: the top stays
+    assert position.safe() == 15
