@@ -256,6 +256,44 @@ class ResilienceSettings(_Section):
     )
 
 
+class RetentionSettings(_Section):
+    """How long the task store keeps each map's entries, per task partition: by age (days
+    since the entry was last written) and/or count (the newest N); 0 means no limit. An
+    expired result, task state or ledger entry is deleted from the worker's local copy and
+    tombstoned on its compacted topic (a result leaves the results topic too); an
+    expired dead-letter entry leaves the local copy only (the dead-letter topic keeps its
+    own retention). What expiry means: a task whose result and state expired is answered
+    again (an LLM call) when a record of it comes, under the same result key."""
+
+    results_days: float = Field(0.0, ge=0, description="Age after which a result expires.")
+    results_max: int = Field(0, ge=0, description="Results kept per partition, newest first.")
+    tasks_days: float = Field(0.0, ge=0, description="Age after which a task state expires.")
+    tasks_max: int = Field(0, ge=0, description="Task states kept per partition.")
+    dead_letters_days: float = Field(
+        7.0,
+        ge=0,
+        description="Age after which a dead letter leaves the local copy (default: the "
+        "dead-letter topic's default retention). A record runs again only while its offset "
+        "is uncommitted, and a dead-lettered task's state records it as well.",
+    )
+    dead_letters_max: int = Field(0, ge=0, description="Dead letters kept per partition.")
+    ledger_days: float = Field(
+        7.0,
+        ge=0,
+        description="Age after which a batch-lane ledger entry expires; longer than a "
+        "batch-lane task may take (LLM_STREAMS_BATCH_API__DEADLINE_S).",
+    )
+    check_s: float = Field(60.0, gt=0, description="How often expired entries are looked for.")
+
+    def limits(self) -> dict[str, tuple[float, int]]:
+        """Map name -> (days, max entries), the maps that have a limit."""
+        found = {
+            name: (getattr(self, f"{name}_days"), getattr(self, f"{name}_max", 0))
+            for name in ("results", "tasks", "dead_letters", "ledger")
+        }
+        return {name: limit for name, limit in found.items() if any(limit)}
+
+
 class TracingSettings(_Section):
     exporter: Literal["none", "otlp", "file"] = Field(
         "none",
@@ -280,6 +318,7 @@ class Settings(BaseSettings):
     llm: LLMSettings = LLMSettings()
     resilience: ResilienceSettings = ResilienceSettings()
     batch_api: BatchApiSettings = BatchApiSettings()
+    retention: RetentionSettings = RetentionSettings()
     tracing: TracingSettings = TracingSettings()
     store: str = Field(
         "rocksdb://",
@@ -321,6 +360,17 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field(
         "text", description="Worker log lines: text, or JSON objects with task_id."
     )
+
+    @model_validator(mode="after")
+    def _ledger_outlives_batches(self) -> Settings:
+        days = self.retention.ledger_days
+        if days and days * 86_400 <= self.batch_api.deadline_s:
+            raise ValueError(
+                f"LLM_STREAMS_RETENTION__LEDGER_DAYS={days:g} would expire batches still "
+                f"running: keep it above LLM_STREAMS_BATCH_API__DEADLINE_S "
+                f"({self.batch_api.deadline_s / 86_400:.2f} days), or 0"
+            )
+        return self
 
     @field_validator("store")
     @classmethod

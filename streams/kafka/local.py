@@ -25,7 +25,7 @@ from __future__ import annotations
 import shutil
 import struct
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -76,11 +76,14 @@ class Maps(Protocol):
 
     def count(self, kind: Kind) -> int: ...
 
-    def oldest(
-        self, kind: Kind, before_ms: int | None, keep: int | None, limit: int
-    ) -> list[bytes]:
-        """Up to `limit` keys to expire, oldest first: written before `before_ms`, or past
-        the newest `keep` entries."""
+    def expired(
+        self, kind: Kind, before_ms: int | None, keep: int | None
+    ) -> Iterator[tuple[int, bytes]]:
+        """(written at, key) of the entries past the map's limits, oldest first: written
+        before `before_ms`, or beyond the newest `keep` — as the maps stood when asked."""
+
+    def settled_at(self, kind: Kind, key: bytes) -> int | None:
+        """When the key's value was written, if it has one and nothing is staged for it."""
 
     def close(self) -> None: ...
 
@@ -118,17 +121,16 @@ class MemoryMaps:
     def count(self, kind: Kind) -> int:
         return len(self._maps[kind])
 
-    def oldest(
-        self, kind: Kind, before_ms: int | None, keep: int | None, limit: int
-    ) -> list[bytes]:
+    def expired(
+        self, kind: Kind, before_ms: int | None, keep: int | None
+    ) -> Iterator[tuple[int, bytes]]:
         target = self._maps[kind]
-        over = max(0, len(target) - keep) if keep is not None else 0
-        found: list[bytes] = []
-        for i, (key, (at, _)) in enumerate(target.items()):
-            if len(found) >= limit or (i >= over and (before_ms is None or at >= before_ms)):
-                break
-            found.append(key)
-        return found
+        entries = [(at, key) for key, (at, _) in target.items()]  # the dict changes meanwhile
+        return _past(entries, len(target), before_ms, keep)
+
+    def settled_at(self, kind: Kind, key: bytes) -> int | None:
+        entry = self._maps[kind].get(key)
+        return entry[0] if entry is not None else None
 
     def close(self) -> None:
         for target in self._maps.values():
@@ -188,16 +190,17 @@ class RocksMaps:
             return True  # new
         return _int(fmt) == FORMAT and (version == __version__.encode() or not meta.get(b"skipped"))
 
-    def oldest(
-        self, kind: Kind, before_ms: int | None, keep: int | None, limit: int
-    ) -> list[bytes]:
-        over = max(0, self._counts[kind] - keep) if keep is not None else 0
-        found: list[bytes] = []
-        for i, (at, key) in enumerate(self._ages(kind)):
-            if len(found) >= limit or (i >= over and (before_ms is None or at >= before_ms)):
-                break
-            found.append(key)
-        return found
+    def expired(
+        self, kind: Kind, before_ms: int | None, keep: int | None
+    ) -> Iterator[tuple[int, bytes]]:
+        # A RocksDB iterator reads one snapshot: flushes meanwhile do not move it.
+        return _past(self._ages(kind), self._counts[kind], before_ms, keep)
+
+    def settled_at(self, kind: Kind, key: bytes) -> int | None:
+        if (kind, key) in self._staged:
+            return None
+        raw = self._cf[kind.value].get(key)
+        return _int(raw[:8]) if raw is not None else None
 
     def _ages(self, kind: Kind) -> Iterator[tuple[int, bytes]]:
         code = CODES[kind]
@@ -255,6 +258,17 @@ class RocksMaps:
         self._cf.clear()
         self._handles.clear()
         self._db.close()
+
+
+def _past(
+    entries: Iterable[tuple[int, bytes]], count: int, before_ms: int | None, keep: int | None
+) -> Iterator[tuple[int, bytes]]:
+    """The entries (oldest first) older than `before_ms` or beyond the newest `keep`."""
+    over = max(0, count - keep) if keep is not None else 0
+    for i, (at, key) in enumerate(entries):
+        if i >= over and (before_ms is None or at >= before_ms):
+            return
+        yield at, key
 
 
 def _int(raw: bytes | None) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ Send = Callable[
 ]  # a write, returned once acked, with its offset (None: not known)
 
 LOAD_FLUSH_RECORDS = 20_000  # a load makes its progress durable this often
+EXPIRE_CHUNK = 500  # tombstones in flight at once
 
 
 class Position:
@@ -58,28 +60,41 @@ class Position:
 
     def __init__(self, top: int) -> None:
         self.top = top  # past the highest record in the maps
-        self._floors: dict[int, int] = {}
+        self._floors: dict[int, tuple[int, bytes]] = {}  # ticket -> (floor, key)
         self._uncertain: dict[bytes, int] = {}
+        self._writing: Counter[bytes] = Counter()
         self._next = 0
 
-    def begin(self) -> int:
+    def begin(self, key: bytes) -> int:
         ticket, self._next = self._next, self._next + 1
-        self._floors[ticket] = self.top
+        self._floors[ticket] = (self.top, key)
+        self._writing[key] += 1
         return ticket
 
-    def done(self, ticket: int, key: bytes, offset: int | None) -> None:
-        self._floors.pop(ticket, None)
+    def done(self, ticket: int, offset: int | None) -> None:
+        _, key = self._end(ticket)
         self._uncertain.pop(key, None)  # a later write of the key supersedes a failed one
         if offset is not None:
             self.top = max(self.top, offset + 1)
 
-    def failed(self, ticket: int, key: bytes) -> None:
-        floor = self._floors.pop(ticket, None)
-        if floor is not None:
-            self._uncertain.setdefault(key, floor)
+    def failed(self, ticket: int) -> None:
+        floor, key = self._end(ticket)
+        self._uncertain.setdefault(key, floor)
+
+    def writing(self, key: bytes) -> bool:
+        """Is a write of `key` in flight?"""
+        return key in self._writing
+
+    def _end(self, ticket: int) -> tuple[int, bytes]:
+        floor, key = self._floors.pop(ticket)
+        self._writing[key] -= 1
+        if self._writing[key] <= 0:
+            del self._writing[key]
+        return floor, key
 
     def safe(self) -> int:
-        return min([self.top, *self._floors.values(), *self._uncertain.values()])
+        floors = [floor for floor, _ in self._floors.values()]
+        return min([self.top, *floors, *self._uncertain.values()])
 
 
 class _Partition:
@@ -135,6 +150,7 @@ class TaskStore:
         self.transactional = settings.processing_guarantee == "exactly_once"
         self._parts: dict[int, _Partition] = {}
         self._flusher: asyncio.Task[None] | None = None
+        self._expirer: asyncio.Task[None] | None = None
 
     # -- ownership ---------------------------------------------------------------------
 
@@ -152,6 +168,8 @@ class TaskStore:
             self.local.destroy(p)
         if self.local.base is not None and not self.transactional and self._flusher is None:
             self._flusher = asyncio.create_task(self._flush_loop(), name="flush-state")
+        if self._expirer is None:
+            self._expirer = asyncio.create_task(self._expire_loop(), name="expire-state")
 
     def _release(self, p: int, *, keep: bool) -> None:
         """Close a partition's maps: flushed first when `keep` (what is staged is then
@@ -201,10 +219,11 @@ class TaskStore:
         return set(self._parts)
 
     async def close(self) -> None:
-        if self._flusher is not None:
-            self._flusher.cancel()
-            await asyncio.gather(self._flusher, return_exceptions=True)
-            self._flusher = None
+        loops = [task for task in (self._flusher, self._expirer) if task is not None]
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        self._flusher = self._expirer = None
         loading = [part.loading for part in self._parts.values() if part.loading is not None]
         for task in loading:
             task.cancel()
@@ -218,6 +237,73 @@ class TaskStore:
             await asyncio.sleep(self.settings.kafka.commit_interval_s)
             for p, part in list(self._parts.items()):
                 self._flush(p, part)
+
+    # -- retention ----------------------------------------------------------------------
+
+    async def _expire_loop(self) -> None:
+        """Every `retention.check_s`: what is past its map's retention goes, and the maps'
+        sizes are reported."""
+        while True:
+            await asyncio.sleep(self.settings.retention.check_s)
+            for p, part in list(self._parts.items()):
+                if part.ready.is_set() and self.settings.retention.limits():
+                    try:
+                        await self.expire(p)
+                    except Exception:  # the broker away, the partition lost: next round
+                        log.warning("expiring entries of partition %d failed", p, exc_info=True)
+            for kind in Kind:
+                total = sum(part.maps.count(kind) for part in self._parts.values())
+                self.metrics.store_entries.labels(kind.value).set(total)
+
+    async def expire(self, partition: int, now: int | None = None) -> dict[Kind, int]:
+        """Delete `partition`'s entries past their map's retention (settings.retention):
+        from the local copy, and with a tombstone from their compacted topic (dead letters
+        leave the local copy only: their topic is not compacted). An entry written again
+        meanwhile stays. Returns how many went, per map."""
+        part = self._parts.get(partition)
+        if part is None or not part.ready.is_set():
+            return {}
+        now = now_ms() if now is None else now
+        gone: dict[Kind, int] = {}
+        for name, (days, keep) in self.settings.retention.limits().items():
+            kind = Kind(name)
+            before = now - int(days * 86_400_000) if days else None
+            gone[kind] = 0
+            chunk: list[tuple[int, bytes]] = []
+            for entry in part.maps.expired(kind, before, keep or None):
+                chunk.append(entry)
+                if len(chunk) >= EXPIRE_CHUNK:
+                    gone[kind] += await self._expire_chunk(kind, partition, part, chunk)
+                    chunk = []
+                if self._parts.get(partition) is not part:
+                    return gone  # revoked meanwhile
+            gone[kind] += await self._expire_chunk(kind, partition, part, chunk)
+            self.metrics.store_expired.labels(kind.value).inc(gone[kind])
+        if any(gone.values()):
+            log.info("partition %d: expired %s", partition,
+                     {k.value: n for k, n in gone.items() if n})  # fmt: skip
+        return gone
+
+    async def _expire_chunk(
+        self, kind: Kind, partition: int, part: _Partition, chunk: list[tuple[int, bytes]]
+    ) -> int:
+        async def one(at: int, key: bytes) -> bool:
+            # Checked and begun with no await between: a write of the key that starts
+            # after this check goes after the tombstone.
+            if part.maps.settled_at(kind, key) != at or part.positions[kind].writing(key):
+                return False  # written again meanwhile: not that old any more
+            if kind is Kind.DEAD_LETTERS:
+                part.maps.stage(kind, key, None, now_ms())
+            else:
+                await self.put(kind, partition, key, None)
+            return True
+
+        done = await asyncio.gather(*(one(at, key) for at, key in chunk), return_exceptions=True)
+        failed = [d for d in done if isinstance(d, BaseException)]
+        if failed:
+            log.warning("%d tombstone(s) of %s in partition %d failed (next round): %r",
+                        len(failed), kind.value, partition, failed[0])  # fmt: skip
+        return sum(1 for d in done if d is True)
 
     async def _load(self, partition: int, part: _Partition) -> None:
         started = time.monotonic()
@@ -289,15 +375,16 @@ class TaskStore:
         """Write to the topic (None: a tombstone), and once the broker has it, to the map."""
         part = self._parts.get(partition)
         position = part.positions[kind] if part is not None else None
-        ticket = position.begin() if position is not None else 0
+        ticket = position.begin(key) if position is not None else 0
         try:
             offset = await self._send(self.topics[kind], key, value, partition, headers)
         except BaseException:
             if position is not None:
-                position.failed(ticket, key)
+                position.failed(ticket)
             raise
-        if part is not None and position is not None and self._parts.get(partition) is part:
-            position.done(ticket, key, offset)
+        if position is not None:
+            position.done(ticket, offset)
+        if part is not None and self._parts.get(partition) is part:  # still ours
             # A copy: bytes made by orjson.dumps keep about 4 KB of memory each however
             # short they are (measured: 4.2 KB per 335-byte value vs 0.46 KB copied).
             copy = bytes(memoryview(value)) if value is not None else None

@@ -42,6 +42,14 @@ class Metrics:
             "llm_streams_store_flush_errors",
             "Times the task store could not write its local copy to disk (full?); the "
             "writes stay in memory until a flush succeeds.", registry=r)  # fmt: skip
+        self.store_expired = Counter(
+            "llm_streams_store_expired",
+            "Task store entries deleted for being past their map's retention, by map.",
+            ["map"], registry=r)  # fmt: skip
+        self.store_entries = Gauge(
+            "llm_streams_store_entries",
+            "Entries the task store holds for this worker's partitions, by map.",
+            ["map"], registry=r)  # fmt: skip
         self.store_unreadable = Counter(
             "llm_streams_store_unreadable_records",
             "Records of the worker's own topics it could not read while loading the task "

@@ -3,6 +3,7 @@ topics gained while it was away, and still answers from everything it held befor
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,65 @@ async def test_a_worker_back_on_its_disk_reads_only_what_its_topics_gained(
     assert loaded == gained
     # ... and answers all 200 tasks again from its store: not one LLM call.
     assert simulator.sim.snapshot()["requests"] == calls
+
+
+async def _latest(settings: Settings, topic: str) -> dict[bytes, bytes | None]:
+    """The latest value of each key of `topic` (None: a tombstone)."""
+    consumer = clients.consumer(settings, topic, purpose="latest", group_id=None,
+                                auto_offset_reset="earliest", enable_auto_commit=False)  # fmt: skip
+    await consumer.start()
+    latest: dict[bytes, bytes | None] = {}
+    try:
+        while batch := await consumer.getmany(timeout_ms=2000):
+            for records in batch.values():
+                latest.update((r.key, r.value) for r in records)
+        return latest
+    finally:
+        await consumer.stop()
+
+
+async def test_entries_past_their_retention_are_tombstoned_and_answered_again_when_asked(
+    make_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    three_s = 3 / 86_400
+    settings = make_settings(
+        llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
+        kafka={"partitions": 2},
+        retention={"results_days": three_s, "tasks_days": three_s, "check_s": 1},
+    )
+    records = _records(0, 20)
+    offsets = await produce(settings, records)
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    try:
+        got = await collect(settings, set(offsets), timeout_s=120, worker=worker)
+        keys = {key.encode() for key in got.result_keys}
+        assert len(keys) == 20
+        expired = {"results": 0.0, "tasks": 0.0}
+        for _ in range(60):
+            metrics = await worker.scrape()
+            expired = {m: metrics.value("llm_streams_store_expired_total", map=m) for m in expired}
+            if min(expired.values()) >= 20:
+                break
+            await asyncio.sleep(0.5)
+        assert expired == {"results": 20, "tasks": 20}, worker.log_tail()
+    finally:
+        worker.stop()
+
+    results = await _latest(settings, settings.topics.results)
+    states = await _latest(settings, state_topic(settings))
+    assert all(results[key] is None for key in keys)  # tombstoned on the compacted topics
+    assert all(states[key] is None for key, _ in records)
+
+    # A task past its retention, asked again (by a worker back on its disk): answered again,
+    # with an LLM call, under the same result key.
+    calls = simulator.sim.snapshot()["requests"]
+    again = await produce(settings, records[:1])
+    worker = WorkerProcess(settings, tmp_path / "again.log").start()
+    try:
+        got = await collect(settings, set(again), timeout_s=120, worker=worker)
+    finally:
+        worker.stop()
+    answer = [(r, k) for r, k in zip(got.results, got.result_keys, strict=True)
+              if (r["source"]["partition"], r["source"]["offset"]) == again[0]]  # fmt: skip
+    assert len(answer) == 1 and answer[0][1].encode() in keys
+    assert simulator.sim.snapshot()["requests"] == calls + 1

@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,22 +59,28 @@ def test_discard_forgets_only_the_staged_writes(maps: Maps) -> None:
 
 
 def test_entries_age_by_their_last_write_and_expire_oldest_first(maps: Maps) -> None:
+    def expired(kind: Kind = Kind.RESULTS, **limits: Any) -> list[bytes]:
+        return [key for _, key in maps.expired(kind, **limits)]
+
     for i, key in enumerate([b"a", b"b", b"c", b"d"]):
         maps.stage(Kind.RESULTS, key, b"v", 1_000 + i)
     maps.stage(Kind.RESULTS, b"a", b"v2", 2_000)  # rewritten: now the newest
     maps.stage(Kind.RESULTS, b"c", None, 2_001)  # deleted
     maps.flush({Kind.RESULTS: 6})
     assert maps.count(Kind.RESULTS) == 3
-    assert maps.oldest(Kind.RESULTS, before_ms=1_500, keep=None, limit=10) == [b"b", b"d"]
-    assert maps.oldest(Kind.RESULTS, before_ms=1_500, keep=None, limit=1) == [b"b"]
-    assert maps.oldest(Kind.RESULTS, before_ms=None, keep=1, limit=10) == [b"b", b"d"]
-    assert maps.oldest(Kind.RESULTS, before_ms=None, keep=3, limit=10) == []
-    assert maps.oldest(Kind.TASKS, before_ms=5_000, keep=0, limit=10) == []
+    assert expired(before_ms=1_500, keep=None) == [b"b", b"d"]
+    assert expired(before_ms=None, keep=1) == [b"b", b"d"]
+    assert expired(before_ms=None, keep=3) == []
+    assert expired(before_ms=1_002, keep=2) == [b"b"]  # either limit
+    assert expired(Kind.TASKS, before_ms=5_000, keep=0) == []
+    assert maps.settled_at(Kind.RESULTS, b"a") == 2_000
+    assert maps.settled_at(Kind.RESULTS, b"c") is None
     maps.stage(Kind.RESULTS, b"b", None, 3_000)
     maps.stage(Kind.RESULTS, b"missing", None, 3_000)  # deleting nothing counts nothing
+    assert maps.settled_at(Kind.RESULTS, b"b") is None  # on its way: not to expire now
     maps.flush({Kind.RESULTS: 8})
     assert maps.count(Kind.RESULTS) == 2
-    assert maps.oldest(Kind.RESULTS, before_ms=2_500, keep=None, limit=10) == [b"d", b"a"]
+    assert expired(before_ms=2_500, keep=None) == [b"d", b"a"]
 
 
 def test_a_store_another_layout_wrote_or_that_skipped_records_is_read_again(
@@ -126,19 +133,20 @@ def test_partitions_not_owned_for_long_are_stale(tmp_path: Path) -> None:
 
 def test_the_checkpoint_never_passes_a_write_that_may_land_below_it() -> None:
     position = Position(10)  # loaded to offset 10
-    first, second = position.begin(), position.begin()
-    position.done(second, b"k2", 11)  # acked first, though sent second
+    first, second = position.begin(b"k1"), position.begin(b"k2")
+    assert position.writing(b"k1") and not position.writing(b"k3")
+    position.done(second, 11)  # acked first, though sent second
     assert position.safe() == 10  # `first` may still land at 10
-    position.done(first, b"k1", 10)
+    position.done(first, 10)
+    assert position.safe() == 12 and not position.writing(b"k1")
+    failed = position.begin(b"k3")
+    position.failed(failed)  # it may be in the topic at 12 all the same
+    later = position.begin(b"k4")
+    position.done(later, 13)
     assert position.safe() == 12
-    failed = position.begin()
-    position.failed(failed, b"k3")  # it may be in the topic at 12 all the same
-    later = position.begin()
-    position.done(later, b"k4", 13)
-    assert position.safe() == 12
-    again = position.begin()
-    position.done(again, b"k3", 14)  # the key written again: the failed write no longer counts
+    again = position.begin(b"k3")
+    position.done(again, 14)  # the key written again: the failed write no longer counts
     assert position.safe() == 15
-    unknown = position.begin()
-    position.done(unknown, b"k5", None)  # acked without an offset: the top stays
-    assert position.safe() == 15
+    unknown = position.begin(b"k5")
+    position.done(unknown, None)  # acked without an offset: the top stays
+    assert position.safe() == 15 and not position.writing(b"k5")

@@ -73,3 +73,61 @@ async def test_a_failed_load_is_tried_again_and_records_wait_until_it_succeeds(
 )
 def test_what_the_store_can_read(kind: Kind, value: bytes, ok: bool) -> None:
     assert readable(kind, value) is ok
+
+
+@pytest.mark.parametrize("store", ["memory://", "rocksdb://"])
+async def test_entries_past_their_retention_go_with_a_tombstone_unless_written_again(
+    monkeypatch: Any, store: str
+) -> None:
+    from streams.kafka import store as state_module
+    from streams.kafka.local import now_ms
+    from streams.kafka.store import Kind, TaskStore
+    from streams.settings import load_settings
+
+    async def empty(*_: Any) -> dict[Kind, int]:
+        return dict.fromkeys(Kind, 0)
+
+    monkeypatch.setattr(state_module, "load_partition", empty)
+    settings = load_settings(store=store, retention={"results_days": 1, "tasks_max": 2,
+                                                     "dead_letters_days": 1})  # fmt: skip
+    sent: list[tuple[str, bytes, bytes | None]] = []
+    held = asyncio.Event()
+
+    async def send(topic: str, key: bytes, value: bytes | None, *_: Any) -> int:
+        if key == b"rk-1" and value == b"again":
+            await held.wait()  # a rewrite in flight while the entries expire
+        sent.append((topic, key, value))
+        return len(sent) - 1
+
+    store_ = TaskStore(settings, send)
+    store_.assign({0})
+    await store_.ready(0)
+    for key in (b"rk-1", b"rk-2"):
+        await store_.put(Kind.RESULTS, 0, key, b'{"output": {}, "model": "m"}')
+    for n in range(4):
+        await store_.put(Kind.TASKS, 0, f"t{n}".encode(), f'{{"n": {n}}}'.encode())
+    await store_.put(Kind.DEAD_LETTERS, 0, b"t9", b'{"error": {}}')
+    await store_.put(Kind.LEDGER, 0, b"b1", b"{}")
+    store_.committed(0)  # flushed to disk (what the flush loop does every interval)
+    writing = asyncio.create_task(store_.put(Kind.RESULTS, 0, b"rk-1", b"again"))
+    await asyncio.sleep(0)
+    before = len(sent)
+
+    gone = await store_.expire(0, now=now_ms() + 2 * 86_400_000)  # two days on
+
+    assert gone == {Kind.RESULTS: 1, Kind.TASKS: 2, Kind.DEAD_LETTERS: 1, Kind.LEDGER: 0}
+    tombstones = sent[before:]
+    assert sorted((t, k) for t, k, v in tombstones if v is None) == sorted([
+        (settings.topics.results, b"rk-2"),
+        (store_.topics[Kind.TASKS], b"t0"), (store_.topics[Kind.TASKS], b"t1"),
+    ])  # fmt: skip  # the dead-letter topic is not compacted: no tombstone there
+    assert len(tombstones) == 3
+    assert store_.get(Kind.RESULTS, 0, b"rk-2") is None
+    assert store_.get(Kind.DEAD_LETTERS, 0, b"t9") is None
+    assert [store_.get(Kind.TASKS, 0, f"t{n}".encode()) is not None for n in range(4)] == [
+        False, False, True, True]  # fmt: skip  # the newest two
+    assert store_.get(Kind.LEDGER, 0, b"b1") == b"{}"  # 7 days
+    held.set()
+    await writing
+    assert store_.get(Kind.RESULTS, 0, b"rk-1") == b"again"  # its rewrite was not expired
+    await store_.close()

@@ -1,0 +1,100 @@
+"""What the store's retention means for the decisions: an expired dead letter does not
+make a record's dead letter written twice (its task state says it was); a task whose
+result and state expired is answered again, under the same result key."""
+
+from __future__ import annotations
+
+import orjson
+
+from streams.contract.lanes import Lane
+from streams.contract.records import Source
+from streams.core.cache import ContentCache
+from streams.core.decide import Asked, Decider
+from streams.core.outcome import Outcome, Prepared
+from streams.core.taskstate import TaskState
+from streams.errors import Category, StreamsError
+from streams.observability.metrics import Metrics
+from tests.conftest import MakeProcessor
+from tests.fakes import FakeLLM, answer
+
+GOOD = {"sentiment": "positive", "confidence": 0.9, "topics": ["quality"], "issues": [],
+        "summary": "good", "language": "en"}  # fmt: skip
+RAW = orjson.dumps({"task_id": "t1", "pipeline": "comment-analysis",
+                    "input": {"text": "Great phone."}})  # fmt: skip
+
+
+class Store:
+    """The task store as the decisions read it: plain dicts (entries may expire)."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, bytes] = {}
+        self.dead_letters: dict[str, bytes] = {}
+        self.states: dict[str, TaskState] = {}
+
+    def result(self, partition: int, result_key: str) -> bytes | None:
+        return self.results.get(result_key)
+
+    def dead_letter(self, partition: int, key: str) -> bytes | None:
+        return self.dead_letters.get(key)
+
+    def state(self, partition: int, task_id: str) -> TaskState | None:
+        return self.states.get(task_id)
+
+    def wrote(self, outcome: Outcome, state: TaskState) -> None:
+        target = self.results if outcome.kind == "result" else self.dead_letters
+        target[outcome.key] = outcome.value
+        self.states[state.task_id] = state
+
+
+def prepared(processor: object, offset: int) -> Prepared:
+    prep = processor.prepare(RAW, b"t1", Source(topic="tasks", partition=0, offset=offset))  # type: ignore[attr-defined]
+    assert isinstance(prep, Prepared)
+    return prep
+
+
+async def test_a_dead_letter_expired_from_the_store_is_not_written_again_by_its_record(
+    make_processor: MakeProcessor,
+) -> None:
+    def refuse(_: object) -> object:
+        raise StreamsError("refused", category=Category.CONTENT_FILTER, code="content_filter")
+
+    llm = FakeLLM(refuse)  # type: ignore[arg-type]
+    processor = make_processor(llm)
+    store = Store()
+    decider = Decider(processor, store, ContentCache(), Metrics(), "results")
+    prep = prepared(processor, 7)
+    first = await decider.decide(prep, Lane.LIVE, Asked())
+    assert first.outcome is not None and first.outcome.kind == "dead_letter"
+    store.wrote(first.outcome, decider.state_after(first.outcome, prep))
+    calls = len(llm.requests)
+
+    store.dead_letters.clear()  # past the dead letters' retention
+    again = await decider.decide(prepared(processor, 7), Lane.LIVE, Asked())  # a crash re-run
+    assert again.kind == "already_done" and again.outcome is None
+    assert len(llm.requests) == calls
+
+
+async def test_a_task_whose_result_and_state_expired_is_answered_again_under_its_key(
+    make_processor: MakeProcessor,
+) -> None:
+    llm = FakeLLM(lambda _r: answer(GOOD))
+    processor = make_processor(llm)
+    store = Store()
+    decider = Decider(processor, store, ContentCache(), Metrics(), "results")
+    prep = prepared(processor, 7)
+    first = await decider.decide(prep, Lane.LIVE, Asked())
+    assert first.outcome is not None and first.outcome.kind == "result"
+    store.wrote(first.outcome, decider.state_after(first.outcome, prep))
+
+    later = prepared(processor, 90)  # a new record of the task
+    cached = await decider.decide(later, Lane.LIVE, Asked())
+    assert cached.outcome is not None and cached.outcome.attempts == 0  # from the store
+    assert len(llm.requests) == 1
+
+    store.results.clear()
+    store.states.clear()  # both past their retention
+    decider.cache = ContentCache()  # and out of the worker's memory (a restart)
+    fresh = await decider.decide(prepared(processor, 91), Lane.LIVE, Asked())
+    assert fresh.outcome is not None and fresh.outcome.kind == "result"
+    assert len(llm.requests) == 2  # asked again
+    assert fresh.outcome.key == first.outcome.key  # the same result key
