@@ -11,6 +11,9 @@ For each store, `memory://` (the old default) and `rocksdb://` (on disk, checkpo
 and for each: the load time the worker logs for the partition, the time from the
 process start until it answered a task waiting in the topic (Faust's start and the
 group's rebalance included), the worker's peak RSS (VmHWM) and the local store's disk.
+Then retention: the on-disk worker keeps only the newest half of the results and task
+states (`results_max`, `tasks_max`); its figures while it expires the other half, and
+after a restart.
 
     python bench/store_recovery.py [--tasks 1000000]
 """
@@ -25,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -150,11 +154,24 @@ def disk_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / (1 << 20)
 
 
-async def run_worker(settings: Settings, data: Path, log: Path, n: int) -> dict[str, float]:
+def expired(port: int) -> float:
+    """Entries the worker expired so far (results and task states)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("llm_streams_store_expired_total{"))  # fmt: skip
+
+
+async def run_worker(
+    settings: Settings, data: Path, log: Path, n: int, expire: int = 0
+) -> dict[str, float]:
+    """A worker on `data` until it answered a waiting task (and, with `expire`, until it
+    expired that many entries); its figures."""
     task_id, start = await probe(settings, n)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
     env.update(settings_env(settings))
-    env["LLM_STREAMS_WEB_PORT"] = str(free_port())
+    port = free_port()
+    env["LLM_STREAMS_WEB_PORT"] = str(port)
     env["LLM_STREAMS_DATA_DIR"] = str(data)
     began = time.monotonic()
     with open(log, "wb") as out:
@@ -164,6 +181,10 @@ async def run_worker(settings: Settings, data: Path, log: Path, n: int) -> dict[
         if not await answered(settings, task_id, start, timeout_s=900):
             raise SystemExit(f"no answer within 900s; see {log}")
         to_answer = time.monotonic() - began
+        while expire and expired(port) < expire:
+            if time.monotonic() - began > 3600 or proc.poll() is not None:
+                raise SystemExit(f"expired {expired(port):.0f} of {expire}; see {log}")
+            await asyncio.sleep(2)
         rss = peak_rss_mb(proc.pid)
     finally:
         proc.terminate()
@@ -171,6 +192,12 @@ async def run_worker(settings: Settings, data: Path, log: Path, n: int) -> dict[
     loads = LOADED.findall(log.read_text())
     return {"answer_s": to_answer, "load_s": float(loads[-1]) if loads else float("nan"),
             "rss_mb": rss, "disk_mb": disk_mb(data / "store")}  # fmt: skip
+
+
+def show(store: str, phase: str, figures: dict[str, float]) -> None:
+    print(f"{store:12} {phase:9} load {figures['load_s']:6.2f}s  answered after "
+          f"{figures['answer_s']:6.2f}s  peak RSS {figures['rss_mb']:7.0f} MB  "
+          f"disk {figures['disk_mb']:7.0f} MB", flush=True)  # fmt: skip
 
 
 async def main(tasks: int) -> None:
@@ -184,32 +211,48 @@ async def main(tasks: int) -> None:
             kafka={"broker_url": f"kafka://{kafka.bootstrap}", "partitions": 1},
             topics={name: f"{name}-{suffix}" for name in
                     ("tasks", "replay", "results", "dead_letters", "review")},
-            llm={"base_url": sim.base, "api_key": "bench-key", "model": "sim-1"},
+            llm={"base_url": f"{sim.base}/v1", "api_key": "bench-key", "model": "sim-1"},
         )  # fmt: skip
         await ensure_topics(base)
         await fill(base, tasks)
-        rows = []
+        by: dict[tuple[str, str], dict[str, float]] = {}
         for store in ("memory://", "rocksdb://"):
-            settings = base.model_copy(update={"store": store,
-                                               "app_id": f"{base.app_id}-{store[:3]}"})  # fmt: skip
-            data = folder / store[:3]
+            # One app (its group and changelogs): the workers run one after the other.
+            settings = base.model_copy(update={"store": store})
             for phase in ("takeover", "restart"):
-                figures = await run_worker(settings, data, folder / f"{store[:3]}-{phase}.log",
-                                           len(rows))  # fmt: skip
-                rows.append((store, phase, figures))
-                print(f"{store:12} {phase:9} load {figures['load_s']:6.2f}s  answered after "
-                      f"{figures['answer_s']:6.2f}s  peak RSS {figures['rss_mb']:7.0f} MB  "
-                      f"disk {figures['disk_mb']:7.0f} MB", flush=True)  # fmt: skip
-        by = {(s, p): f for s, p, f in rows}
+                by[(store, phase)] = await run_worker(
+                    settings, folder / store[:3], folder / f"{store[:3]}-{phase}.log", len(by)
+                )
+                show(store, phase, by[(store, phase)])
+        # Retention: the on-disk worker keeps the newest half of results and task states.
+        half = tasks // 2
+        limits = {"results_max": half, "tasks_max": half, "check_s": 2.0}
+        kept = base.model_copy(update={
+            "store": "rocksdb://",
+            "retention": base.retention.model_copy(update=limits)})  # fmt: skip
+        by[("rocksdb://", "expiring")] = await run_worker(
+            kept, folder / "roc", folder / "roc-expiring.log", len(by), expire=2 * half
+        )
+        show("rocksdb://", "expiring", by[("rocksdb://", "expiring")])
+        by[("rocksdb://", "after")] = await run_worker(
+            kept, folder / "roc", folder / "roc-after.log", len(by)
+        )
+        show("rocksdb://", "after", by[("rocksdb://", "after")])
+
         mem, rocks = by[("memory://", "restart")], by[("rocksdb://", "restart")]
+        after = by[("rocksdb://", "after")]
         print(f"\n{tasks:,} tasks on one partition:")
         print(
-            f"  restart load, rocksdb vs memory: {rocks['load_s']:.2f}s vs {mem['load_s']:.2f}s"
-            f" ({mem['load_s'] / max(rocks['load_s'], 1e-3):.0f}x faster)"
+            f"  restart load, rocksdb vs memory: {rocks['load_s']:.2f}s vs "
+            f"{mem['load_s']:.2f}s ({mem['load_s'] / max(rocks['load_s'], 1e-3):.0f}x faster)"
         )
         print(
             f"  peak RSS at restart, rocksdb vs memory: {rocks['rss_mb']:.0f} MB vs "
             f"{mem['rss_mb']:.0f} MB ({rocks['rss_mb'] / mem['rss_mb']:.2f})"
+        )
+        print(
+            f"  disk after half expired vs before: {after['disk_mb']:.0f} MB vs "
+            f"{rocks['disk_mb']:.0f} MB ({after['disk_mb'] / rocks['disk_mb']:.2f})"
         )
     finally:
         sim.proc.terminate()

@@ -330,7 +330,13 @@ class LocalStore:
 
     def _rocks_options(self) -> tuple[Any, dict[str, Any]]:
         if self._options is None:
-            from rocksdict import BlockBasedOptions, Cache, Options, WriteBufferManager
+            from rocksdict import (
+                BlockBasedOptions,
+                Cache,
+                DBCompressionType,
+                Options,
+                WriteBufferManager,
+            )
 
             cache = Cache(self.cache_bytes)
             # Memtables count against the same cache: half of it at most.
@@ -352,6 +358,10 @@ class LocalStore:
                 opts.set_max_write_buffer_number(2)
                 opts.set_keep_log_file_num(2)
                 opts.set_max_open_files(256)
+                # JSON compresses well; files full of deletions (expired entries) are
+                # compacted soon, so the disk shrinks with retention.
+                opts.set_compression_type(DBCompressionType.lz4())
+                opts.add_compact_on_deletion_collector_factory(10_000, 5_000, 0.5)
                 return opts
 
             names = [*(kind.value for kind in Kind), RocksMaps.META, RocksMaps.AGES]
