@@ -223,7 +223,10 @@ class BatchApiSettings(_Section):
         0, ge=0, description="Provider's enqueued-token limit (0: none); submit within it."
     )
     max_pending: int = Field(
-        50_000, ge=1, description="Requests a worker keeps waiting in batches at most."
+        50_000,
+        ge=1,
+        description="Requests a worker holds at once for batches (being "
+        "taken in, or waiting unparked: a record too big for the ledger).",
     )
     deadline_s: float = Field(
         93_600.0, gt=0, description="Total time a batch-lane task may take (26 h)."

@@ -21,6 +21,18 @@ already ended. A batch recorded as being created but unknown to the provider
 (the worker died before creating it; found by its metadata otherwise) is
 abandoned and its requests go in a new one.
 
+Parking: a job the edge runs with a `Parking` (the record it answers, see
+`PARKING`) does not wait for its batch. Once its request and the record
+(`job/<key>`) are durably in the ledger — broker-acked, or with exactly-once
+committed — the job ends with `Parked` and its record is acknowledged: a
+rebalance never waits for a batch, and the input offset moves on. The batch is
+created only then, so a crash before that sends nothing. When a batch ends, the
+owner of its partition resumes the jobs of its requests (`resume`); a new owner
+resumes every job of the partition's ledger (`resume_parked`) and so follows
+every batch in flight. A resumed job runs the record again: its requests are
+found in the ledger, answered from the batch's files, and its answer is written
+as usual; then the edge deletes its `job/` entry.
+
 Answers: a 200 line is the attempt's completion; an error line is the attempt's
 error in the usual taxonomy (so the usual retries and dead letters follow); a
 request the batch did not get to (expired, cancelled, a batch refused for the
@@ -35,6 +47,8 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -72,7 +86,38 @@ class Ledger(Protocol):
 
     def get(self, partition: int, key: bytes) -> bytes | None: ...
 
-    async def put(self, partition: int, key: bytes, value: bytes) -> None: ...
+    async def put(self, partition: int, key: bytes, value: bytes | None) -> None:
+        """Write (None: delete) once the broker has it."""
+
+    async def durable(self, partition: int) -> None:
+        """Return once what was put for `partition` can no longer be undone (exactly-once:
+        its transaction committed); raise if it never will be (the partition was lost)."""
+
+    def keys(self, partition: int, prefix: bytes) -> list[bytes]: ...
+
+    def owns(self, partition: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Parking:
+    """The record a job answers, as the edge runs it again (opaque here)."""
+
+    key: str  # one per task answer: its result key
+    record: bytes
+
+
+# Set by the edge for the job it runs; unset (tests, tools): a job waits for its batch.
+PARKING: ContextVar[Parking | None] = ContextVar("llm_streams_parking", default=None)
+
+
+class Parked(BaseException):  # a way out, like CancelledError, not an error
+    """The job's requests wait in batches and its record is durably in the ledger: the job
+    ends here without an outcome; the ledger resumes it when its batch ends. A
+    BaseException, so that no `except Exception` on the way takes it for a failure."""
+
+
+# resume(partition, job key, record): run a parked job again, once it may find its answer.
+Resume = Callable[[int, str, bytes], None]
 
 
 class BatchOps(Protocol):
@@ -108,6 +153,13 @@ def batch_key(local_id: str) -> bytes:
     return f"batch/{local_id}".encode()
 
 
+JOB_PREFIX = b"job/"
+
+
+def job_key(key: str) -> bytes:
+    return JOB_PREFIX + key.encode()
+
+
 def request_line(custom_id: str, request: LLMRequest) -> bytes:
     body: dict[str, Any] = {"model": request.model, "messages": request.messages, **request.params}
     if request.response_format is not None:
@@ -140,6 +192,8 @@ class _Waiting:
     attempt: int
     line: bytes
     tokens: int
+    # True once the request is durably in the ledger; False if it failed to be.
+    durable: asyncio.Future[bool] | None = None
 
 
 @dataclass
@@ -154,6 +208,7 @@ class _Batch:
     state: str = "creating"  # creating | submitted | done
     remote_id: str | None = None
     status: str | None = None  # the provider's final status
+    error_code: str | None = None  # why the provider failed it
     output_file_id: str | None = None
     error_file_id: str | None = None
     lines: list[_Waiting] = field(default_factory=list, repr=False)  # in memory only
@@ -190,15 +245,22 @@ class BatchLane:
         self.metrics = metrics or Metrics()  # none given: one nobody scrapes
         self._pending: dict[int, list[_Waiting]] = {}
         self._queued: set[tuple[str, int]] = set()
+        self._durable: dict[tuple[str, int], asyncio.Future[bool]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._waiters: dict[tuple[str, int], list[asyncio.Future[Answer]]] = {}
         self._followed: dict[str, asyncio.Task[None]] = {}  # local id -> its poller
+        self._partition: dict[str, int] = {}  # local id -> its partition, while followed
+        self.resume: Resume | None = None  # the edge's, to run parked jobs again
+        self._resumes: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+        self._resumer: asyncio.Task[None] | None = None
         self._creating: set[str] = set()  # local ids this worker is creating now
         self._tasks: set[asyncio.Task[Any]] = set()
         self._capacity = asyncio.Semaphore(settings.max_pending)
         self._enqueued = 0  # tokens in this worker's unfinished batches
         self._room = asyncio.Condition()
         self._files: OrderedDict[str, dict[str, dict[str, Any]]] = OrderedDict()
+        self._reading: dict[str, asyncio.Task[dict[str, dict[str, Any]]]] = {}
+        self._settled: OrderedDict[str, None] = OrderedDict()  # batches that handed out
         # Answers go out at a pace: each wakes a task that writes its result.
         self._deliveries: asyncio.Queue[tuple[asyncio.Future[Answer], Answer]] = asyncio.Queue()
         self._pace = AsyncLimiter(max(1.0, settings.intake_per_s / 10), 0.1)
@@ -210,7 +272,9 @@ class BatchLane:
     async def complete(
         self, partition: int, custom_id: str, attempt: int, request: LLMRequest
     ) -> LLMResponse:
-        """The answer to one attempt, through a batch. Raises the attempt's TaskError."""
+        """The answer to one attempt, through a batch. Raises the attempt's TaskError, or
+        `Parked` when the running job has a `Parking` and the request waits in a batch."""
+        parking = PARKING.get()
         async with self._capacity:
             key = (custom_id, attempt)
             gave_none: set[str] = set()  # batches that had it and gave no answer
@@ -218,22 +282,9 @@ class BatchLane:
                 future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
                 self._waiters.setdefault(key, []).append(future)
                 try:
-                    known = self._ledger_batch(partition, custom_id, attempt)
-                    if (
-                        known is not None
-                        and known.state != "abandoned"
-                        and known.local_id not in gave_none
-                    ):
-                        self._follow(known)
-                    elif key not in self._queued:
-                        self._queued.add(key)
-                        async with self._intake:  # at a pace (the job holds its slot)
-                            pass
-                        line = request_line(custom_id, request)
-                        tokens = self._prompt_tokens(request) + completion_budget(request.params)
-                        self._enqueue(_Waiting(partition, custom_id, attempt, line, tokens))
-                    async with parked():
-                        answer = await future
+                    answer = await self._ask(partition, key, request, gave_none, future, parking)
+                    if answer is None:
+                        continue
                 finally:
                     waiting = self._waiters.get(key, [])
                     if future in waiting:
@@ -248,6 +299,75 @@ class BatchLane:
                 if isinstance(answer, TaskError):
                     raise answer
                 return answer
+
+    async def _ask(
+        self,
+        partition: int,
+        key: tuple[str, int],
+        request: LLMRequest,
+        gave_none: set[str],
+        future: asyncio.Future[Answer],
+        parking: Parking | None,
+    ) -> Answer | None:
+        """One try at an answer: from a finished batch of the ledger, by following the
+        batch the ledger has the request in, or in a new batch. None: try again."""
+        custom_id, attempt = key
+        known = self._ledger_batch(partition, custom_id, attempt)
+        if known is not None and known.local_id in gave_none:
+            known = None
+        if known is not None and known.state == "done":
+            return await self._answer_from(known, custom_id)
+        durable: asyncio.Future[bool] | None = None
+        if known is not None and known.state != "abandoned":
+            self._follow(known)
+        elif key not in self._queued:
+            self._queued.add(key)
+            async with self._intake:  # at a pace (the job holds its slot)
+                pass
+            line = request_line(custom_id, request)
+            tokens = self._prompt_tokens(request) + completion_budget(request.params)
+            durable = self._durable[key] = asyncio.get_running_loop().create_future()
+            self._enqueue(_Waiting(partition, custom_id, attempt, line, tokens, durable))
+        else:  # queued by another run of the same request: parks once that is in the ledger
+            durable = self._durable.get(key)
+            if durable is None:
+                parking = None
+        async with parked():
+            if parking is not None and await self._park(partition, parking, future, durable):
+                latest = self._ledger_batch(partition, custom_id, attempt)
+                if latest is not None and not self._ended(latest):
+                    raise Parked  # its end resumes the job: the job's record is there now
+                return None  # it ended meanwhile (its resumes went out before): ask again
+            return await future
+
+    def _ended(self, batch: _Batch) -> bool:
+        return batch.state in ("done", "abandoned") or batch.local_id in self._settled
+
+    async def _park(
+        self,
+        partition: int,
+        parking: Parking,
+        answer: asyncio.Future[Answer],
+        durable: asyncio.Future[bool] | None,
+    ) -> bool:
+        """True once the request and the job's record are durably in the ledger; False
+        (the job waits for its answer, unacked, as without parking) when the answer came
+        first or the ledger cannot take the record."""
+        if durable is not None:
+            waits: list[asyncio.Future[Any]] = [answer, durable]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if answer.done() or not durable.result():
+                return False
+        key = job_key(parking.key)
+        try:
+            if self.ledger.get(partition, key) != parking.record:
+                await self.ledger.put(partition, key, parking.record)
+            await self.ledger.durable(partition)
+        except Exception as exc:  # the broker away, the partition lost: wait as before
+            log.warning("could not park job %s of partition %d: %r", parking.key, partition, exc)
+            return False
+        self._count_request("parked")
+        return True
 
     def _prompt_tokens(self, request: LLMRequest) -> int:
         """Counted for an enqueued-token limit; otherwise bytes / 4 will do."""
@@ -322,8 +442,9 @@ class BatchLane:
                                orjson.dumps({"batch": batch.local_id}))
                 for w in batch.lines
             ))  # fmt: skip
-            for w in batch.lines:
-                self._queued.discard((w.custom_id, w.attempt))
+            # Created only once the ledger cannot lose it: a crash before sends nothing.
+            await self.ledger.durable(p)
+            self._durably_in(batch, True)
             remote = await self._create(batch)
             batch.state, batch.remote_id = "submitted", str(remote["id"])
             await self.ledger.put(p, batch_key(batch.local_id), batch.dumps())
@@ -331,8 +452,7 @@ class BatchLane:
             log.info("batch %s (%s): %d requests of partition %d submitted", batch.local_id,
                      batch.remote_id, len(batch.items), p)  # fmt: skip
         except Exception as exc:
-            for w in batch.lines:
-                self._queued.discard((w.custom_id, w.attempt))
+            self._durably_in(batch, False)
             self._release(batch)
             error = (
                 exc
@@ -349,6 +469,17 @@ class BatchLane:
             return
         self._creating.discard(batch.local_id)
         self._follow(batch, own=True)
+
+    def _durably_in(self, batch: _Batch, durable: bool) -> None:
+        """The batch's requests are (or failed to be) durably in the ledger: no longer
+        queued here; jobs waiting to park hear of it."""
+        for w in batch.lines:
+            key = (w.custom_id, w.attempt)
+            self._queued.discard(key)
+            if self._durable.get(key) is w.durable:
+                self._durable.pop(key, None)
+            if w.durable is not None and not w.durable.done():
+                w.durable.set_result(durable)
 
     async def _create(self, batch: _Batch) -> dict[str, Any]:
         """Upload the file and create the batch, retrying transient errors a few times."""
@@ -386,9 +517,17 @@ class BatchLane:
         running = self._followed.get(batch.local_id)
         if running is not None and not running.done():
             return
+        self._settled.pop(batch.local_id, None)  # followed again: it has not ended
         task = self._spawn(self._watch(batch, own))
         self._followed[batch.local_id] = task
-        task.add_done_callback(lambda _: self._followed.pop(batch.local_id, None))
+        self._partition[batch.local_id] = batch.partition
+
+        def unfollowed(_: object) -> None:
+            if self._followed.get(batch.local_id) is task:
+                del self._followed[batch.local_id]
+                self._partition.pop(batch.local_id, None)
+
+        task.add_done_callback(unfollowed)
 
     async def _watch(self, batch: _Batch, own: bool) -> None:
         try:
@@ -397,6 +536,8 @@ class BatchLane:
             raise
         except Exception as exc:  # never leave a job waiting on a batch forever
             log.exception("following batch %s failed", batch.local_id)
+            # Not at once: a parked job resumed now would follow the batch again at once.
+            await asyncio.sleep(self.settings.poll_max_s)
             self._settle(batch, {}, UpstreamError(f"batch lane: {exc!r}", code="batch_lane_error"))
         finally:
             if own:
@@ -431,34 +572,64 @@ class BatchLane:
             batch.state, batch.status = "done", str(remote["status"])
             batch.output_file_id = remote.get("output_file_id")
             batch.error_file_id = remote.get("error_file_id")
+            if batch.status == "failed":
+                errors = (remote.get("errors") or {}).get("data") or [{}]
+                batch.error_code = str(errors[0].get("code") or "batch_failed")
+                log.warning("batch %s failed: %s", batch.remote_id, errors[0])
             self._count_batch(batch.status)
             await self.ledger.put(batch.partition, batch_key(batch.local_id),
                                  batch.dumps())  # fmt: skip
             if batch.status == "failed":
-                errors = (remote.get("errors") or {}).get("data") or [{}]
-                code = str(errors[0].get("code") or "batch_failed")
-                log.warning("batch %s failed: %s", batch.remote_id, errors[0])
-                # Over the enqueued-token limit: again once earlier batches are done —
-                # unless none of ours were running, then the batch alone is too big.
-                others = self._enqueued - (batch.tokens if own else 0)
-                fail: Answer
-                if code == "token_limit_exceeded" and others > 0:
-                    fail = RESUBMIT
-                elif code == "token_limit_exceeded":
-                    fail = BadRequest(
-                        f"batch {batch.remote_id} alone is over the provider's enqueued-token "
-                        "limit: lower LLM_STREAMS_BATCH_API__MAX_ITEMS or set "
-                        "__MAX_ENQUEUED_TOKENS to the limit",
-                        code="token_limit_exceeded",
-                    )
-                else:
-                    fail = UpstreamError(
-                        f"batch {batch.remote_id} failed: {code}", code="batch_failed"
-                    )
-                self._settle(batch, {}, fail)
+                self._settle(batch, {}, self._failure(batch, self._enqueued - (
+                    batch.tokens if own else 0)))  # fmt: skip
                 return
         lines = await self._lines(batch)
         self._settle(batch, lines, RESUBMIT)
+
+    def _failure(self, batch: _Batch, others: int) -> Answer:
+        """What a failed batch means for its requests. Over the enqueued-token limit: sent
+        again once earlier batches are done (`others`: tokens of this worker's other
+        batches) — unless none were running, then the batch alone is too big."""
+        code = batch.error_code or "batch_failed"
+        if code == "token_limit_exceeded" and others > 0:
+            return RESUBMIT
+        if code == "token_limit_exceeded":
+            return BadRequest(
+                f"batch {batch.remote_id} alone is over the provider's enqueued-token "
+                "limit: lower LLM_STREAMS_BATCH_API__MAX_ITEMS or set "
+                "__MAX_ENQUEUED_TOKENS to the limit",
+                code="token_limit_exceeded",
+            )
+        return UpstreamError(f"batch {batch.remote_id} failed: {code}", code="batch_failed")
+
+    async def _answer_from(self, batch: _Batch, custom_id: str) -> Answer:
+        """The answer a finished batch of the ledger holds for a request."""
+        try:
+            if batch.status == "failed":
+                answer = self._failure(batch, self._enqueued)
+            elif batch.status == "not_submitted":
+                answer = UpstreamError(f"batch {batch.local_id} was not submitted",
+                                       code="batch_not_submitted")  # fmt: skip
+            else:
+                line = (await self._lines(batch)).get(custom_id)
+                answer = RESUBMIT if line is None else self._answer_of(line, count=False)
+        except TaskError as exc:
+            return exc
+        except Exception as exc:  # its files unreadable
+            return UpstreamError(f"batch lane: {exc!r}", code="batch_lane_error")
+        return _Resubmit(batch.local_id) if isinstance(answer, _Resubmit) else answer
+
+    def _answer_of(self, line: dict[str, Any], *, count: bool) -> Answer:
+        """A batch line as the attempt's answer."""
+        if int((line.get("response") or {}).get("status_code") or 0) == 200:
+            body = line["response"]["body"]
+            if count:
+                self._count_request("ok")
+            return parse_completion(orjson.dumps(body), str(body.get("model") or ""))
+        answer = error_of(line)
+        if count and isinstance(answer, TaskError):
+            self._count_request("error")
+        return answer
 
     async def _find(self, local_id: str, created_at: float) -> dict[str, Any] | None:
         """The provider's batch carrying our id in its metadata, if it was created."""
@@ -493,32 +664,31 @@ class BatchLane:
             if not file_id:
                 continue
             if file_id not in self._files:
-                raw = await self.ops.file_content(file_id)
-                self._files[file_id] = {
-                    str(line["custom_id"]): line
-                    for line in (orjson.loads(x) for x in raw.splitlines() if x.strip())
-                }
+                reading = self._reading.get(file_id)
+                if reading is None:  # one download, however many jobs ask meanwhile
+                    reading = self._reading[file_id] = self._spawn(self._read(file_id))
+                self._files[file_id] = await asyncio.shield(reading)
                 while len(self._files) > 64:
                     self._files.popitem(last=False)
             lines.update(self._files[file_id])
         return lines
+
+    async def _read(self, file_id: str) -> dict[str, dict[str, Any]]:
+        try:
+            raw = await self.ops.file_content(file_id)
+            return {
+                str(line["custom_id"]): line
+                for line in (orjson.loads(x) for x in raw.splitlines() if x.strip())
+            }
+        finally:
+            self._reading.pop(file_id, None)
 
     def _settle(self, batch: _Batch, lines: dict[str, dict[str, Any]], missing: Answer) -> None:
         """Hand every waiting request of the batch its answer."""
         for custom_id, attempt in batch.items:
             futures = self._waiters.get((custom_id, attempt), [])
             line = lines.get(custom_id)
-            answer: Answer
-            if line is None:
-                answer = missing
-            elif int((line.get("response") or {}).get("status_code") or 0) == 200:
-                body = line["response"]["body"]
-                answer = parse_completion(orjson.dumps(body), str(body.get("model") or ""))
-                self._count_request("ok")
-            else:
-                answer = error_of(line)
-                if isinstance(answer, TaskError):
-                    self._count_request("error")
+            answer = missing if line is None else self._answer_of(line, count=True)
             if isinstance(answer, _Resubmit):  # say which batch had nothing for it
                 answer = _Resubmit(batch.local_id)
             for future in futures:
@@ -528,6 +698,51 @@ class BatchLane:
                     future.set_result(answer)
         if self._deliverer is None or self._deliverer.done():
             self._deliverer = self._spawn(self._deliver())
+        self._resume_jobs(batch)
+
+    # -- parked jobs -----------------------------------------------------------------------
+
+    def _resume_jobs(self, batch: _Batch) -> None:
+        """The batch ended: the jobs parked on its requests run again (if the partition is
+        still this worker's; otherwise its new owner resumes them)."""
+        self._settled[batch.local_id] = None  # a job parking from now on asks again
+        while len(self._settled) > 10_000:
+            self._settled.popitem(last=False)
+        p = batch.partition
+        if self.resume is None or not self.ledger.owns(p):
+            return
+        for custom_id in dict.fromkeys(custom_id for custom_id, _ in batch.items):
+            if self.ledger.get(p, job_key(custom_id)) is not None:
+                self._resumes.put_nowait((p, custom_id))
+        self._start_resumer()
+
+    def resume_parked(self, partition: int) -> None:
+        """Run every job parked in `partition`'s ledger again (the partition is new to this
+        worker): each follows its batches, and so every batch in flight is followed."""
+        for key in self.ledger.keys(partition, JOB_PREFIX):
+            self._resumes.put_nowait((partition, key[len(JOB_PREFIX) :].decode()))
+        self._start_resumer()
+
+    def keep(self, partitions: set[int]) -> None:
+        """Only `partitions` are this worker's now: stop following the others' batches
+        (their new owners do)."""
+        for local_id, p in list(self._partition.items()):
+            task = self._followed.get(local_id)
+            if p not in partitions and task is not None:
+                task.cancel()
+
+    def _start_resumer(self) -> None:
+        if not self._resumes.empty() and (self._resumer is None or self._resumer.done()):
+            self._resumer = self._spawn(self._resume_paced())
+
+    async def _resume_paced(self) -> None:
+        """Parked jobs run again at `intake_per_s`, like the answers they write."""
+        while not self._resumes.empty():
+            partition, key = self._resumes.get_nowait()
+            async with self._pace:
+                record = self.ledger.get(partition, job_key(key))
+                if record is not None and self.resume is not None and self.ledger.owns(partition):
+                    self.resume(partition, key, record)
 
     async def _deliver(self) -> None:
         """Hand answers to their tasks at `intake_per_s`."""
@@ -555,4 +770,15 @@ class BatchLane:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-__all__ = ["BatchLane", "BatchOps", "batch_key", "error_of", "item_key", "request_line"]
+__all__ = [
+    "PARKING",
+    "BatchLane",
+    "BatchOps",
+    "Parked",
+    "Parking",
+    "batch_key",
+    "error_of",
+    "item_key",
+    "job_key",
+    "request_line",
+]

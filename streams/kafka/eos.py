@@ -60,6 +60,18 @@ class _Partition:
         self.writes = 0  # since the transaction began
         self.lock = asyncio.Lock()  # one commit at a time
         self.lost = False
+        # True when the open transaction commits, False if it never will.
+        self.next_commit: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+    def committed(self) -> None:
+        done, self.next_commit = self.next_commit, asyncio.get_running_loop().create_future()
+        done.set_result(True)
+
+    def gone(self) -> None:
+        self.lost = True
+        self.open.set()  # waiting sends see it is lost
+        if not self.next_commit.done():
+            self.next_commit.set_result(False)
 
 
 class Transactions:
@@ -130,8 +142,7 @@ class Transactions:
         is written there, and `on_fenced` hears of it (once)."""
         if part.lost:
             return
-        part.lost = True
-        part.open.set()  # waiting sends see it is lost
+        part.gone()
         log.warning("exactly-once: the producer of partition %d was fenced", partition)
         if self.on_fenced is not None:
             task: asyncio.Task[None] = asyncio.create_task(self.on_fenced(partition))
@@ -148,6 +159,18 @@ class Transactions:
         starting = self._starting.get(partition)
         if starting is not None:
             await asyncio.shield(starting)
+
+    async def durable(self, partition: int) -> None:
+        """Return once what was written so far into partition's transaction is committed;
+        raise PartitionLost if it never will be."""
+        await self.ready(partition)
+        part = self._parts.get(partition)
+        if part is None or part.lost:
+            raise PartitionLost(f"partition {partition} is not this worker's")
+        if not part.writes and part.open.is_set():
+            return  # nothing written since the last commit
+        if not await asyncio.shield(part.next_commit):
+            raise PartitionLost(f"partition {partition}: its transaction did not commit")
 
     def owns(self, partition: int) -> bool:
         part = self._parts.get(partition)
@@ -244,6 +267,7 @@ class Transactions:
                     await part.producer.send_offsets_to_transaction(offsets, self.group_id)
                 await part.producer.commit_transaction()
                 part.writes = 0
+                part.committed()
                 if self.on_committed is not None:
                     self.on_committed(partition)
                 if reopen:
@@ -262,8 +286,7 @@ class Transactions:
         except Exception as exc:
             log.warning("exactly-once: last commit of partition %d failed: %r", partition, exc)
         finally:
-            part.lost = True
-            part.open.set()  # waiting sends see it is lost
+            part.gone()
             await part.producer.stop()
 
     async def close(self) -> None:

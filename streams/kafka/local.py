@@ -76,6 +76,9 @@ class Maps(Protocol):
 
     def count(self, kind: Kind) -> int: ...
 
+    def keys(self, kind: Kind, prefix: bytes) -> list[bytes]:
+        """The map's keys that start with `prefix`, staged ones included."""
+
     def expired(
         self, kind: Kind, before_ms: int | None, keep: int | None
     ) -> Iterator[tuple[int, bytes]]:
@@ -120,6 +123,9 @@ class MemoryMaps:
 
     def count(self, kind: Kind) -> int:
         return len(self._maps[kind])
+
+    def keys(self, kind: Kind, prefix: bytes) -> list[bytes]:
+        return [key for key in self._maps[kind] if key.startswith(prefix)]
 
     def expired(
         self, kind: Kind, before_ms: int | None, keep: int | None
@@ -180,6 +186,21 @@ class RocksMaps:
 
     def count(self, kind: Kind) -> int:
         return self._counts[kind]
+
+    def keys(self, kind: Kind, prefix: bytes) -> list[bytes]:
+        found: set[bytes] = set()
+        for item in self._cf[kind.value].keys(from_key=prefix):
+            key = cast(bytes, item)
+            if not key.startswith(prefix):
+                break
+            found.add(key)
+        for (staged_kind, key), (_, value) in self._staged.items():
+            if staged_kind is kind and key.startswith(prefix):
+                if value is None:
+                    found.discard(key)
+                else:
+                    found.add(key)
+        return sorted(found)
 
     def usable(self) -> bool:
         """Written in this layout, and not missing records this version can read that the

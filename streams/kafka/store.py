@@ -354,6 +354,10 @@ class TaskStore:
         part = self._parts.get(partition)
         return part.maps.get(kind, key) if part is not None else None
 
+    def keys(self, kind: Kind, partition: int, prefix: bytes) -> list[bytes]:
+        part = self._parts.get(partition)
+        return part.maps.keys(kind, prefix) if part is not None else []
+
     def result(self, partition: int, result_key: str) -> bytes | None:
         return self.get(Kind.RESULTS, partition, result_key.encode())
 
@@ -396,16 +400,34 @@ class TaskStore:
 
 
 class MapView:
-    """One map of the store, as the core sees it (`core.batches.Ledger`)."""
+    """One map of the store, as the core sees it (`core.batches.Ledger`). `durable`: waits
+    until what was written to a partition can no longer be undone (exactly-once: the
+    partition's transaction committed); none: a write the broker acked is durable."""
 
-    def __init__(self, store: TaskStore, kind: Kind) -> None:
+    def __init__(
+        self,
+        store: TaskStore,
+        kind: Kind,
+        durable: Callable[[int], Awaitable[None]] | None = None,
+    ) -> None:
         self.store, self.kind = store, kind
+        self._durable = durable
 
     def get(self, partition: int, key: bytes) -> bytes | None:
         return self.store.get(self.kind, partition, key)
 
-    async def put(self, partition: int, key: bytes, value: bytes) -> None:
+    async def put(self, partition: int, key: bytes, value: bytes | None) -> None:
         await self.store.put(self.kind, partition, key, value)
+
+    async def durable(self, partition: int) -> None:
+        if self._durable is not None:
+            await self._durable(partition)
+
+    def keys(self, partition: int, prefix: bytes) -> list[bytes]:
+        return self.store.keys(self.kind, partition, prefix)
+
+    def owns(self, partition: int) -> bool:
+        return partition in self.store.owned()
 
 
 def rocks_dir(settings: Settings) -> Path | None:

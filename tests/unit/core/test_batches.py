@@ -12,7 +12,16 @@ import pytest
 
 from streams.contract.lanes import Lane, Tier
 from streams.contract.records import Source
-from streams.core.batches import BatchLane, batch_key, error_of, item_key
+from streams.core.batches import (
+    PARKING,
+    BatchLane,
+    Parked,
+    Parking,
+    batch_key,
+    error_of,
+    item_key,
+    job_key,
+)
 from streams.core.processor import Prices
 from streams.dev.simulator import SimulatorServer
 from streams.errors import BadRequest, UpstreamError
@@ -38,9 +47,21 @@ class LedgerStore:
     def get(self, partition: int, key: bytes) -> bytes | None:
         return self.maps.get(partition, {}).get(key)
 
-    async def put(self, partition: int, key: bytes, value: bytes) -> None:
+    async def put(self, partition: int, key: bytes, value: bytes | None) -> None:
         self.writes += 1
-        self.maps.setdefault(partition, {})[key] = value
+        if value is None:
+            self.maps.setdefault(partition, {}).pop(key, None)
+        else:
+            self.maps.setdefault(partition, {})[key] = value
+
+    async def durable(self, partition: int) -> None:
+        return None  # acked is durable (at-least-once)
+
+    def keys(self, partition: int, prefix: bytes) -> list[bytes]:
+        return [k for k in self.maps.get(partition, {}) if k.startswith(prefix)]
+
+    def owns(self, partition: int) -> bool:
+        return True
 
 
 SETTINGS = BatchApiSettings(
@@ -54,6 +75,15 @@ def _request(text: str) -> LLMRequest:
                   {"role": "user", "content": f"<comment>{text}</comment>"}],
         model="sim-1", params={"max_tokens": 300}, response_format={"type": "json_object"},
     )  # fmt: skip
+
+
+async def _created(simulator: SimulatorServer) -> None:
+    """Until the simulator's Batch API holds a batch."""
+    for _ in range(200):
+        if simulator.sim.snapshot()["batches"]:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("no batch created")
 
 
 @pytest.fixture
@@ -140,10 +170,7 @@ async def test_a_restarted_worker_waits_for_the_batch_it_finds_in_the_ledger(
     first = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
     running = [asyncio.create_task(first.complete(0, f"rk-{i}", 1, _request(f"Ok {i}.")))
                for i in range(5)]  # fmt: skip
-    for _ in range(200):  # the batch is created ...
-        if simulator.sim.snapshot()["batches"]:
-            break
-        await asyncio.sleep(0.02)
+    await _created(simulator)  # the batch is created ...
     await asyncio.sleep(0.1)
     for task in running:  # ... and the worker dies
         task.cancel()
@@ -296,3 +323,137 @@ async def test_a_batch_that_cannot_be_created_fails_its_requests(
     (record,) = [orjson.loads(v) for k, v in store.maps[0].items() if k.startswith(b"batch/")]
     assert (record["state"], record["status"]) == ("done", "not_submitted")
     await lane.close()
+
+
+class GoneLedger(LedgerStore):
+    """A ledger whose writes never become durable (exactly-once: the partition was lost
+    before its transaction committed)."""
+
+    async def durable(self, partition: int) -> None:
+        raise RuntimeError("partition 0: its transaction did not commit")
+
+
+async def _parked(lane: BatchLane, key: str, text: str) -> None:
+    token = PARKING.set(Parking(key, f"record of {key}".encode()))
+    try:
+        await lane.complete(0, key, 1, _request(text))
+    finally:
+        PARKING.reset(token)
+
+
+async def test_a_parked_job_ends_once_its_request_is_in_the_ledger_and_runs_again_at_the_end(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    simulator.sim.config.batch_delay_s = 0.5
+    store = LedgerStore()
+    lane = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
+    resumed: list[tuple[int, str, bytes]] = []
+    lane.resume = lambda p, key, record: resumed.append((p, key, record))
+    ended = await asyncio.gather(*(_parked(lane, f"rk-{i}", f"Fine {i}.") for i in range(3)),
+                                 return_exceptions=True)  # fmt: skip
+    for i, exc in enumerate(ended):  # each job ended with Parked, its record in the ledger
+        assert isinstance(exc, Parked), exc
+        assert store.maps[0][job_key(f"rk-{i}")] == f"record of rk-{i}".encode()
+    assert not resumed  # the batch still runs
+    for _ in range(300):
+        if len(resumed) == 3:
+            break
+        await asyncio.sleep(0.02)
+    assert sorted(resumed) == [(0, f"rk-{i}", f"record of rk-{i}".encode()) for i in range(3)]
+    # Run again, each finds its answer in the finished batch: nothing sent again.
+    again = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]  # another worker
+    token = PARKING.set(Parking("rk-1", b"record of rk-1"))
+    try:
+        answer = await again.complete(0, "rk-1", 1, _request("Fine 1."))
+    finally:
+        PARKING.reset(token)
+    assert orjson.loads(answer.content)["sentiment"]
+    assert simulator.sim.snapshot()["batches"] == 1
+    assert all(n == 1 for n in simulator.sim.batch.submissions.values())
+    await lane.close()
+    await again.close()
+
+
+async def test_a_new_owner_resumes_every_parked_job_and_follows_the_batch_in_flight(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    simulator.sim.config.batch_delay_s = 0.5
+    store = LedgerStore()
+    first = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
+    ended = await asyncio.gather(*(_parked(first, f"rk-{i}", f"Fine {i}.") for i in range(4)),
+                                 return_exceptions=True)  # fmt: skip
+    assert all(isinstance(exc, Parked) for exc in ended), ended
+    await _created(simulator)  # the batch is created ...
+    await asyncio.sleep(0.05)
+    await first.close()  # ... and the worker dies with it in flight
+    second = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
+    resumed: list[str] = []
+
+    def resume(p: int, key: str, record: bytes) -> None:
+        resumed.append(key)
+        asyncio.get_running_loop().create_task(_parked(second, key, "ignored"))
+
+    second.resume = resume
+    second.resume_parked(0)  # the partition is new to it: every parked job runs again
+    for _ in range(300):  # once resumed, they park on the batch; at its end, again
+        if len(resumed) == 8:
+            break
+        await asyncio.sleep(0.02)
+    assert sorted(resumed) == sorted([f"rk-{i}" for i in range(4)] * 2)
+    assert simulator.sim.snapshot()["batches"] == 1  # followed, not sent again
+    assert all(n == 1 for n in simulator.sim.batch.submissions.values())
+    await second.close()
+
+
+async def test_a_job_whose_request_cannot_be_made_durable_waits_for_its_answer(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    store = GoneLedger()
+    lane = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
+    with pytest.raises(UpstreamError, match="did not commit"):  # never created: not paid
+        await _parked(lane, "rk-1", "Fine.")
+    assert simulator.sim.snapshot()["batches"] == 0
+    assert job_key("rk-1") not in store.maps.get(0, {})
+    await lane.close()
+
+
+class SlowJobs(LedgerStore):
+    """Writes a parked job's record only once the batch its request is in has ended."""
+
+    async def put(self, partition: int, key: bytes, value: bytes | None) -> None:
+        if key.startswith(b"job/"):
+            for _ in range(500):
+                raw = [v for k, v in self.maps[partition].items() if k.startswith(b"batch/")]
+                if raw and orjson.loads(raw[0])["state"] == "done":
+                    break
+                await asyncio.sleep(0.01)
+        await super().put(partition, key, value)
+
+
+async def test_a_job_parking_while_its_batch_ends_takes_the_answer_instead(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    """The batch's end resumed the jobs parked on it before this one's record was in the
+    ledger: this job must not park (nothing would resume it); it takes the answer."""
+    simulator.sim.config.batch_delay_s = 0.3
+    store = SlowJobs()
+    first = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]  # the dead worker
+    waiting = asyncio.create_task(first.complete(0, "rk-1", 1, _request("Fine.")))
+    for _ in range(200):
+        batches = [k for k in store.maps.get(0, {}) if k.startswith(b"batch/")]
+        if batches and orjson.loads(store.maps[0][batches[0]])["state"] == "submitted":
+            break
+        await asyncio.sleep(0.02)
+    waiting.cancel()
+    await first.close()
+    second = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
+    resumed: list[str] = []
+    second.resume = lambda p, key, record: resumed.append(key)
+    token = PARKING.set(Parking("rk-1", b"the record"))
+    try:
+        answer = await second.complete(0, "rk-1", 1, _request("Fine."))
+    finally:
+        PARKING.reset(token)
+    assert orjson.loads(answer.content)["sentiment"]
+    assert simulator.sim.snapshot()["batches"] == 1
+    await second.close()

@@ -9,7 +9,7 @@ import faust
 import pytest
 
 from streams.kafka import store as store_module
-from streams.kafka.agent import TaskAgent, asked
+from streams.kafka.agent import StoredRecord, TaskAgent, asked
 from streams.kafka.store import Kind
 from streams.kafka.topics import ledger_topic, state_topic
 from streams.settings import load_settings
@@ -82,3 +82,16 @@ def test_headers_say_how_a_record_is_answered(
 ) -> None:
     how = asked(Message(headers))
     assert (how.force, how.tier, how.note) == (force, tier, note)
+
+
+def test_a_parked_record_comes_back_from_the_ledger_as_it_came_in() -> None:
+    """What the ledger keeps of a parked record (JSON, as its readers require) is the
+    record, byte for byte: key, value (any bytes), headers, position."""
+    message = StoredRecord(topic="replay", partition=3, offset=41, key=b"task-\xff",
+                           value=b'{"task_id": "t"}\x00\xfe', timestamp=1764500000.5,
+                           headers=[("llm-streams-tier", b"batch"), ("x", b"\x00")])  # fmt: skip
+    packed = message.pack()
+    assert store_module.readable(Kind.LEDGER, packed)
+    assert StoredRecord.unpack(packed) == message
+    again = StoredRecord.unpack(StoredRecord(**{**message.__dict__, "key": None}).pack())
+    assert again.key is None and asked(again).tier is not None
