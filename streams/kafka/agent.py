@@ -12,15 +12,12 @@ flight, however many run concurrently.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 import faust
-import orjson
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace import Status as SpanStatus
 
@@ -32,7 +29,7 @@ from streams.contract.headers import (
 )
 from streams.contract.lanes import Lane, Tier
 from streams.contract.records import Source
-from streams.core.batches import PARKING, BatchLane, Parked, Parking, job_key
+from streams.core.batches import PARKING, BatchLane, Parked, Parking
 from streams.core.cache import ContentCache
 from streams.core.decide import Asked, Decider
 from streams.core.dispatch import Dispatcher, LaneSlots
@@ -42,6 +39,7 @@ from streams.errors import InternalError
 from streams.kafka import faust_private
 from streams.kafka.eos import Transactions
 from streams.kafka.limits import WriteLimits
+from streams.kafka.parked import Resumer, StoredRecord
 from streams.kafka.routing import partition_for
 from streams.kafka.shutdown import Watchdog
 from streams.kafka.store import Kind, MapView, TaskStore
@@ -78,48 +76,6 @@ def asked(message: Any) -> Asked:
         tier=TIERS.get(header(message, TIER_HEADER) or b""),
         note=BACKTRACK_NOTES.get(backtrack or b""),
     )
-
-
-@dataclass(frozen=True)
-class StoredRecord:
-    """An input record as the batch lane's ledger keeps it while its job is parked: what
-    the agent reads of a Faust message, to run it again."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes
-    headers: list[tuple[str, bytes]]
-    timestamp: float | None
-
-    @classmethod
-    def of(cls, message: Any) -> StoredRecord:
-        headers = message.headers or ()
-        items = headers.items() if isinstance(headers, dict) else headers
-        return cls(message.topic, message.partition, message.offset, message.key,
-                   message.value or b"", list(items), message.timestamp)  # fmt: skip
-
-    def pack(self) -> bytes:
-        """A JSON object (the ledger's readers take only those); bytes in base64."""
-        return orjson.dumps({
-            "topic": self.topic, "partition": self.partition, "offset": self.offset,
-            "key": _b64(self.key) if self.key is not None else None,
-            "value": _b64(self.value), "headers": [[k, _b64(v)] for k, v in self.headers],
-            "timestamp": self.timestamp,
-        })  # fmt: skip
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> StoredRecord:
-        data = orjson.loads(raw)
-        key = base64.b64decode(data["key"]) if data["key"] is not None else None
-        headers = [(k, base64.b64decode(v)) for k, v in data["headers"]]
-        return cls(data["topic"], data["partition"], data["offset"], key,
-                   base64.b64decode(data["value"]), headers, data["timestamp"])  # fmt: skip
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 class TaskAgent:
@@ -182,12 +138,8 @@ class TaskAgent:
         self.acks: InOrderAcks[Any] = InOrderAcks()
         self._decider: Decider | None = None
         self._inputs = {settings.topics.tasks, settings.topics.replay}
-        # Jobs parked in the batch lane's ledger, run again when their batch ends (in the
-        # replay lane's share of the slots): result key -> a newer record to run after.
-        self._resumer = Dispatcher(slots=self.slots, lane=Lane.REPLAY)
-        self._resuming: dict[str, bytes | None] = {}
-        self._resumes: set[asyncio.Task[None]] = set()
-        self._owned: set[int] = set()
+        # Records parked in the batch lane's ledger, run again when their batch ends.
+        self.parked = Resumer(self.store, self.slots, self._run_parked)
         app.on_partitions_assigned.connect(self._on_assigned)  # type: ignore[arg-type]  # faust types receivers as taking only keyword args after the sender
         # faust types the agent function's param as StreamT
         self.live_agent = app.agent(self.live_topic, name="llm-streams.tasks")(self.run_live)  # type: ignore[arg-type]
@@ -232,58 +184,7 @@ class TaskAgent:
             self.eos.hook_consumer(self.app.consumer)
             await self.eos.assign(partitions)
         self.store.assign(partitions)
-        new, self._owned = partitions - self._owned, partitions
-        if self._processor is not None and self._processor.batches is not None:
-            self._processor.batches.keep(partitions)
-            self._resume_parked(self._processor.batches, new)
-
-    def _resume_parked(self, lane: BatchLane, partitions: set[int]) -> None:
-        """Once their entries are loaded, the jobs parked in these partitions' ledger run
-        again (a partition new to this worker: its batches in flight are followed)."""
-
-        async def resume(p: int) -> None:
-            await self.store.ready(p)
-            lane.resume_parked(p)
-
-        for p in partitions:
-            self._spawn_resume(resume(p))
-
-    def _spawn_resume(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._resumes.add(task)
-        task.add_done_callback(self._resumes.discard)
-
-    def _resume(self, partition: int, key: str, record: bytes) -> None:
-        """The batch lane's word that parked job `key` may find its answer: run it again
-        (once at a time; asked again meanwhile: once more after)."""
-        if key in self._resuming:
-            self._resuming[key] = record
-            return
-        self._resuming[key] = None
-        job = self._parked_job(partition, key, record)
-        self._spawn_resume(self._resumer.submit(key, job))
-
-    def _parked_job(self, partition: int, key: str, record: bytes) -> Callable[[], Any]:
-        async def job() -> None:
-            raw: bytes | None = record
-            try:
-                while raw is not None and partition in self.store.owned():
-                    processor = self._processor
-                    if processor is None:
-                        return  # stopping: resumed at the next start
-                    message = StoredRecord.unpack(raw)
-                    kind = await self._process(message, processor, time.monotonic())
-                    if kind != "parked":  # answered: the ledger forgets the record
-                        try:
-                            await self.store.put(Kind.LEDGER, partition, job_key(key), None)
-                        except Exception as exc:  # resumed again next time: already done
-                            log.warning("could not delete parked job %s: %r", key, exc)
-                    raw = self._resuming.get(key)
-                    self._resuming[key] = None
-            finally:
-                self._resuming.pop(key, None)
-
-        return job
+        self.parked.assigned(partitions)
 
     async def _on_fenced(self, partition: int) -> None:
         """Partition's transaction was aborted under this worker. If the group still
@@ -354,8 +255,7 @@ class TaskAgent:
                     ops, ledger, settings.batch_api, self.metrics,
                     ledger_room=self.limits.room(ledger_topic(settings)),
                 )  # fmt: skip
-                lane_.resume = self._resume
-                self._resume_parked(lane_, self.store.owned())
+                self.parked.attach(lane_)
             self._decider = Decider(self._processor, self.store, self.cache, self.metrics,
                                     settings.topics.results)  # fmt: skip
         processor = self._processor
@@ -400,9 +300,7 @@ class TaskAgent:
             self._running_lanes -= 1
             if self._running_lanes == 0:  # the last lane out closes what they share
                 log.info("task agents stopped; left unacknowledged: %s", self.left_behind())
-                for task in list(self._resumes):  # parked jobs stay in the ledger
-                    task.cancel()
-                await self._resumer.cancel()
+                await self.parked.close()  # what is parked stays in the ledger
                 self._processor = self._decider = None
                 await processor.close()
                 if self.eos is not None:  # its last commit goes to the store's disk too
@@ -423,6 +321,13 @@ class TaskAgent:
                 self.metrics.unfinished.dec()
 
         return job
+
+    async def _run_parked(self, message: StoredRecord) -> str | None:
+        """A parked record run again; what it ended as (None: stopping, not run)."""
+        processor = self._processor
+        if processor is None:
+            return None
+        return await self._process(message, processor, time.monotonic())
 
     async def _process(self, message: Any, processor: TaskProcessor, taken_at: float) -> str:
         """One record (a Faust message, or a `StoredRecord` run again) answered and its

@@ -9,7 +9,8 @@ import faust
 import pytest
 
 from streams.kafka import store as store_module
-from streams.kafka.agent import StoredRecord, TaskAgent, asked
+from streams.kafka.agent import TaskAgent, asked
+from streams.kafka.parked import StoredRecord
 from streams.kafka.store import Kind
 from streams.kafka.topics import ledger_topic, state_topic
 from streams.settings import load_settings
