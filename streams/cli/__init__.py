@@ -409,7 +409,7 @@ def pipelines() -> None:
 @click.option("--dir", "directory", type=click.Path(path_type=Path), default=None)
 def pipelines_validate(directory: Path | None) -> None:
     """Load every pipeline file, check slots, templates and output schemas."""
-    from streams.pipelines.registry import PipelineRegistry
+    from streams.pipelines.registry import PipelineRegistry, strict_subset_issues
 
     settings = settings_or_exit()
     try:
@@ -428,6 +428,11 @@ def pipelines_validate(directory: Path | None) -> None:
         for v, spec in sorted(p.spec.versions.items()):
             for warning in spec.warnings():
                 click.echo(f"warn {name} {v}: {warning}")
+        strict = sorted(v for v, spec in p.spec.versions.items()
+                        if spec.response_format in ("json_schema", "tool_call"))  # fmt: skip
+        for issue in strict_subset_issues(p.output_schema) if strict else []:
+            note = "OpenAI refuses or ignores it in strict mode; it is checked here all the same"
+            click.echo(f"warn {name} {', '.join(strict)}: output schema {issue} ({note})")
 
 
 @cli.command()

@@ -63,6 +63,7 @@ from streams.llm.client import (
     completion_budget,
     error_for_status,
     parse_completion,
+    request_body,
 )
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
@@ -161,9 +162,7 @@ def job_key(key: str) -> bytes:
 
 
 def request_line(custom_id: str, request: LLMRequest) -> bytes:
-    body: dict[str, Any] = {"model": request.model, "messages": request.messages, **request.params}
-    if request.response_format is not None:
-        body["response_format"] = request.response_format
+    body = request_body(request)
     line = {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
     return orjson.dumps(line) + b"\n"
 

@@ -145,7 +145,7 @@ class Calls:
             attempts.count -= 1  # refused before any call
             raise
         request = LLMRequest(messages=messages, model=prompt.model, params=params,
-                             response_format=prompt.response_format)  # fmt: skip
+                             response_format=prompt.response_format, tool=prompt.tool)  # fmt: skip
         with TRACER.start_as_current_span(
             f"chat {prompt.model}",
             kind=SpanKind.CLIENT,

@@ -28,7 +28,7 @@ from streams.errors import InvalidOutput, OutputRejected, TaskError
 from streams.llm.client import LLMRequest, LLMResponse, budget_key, completion_budget
 from streams.observability.tracing import TRACER
 from streams.pipelines.output import check_output
-from streams.pipelines.registry import PipelineRegistry, RenderedPrompt
+from streams.pipelines.registry import PipelineRegistry, RenderedPrompt, structured_output
 from streams.resilience.retry import Attempts, call_with_retries
 
 
@@ -72,19 +72,20 @@ class Packs:
             key[4], [(i.task_id, i.prompt.messages[-1]["content"]) for i in items]
         )
         per_item = completion_budget(first.params)
-        response_format: dict[str, Any] = (
-            {"type": "json_schema", "json_schema": {
-                "name": pipeline.name.replace("-", "_") + "_packed",
-                "schema": packed_schema(pipeline.output_schema), "strict": True}}
-            if first.response_format.get("type") == "json_schema"
-            else {"type": "json_object"}
-        )  # fmt: skip
+        # The version's way of asking for structure, for the packed answer's schema
+        # (versions with the schema in their prompt are not packed).
+        mode = ("tool_call" if first.tool is not None
+                else "json_schema" if first.response_format.get("type") == "json_schema"
+                else "json_object")  # fmt: skip
+        response_format, tool, _ = structured_output(
+            mode, pipeline.name + "_packed", packed_schema(pipeline.output_schema)
+        )
         attempts = Attempts()
         try:
             asked = {**first.params, budget_key(first.params): per_item * len(items)}
             params = fit_window(messages, asked, first.params, self.calls.context_window)
             request = LLMRequest(messages=messages, model=first.model, params=params,
-                                 response_format=response_format)  # fmt: skip
+                                 response_format=response_format, tool=tool)  # fmt: skip
             deadline_at = min(i.deadline_at for i in items)
 
             async def attempt(a: Attempts) -> LLMResponse:

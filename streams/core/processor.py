@@ -295,7 +295,13 @@ class TaskProcessor:
         short = packing is not None and len(str(prompt.variables.get(packing.slot) or "")) <= (
             packing.max_chars
         )
-        if short and spend.tier is not Tier.BATCH:  # a batch already halves the price
+        # Not packed: in a batch (which already halves the price), nor a version whose
+        # schema is in its system message (a packed answer has another shape).
+        if (
+            short
+            and spend.tier is not Tier.BATCH
+            and version.spec.response_format != ("schema_in_prompt")
+        ):
             packed = await self.packs.ask(prep, prompt, lane, deadline_at)
             spend.prompt_tokens += packed.prompt_tokens
             spend.completion_tokens += packed.completion_tokens

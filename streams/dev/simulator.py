@@ -26,6 +26,7 @@ import orjson
 from aiohttp import web
 
 from streams.dev import sim_batch, sim_content
+from streams.llm.client import SCHEMA_IN_PROMPT
 from streams.llm.tokens import count_messages, counter
 
 
@@ -55,6 +56,9 @@ class SimConfig:
     batch_expire_fraction: float = 0.5  # share of an expiring batch's lines answered
     batch_token_limit: int = 0  # enqueued-token limit over unfinished batches (0: none)
     packed_invalid_items: int = 0  # and break the schema for this many
+    # Answer prose whatever `response_format` asks (as endpoints that ignore it do); a
+    # forced function call and a schema in the prompt are still followed.
+    ignores_response_format: bool = False
     long_answer_chars: int = 0  # json_schema answers of these models: first string field
     long_answer_models: list[str] = field(default_factory=list)  # padded to this length
     context_window: int = 128_000
@@ -389,6 +393,13 @@ class Simulator:
             self.prompt_tokens += prompt_tokens
             self.completion_tokens += completion_tokens
             self._count(200, "ok_flex" if flex else "ok")
+            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+            tool = forced_tool(body)
+            if tool is not None:  # the answer as the function's arguments
+                call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                        "function": {"name": tool.get("name"), "arguments": content}}  # fmt: skip
+                message.update(content=None, tool_calls=[call])
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             payload = {
                 "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
                 "object": "chat.completion",
@@ -398,7 +409,7 @@ class Simulator:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": content, "refusal": None},
+                        "message": message,
                         "finish_reason": finish_reason,
                         "logprobs": None,
                     }
@@ -420,7 +431,13 @@ class Simulator:
         if packed is not None:
             return packed
         text = sim_content.comment_text(messages)
+        tool = forced_tool(body)
+        asked = tool.get("parameters") if tool is not None else schema_in_prompt(messages)
+        if isinstance(asked, dict):
+            return orjson.dumps(sim_content.instance(asked, text)).decode()
         fmt = body.get("response_format") or {}
+        if self.config.ignores_response_format:
+            return str(sim_content.analysis(text)["summary"])
         if fmt.get("type") == "json_schema":
             schema = (fmt.get("json_schema") or {}).get("schema") or {}
             answer = sim_content.instance(schema, text)
@@ -441,8 +458,11 @@ class Simulator:
         if not items:
             return None
         fmt = body.get("response_format") or {}
+        tool = forced_tool(body)
         root = (
-            (fmt.get("json_schema") or {}).get("schema")
+            tool.get("parameters")
+            if tool is not None
+            else (fmt.get("json_schema") or {}).get("schema")
             if fmt.get("type") == "json_schema"
             else None
         )
@@ -463,6 +483,32 @@ class Simulator:
             entry["answer"] = {"sentiment": "unknowable"}
         self.by_outcome["packed_items"] += len(items)
         return orjson.dumps({"answers": [a for a in order if a not in dropped]}).decode()
+
+
+def forced_tool(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The function a request forces the answer to call, if it does."""
+    choice = body.get("tool_choice")
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        return None
+    name = (choice.get("function") or {}).get("name")
+    for tool in body.get("tools") or []:
+        function = tool.get("function") or {}
+        if tool.get("type") == "function" and function.get("name") == name:
+            return dict(function)
+    return None
+
+
+def schema_in_prompt(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The JSON Schema a system message asks the answer to follow (`schema_in_prompt`)."""
+    for m in messages:
+        content = str(m.get("content") or "")
+        if m.get("role") == "system" and SCHEMA_IN_PROMPT in content:
+            try:
+                schema = orjson.loads(content.split(SCHEMA_IN_PROMPT, 1)[1].strip())
+            except orjson.JSONDecodeError:
+                return None
+            return schema if isinstance(schema, dict) else None
+    return None
 
 
 _ITEM = re.compile(r'<item id="([^"]*)">\n?(.*?)\n?</item>', re.S)

@@ -63,6 +63,28 @@ class LLMRequest:
     model: str
     params: dict[str, Any] = field(default_factory=dict)
     response_format: dict[str, Any] | None = None
+    # A function the answer must call (its `parameters`: the output schema), for
+    # endpoints that ignore `response_format`; its arguments are the answer.
+    tool: dict[str, Any] | None = None
+
+
+# Ends a system message that carries the output schema itself (`schema_in_prompt`: for
+# endpoints that ignore `response_format`), followed by the schema as JSON.
+SCHEMA_IN_PROMPT = (
+    "Answer with one JSON object and nothing else. It must be valid against this JSON Schema:"
+)
+
+
+def request_body(request: LLMRequest) -> dict[str, Any]:
+    """The chat completion body of a request (a call, or a line of a batch)."""
+    body: dict[str, Any] = {"model": request.model, "messages": request.messages}
+    body.update(request.params)
+    if request.response_format:
+        body["response_format"] = request.response_format
+    if request.tool is not None:
+        body["tools"] = [{"type": "function", "function": request.tool}]
+        body["tool_choice"] = {"type": "function", "function": {"name": request.tool["name"]}}
+    return body
 
 
 @dataclass(frozen=True)
@@ -98,8 +120,12 @@ def parse_completion(
         choice = data["choices"][0]
         message = choice.get("message") or {}
         usage = data.get("usage") or {}
+        content = message.get("content") or ""
+        calls = message.get("tool_calls") or []
+        if not content and calls:  # the answer as the forced function call's arguments
+            content = str((calls[0].get("function") or {}).get("arguments") or "")
         return LLMResponse(
-            content=message.get("content") or "",
+            content=content,
             model=str(data.get("model") or requested_model),
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
             completion_tokens=int(usage.get("completion_tokens") or 0),

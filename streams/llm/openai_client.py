@@ -16,7 +16,13 @@ from streams.errors import (
     Timeout,
     UpstreamError,
 )
-from streams.llm.client import LLMRequest, LLMResponse, error_for_status, parse_completion
+from streams.llm.client import (
+    LLMRequest,
+    LLMResponse,
+    error_for_status,
+    parse_completion,
+    request_body,
+)
 
 
 def retry_after_seconds(headers: Any) -> float | None:
@@ -107,10 +113,7 @@ class OpenAIClient:
         )
 
     async def complete(self, request: LLMRequest) -> LLMResponse:
-        body: dict[str, Any] = {"model": request.model, "messages": request.messages}
-        body.update(request.params)
-        if request.response_format is not None:
-            body["response_format"] = request.response_format
+        body = request_body(request)
         try:
             # The client's generic `post` with a plain body: `chat.completions.create`
             # runs the SDK's typed-dict transform over every message and the whole

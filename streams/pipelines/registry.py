@@ -19,7 +19,7 @@ from jinja2.sandbox import SandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from streams.errors import ConfigError, InvalidInput
-from streams.llm.client import budget_key
+from streams.llm.client import SCHEMA_IN_PROMPT, budget_key
 from streams.pipelines.defaults import has_defaults
 from streams.preprocess import Redactor, clean
 
@@ -92,7 +92,15 @@ class VersionSpec(BaseModel):
     fallbacks: list[Fallback] = Field(default_factory=list)
     fallback_on: list[FallbackCategory] = Field(default_factory=_default_fallback_on)
     params: dict[str, Any] = Field(default_factory=dict)
-    response_format: Literal["json_schema", "json_object"] = "json_schema"
+    # How the answer's structure is asked for: `json_schema` (strict structured output),
+    # `json_object` (JSON mode; the prompt describes the shape), `schema_in_prompt`
+    # (JSON mode, the output schema appended to the system message), `tool_call` (a
+    # forced function call whose parameters are the output schema) — the last two for
+    # endpoints that ignore `response_format` json_schema. The answer is validated
+    # against the output schema whatever the mode.
+    response_format: Literal["json_schema", "json_object", "schema_in_prompt", "tool_call"] = (
+        "json_schema"
+    )
     example_input: dict[str, Any] | None = None
     on_context_overflow: OverflowPolicy | None = None
 
@@ -321,9 +329,63 @@ class RenderedPrompt:
     messages: list[dict[str, str]]
     model: str
     params: dict[str, Any]
-    response_format: dict[str, Any]
+    response_format: dict[str, Any]  # empty: none sent
     variables: dict[str, Any]
     redactions: Counter[str] = field(default_factory=Counter)  # PII replaced, by kind
+    tool: dict[str, Any] | None = None  # the function the answer must call (`tool_call`)
+
+
+def structured_output(
+    mode: str, name: str, schema: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+    """How a request asks for an answer of `schema`: (response_format, tool, text for the
+    end of the system message) for a version's `response_format` mode."""
+    name = name.replace("-", "_")
+    if mode == "json_schema":
+        fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema,
+                                                      "strict": True}}  # fmt: skip
+        return fmt, None, ""
+    if mode == "tool_call":
+        tool = {"name": name, "description": "Give the answer.", "parameters": schema,
+                "strict": True}  # fmt: skip
+        return {}, tool, ""
+    if mode == "schema_in_prompt":
+        text = f"\n\n{SCHEMA_IN_PROMPT}\n{json.dumps(schema, sort_keys=True)}"
+        return {"type": "json_object"}, None, text
+    return {"type": "json_object"}, None, ""
+
+
+# What OpenAI's strict structured outputs take of JSON Schema (its documented subset).
+STRICT_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "enum", "const",
+    "anyOf", "$ref", "$defs", "definitions", "description", "title", "pattern", "format",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minItems",
+    "maxItems", "$schema", "$id",
+})  # fmt: skip
+
+
+def strict_subset_issues(schema: Any, at: str = "#") -> list[str]:
+    """Where an output schema leaves OpenAI's strict-mode subset: keywords it refuses or
+    ignores, objects without `additionalProperties: false` or with optional properties."""
+    if not isinstance(schema, dict):
+        return []
+    found = [f"{at}: `{k}` is outside the strict-mode subset"
+             for k in sorted(set(schema) - STRICT_KEYWORDS)]  # fmt: skip
+    props = schema.get("properties")
+    if schema.get("type") == "object" or isinstance(props, dict):
+        if schema.get("additionalProperties") is not False:
+            found.append(f"{at}: strict mode needs additionalProperties: false")
+        optional = sorted(set(props or {}) - set(schema.get("required") or []))
+        if optional:
+            found.append(f"{at}: strict mode needs every property required ({optional})")
+    for key in ("properties", "$defs", "definitions"):
+        for name, sub in (schema.get(key) or {}).items():
+            found += strict_subset_issues(sub, f"{at}/{key}/{name}")
+    for i, sub in enumerate(schema.get("anyOf") or []):
+        found += strict_subset_issues(sub, f"{at}/anyOf/{i}")
+    if isinstance(schema.get("items"), dict):
+        found += strict_subset_issues(schema["items"], f"{at}/items")
+    return found
 
 
 # Tags a template uses to delimit record text (`<comment>{{ text }}</comment>`).
@@ -421,26 +483,19 @@ class PipelineVersion:
             user = self._user.render(**variables).strip()
         except TemplateError as exc:
             raise InvalidInput(f"prompt does not render: {exc}", code="render_error") from exc
-        schema = self.pipeline.output_schema
-        if self.spec.response_format == "json_schema":
-            response_format: dict[str, Any] = {
-                "type": "json_schema",
-                "json_schema": {
-                    "name": self.pipeline.name.replace("-", "_"),
-                    "schema": schema,
-                    "strict": True,
-                },
-            }
-        else:
-            response_format = {"type": "json_object"}
+        response_format, tool, more = structured_output(
+            self.spec.response_format, self.pipeline.name, self.pipeline.output_schema
+        )
         return RenderedPrompt(
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+            messages=[{"role": "system", "content": system + more},
+                      {"role": "user", "content": user}],
             model=self.spec.model or default_model,
             params=dict(self.spec.params),
             response_format=response_format,
             variables=variables,
             redactions=redactions,
-        )
+            tool=tool,
+        )  # fmt: skip
 
 
 class Pipeline:
