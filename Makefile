@@ -22,13 +22,13 @@ unit: $(BIN)/llm-streams
 	$(BIN)/python -m pytest tests/unit
 
 lint: $(BIN)/llm-streams
-	$(BIN)/ruff check streams tests bench deploy
-	$(BIN)/ruff format --check streams tests bench deploy
+	$(BIN)/ruff check streams tests bench deploy examples
+	$(BIN)/ruff format --check streams tests bench deploy examples
 	$(BIN)/mypy
 
 format: $(BIN)/llm-streams
-	$(BIN)/ruff format streams tests bench
-	$(BIN)/ruff check --fix streams tests bench
+	$(BIN)/ruff format streams tests bench examples
+	$(BIN)/ruff check --fix streams tests bench examples
 
 bench: $(BIN)/llm-streams
 	$(BIN)/python bench/pipeline_overhead.py

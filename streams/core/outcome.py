@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import orjson
 
@@ -137,6 +137,10 @@ class Outcome:
     stage: str = MAIN
     review: tuple[str, ...] = ()  # reasons this result also goes to the review topic
     review_value: bytes | None = None  # the result with those reasons, for that topic
+
+    def record(self) -> dict[str, Any]:
+        """The result or dead letter, as written (record contract v1)."""
+        return cast(dict[str, Any], orjson.loads(self.value))
 
 
 class Outcomes:

@@ -8,63 +8,14 @@ import faust
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from streams.core.processor import ProcessorConfig, TaskProcessor
+from streams.api import processor_factory
 from streams.kafka.agent import TaskAgent
 from streams.kafka.limits import WriteLimits
 from streams.kafka.security import faust_credentials
-from streams.llm.openai_client import OpenAIClient
 from streams.observability.metrics import Metrics
 from streams.observability.status import StatusView, render_html
 from streams.pipelines.registry import PipelineRegistry
-from streams.resilience.breaker import CircuitBreaker
-from streams.resilience.limiter import RateLimiter
-from streams.resilience.pool import ClientPool
 from streams.settings import Settings, load_settings
-
-
-def make_processor_factory(
-    settings: Settings,
-    registry: PipelineRegistry,
-    metrics: Metrics | None = None,
-    limits: WriteLimits | None = None,
-) -> Any:
-    """A factory called inside the worker's event loop (the HTTP client binds to it)."""
-    llm = settings.llm
-    res = settings.resilience
-    room = (limits or WriteLimits(settings.kafka.max_request_bytes)).record_room(settings)
-    config = ProcessorConfig.from_settings(settings, room)
-
-    def make() -> TaskProcessor:
-        pool = ClientPool(
-            base_url=llm.base_url,
-            api_key=llm.api_key.get_secret_value() if llm.api_key else None,
-            make_http=lambda url, key: OpenAIClient(
-                base_url=url,
-                api_key=key,
-                connect_timeout_s=llm.connect_timeout_s,
-                read_timeout_s=llm.read_timeout_s,
-                max_connections=settings.batch.concurrency,
-            ),
-            # Without a configured limit the first call goes alone and the provider's
-            # x-ratelimit headers set the ceiling (or none: unlimited).
-            make_limiter=lambda: RateLimiter(rpm=llm.rpm, tpm=llm.tpm, burst_s=llm.burst_s),
-            make_breaker=lambda name: CircuitBreaker(
-                name,
-                window_s=res.breaker_window_s,
-                min_calls=res.breaker_min_calls,
-                failure_rate=res.breaker_failure_rate,
-                open_s=res.breaker_open_s,
-                probes=res.breaker_probes,
-            ),
-            metrics=metrics,
-            slow_call_s=res.breaker_slow_call_s,
-        )
-        return TaskProcessor(
-            registry, pool.primary(llm.model), config, clients=pool.for_model,
-            metrics=metrics, close=pool.close,
-        )  # fmt: skip
-
-    return make
 
 
 def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.App:
@@ -72,6 +23,8 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
     broker at start by `run_worker`; without them, the producer's limit and Kafka's
     default topic limit)."""
     registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+    # The same processor as the Python API's (streams.api): the two cannot drift.
+    room = (limits or WriteLimits(settings.kafka.max_request_bytes)).record_room(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # Faust makes only the last level
     buffer = max(settings.batch.buffer, settings.batch.size)
     app = faust.App(
@@ -111,9 +64,8 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
     metrics = Metrics()
     app.llm_streams_metrics = metrics  # type: ignore[attr-defined]
     app.llm_streams_agent = TaskAgent(  # type: ignore[attr-defined]  # for the worker's stop
-        app, settings, make_processor_factory(settings, registry, metrics, limits), metrics,
-        limits,
-    )  # fmt: skip
+        app, settings, processor_factory(settings, registry, metrics, room), metrics, limits
+    )
 
     @app.page("/metrics")
     async def metrics_page(web: Any, request: Any) -> Any:
