@@ -439,8 +439,15 @@ def pipelines_validate(directory: Path | None) -> None:
 def acls() -> None:
     """The least Kafka ACLs the worker and each command need, for these settings."""
     from streams.kafka.acls import markdown
+    from streams.pipelines.registry import PipelineRegistry
 
-    click.echo(markdown(settings_or_exit()))
+    settings = settings_or_exit()
+    try:
+        registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+    except ConfigError as exc:
+        click.echo(f"invalid: {exc}", err=True)
+        sys.exit(1)
+    click.echo(markdown(settings, sorted(registry.sources())))
 
 
 def main() -> None:

@@ -9,3 +9,4 @@ TIER_HEADER = "llm-streams-tier"  # sync | flex | batch: how the worker answers 
 BACKTRACK_HEADER = "llm-streams-backtrack"  # restore | rerun: a backtrack of the task
 REDRIVE_HEADER = "llm-streams-redrive-of"  # topic/partition/offset of the dead letter
 REROUTED_FROM_HEADER = "llm-streams-rerouted-from"  # where a misrouted record came from
+SOURCE_OF_HEADER = "llm-streams-source-of"  # topic/partition/offset a mapped task came from

@@ -7,6 +7,7 @@ Topics can be created ahead of time (`topic_specs`); then no CREATE is needed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from streams.kafka.topics import ledger_topic, replays_topic, state_topic, topic_specs
@@ -24,7 +25,9 @@ class Acl:
     why: str = ""
 
 
-def worker_acls(settings: Settings, *, creates_topics: bool = False) -> list[Acl]:
+def worker_acls(
+    settings: Settings, *, creates_topics: bool = False, sources: Sequence[str] = ()
+) -> list[Acl]:
     t = settings.topics
     read = ("READ", "DESCRIBE")
     write = ("WRITE", "DESCRIBE", "DESCRIBE_CONFIGS")
@@ -39,6 +42,8 @@ def worker_acls(settings: Settings, *, creates_topics: bool = False) -> list[Acl
         Acl("topic", ledger_topic(settings), both, why="the batch lane's ledger"),
         Acl("group", settings.app_id, read, why="the consumer group"),
     ]
+    acls += [Acl("topic", name, read, why="a pipeline's source topic, read as it is")
+             for name in sources]  # fmt: skip
     if settings.processing_guarantee == "exactly_once":
         prefix = f"{settings.app_id}-eos-"
         why = "one transactional producer per task partition"
@@ -90,7 +95,7 @@ def command_acls(settings: Settings) -> dict[str, list[Acl]]:
     }
 
 
-def markdown(settings: Settings) -> str:
+def markdown(settings: Settings, sources: Sequence[str] = ()) -> str:
     """The tables of docs/SECURITY.md for `settings` (a test keeps the file equal to the
     defaults' tables)."""
 
@@ -100,7 +105,7 @@ def markdown(settings: Settings) -> str:
 
     head = ["| resource | name | operations | why |", "| --- | --- | --- | --- |"]
     eos = settings.model_copy(update={"processing_guarantee": "exactly_once"})
-    out = ["### Worker", "", *head, *rows(worker_acls(eos)), "",
+    out = ["### Worker", "", *head, *rows(worker_acls(eos, sources=sources)), "",
            "The transactional id only with `exactly_once`. To let the worker create missing "
            "topics at start, add CREATE on each topic (topics made ahead of time need none):",
            "", *head, *rows([a for a in worker_acls(settings, creates_topics=True)

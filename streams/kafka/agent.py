@@ -42,6 +42,7 @@ from streams.kafka.limits import WriteLimits
 from streams.kafka.parked import Resumer, StoredRecord
 from streams.kafka.routing import partition_for
 from streams.kafka.shutdown import Watchdog
+from streams.kafka.sources import SourceIngest
 from streams.kafka.store import Kind, MapView, TaskStore
 from streams.kafka.topics import ledger_topic, state_topic
 from streams.kafka.writer import CannotWrite, Headers, Writer
@@ -49,6 +50,7 @@ from streams.llm.openai_client import OpenAIClient
 from streams.observability.logs import current_task_id
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import TRACER, context_from_headers
+from streams.pipelines.sources import SourceMapper
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,7 @@ class TaskAgent:
         make_processor: Callable[[], TaskProcessor],
         metrics: Metrics | None = None,
         limits: WriteLimits | None = None,
+        sources: dict[str, list[SourceMapper]] | None = None,
     ) -> None:
         self.app = app
         self.settings = settings
@@ -145,6 +148,13 @@ class TaskAgent:
         self.live_agent = app.agent(self.live_topic, name="llm-streams.tasks")(self.run_live)  # type: ignore[arg-type]
         replay_agent = app.agent(self.replay_topic, name="llm-streams.replay")
         self.replay_agent = replay_agent(self.run_replay)  # type: ignore[arg-type]
+        # Existing topics read as they are (pipelines' `source:`): mapped, forwarded.
+        self.sources: SourceIngest | None = None
+        if sources:
+            self.sources = SourceIngest(settings, sources, self.writer, self.limits, self.metrics)
+            source_topic = app.topic(*self.sources.topics, **raw)
+            source_agent = app.agent(source_topic, name="llm-streams.sources")
+            self.source_agent = source_agent(self.run_sources)  # type: ignore[arg-type]
         self.metrics.watch_stream(self.stream_state)
 
     def left_behind(self) -> str:
@@ -243,9 +253,11 @@ class TaskAgent:
     async def run_replay(self, stream: faust.Stream[Any]) -> None:
         await self._run(stream, Lane.REPLAY)
 
-    async def _run(self, stream: faust.Stream[Any], lane: Lane) -> None:
+    def _processor_now(self) -> TaskProcessor:
+        """The worker's processor, made by the first agent that runs: one for every lane
+        (one limiter, one breaker per endpoint)."""
         settings = self.settings
-        if self._processor is None:  # one for both lanes: one limiter, one breaker
+        if self._processor is None:
             self._processor = self.make_processor()
             ops = self._processor.client.client
             if isinstance(ops, OpenAIClient):  # the provider's Batch API, for the batch tier
@@ -258,8 +270,38 @@ class TaskAgent:
                 self.parked.attach(lane_)
             self._decider = Decider(self._processor, self.store, self.cache, self.metrics,
                                     settings.topics.results)  # fmt: skip
-        processor = self._processor
         self._running_lanes += 1
+        return self._processor
+
+    async def _lane_stopped(self, processor: TaskProcessor) -> None:
+        self._running_lanes -= 1
+        if self._running_lanes == 0:  # the last agent out closes what they share
+            log.info("task agents stopped; left unacknowledged: %s", self.left_behind())
+            await self.parked.close()  # what is parked stays in the ledger
+            self._processor = self._decider = None
+            await processor.close()
+            if self.eos is not None:  # its last commit goes to the store's disk too
+                await self.eos.close()
+            await self.store.close()
+
+    async def run_sources(self, stream: faust.Stream[Any]) -> None:
+        """Records of the source topics: mapped and forwarded as tasks (kafka.sources)."""
+        assert self.sources is not None
+        processor = self._processor_now()
+        try:
+            async for events in stream.noack_take(
+                self.settings.batch.size, within=self.settings.batch.window_s
+            ):
+                await asyncio.gather(*(self.sources.ingest(e.message, processor)
+                                       for e in events))  # fmt: skip
+                for event in events:
+                    await stream.ack(event)
+        finally:
+            await self._lane_stopped(processor)
+
+    async def _run(self, stream: faust.Stream[Any], lane: Lane) -> None:
+        settings = self.settings
+        processor = self._processor_now()
         dispatcher = Dispatcher(slots=self.slots, lane=lane)
         self._streams[lane] = stream
         lane_name = lane.name.lower()
@@ -297,15 +339,7 @@ class TaskAgent:
                 await asyncio.wait_for(asyncio.shield(dispatcher.drain()), timeout=budget)
             except (TimeoutError, asyncio.CancelledError):
                 await dispatcher.cancel()
-            self._running_lanes -= 1
-            if self._running_lanes == 0:  # the last lane out closes what they share
-                log.info("task agents stopped; left unacknowledged: %s", self.left_behind())
-                await self.parked.close()  # what is parked stays in the ledger
-                self._processor = self._decider = None
-                await processor.close()
-                if self.eos is not None:  # its last commit goes to the store's disk too
-                    await self.eos.close()
-                await self.store.close()
+            await self._lane_stopped(processor)
 
     def _job(
         self,

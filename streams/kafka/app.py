@@ -64,8 +64,9 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
     metrics = Metrics()
     app.llm_streams_metrics = metrics  # type: ignore[attr-defined]
     app.llm_streams_agent = TaskAgent(  # type: ignore[attr-defined]  # for the worker's stop
-        app, settings, processor_factory(settings, registry, metrics, room), metrics, limits
-    )
+        app, settings, processor_factory(settings, registry, metrics, room), metrics, limits,
+        sources=registry.sources(),
+    )  # fmt: skip
 
     @app.page("/metrics")
     async def metrics_page(web: Any, request: Any) -> Any:

@@ -34,6 +34,11 @@ def run_worker(settings: Settings) -> None:
 
         loop.run_until_complete(check_transactions(settings))  # or a clear ConfigError
     limits = loop.run_until_complete(read_limits(settings, written_topics(settings)))
+    from streams.kafka.sources import check_sources
+    from streams.pipelines.registry import PipelineRegistry
+
+    registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+    loop.run_until_complete(check_sources(settings, sorted(registry.sources())))
     from streams.observability.tracing import setup_tracing
 
     setup_tracing(settings)

@@ -64,6 +64,12 @@ class Metrics:
             "Task records not keyed by their task id: rerouted (forwarded to the partition "
             "their task id maps to) or answered (already on it).", ["lane", "action"],
             registry=r)  # fmt: skip
+        self.source_records = Counter(
+            "llm_streams_source_records",
+            "Records of source topics (pipelines' `source:`): forwarded (as a task to "
+            "llm-tasks), skipped (not for the pipeline: its filter, a tombstone) or "
+            "dead_letter (could not be mapped).", ["pipeline", "outcome"],
+            registry=r)  # fmt: skip
         self.partitions_restarted = Counter(
             "llm_streams_partitions_restarted",
             "Exactly-once: partitions whose producer was fenced while still this worker's "

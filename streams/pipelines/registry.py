@@ -14,13 +14,14 @@ from typing import Any, Literal, get_args
 import jsonschema
 import jsonschema_rs
 import yaml
-from jinja2 import StrictUndefined, TemplateError, Undefined
-from jinja2.sandbox import SandboxedEnvironment
+from jinja2 import TemplateError, Undefined
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from streams.errors import ConfigError, InvalidInput
 from streams.llm.client import SCHEMA_IN_PROMPT, budget_key
 from streams.pipelines.defaults import has_defaults
+from streams.pipelines.jinja import ENV
+from streams.pipelines.sources import SourceMapper, SourceSpec
 from streams.preprocess import Redactor, clean
 
 # How a chunked input's per-chunk answers merge, per output field (streams.core.chunking).
@@ -288,6 +289,11 @@ class PipelineSpec(BaseModel):
         default_factory=list,
         description="Stages after the first, in order; their answers land under output.stages.",
     )
+    source: SourceSpec | None = Field(
+        None,
+        description="Existing topics read as they are, each record mapped to a task "
+        "(streams.pipelines.sources); none: tasks come as record contract v1 envelopes.",
+    )
     traffic: dict[str, float] | None = Field(
         None,
         description="A/B split: version -> weight. Tasks that pin no version are bucketed "
@@ -405,11 +411,6 @@ def delimiter_guard(template: str) -> Callable[[str], str] | None:
     return lambda text: pattern.sub(r"&lt;\1\2", text)
 
 
-_ENV = SandboxedEnvironment(
-    undefined=StrictUndefined, autoescape=False, keep_trailing_newline=False
-)
-
-
 class PipelineVersion:
     """One prompt version: compiled templates plus model parameters."""
 
@@ -418,8 +419,8 @@ class PipelineVersion:
         self.version = version
         self.spec = spec
         try:
-            self._system = _ENV.from_string(spec.system)
-            self._user = _ENV.from_string(spec.template)
+            self._system = ENV.from_string(spec.system)
+            self._user = ENV.from_string(spec.template)
             self._guard = delimiter_guard(spec.system + "\n" + spec.template)
         except TemplateError as exc:
             raise ConfigError(f"pipeline {pipeline.name} {version}: template error: {exc}") from exc
@@ -514,10 +515,11 @@ class Pipeline:
         # Optional fields with a `default` are filled in every output (defaults shown).
         self.fills_defaults = has_defaults(output_schema)
         self.versions = {v: PipelineVersion(self, v, s) for v, s in spec.versions.items()}
+        self.source = SourceMapper(spec.name, spec.source) if spec.source is not None else None
         self.stages: list[Stage] = []  # resolved by the registry once every pipeline loaded
         try:
             self._review_rules = {
-                name: _ENV.compile_expression(expr)
+                name: ENV.compile_expression(expr)
                 for name, expr in (spec.review.rules if spec.review else {}).items()
             }
         except TemplateError as exc:
@@ -612,9 +614,9 @@ def _resolve_stages(pipeline: Pipeline, pipelines: dict[str, Pipeline]) -> None:
         if spec.version is not None and spec.version not in target.versions:
             raise ConfigError(f"{where}: {spec.pipeline!r} has no version {spec.version!r}")
         try:
-            when = _ENV.compile_expression(spec.when) if spec.when else None
+            when = ENV.compile_expression(spec.when) if spec.when else None
             inputs: dict[str, Callable[..., Any]] = {
-                k: _ENV.compile_expression(v) for k, v in spec.input.items()
+                k: ENV.compile_expression(v) for k, v in spec.input.items()
             }
         except TemplateError as exc:
             raise ConfigError(f"{where}: expression error: {exc}") from exc
@@ -642,6 +644,15 @@ class PipelineRegistry:
         for pipeline in pipelines.values():
             _resolve_stages(pipeline, pipelines)
         return cls(pipelines)
+
+    def sources(self) -> dict[str, list[SourceMapper]]:
+        """Source topic -> the mappings of the pipelines that read it."""
+        found: dict[str, list[SourceMapper]] = {}
+        for pipeline in self.pipelines.values():
+            if pipeline.source is not None:
+                for topic in pipeline.source.spec.topics:
+                    found.setdefault(topic, []).append(pipeline.source)
+        return found
 
     def get(self, name: str) -> Pipeline:
         try:
@@ -672,6 +683,13 @@ def _load_one(path: Path, schemas_dir: Path) -> Pipeline:
         if unknown:
             raise ConfigError(f"{path}: chunking.reduce names fields {unknown} not in the schema")
     for version in pipeline.versions.values():
+        if spec.source is not None:
+            required = {n for n, slot in version.spec.slots.items()
+                        if slot.required and slot.default is None}  # fmt: skip
+            missing = sorted(required - set(spec.source.slots))
+            if missing:
+                raise ConfigError(f"{path}: source.slots does not map the slots {missing} "
+                                  f"that version {version.version} requires")  # fmt: skip
         if version.spec.example_input is not None:
             try:
                 version.render(version.spec.example_input, "example-model")

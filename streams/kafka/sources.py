@@ -1,0 +1,128 @@
+"""Source topics at the edge: records of existing topics (pipelines' `source:`, see
+`pipelines.sources`) mapped to tasks and forwarded to their task partition of
+`llm-tasks`, keyed by task id, with the record's position in a header
+(`llm-streams-source-of`); from there they run as any task. A record that cannot be
+mapped, or whose task is too large for `llm-tasks`, becomes an `invalid_input` dead
+letter (again if the record runs again after a crash: at-least-once); one that is not
+for the pipeline is skipped. Each outcome is counted (`llm_streams_source_records_total`).
+The source record is acked once all this is written (at-least-once: a task forwarded
+twice is answered once, under one result key).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+import orjson
+
+from streams.contract.headers import SOURCE_OF_HEADER
+from streams.contract.records import Source
+from streams.core.processor import TaskProcessor
+from streams.errors import ConfigError, InvalidInput
+from streams.kafka import clients
+from streams.kafka.limits import WriteLimits
+from streams.kafka.routing import partition_for
+from streams.kafka.writer import Writer
+from streams.observability.metrics import Metrics
+from streams.pipelines.sources import Skipped, SourceMapper
+from streams.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class SourceIngest:
+    """Maps and forwards the records of the source topics."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        mappers: dict[str, list[SourceMapper]],
+        writer: Writer,
+        limits: WriteLimits,
+        metrics: Metrics,
+    ) -> None:
+        self.settings = settings
+        self.mappers = mappers
+        self.writer = writer
+        self.limits = limits
+        self.metrics = metrics
+
+    @property
+    def topics(self) -> list[str]:
+        return sorted(self.mappers)
+
+    async def ingest(self, message: Any, processor: TaskProcessor) -> None:
+        """One source record: a task forwarded, a dead letter, or a skip, per pipeline."""
+        source = Source(topic=message.topic, partition=message.partition, offset=message.offset)
+        where = f"{source.topic}/{source.partition}/{source.offset}"
+        headers = message.headers or ()
+        items = list(headers.items() if isinstance(headers, dict) else headers)
+        for mapper in self.mappers.get(message.topic, []):
+            count = self.metrics.source_records.labels(mapper.pipeline, "forwarded")
+            try:
+                task = mapper.task(message.value, message.key, items, message.timestamp)
+                if isinstance(task, Skipped):
+                    self.metrics.source_records.labels(mapper.pipeline, "skipped").inc()
+                    continue
+                value = orjson.dumps(task)
+                room = self.limits.room(self.settings.topics.tasks)
+                if len(value) > room:
+                    why = f"the mapped task takes {len(value)} bytes, over the {room} it may"
+                    raise InvalidInput(why, code="source_too_large")
+            except InvalidInput as exc:
+                await self._dead_letter(exc, message, source, processor)
+                self.metrics.source_records.labels(mapper.pipeline, "dead_letter").inc()
+                continue
+            task_id = str(task["task_id"])
+            home = partition_for(task_id, self.settings.kafka.partitions)
+
+            def forward(task_id: str = task_id, value: bytes = value,
+                        home: int = home) -> Awaitable[int]:  # fmt: skip
+                return self.writer.send(self.settings.topics.tasks, task_id.encode(), value,
+                                        home, [(SOURCE_OF_HEADER, where.encode())])  # fmt: skip
+
+            await self.writer.write_or_stop(forward, what=f"the task mapped from {where}")
+            count.inc()
+
+    async def _dead_letter(
+        self,
+        exc: InvalidInput,
+        message: Any,
+        source: Source,
+        processor: TaskProcessor,
+    ) -> None:
+        outcome = processor.dead_letter(exc, message.value, message.key, source)
+        # Where a task of that key would live; a record with no key by its position.
+        key = message.key.decode(errors="replace") if message.key else str(source.offset)
+        partition = partition_for(key, self.settings.kafka.partitions)
+        log.info("source record %s/%d/%d: %s", source.topic, source.partition, source.offset,
+                 exc.message)  # fmt: skip
+        await self.writer.deliver(outcome, partition)
+
+
+async def check_sources(settings: Settings, topics: list[str]) -> None:
+    """At start: every source topic exists (the worker never creates a user's topic, nor
+    lets the broker make an empty one for a misspelt name), and the guarantee allows
+    them. Raises ConfigError naming what is wrong."""
+    if not topics:
+        return
+    if settings.processing_guarantee == "exactly_once":
+        raise ConfigError(
+            "pipelines with `source:` topics run at-least-once only for now (their tasks are "
+            "forwarded to llm-tasks outside the partition transactions): set "
+            "LLM_STREAMS_PROCESSING_GUARANTEE=at_least_once, or publish tasks to llm-tasks"
+        )
+    admin = clients.admin(settings)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+    finally:
+        await admin.close()
+    missing = sorted(set(topics) - existing)
+    if missing:
+        raise ConfigError(f"source topics {missing} (pipelines' `source.topics`) do not exist")
+
+
+__all__ = ["SourceIngest", "check_sources"]

@@ -1,0 +1,183 @@
+"""Sources: existing topics read as they are, each record mapped to a task of a pipeline.
+
+A pipeline file may declare `source:` — the topics it reads and how a record becomes
+a task (record contract v1 stays the default: records in `llm-tasks` need no mapping):
+
+    source:
+      topics: [shop.public.reviews]          # read as they are (JSON values)
+      task_id: "review-{{ value.payload.after.id }}"  # `key` (the record key), a JSON
+                                             # pointer, a list of pointers (hashed), or a
+                                             # Jinja template like this one
+      filter: "value.payload.op in ['c', 'u', 'r']"   # Jinja; false: skipped, counted
+      slots:
+        text: /payload/after/body            # a JSON pointer into the value, or
+        rating: "{{ value.payload.after.stars }}"    # a Jinja expression over value,
+                                             # key, headers and timestamp
+      prompt_version: v2                     # optional: pin one
+
+A mapped record becomes a task; one that is not for this pipeline (the filter says
+no; a tombstone) is skipped; one that cannot be mapped (not JSON, a pointer that
+finds nothing, a slot of the wrong type) is invalid input, with the reason. The
+worker forwards each task to its task partition of `llm-tasks` (`kafka.sources`),
+from where it runs as any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from streams.errors import ConfigError, InvalidInput
+from streams.pipelines.jinja import ENV
+
+
+class SourceSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    topics: list[str] = Field(min_length=1)
+    task_id: str | list[str] = "key"
+    slots: dict[str, str] = Field(min_length=1)
+    filter: str | None = None
+    prompt_version: str | None = None
+
+    @field_validator("task_id")
+    @classmethod
+    def _task_id_is_a_key_or_pointers(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, str):
+            if value != "key" and not value.startswith("/") and "{{" not in value:
+                raise ValueError(f"task_id: {value!r} is neither `key`, a JSON pointer nor "
+                                 "a Jinja template")  # fmt: skip
+            return value
+        if not value or not all(p.startswith("/") for p in value):
+            raise ValueError("task_id: a list must name one or more JSON pointers")
+        return value
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A record that is not for this pipeline."""
+
+    reason: str
+
+
+def pointer_get(document: Any, pointer: str) -> Any:
+    """RFC 6901: the value at `pointer`; KeyError when there is none."""
+    node = document
+    for raw in pointer.split("/")[1:]:
+        token = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            raise KeyError(pointer)
+    return node
+
+
+class SourceMapper:
+    """One pipeline's mapping from a record of its source topics to a task."""
+
+    def __init__(self, pipeline: str, spec: SourceSpec) -> None:
+        self.pipeline = pipeline
+        self.spec = spec
+        try:
+            self._filter = ENV.compile_expression(spec.filter) if spec.filter else None
+            how = spec.task_id
+            templated = isinstance(how, str) and how != "key" and not how.startswith("/")
+            self._id_template = ENV.from_string(str(how)) if templated else None
+            self._slots = {
+                name: expr if expr.startswith("/") else ENV.from_string(expr)
+                for name, expr in spec.slots.items()
+            }
+        except TemplateError as exc:
+            raise ConfigError(f"pipeline {pipeline}: source: {exc}") from exc
+
+    def task(
+        self,
+        value: bytes | None,
+        key: bytes | None,
+        headers: list[tuple[str, bytes]] | None = None,
+        timestamp: float | None = None,
+    ) -> dict[str, Any] | Skipped:
+        """The task (record contract v1) a record maps to, or why it is skipped. Raises
+        InvalidInput when it cannot be mapped."""
+        if value is None:
+            return Skipped("tombstone")
+        try:
+            document = orjson.loads(value)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidInput(f"source record is not JSON: {exc}", code="source_not_json") from exc
+        scope = {
+            "value": document,
+            "key": key.decode(errors="replace") if key is not None else None,
+            "headers": {k: v.decode(errors="replace") for k, v in headers or ()},
+            "timestamp": timestamp,
+        }
+        if self._filter is not None:
+            try:
+                wanted = self._filter(**scope)
+            except TemplateError as exc:
+                raise InvalidInput(f"source filter: {exc}", code="source_filter") from exc
+            if not wanted:
+                return Skipped("filter")
+        slots = {name: self._slot(name, how, document, scope) for name, how in self._slots.items()}
+        task: dict[str, Any] = {
+            "task_id": self._task_id(document, key, scope),
+            "pipeline": self.pipeline,
+            "input": slots,
+        }
+        if self.spec.prompt_version:
+            task["prompt_version"] = self.spec.prompt_version
+        return task
+
+    def _task_id(self, document: Any, key: bytes | None, scope: dict[str, Any]) -> str:
+        how = self.spec.task_id
+        if self._id_template is not None:
+            try:
+                task_id = self._id_template.render(**scope).strip()
+            except TemplateError as exc:
+                raise InvalidInput(f"source task_id: {exc}", code="source_task_id") from exc
+            if not task_id:
+                raise InvalidInput("source task_id is empty", code="source_task_id")
+            return task_id
+        if how == "key":
+            if not key:
+                raise InvalidInput("source record has no key for its task_id", code="source_key")
+            return key.decode(errors="replace")
+        pointers = how if isinstance(how, list) else [how]
+        values = [self._pointed(document, p, "task_id") for p in pointers]
+        if isinstance(how, str):
+            if not isinstance(values[0], str | int) or isinstance(values[0], bool):
+                raise InvalidInput(f"task_id at {how} is not a string or an integer",
+                                   code="source_task_id")  # fmt: skip
+            task_id = str(values[0])
+        else:
+            digest = hashlib.sha256(orjson.dumps(values, option=orjson.OPT_SORT_KEYS))
+            task_id = f"{self.pipeline}-{digest.hexdigest()[:32]}"
+        if not task_id:
+            raise InvalidInput("source task_id is empty", code="source_task_id")
+        return task_id
+
+    def _slot(self, name: str, how: Any, document: Any, scope: dict[str, Any]) -> Any:
+        if isinstance(how, str):
+            return self._pointed(document, how, f"slot {name}")
+        try:
+            return how.render(**scope)
+        except TemplateError as exc:
+            raise InvalidInput(f"source slot {name}: {exc}", code="source_slot") from exc
+
+    @staticmethod
+    def _pointed(document: Any, pointer: str, what: str) -> Any:
+        try:
+            return pointer_get(document, pointer)
+        except KeyError:
+            raise InvalidInput(f"source record has nothing at {pointer} for its {what}",
+                               code="source_pointer") from None  # fmt: skip
+
+
+__all__ = ["Skipped", "SourceMapper", "SourceSpec", "pointer_get"]

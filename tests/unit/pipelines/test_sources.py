@@ -1,0 +1,103 @@
+"""Sources: a record of an existing topic mapped to a task of its pipeline, skipped, or
+refused with the reason (which becomes an invalid_input dead letter)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import orjson
+import pytest
+
+from streams.errors import ConfigError, InvalidInput
+from streams.pipelines.registry import PipelineRegistry
+from streams.pipelines.sources import Skipped, SourceMapper, SourceSpec
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> PipelineRegistry:
+    for example in (ROOT / "examples" / "sources").glob("*.yaml"):
+        shutil.copy(example, tmp_path)
+    return PipelineRegistry.load(tmp_path, ROOT / "schemas")
+
+
+def _change(op: str, after: dict[str, object] | None) -> bytes:
+    return orjson.dumps({"schema": {}, "payload": {"op": op, "before": None, "after": after,
+                                                   "source": {"table": "reviews"}}})  # fmt: skip
+
+
+def test_the_shipped_debezium_example_maps_changes_and_skips_deletes(
+    registry: PipelineRegistry,
+) -> None:
+    (cdc,) = registry.sources()["shop.public.reviews"]
+    row = {"id": 42, "body": "The zip broke after two days.", "product_name": "Bag", "stars": 1}
+    for op in ("c", "u", "r"):
+        assert cdc.task(_change(op, row), b'{"id": 42}') == {
+            "task_id": "review-42", "pipeline": "reviews-cdc",
+            "input": {"text": "The zip broke after two days.", "product": "Bag", "rating": "1"},
+        }  # fmt: skip
+    assert cdc.task(_change("d", None), b"k") == Skipped("filter")
+    assert cdc.task(None, b"k") == Skipped("tombstone")  # Debezium's tombstone after a delete
+    prompt = (
+        registry.get("reviews-cdc")
+        .versions["v1"]
+        .render(
+            cdc.task(_change("c", row), None)["input"],
+            "m",  # type: ignore[index]
+        )
+    )
+    assert "The zip broke after two days." in prompt.messages[1]["content"]
+
+
+def test_a_plain_json_topic_takes_its_task_id_from_the_key(registry: PipelineRegistry) -> None:
+    (plain,) = registry.sources()["app.comments"]
+    task = plain.task(b'{"comment": {"text": "Love it"}, "user": 7}', b"c-9")
+    assert task == {"task_id": "c-9", "pipeline": "plain-comments", "input": {"text": "Love it"}}
+
+
+@pytest.mark.parametrize(
+    ("value", "key", "code"),
+    [
+        (b"{not json", b"k", "source_not_json"),
+        (b'{"comment": {}}', b"k", "source_pointer"),  # nothing at /comment/text
+        (b'{"comment": {"text": "hi"}}', None, "source_key"),  # task_id from a missing key
+    ],
+)
+def test_what_cannot_be_mapped_is_invalid_input_with_the_reason(
+    registry: PipelineRegistry, value: bytes, key: bytes | None, code: str
+) -> None:
+    (plain,) = registry.sources()["app.comments"]
+    with pytest.raises(InvalidInput) as caught:
+        plain.task(value, key)
+    assert caught.value.code == code
+
+
+def test_task_ids_from_a_pointer_or_a_hash_of_fields() -> None:
+    by_pointer = SourceMapper("p", SourceSpec(topics=["t"], task_id="/id", slots={"text": "/t"}))
+    assert by_pointer.task(b'{"id": 7, "t": "x"}', None)["task_id"] == "7"  # type: ignore[index]
+    with pytest.raises(InvalidInput, match="not a string or an integer"):
+        by_pointer.task(b'{"id": {"a": 1}, "t": "x"}', None)
+    hashed = SourceMapper("p", SourceSpec(topics=["t"], task_id=["/shop", "/n"],
+                                          slots={"text": "/t"}))  # fmt: skip
+    one = hashed.task(b'{"shop": "s", "n": 1, "t": "x"}', None)
+    again = hashed.task(b'{"n": 1, "shop": "s", "t": "other text"}', None)
+    other = hashed.task(b'{"shop": "s", "n": 2, "t": "x"}', None)
+    assert one["task_id"] == again["task_id"] != other["task_id"]  # type: ignore[index]
+    assert one["task_id"].startswith("p-")  # type: ignore[index]
+
+
+def test_slots_from_jinja_see_key_headers_and_timestamp() -> None:
+    mapper = SourceMapper("p", SourceSpec(topics=["t"], slots={
+        "text": "{{ value.body }} ({{ headers['shop'] }}, {{ key }}, {{ timestamp | int }})"}))  # fmt: skip
+    task = mapper.task(b'{"body": "ok"}', b"k1", [("shop", b"eu")], 1764500000.0)
+    assert task["input"] == {"text": "ok (eu, k1, 1764500000)"}  # type: ignore[index]
+
+
+def test_a_source_that_leaves_a_required_slot_unmapped_stops_the_start(tmp_path: Path) -> None:
+    text = (ROOT / "examples" / "sources" / "plain-comments.yaml").read_text()
+    (tmp_path / "p.yaml").write_text(text.replace("    text: /comment/text\n",
+                                                  "    title: /comment/title\n"))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"does not map the slots \['text'\]"):
+        PipelineRegistry.load(tmp_path, ROOT / "schemas")
