@@ -107,8 +107,11 @@ class Resumer:
         assert lane is not None
 
         async def resume(p: int) -> None:
-            await self.store.ready(p)  # its ledger loaded
-            lane.resume_parked(p)
+            while p in self.store.owned():  # (`store.ready` would load one it lost again)
+                if self.store.loaded(p):  # its ledger read
+                    lane.resume_parked(p)
+                    return
+                await asyncio.sleep(0.2)
 
         for p in partitions:
             self._spawn(resume(p))

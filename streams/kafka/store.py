@@ -215,6 +215,10 @@ class TaskStore:
             part = self._parts[partition]
         await part.ready.wait()
 
+    def loaded(self, partition: int) -> bool:
+        part = self._parts.get(partition)
+        return part is not None and part.ready.is_set()
+
     def owned(self) -> set[int]:
         return set(self._parts)
 
