@@ -6,6 +6,7 @@ invalid_input dead letter."""
 from __future__ import annotations
 
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ async def test_a_cdc_topic_and_a_plain_topic_are_analysed_as_they_are(
 ) -> None:
     pipelines = tmp_path / "pipelines"
     shutil.copytree(ROOT / "pipelines", pipelines)
-    suffix = tmp_path.name[-12:].replace("_", "-")
+    suffix = uuid.uuid4().hex[:8]  # the user's topics, new for this run
     cdc_topic, plain_topic = f"shop.reviews-{suffix}", f"app.comments-{suffix}"
     for example, topic in (("reviews-cdc", cdc_topic), ("plain-comments", plain_topic)):
         text = (ROOT / "examples" / "sources" / f"{example}.yaml").read_text()
