@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 REPLAY_ID_HEADER = "llm-streams-replay-id"  # the replay a record was sent by
 REPLAY_OF_HEADER = "llm-streams-replay-of"  # topic/partition/offset it was copied from
 FORCE_HEADER = "llm-streams-force"  # "1": ask the LLM again even when answered
@@ -10,3 +12,13 @@ BACKTRACK_HEADER = "llm-streams-backtrack"  # restore | rerun: a backtrack of th
 REDRIVE_HEADER = "llm-streams-redrive-of"  # topic/partition/offset of the dead letter
 REROUTED_FROM_HEADER = "llm-streams-rerouted-from"  # where a misrouted record came from
 SOURCE_OF_HEADER = "llm-streams-source-of"  # topic/partition/offset a mapped task came from
+
+
+def header_items(headers: Any) -> list[tuple[str, bytes]]:
+    """A record's headers as (name, value) pairs, whether a client gives a mapping or a
+    sequence of pairs (Faust, aiokafka)."""
+    if not headers:
+        return []
+    if isinstance(headers, dict):
+        return list(headers.items())
+    return list(headers)  # a sequence of pairs

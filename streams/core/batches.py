@@ -101,10 +101,11 @@ class Ledger(Protocol):
 
 @dataclass(frozen=True)
 class Parking:
-    """The record a job answers, as the edge runs it again (opaque here)."""
+    """The record a job answers, as the edge runs it again (opaque here): made only when
+    the job parks (`record()`), not for every record that might."""
 
     key: str  # one per task answer: its result key
-    record: bytes
+    record: Callable[[], bytes]
 
 
 # Set by the edge for the job it runs; unset (tests, tools): a job waits for its batch.
@@ -192,7 +193,7 @@ class _Waiting:
     line: bytes
     tokens: int
     # True once the request is durably in the ledger; False if it failed to be.
-    durable: asyncio.Future[bool] | None = None
+    durable: asyncio.Future[bool]
 
 
 @dataclass
@@ -240,10 +241,10 @@ class BatchLane:
         self.ledger = ledger
         self.settings = settings
         # A batch's ledger record lists its requests and must fit the ledger topic.
+        self.ledger_room = ledger_room
         self.max_items = max(1, min(settings.max_items, (ledger_room - 1024) // LEDGER_ITEM_BYTES))
         self.metrics = metrics or Metrics()  # none given: one nobody scrapes
         self._pending: dict[int, list[_Waiting]] = {}
-        self._queued: set[tuple[str, int]] = set()
         self._durable: dict[tuple[str, int], asyncio.Future[bool]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._waiters: dict[tuple[str, int], list[asyncio.Future[Answer]]] = {}
@@ -319,18 +320,15 @@ class BatchLane:
         durable: asyncio.Future[bool] | None = None
         if known is not None and known.state != "abandoned":
             self._follow(known)
-        elif key not in self._queued:
-            self._queued.add(key)
+        elif key not in self._durable:  # not queued here yet
+            durable = self._durable[key] = asyncio.get_running_loop().create_future()
             async with self._intake:  # at a pace (the job holds its slot)
                 pass
             line = request_line(custom_id, request)
             tokens = self._prompt_tokens(request) + completion_budget(request.params)
-            durable = self._durable[key] = asyncio.get_running_loop().create_future()
             self._enqueue(_Waiting(partition, custom_id, attempt, line, tokens, durable))
         else:  # queued by another run of the same request: parks once that is in the ledger
-            durable = self._durable.get(key)
-            if durable is None:
-                parking = None
+            durable = self._durable[key]
         async with parked():
             if parking is not None and await self._park(partition, parking, future, durable):
                 latest = self._ledger_batch(partition, custom_id, attempt)
@@ -357,10 +355,13 @@ class BatchLane:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if answer.done() or not durable.result():
                 return False
+        record = parking.record()
+        if len(record) + 1024 > self.ledger_room:  # the ledger topic would refuse it
+            return False
         key = job_key(parking.key)
         try:
-            if self.ledger.get(partition, key) != parking.record:
-                await self.ledger.put(partition, key, parking.record)
+            if self.ledger.get(partition, key) != record:
+                await self.ledger.put(partition, key, record)
             await self.ledger.durable(partition)
         except Exception as exc:  # the broker away, the partition lost: wait as before
             log.warning("could not park job %s of partition %d: %r", parking.key, partition, exc)
@@ -388,7 +389,6 @@ class BatchLane:
         p = waiting.partition
         queue = self._pending.setdefault(p, [])
         queue.append(waiting)
-        self._queued.add((waiting.custom_id, waiting.attempt))
         size = sum(len(w.line) for w in queue)
         if len(queue) >= self.max_items or size >= self.settings.max_bytes:
             self._flush(p)
@@ -474,10 +474,9 @@ class BatchLane:
         queued here; jobs waiting to park hear of it."""
         for w in batch.lines:
             key = (w.custom_id, w.attempt)
-            self._queued.discard(key)
             if self._durable.get(key) is w.durable:
                 self._durable.pop(key, None)
-            if w.durable is not None and not w.durable.done():
+            if not w.durable.done():
                 w.durable.set_result(durable)
 
     async def _create(self, batch: _Batch) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from streams.contract.headers import (
     FORCE_HEADER,
     REROUTED_FROM_HEADER,
     TIER_HEADER,
+    header_items,
 )
 from streams.contract.lanes import Lane, Tier
 from streams.contract.records import Source
@@ -61,10 +62,8 @@ TIERS = {tier.value.encode(): tier for tier in Tier}
 
 def header(message: Any, name: str) -> bytes | None:
     """A record header's value (the last one of that name), or None."""
-    headers = message.headers or ()
-    items = headers.items() if isinstance(headers, dict) else headers
     found = None
-    for key, value in items:
+    for key, value in header_items(message.headers):
         if key == name:
             found = value
     return found
@@ -453,9 +452,7 @@ class TaskAgent:
         if lane is Lane.REPLAY and processor.batches is not None:
             # A request waiting in a batch parks the job (see core.batches) when the
             # ledger can take the record; else the job waits for the batch, unacked.
-            record = StoredRecord.of(message).pack()
-            if len(record) + 1024 <= self.limits.room(ledger_topic(self.settings)):
-                PARKING.set(Parking(prep.result_key, record))
+            PARKING.set(Parking(prep.result_key, StoredRecord.of(message).pack))
         decision = await decider.decide(prep, lane, how)
         if decision.outcome is None:
             if decision.state is not None:

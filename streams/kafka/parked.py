@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from streams.contract.headers import header_items
 from streams.contract.lanes import Lane
 from streams.core.batches import BatchLane, job_key
 from streams.core.dispatch import Dispatcher, LaneSlots
@@ -43,10 +44,9 @@ class StoredRecord:
 
     @classmethod
     def of(cls, message: Any) -> StoredRecord:
-        headers = message.headers or ()
-        items = headers.items() if isinstance(headers, dict) else headers
         return cls(message.topic, message.partition, message.offset, message.key,
-                   message.value or b"", list(items), message.timestamp)  # fmt: skip
+                   message.value or b"", header_items(message.headers),
+                   message.timestamp)  # fmt: skip
 
     def pack(self) -> bytes:
         """A JSON object (the ledger's readers take only those); bytes in base64."""

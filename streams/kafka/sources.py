@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from streams.contract.headers import SOURCE_OF_HEADER
+from streams.contract.headers import SOURCE_OF_HEADER, header_items
 from streams.contract.records import Source
 from streams.core.processor import TaskProcessor
 from streams.errors import ConfigError, InvalidInput
@@ -57,8 +57,7 @@ class SourceIngest:
         """One source record: a task forwarded, a dead letter, or a skip, per pipeline."""
         source = Source(topic=message.topic, partition=message.partition, offset=message.offset)
         where = f"{source.topic}/{source.partition}/{source.offset}"
-        headers = message.headers or ()
-        items = list(headers.items() if isinstance(headers, dict) else headers)
+        items = header_items(message.headers)
         for mapper in self.mappers.get(message.topic, []):
             count = self.metrics.source_records.labels(mapper.pipeline, "forwarded")
             try:

@@ -334,7 +334,7 @@ class GoneLedger(LedgerStore):
 
 
 async def _parked(lane: BatchLane, key: str, text: str) -> None:
-    token = PARKING.set(Parking(key, f"record of {key}".encode()))
+    token = PARKING.set(Parking(key, lambda: f"record of {key}".encode()))
     try:
         await lane.complete(0, key, 1, _request(text))
     finally:
@@ -362,7 +362,7 @@ async def test_a_parked_job_ends_once_its_request_is_in_the_ledger_and_runs_agai
     assert sorted(resumed) == [(0, f"rk-{i}", f"record of rk-{i}".encode()) for i in range(3)]
     # Run again, each finds its answer in the finished batch: nothing sent again.
     again = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]  # another worker
-    token = PARKING.set(Parking("rk-1", b"record of rk-1"))
+    token = PARKING.set(Parking("rk-1", lambda: b"record of rk-1"))
     try:
         answer = await again.complete(0, "rk-1", 1, _request("Fine 1."))
     finally:
@@ -449,7 +449,7 @@ async def test_a_job_parking_while_its_batch_ends_takes_the_answer_instead(
     second = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
     resumed: list[str] = []
     second.resume = lambda p, key, record: resumed.append(key)
-    token = PARKING.set(Parking("rk-1", b"the record"))
+    token = PARKING.set(Parking("rk-1", lambda: b"the record"))
     try:
         answer = await second.complete(0, "rk-1", 1, _request("Fine."))
     finally:
