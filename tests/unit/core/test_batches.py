@@ -457,3 +457,19 @@ async def test_a_job_parking_while_its_batch_ends_takes_the_answer_instead(
     assert orjson.loads(answer.content)["sentiment"]
     assert simulator.sim.snapshot()["batches"] == 1
     await second.close()
+
+
+async def test_a_record_too_big_for_the_ledger_is_not_parked_its_job_waits_for_the_answer(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    store = LedgerStore()
+    lane = BatchLane(client, store, SETTINGS, ledger_room=4096)  # type: ignore[arg-type]
+    token = PARKING.set(Parking("rk-1", lambda: b"x" * 5000))  # over the ledger's room
+    try:
+        answer = await lane.complete(0, "rk-1", 1, _request("Fine."))  # no Parked
+    finally:
+        PARKING.reset(token)
+    assert orjson.loads(answer.content)["sentiment"]
+    assert job_key("rk-1") not in store.maps[0]  # nothing written the topic would refuse
+    assert simulator.sim.snapshot()["batches"] == 1
+    await lane.close()
