@@ -31,16 +31,108 @@ from streams.contract.lanes import Lane
 from streams.contract.records import RecordRoom, Source
 from streams.core.outcome import Outcome
 from streams.core.processor import ProcessorConfig, TaskProcessor
+from streams.errors import ConfigError, InvalidInput
 from streams.llm.openai_client import OpenAIClient
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
+from streams.pipelines.sources import Skipped, SourceMapper
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.pool import ClientPool
+from streams.schema_registry import RecordDecoder, RegistryClient
 from streams.settings import Settings, load_settings
 
 # Where a task given to the API comes from, when the caller does not say.
 API_SOURCE = Source(topic="api", partition=0, offset=0)
+
+
+def uses_registry(mapper: SourceMapper) -> bool:
+    return mapper.spec.format == "registry" or mapper.spec.key_format == "registry"
+
+
+class SourceReader:
+    """Records of source topics to tasks, by the pipelines' `source:` mappings: the
+    value (and key) decoded as each source says (JSON, or the schema registry's wire
+    format) once per record, whichever pipelines read it. The worker's source ingest
+    (`kafka.sources`) and `Analyzer.analyze_record` both read records here."""
+
+    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._decoder: RecordDecoder | None = None
+
+    async def tasks(
+        self,
+        mappers: list[SourceMapper],
+        value: bytes | None,
+        key: bytes | None,
+        headers: list[tuple[str, bytes]] | None = None,
+        timestamp: float | None = None,
+    ) -> list[tuple[SourceMapper, dict[str, Any] | Skipped | InvalidInput]]:
+        """Per mapper: the task, why the record is skipped, or why it cannot be mapped."""
+        decoded: dict[str, Any] = {}  # "value" / "key" -> decoded, or the InvalidInput
+        out: list[tuple[SourceMapper, dict[str, Any] | Skipped | InvalidInput]] = []
+        for mapper in mappers:
+            try:
+                if value is None:
+                    task: dict[str, Any] | Skipped = Skipped("tombstone")
+                elif uses_registry(mapper):
+                    task = await self._map_decoded(mapper, value, key, headers, timestamp,
+                                                   decoded)  # fmt: skip
+                else:
+                    task = mapper.task(value, key, headers, timestamp)
+            except InvalidInput as exc:
+                out.append((mapper, exc))
+                continue
+            out.append((mapper, task))
+        return out
+
+    async def _map_decoded(
+        self,
+        mapper: SourceMapper,
+        value: bytes,
+        key: bytes | None,
+        headers: list[tuple[str, bytes]] | None,
+        timestamp: float | None,
+        decoded: dict[str, Any],
+    ) -> dict[str, Any] | Skipped:
+        spec = mapper.spec
+        if spec.format == "registry":
+            document = await self._decoded(decoded, "value", value)
+        else:
+            try:
+                document = orjson.loads(value)
+            except orjson.JSONDecodeError as exc:
+                raise InvalidInput(f"source record is not JSON: {exc}",
+                                   code="source_not_json") from exc  # fmt: skip
+        the_key: Any = key
+        if key is not None and spec.key_format == "registry":
+            the_key = await self._decoded(decoded, "key", key)
+        return mapper.map(document, the_key, headers, timestamp)
+
+    async def _decoded(self, decoded: dict[str, Any], part: str, raw: bytes) -> Any:
+        if part not in decoded:
+            if self._decoder is None:
+                if self.settings.schema_registry.url is None:
+                    raise ConfigError("a source has format `registry`: set "
+                                      "LLM_STREAMS_SCHEMA_REGISTRY__URL")  # fmt: skip
+                client = RegistryClient(self.settings.schema_registry, self.metrics)
+                self._decoder = RecordDecoder(client)
+            try:
+                decoded[part] = await self._decoder.decode(raw)
+            except InvalidInput as exc:
+                if part == "key":
+                    exc = InvalidInput(f"source record's key: {exc.message}", code=exc.code)
+                decoded[part] = exc
+        found = decoded[part]
+        if isinstance(found, InvalidInput):
+            raise found
+        return found
+
+    async def close(self) -> None:
+        if self._decoder is not None:
+            await self._decoder.client.close()
+            self._decoder = None
 
 
 def processor_factory(
@@ -105,6 +197,7 @@ class Analyzer:
         )
         self.metrics = metrics or Metrics()
         self._make = processor_factory(self.settings, self.registry, self.metrics)
+        self.reader = SourceReader(self.settings, self.metrics)
         self._processor: TaskProcessor | None = None
 
     @property
@@ -127,7 +220,34 @@ class Analyzer:
         raw = task if isinstance(task, bytes) else orjson.dumps(dict(task))
         return await self.processor.process(raw, key, source or API_SOURCE, lane)
 
+    async def analyze_record(
+        self,
+        pipeline: str,
+        value: bytes | None,
+        *,
+        key: bytes | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+        timestamp: float | None = None,
+        source: Source | None = None,
+        lane: Lane = Lane.LIVE,
+    ) -> Outcome | Skipped:
+        """A record of one of `pipeline`'s source topics (its `source:` mapping, decoded
+        with the schema registry if the source says so) answered; or why it is skipped
+        (its filter, a tombstone). A record that cannot be mapped is a dead letter."""
+        mapper = self.registry.get(pipeline).source
+        if mapper is None:
+            raise ConfigError(f"pipeline {pipeline} declares no `source:` mapping")
+        source = source or API_SOURCE
+        [(_, task)] = await self.reader.tasks([mapper], value, key, headers, timestamp)
+        if isinstance(task, InvalidInput):
+            return self.processor.dead_letter(task, value, key, source)
+        if isinstance(task, Skipped):
+            return task
+        task_key = str(task["task_id"]).encode()
+        return await self.processor.process(orjson.dumps(task), task_key, source, lane)
+
     async def close(self) -> None:
+        await self.reader.close()
         if self._processor is not None:
             await self._processor.close()
             self._processor = None
@@ -139,4 +259,4 @@ class Analyzer:
         await self.close()
 
 
-__all__ = ["API_SOURCE", "Analyzer", "processor_factory"]
+__all__ = ["API_SOURCE", "Analyzer", "SourceReader", "processor_factory", "uses_registry"]

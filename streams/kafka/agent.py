@@ -296,6 +296,7 @@ class TaskAgent:
                 for event in events:
                     await stream.ack(event)
         finally:
+            await self.sources.close()
             await self._lane_stopped(processor)
 
     async def _run(self, stream: faust.Stream[Any], lane: Lane) -> None:

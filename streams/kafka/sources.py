@@ -6,7 +6,10 @@ mapped, or whose task is too large for `llm-tasks`, becomes an `invalid_input` d
 letter (again if the record runs again after a crash: at-least-once); one that is not
 for the pipeline is skipped. Each outcome is counted (`llm_streams_source_records_total`).
 The source record is acked once all this is written (at-least-once: a task forwarded
-twice is answered once, under one result key).
+twice is answered once, under one result key). Records of sources with `format:
+registry` (and keys with `key_format: registry`) are decoded first with the schema
+registry's schemas (`streams.api.SourceReader`): once per record, whichever pipelines
+read it; a record that does not decode is a dead letter of each of them.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import logging
 from collections.abc import Awaitable
 from typing import Any
 
+import aiohttp
 import orjson
 
+from streams.api import SourceReader, uses_registry
 from streams.contract.headers import SOURCE_OF_HEADER, header_items
 from streams.contract.records import Source
 from streams.core.processor import TaskProcessor
@@ -27,6 +32,7 @@ from streams.kafka.routing import partition_for
 from streams.kafka.writer import Writer
 from streams.observability.metrics import Metrics
 from streams.pipelines.sources import Skipped, SourceMapper
+from streams.schema_registry import RegistryClient, RegistryRefused
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -48,20 +54,27 @@ class SourceIngest:
         self.writer = writer
         self.limits = limits
         self.metrics = metrics
+        self.reader = SourceReader(settings, metrics)
 
     @property
     def topics(self) -> list[str]:
         return sorted(self.mappers)
+
+    async def close(self) -> None:
+        await self.reader.close()
 
     async def ingest(self, message: Any, processor: TaskProcessor) -> None:
         """One source record: a task forwarded, a dead letter, or a skip, per pipeline."""
         source = Source(topic=message.topic, partition=message.partition, offset=message.offset)
         where = f"{source.topic}/{source.partition}/{source.offset}"
         items = header_items(message.headers)
-        for mapper in self.mappers.get(message.topic, []):
+        mapped = await self.reader.tasks(self.mappers.get(message.topic, []), message.value,
+                                         message.key, items, message.timestamp)  # fmt: skip
+        for mapper, task in mapped:
             count = self.metrics.source_records.labels(mapper.pipeline, "forwarded")
             try:
-                task = mapper.task(message.value, message.key, items, message.timestamp)
+                if isinstance(task, InvalidInput):
+                    raise task
                 if isinstance(task, Skipped):
                     self.metrics.source_records.labels(mapper.pipeline, "skipped").inc()
                     continue
@@ -101,12 +114,17 @@ class SourceIngest:
         await self.writer.deliver(outcome, partition)
 
 
-async def check_sources(settings: Settings, topics: list[str]) -> None:
+async def check_sources(settings: Settings, mappers: dict[str, list[SourceMapper]]) -> None:
     """At start: every source topic exists (the worker never creates a user's topic, nor
-    lets the broker make an empty one for a misspelt name), and the guarantee allows
-    them. Raises ConfigError naming what is wrong."""
+    lets the broker make an empty one for a misspelt name), the guarantee allows them,
+    and sources decoded with a schema registry have one that answers. Raises
+    ConfigError naming what is wrong."""
+    topics = sorted(mappers)
     if not topics:
         return
+    registry = sorted({m.pipeline for ms in mappers.values() for m in ms if uses_registry(m)})
+    if registry:
+        await check_registry(settings, registry)
     if settings.processing_guarantee == "exactly_once":
         raise ConfigError(
             "pipelines with `source:` topics run at-least-once only for now (their tasks are "
@@ -124,4 +142,20 @@ async def check_sources(settings: Settings, topics: list[str]) -> None:
         raise ConfigError(f"source topics {missing} (pipelines' `source.topics`) do not exist")
 
 
-__all__ = ["SourceIngest", "check_sources"]
+async def check_registry(settings: Settings, pipelines: list[str]) -> None:
+    """The schema registry is set and answers with these credentials."""
+    url = settings.schema_registry.url
+    if url is None:
+        raise ConfigError(f"pipelines {pipelines} read sources with format `registry`: set "
+                          "LLM_STREAMS_SCHEMA_REGISTRY__URL")  # fmt: skip
+    client = RegistryClient(settings.schema_registry)
+    try:
+        await client.check()
+    except (aiohttp.ClientError, TimeoutError, RegistryRefused) as exc:
+        raise ConfigError(f"schema registry {url} (LLM_STREAMS_SCHEMA_REGISTRY__URL) does not "
+                          f"answer: {type(exc).__name__}: {exc}") from exc  # fmt: skip
+    finally:
+        await client.close()
+
+
+__all__ = ["SourceIngest", "check_registry", "check_sources"]

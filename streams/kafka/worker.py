@@ -38,7 +38,7 @@ def run_worker(settings: Settings) -> None:
     from streams.pipelines.registry import PipelineRegistry
 
     registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
-    loop.run_until_complete(check_sources(settings, sorted(registry.sources())))
+    loop.run_until_complete(check_sources(settings, registry.sources()))
     from streams.observability.tracing import setup_tracing
 
     setup_tracing(settings)

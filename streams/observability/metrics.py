@@ -70,6 +70,11 @@ class Metrics:
             "llm-tasks), skipped (not for the pipeline: its filter, a tombstone) or "
             "dead_letter (could not be mapped).", ["pipeline", "outcome"],
             registry=r)  # fmt: skip
+        self.schema_lookups = Counter(
+            "llm_streams_schema_lookups",
+            "Schema registry lookups of source records' schema ids: cached, fetched, unknown "
+            "(the registry has no such id: a dead letter) or unavailable (a failed request, "
+            "tried again).", ["outcome"], registry=r)  # fmt: skip
         self.partitions_restarted = Counter(
             "llm_streams_partitions_restarted",
             "Exactly-once: partitions whose producer was fenced while still this worker's "

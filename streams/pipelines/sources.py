@@ -14,6 +14,15 @@ a task (record contract v1 stays the default: records in `llm-tasks` need no map
         rating: "{{ value.payload.after.stars }}"    # a Jinja expression over value,
                                              # key, headers and timestamp
       prompt_version: v2                     # optional: pin one
+      format: json                           # or `registry`: Avro / JSON Schema records in
+                                             # the schema registry's wire format
+      key_format: raw                        # or `registry`: the key is decoded too
+
+With `format: registry`, the value is decoded first (`streams.schema_registry`, with
+the registry of LLM_STREAMS_SCHEMA_REGISTRY__URL) and mapped as its JSON form; with
+`key_format: registry` the key is decoded as well (`key` in templates is then the
+decoded key; `task_id: key` is a decoded scalar as text, or a structure's canonical
+JSON).
 
 A mapped record becomes a task; one that is not for this pipeline (the filter says
 no; a tombstone) is skipped; one that cannot be mapped (not JSON, a pointer that
@@ -26,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from jinja2 import TemplateError
@@ -44,6 +53,8 @@ class SourceSpec(BaseModel):
     slots: dict[str, str] = Field(min_length=1)
     filter: str | None = None
     prompt_version: str | None = None
+    format: Literal["json", "registry"] = "json"
+    key_format: Literal["raw", "registry"] = "raw"
 
     @field_validator("task_id")
     @classmethod
@@ -79,6 +90,18 @@ def pointer_get(document: Any, pointer: str) -> Any:
     return node
 
 
+def _key_text(key: bytes | Any) -> str:
+    """A record key as a task id: raw bytes as text, a decoded scalar as text, a decoded
+    structure as its canonical JSON."""
+    if key is None or key == b"":
+        raise InvalidInput("source record has no key for its task_id", code="source_key")
+    if isinstance(key, bytes):
+        return key.decode(errors="replace")
+    if isinstance(key, dict | list):
+        return orjson.dumps(key, option=orjson.OPT_SORT_KEYS).decode()
+    return str(key)
+
+
 class SourceMapper:
     """One pipeline's mapping from a record of its source topics to a task."""
 
@@ -112,9 +135,20 @@ class SourceMapper:
             document = orjson.loads(value)
         except orjson.JSONDecodeError as exc:
             raise InvalidInput(f"source record is not JSON: {exc}", code="source_not_json") from exc
+        return self.map(document, key, headers, timestamp)
+
+    def map(
+        self,
+        document: Any,
+        key: bytes | Any,
+        headers: list[tuple[str, bytes]] | None = None,
+        timestamp: float | None = None,
+    ) -> dict[str, Any] | Skipped:
+        """The task a decoded record maps to (`task` after its JSON parse; the sources'
+        ingest after a registry decode). `key`: the raw key, or the decoded one."""
         scope = {
             "value": document,
-            "key": key.decode(errors="replace") if key is not None else None,
+            "key": key.decode(errors="replace") if isinstance(key, bytes) else key,
             "headers": {k: v.decode(errors="replace") for k, v in headers or ()},
             "timestamp": timestamp,
         }
@@ -135,7 +169,7 @@ class SourceMapper:
             task["prompt_version"] = self.spec.prompt_version
         return task
 
-    def _task_id(self, document: Any, key: bytes | None, scope: dict[str, Any]) -> str:
+    def _task_id(self, document: Any, key: bytes | Any, scope: dict[str, Any]) -> str:
         how = self.spec.task_id
         if self._id_template is not None:
             try:
@@ -146,9 +180,7 @@ class SourceMapper:
                 raise InvalidInput("source task_id is empty", code="source_task_id")
             return task_id
         if how == "key":
-            if not key:
-                raise InvalidInput("source record has no key for its task_id", code="source_key")
-            return key.decode(errors="replace")
+            return _key_text(key)
         pointers = how if isinstance(how, list) else [how]
         values = [self._pointed(document, p, "task_id") for p in pointers]
         if isinstance(how, str):

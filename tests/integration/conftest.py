@@ -17,6 +17,7 @@ import pytest
 
 from streams.dev.brokers.apache import ApacheKafka
 from streams.dev.brokers.docker import official_kafka
+from streams.dev.registry import SchemaRegistry
 from streams.settings import Settings, load_settings
 
 pytestmark = pytest.mark.integration
@@ -54,6 +55,13 @@ def kafka_bootstrap() -> Iterator[str]:
         yield broker.bootstrap
     finally:
         broker.stop()
+
+
+@pytest.fixture(scope="session")
+def schema_registry() -> Iterator[str]:
+    """A real schema registry (Confluent's REST API; streams.dev.registry): its URL."""
+    with SchemaRegistry() as registry:
+        yield registry.url
 
 
 @pytest.fixture

@@ -105,3 +105,144 @@ async def test_a_cdc_topic_and_a_plain_topic_are_analysed_as_they_are(
                  outcome="dead_letter") == 2  # fmt: skip
     assert count("llm_streams_source_records_total", pipeline="plain-comments",
                  outcome="forwarded") == 5  # fmt: skip
+
+
+KEY = {"type": "record", "name": "Key", "namespace": "shop.public.reviews",
+       "fields": [{"name": "id", "type": "int"}]}  # fmt: skip
+ROW = {"type": "record", "name": "Value", "namespace": "shop.public.reviews",
+       "fields": [{"name": "id", "type": "int"},
+                  {"name": "body", "type": ["null", "string"], "default": None},
+                  {"name": "product_name", "type": "string"},
+                  {"name": "stars", "type": "int"}]}  # fmt: skip
+ENVELOPE = {"type": "record", "name": "Envelope", "namespace": "shop.public.reviews",
+            "fields": [{"name": "before", "type": ["null", ROW], "default": None},
+                       {"name": "after", "type": ["null", "shop.public.reviews.Value"],
+                        "default": None},
+                       {"name": "op", "type": "string"},
+                       {"name": "ts_ms", "type": "long"}]}  # fmt: skip
+COMMENT = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+           "required": ["text"], "properties": {"text": {"type": "string"}}}  # fmt: skip
+
+JSON_COMMENTS = """
+name: json-comments
+default_version: v1
+output_schema: comment-analysis.output.schema.json
+source:
+  topics: [{topic}]
+  format: registry
+  task_id: key
+  slots:
+    text: /text
+versions:
+  v1:
+    params: {{temperature: 0, max_tokens: 400}}
+    response_format: json_schema
+    slots:
+      text: {{type: string, required: true, max_length: 8000}}
+    system: Return the analysis of the comment as JSON.
+    template: "Comment: <comment>{{{{ text }}}}</comment>"
+"""
+
+
+async def _register(url: str, subject: str, schema: dict[str, Any], kind: str = "AVRO") -> int:
+    import aiohttp
+
+    body = {"schema": orjson.dumps(schema).decode(), "schemaType": kind}
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{url}/subjects/{subject}/versions", json=body,
+        headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
+    ) as reply:  # fmt: skip
+        assert reply.status == 200, await reply.text()
+        return int((await reply.json())["id"])
+
+
+def _framed(schema_id: int, schema: dict[str, Any] | None, record: Any) -> bytes:
+    import io
+
+    import fastavro
+
+    if schema is None:  # JSON Schema: the JSON itself after the header
+        body = orjson.dumps(record)
+    else:
+        out = io.BytesIO()
+        fastavro.schemaless_writer(out, fastavro.parse_schema(schema), record)
+        body = out.getvalue()
+    return b"\x00" + schema_id.to_bytes(4, "big") + body
+
+
+async def test_avro_and_json_schema_topics_are_read_through_a_real_schema_registry(
+    make_settings: Any, simulator: SimulatorServer, schema_registry: str, tmp_path: Path
+) -> None:
+    pipelines = tmp_path / "pipelines"
+    shutil.copytree(ROOT / "pipelines", pipelines)
+    suffix = uuid.uuid4().hex[:8]
+    avro_topic, json_topic = f"shop.reviews.avro-{suffix}", f"app.comments.json-{suffix}"
+    text = (ROOT / "examples" / "sources" / "reviews-avro.yaml").read_text()
+    (pipelines / "reviews-avro.yaml").write_text(
+        text.replace("[shop.public.reviews.avro]", f"[{avro_topic}]"))  # fmt: skip
+    (pipelines / "json-comments.yaml").write_text(JSON_COMMENTS.format(topic=json_topic))
+    settings = make_settings(llm={"base_url": simulator.base_url, "api_key": "k",
+                                  "model": "sim-1"}, pipelines_dir=pipelines,
+                             schema_registry={"url": schema_registry})  # fmt: skip
+    await ensure_topics(settings)
+    key_id = await _register(schema_registry, f"{avro_topic}-key", KEY)
+    value_id = await _register(schema_registry, f"{avro_topic}-value", ENVELOPE)
+    comment_id = await _register(schema_registry, f"{json_topic}-value", COMMENT, "JSON")
+
+    def change(op: str, i: int, body: str | None = "The strap broke after a week.") -> bytes:
+        row = {"id": i, "body": body, "product_name": "Bag", "stars": 1 + i % 5}
+        return _framed(value_id, ENVELOPE, {"before": None, "after": None if op == "d" else row,
+                                            "op": op, "ts_ms": 1_764_500_000_000})  # fmt: skip
+
+    def key(i: int) -> bytes:
+        return _framed(key_id, KEY, {"id": i})
+
+    avro: list[tuple[bytes | None, bytes | None]] = [
+        (key(i), change("cru"[i % 3], i)) for i in range(1, 7)
+    ]
+    avro += [
+        (key(50), change("d", 50)),  # a delete: skipped
+        (key(50), None),  # its tombstone: skipped
+        (key(60), change("c", 60)[:-6]),  # truncated body: source_undecodable
+        (key(61), b"\x00\x00\x01\x86\xa0" + change("c", 61)[5:]),  # id 100000: unknown
+        (key(62), orjson.dumps({"op": "c"})),  # plain JSON: source_not_framed
+        (key(63), change("c", 63, body=None)),  # no text (wrong type for the slot)
+    ]
+    plain: list[tuple[bytes | None, bytes | None]] = [
+        (f"j-{i}".encode(), _framed(comment_id, None, {"text": f"Great blender {i}!"}))
+        for i in range(3)
+    ]
+    plain.append((b"j-bad", _framed(comment_id, None, {"text": 42})))  # source_schema_mismatch
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    try:
+        await _publish(settings, avro_topic, avro)
+        await _publish(settings, json_topic, plain)
+        wanted = {f"review-{i}" for i in range(1, 7)} | {f"j-{i}" for i in range(3)}
+        got = await collect(settings, set(), timeout_s=120, worker=worker, settle_s=2.0,
+                            until=lambda g: wanted <= {r["task_id"] for r in g.results}
+                            and len(g.dead_letters) >= 5)  # fmt: skip
+        scrape = await worker.scrape()
+    finally:
+        worker.stop()
+
+    by_task = {r["task_id"]: r for r in got.results}
+    assert set(by_task) == wanted
+    assert by_task["review-4"]["pipeline"] == "reviews-avro"
+    assert by_task["j-1"]["pipeline"] == "json-comments"
+    assert all(r["output"]["sentiment"] for r in got.results)
+    codes = sorted(d["error"]["code"] for d in got.dead_letters)
+    assert codes == ["missing_slot", "source_not_framed", "source_schema_mismatch",
+                     "source_schema_unknown", "source_undecodable"], codes  # fmt: skip
+    assert all(d["error"]["category"] == "invalid_input" for d in got.dead_letters)
+    reasons = {d["error"]["code"]: d["error"]["message"] for d in got.dead_letters}
+    assert "100000" in reasons["source_schema_unknown"]
+    assert "/text" in reasons["source_schema_mismatch"]
+    count = scrape.value
+    assert count("llm_streams_source_records_total", pipeline="reviews-avro",
+                 outcome="forwarded") == 7  # fmt: skip
+    assert count("llm_streams_source_records_total", pipeline="reviews-avro",
+                 outcome="skipped") == 2  # fmt: skip
+    assert count("llm_streams_source_records_total", pipeline="reviews-avro",
+                 outcome="dead_letter") == 3  # fmt: skip
+    assert count("llm_streams_schema_lookups_total", outcome="fetched") == 3
+    assert count("llm_streams_schema_lookups_total", outcome="unknown") == 1

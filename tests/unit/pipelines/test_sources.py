@@ -51,6 +51,32 @@ def test_the_shipped_debezium_example_maps_changes_and_skips_deletes(
     assert "The zip broke after two days." in prompt.messages[1]["content"]
 
 
+def test_the_shipped_avro_example_maps_a_decoded_change_and_its_decoded_key(
+    registry: PipelineRegistry,
+) -> None:
+    (avro,) = registry.sources()["shop.public.reviews.avro"]
+    assert (avro.spec.format, avro.spec.key_format) == ("registry", "registry")
+    row = {"id": 42, "body": "The zip broke.", "product_name": "Bag", "stars": 1}
+    change = {"op": "u", "before": None, "after": row, "ts_ms": 1}
+    assert avro.map(change, {"id": 42}) == {
+        "task_id": "review-42", "pipeline": "reviews-avro",
+        "input": {"text": "The zip broke.", "product": "Bag", "rating": "1"},
+    }  # fmt: skip
+    assert avro.map({**change, "op": "d"}, {"id": 42}) == Skipped("filter")
+
+
+@pytest.mark.parametrize(
+    ("key", "task_id"),
+    [(b"c-1", "c-1"), (17, "17"), ({"b": 2, "a": 1}, '{"a":1,"b":2}')],
+)
+def test_task_id_key_takes_a_raw_key_a_decoded_scalar_or_a_structure(
+    key: object, task_id: str
+) -> None:
+    mapper = SourceMapper("p", SourceSpec(topics=["t"], task_id="key", slots={"text": "/t"}))
+    assert mapper.map({"t": "x"}, key) == {"task_id": task_id, "pipeline": "p",
+                                          "input": {"text": "x"}}  # fmt: skip
+
+
 def test_a_plain_json_topic_takes_its_task_id_from_the_key(registry: PipelineRegistry) -> None:
     (plain,) = registry.sources()["app.comments"]
     task = plain.task(b'{"comment": {"text": "Love it"}, "user": 7}', b"c-9")

@@ -1,0 +1,306 @@
+"""Records in Confluent's wire format (a 0 byte, a 4-byte schema id, then the body),
+decoded with the schemas of a schema registry; pipelines' `source: {format: registry}`.
+
+    decoder = RecordDecoder(RegistryClient(settings.schema_registry), metrics)
+    document = await decoder.decode(value)   # a JSON-ready object, or InvalidInput
+
+Avro bodies are read with fastavro (schema references resolved through the registry);
+JSON Schema bodies are parsed and validated against their schema. Protobuf is refused
+(as invalid input, with the reason). Decoded values are made JSON-ready: bytes and
+fixed as base64, decimals as exact strings, dates and times in ISO 8601, so results
+stay JSON and a slot of any Avro type can be written.
+
+A schema id the registry does not know, a body that does not decode, and a JSON body
+that fails its schema are invalid input (codes source_not_framed,
+source_schema_unknown, source_undecodable, source_schema_mismatch,
+source_schema_type): a dead letter with the reason. A registry that does not answer
+(refused, timed out, 5xx, 401/403, 429) is not the record's fault: the lookup waits
+and tries again, backing off to `retry_max_s`, until it answers or the worker stops
+(a cancelled lookup ends at once). Schemas are kept in an LRU of `cache_size` ids
+(ids never change meaning in a registry); an unknown id is remembered for
+`unknown_ttl_s`, so a burst of records with one bad id asks once. Concurrent lookups
+of one id share one request.
+
+Written here rather than taken from confluent-kafka's schema_registry package: that
+client is synchronous (or, in its async form, tied to its own HTTP stack and to
+librdkafka's wheel), and this needs one GET with the retry and single-flight rules
+above; the decoding itself is fastavro's and jsonschema's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import io
+import logging
+import ssl
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+import aiohttp
+import fastavro
+import jsonschema
+import orjson
+from fastavro.types import Schema as AvroSchema
+
+from streams.errors import InvalidInput
+from streams.observability.metrics import Metrics
+from streams.settings import SchemaRegistrySettings
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0
+HEADER_BYTES = 5
+_MAX_REFERENCE_DEPTH = 16
+
+
+class UnknownSchema(Exception):
+    """The registry answered that it has no such schema."""
+
+
+class RegistryRefused(Exception):
+    """The registry answered the start-up check with an error status."""
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A schema as the decoder uses it: `kind` AVRO, JSON or PROTOBUF."""
+
+    id: int
+    kind: str
+    avro: AvroSchema | None = None
+    validator: Any = None
+
+
+class RegistryClient:
+    """The registry's REST API: schemas by id, with their references."""
+
+    def __init__(self, settings: SchemaRegistrySettings, metrics: Metrics | None = None) -> None:
+        if settings.url is None:
+            raise ValueError("RegistryClient needs LLM_STREAMS_SCHEMA_REGISTRY__URL")
+        self.settings = settings
+        self.url = settings.url.rstrip("/")
+        self.metrics = metrics
+        self._cache: OrderedDict[int, Schema] = OrderedDict()
+        self._unknown: dict[int, float] = {}
+        self._inflight: dict[int, asyncio.Task[Schema]] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def schema(self, schema_id: int) -> Schema:
+        """The schema of `schema_id`. Raises UnknownSchema; waits out registry outages."""
+        found = self._cache.get(schema_id)
+        if found is not None:
+            self._cache.move_to_end(schema_id)
+            self._count("cached")
+            return found
+        loop = asyncio.get_running_loop()
+        since = self._unknown.get(schema_id)
+        if since is not None and loop.time() - since < self.settings.unknown_ttl_s:
+            self._count("unknown")
+            raise UnknownSchema(schema_id)
+        task = self._inflight.get(schema_id)
+        if task is None:
+            task = loop.create_task(self._load(schema_id))
+            self._inflight[schema_id] = task
+            task.add_done_callback(lambda _t: self._inflight.pop(schema_id, None))
+        # One lookup serves every waiter; a waiter cancelled leaves it to the others.
+        return await asyncio.shield(task)
+
+    async def _load(self, schema_id: int) -> Schema:
+        try:
+            body = await self._get(f"/schemas/ids/{schema_id}")
+        except UnknownSchema:
+            self._unknown[schema_id] = asyncio.get_running_loop().time()
+            if len(self._unknown) > self.settings.cache_size:
+                self._unknown.pop(next(iter(self._unknown)))
+            self._count("unknown")
+            raise
+        try:
+            schema = await self._parse(schema_id, body)
+        except UnknownSchema:
+            self._unknown[schema_id] = asyncio.get_running_loop().time()
+            raise
+        self._cache[schema_id] = schema
+        if len(self._cache) > self.settings.cache_size:
+            self._cache.popitem(last=False)
+        self._count("fetched")
+        return schema
+
+    async def _parse(self, schema_id: int, body: dict[str, Any]) -> Schema:
+        kind = str(body.get("schemaType") or "AVRO").upper()
+        text = body.get("schema")
+        if not isinstance(text, str):
+            raise UnknownSchema(schema_id)
+        if kind == "AVRO":
+            named: dict[str, Any] = {}
+            try:
+                await self._references(body.get("references") or [], named, 0)
+                avro = fastavro.parse_schema(orjson.loads(text), named_schemas=named)
+            except (fastavro.schema.SchemaParseException, fastavro.schema.UnknownType,
+                    ValueError, TypeError, KeyError) as exc:  # fmt: skip
+                log.warning("schema %d of the registry does not parse: %s", schema_id, exc)
+                raise UnknownSchema(schema_id) from exc
+            return Schema(schema_id, kind, avro=avro)
+        if kind == "JSON":
+            try:
+                document = orjson.loads(text)
+                cls = jsonschema.validators.validator_for(document, jsonschema.Draft7Validator)
+                cls.check_schema(document)
+            except (orjson.JSONDecodeError, jsonschema.SchemaError) as exc:
+                log.warning("schema %d of the registry does not parse: %s", schema_id, exc)
+                raise UnknownSchema(schema_id) from exc
+            return Schema(schema_id, kind, validator=cls(document))
+        return Schema(schema_id, kind)
+
+    async def _references(self, refs: list[dict[str, Any]], named: dict[str, Any],
+                          depth: int) -> None:  # fmt: skip
+        """Avro named types that a schema takes from other subjects, parsed into `named`
+        (depth first: a reference's own references come before it)."""
+        if depth > _MAX_REFERENCE_DEPTH:
+            raise UnknownSchema(f"references nested over {_MAX_REFERENCE_DEPTH} deep")
+        for ref in refs:
+            subject, version = ref.get("subject"), ref.get("version")
+            body = await self._get(f"/subjects/{subject}/versions/{version}")
+            await self._references(body.get("references") or [], named, depth + 1)
+            fastavro.parse_schema(orjson.loads(body["schema"]), named_schemas=named)
+
+    async def _get(self, path: str) -> dict[str, Any]:
+        """GET `path`: the JSON body; UnknownSchema on 404; otherwise tries until it
+        gets an answer (an outage of the registry is waited out, never dead-lettered)."""
+        wait = 0.2
+        while True:
+            try:
+                session = self._session_now()
+                async with session.get(self.url + path) as reply:
+                    if reply.status == 200:
+                        body = await reply.json(content_type=None)
+                        if isinstance(body, dict):
+                            return body
+                        why = "an answer that is not a JSON object"
+                    elif reply.status == 404:
+                        raise UnknownSchema(path)
+                    else:
+                        why = f"HTTP {reply.status}: {(await reply.text())[:200]}"
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+            self._count("unavailable")
+            log.warning("schema registry %s%s: %s; trying again in %.1fs", self.url, path,
+                        why, wait)  # fmt: skip
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, self.settings.retry_max_s)
+
+    async def check(self) -> None:
+        """One request, no retry: the registry answers with these credentials. Raises
+        aiohttp.ClientError, TimeoutError or RegistryRefused."""
+        async with self._session_now().get(self.url + "/subjects") as reply:
+            if reply.status != 200:
+                raise RegistryRefused(f"HTTP {reply.status}: {(await reply.text())[:200]}")
+
+    def _session_now(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            s = self.settings
+            context: ssl.SSLContext | None = None
+            if s.ca_file is not None:
+                context = ssl.create_default_context(cafile=str(s.ca_file))
+            auth = None
+            if s.username is not None and s.password is not None:
+                auth = aiohttp.BasicAuth(s.username, s.password.get_secret_value())
+            self._session = aiohttp.ClientSession(
+                auth=auth,
+                timeout=aiohttp.ClientTimeout(total=s.timeout_s),
+                connector=aiohttp.TCPConnector(ssl=context) if context else None,
+                headers={"Accept": "application/vnd.schemaregistry.v1+json, application/json"},
+            )
+        return self._session
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.schema_lookups.labels(outcome).inc()
+
+    async def close(self) -> None:
+        for task in list(self._inflight.values()):
+            task.cancel()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class RecordDecoder:
+    """Bytes in the wire format to a JSON-ready document."""
+
+    def __init__(self, client: RegistryClient) -> None:
+        self.client = client
+
+    async def decode(self, value: bytes) -> Any:
+        if len(value) < HEADER_BYTES or value[0] != MAGIC:
+            raise InvalidInput(
+                "source record is not in the schema registry's wire format (a 0 byte and a "
+                f"4-byte schema id first); it starts {value[:HEADER_BYTES]!r}",
+                code="source_not_framed",
+            )
+        schema_id = int.from_bytes(value[1:HEADER_BYTES], "big")
+        try:
+            schema = await self.client.schema(schema_id)
+        except UnknownSchema:
+            raise InvalidInput(f"the schema registry has no schema {schema_id}",
+                               code="source_schema_unknown") from None  # fmt: skip
+        return decode_body(schema, value[HEADER_BYTES:])
+
+
+def decode_body(schema: Schema, body: bytes) -> Any:
+    """The body of a framed record read with its schema, JSON-ready; InvalidInput when
+    it does not decode or (JSON Schema) does not conform."""
+    if schema.kind == "AVRO" and schema.avro is not None:
+        stream = io.BytesIO(body)
+        try:
+            document = fastavro.schemaless_reader(stream, schema.avro, None)
+        except Exception as exc:  # fastavro raises what the bytes lead it to
+            why = f"{type(exc).__name__}: {exc}"
+            raise InvalidInput(f"source record does not decode with Avro schema {schema.id}: "
+                               f"{why}", code="source_undecodable") from None  # fmt: skip
+        left = len(body) - stream.tell()
+        if left:
+            raise InvalidInput(f"source record has {left} bytes after its Avro body (schema "
+                               f"{schema.id})", code="source_undecodable")  # fmt: skip
+        return jsonable(document)
+    if schema.kind == "JSON":
+        try:
+            document = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidInput(f"source record's body is not JSON: {exc}",
+                               code="source_undecodable") from None  # fmt: skip
+        error = jsonschema.exceptions.best_match(schema.validator.iter_errors(document))
+        if error is not None:
+            where = "/" + "/".join(str(p) for p in error.absolute_path)
+            raise InvalidInput(f"source record does not conform to JSON schema {schema.id} "
+                               f"at {where}: {error.message}",
+                               code="source_schema_mismatch")  # fmt: skip
+        return document
+    raise InvalidInput(f"source record's schema {schema.id} is {schema.kind}; only AVRO and "
+                       "JSON records are decoded", code="source_schema_type")  # fmt: skip
+
+
+def jsonable(value: Any) -> Any:
+    """A decoded Avro value with only JSON types: bytes as base64, decimals as exact
+    strings, dates and times in ISO 8601, UUIDs as strings."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bytes | bytearray):
+        return base64.b64encode(value).decode()
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    return value
+
+
+__all__ = ["RecordDecoder", "RegistryClient", "RegistryRefused", "Schema", "UnknownSchema",
+           "decode_body", "jsonable"]  # fmt: skip

@@ -1,0 +1,213 @@
+"""Records in the schema registry's wire format: Avro and JSON Schema bodies decoded to
+JSON-ready documents; every way a record can be bad is invalid input with its reason;
+the registry's outages are waited out (never dead-lettered), lookups are shared, the
+cache is bounded, and a lookup cancelled mid-outage ends at once.
+
+The registry here is a small aiohttp server that can fail on command (fault
+injection); tests/integration/test_sources.py runs against a real registry server."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import io
+import uuid
+from decimal import Decimal
+from typing import Any
+
+import fastavro
+import orjson
+import pytest
+
+from streams.errors import InvalidInput
+from streams.observability.metrics import Metrics
+from streams.schema_registry import (
+    RecordDecoder,
+    RegistryClient,
+    Schema,
+    UnknownSchema,
+    decode_body,
+)
+from streams.settings import SchemaRegistrySettings
+from tests.fakes import FakeRegistry
+
+REVIEW = {
+    "type": "record",
+    "name": "Review",
+    "namespace": "shop",
+    "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "body", "type": ["null", "string"], "default": None},
+        {"name": "price", "type": {"type": "bytes", "logicalType": "decimal",
+                                   "precision": 8, "scale": 2}},
+        {"name": "at", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+        {"name": "ref", "type": {"type": "string", "logicalType": "uuid"}},
+        {"name": "blob", "type": "bytes"},
+    ],
+}  # fmt: skip
+
+
+def framed(schema_id: int, body: bytes) -> bytes:
+    return b"\x00" + schema_id.to_bytes(4, "big") + body
+
+
+def avro_body(schema: dict[str, Any], record: dict[str, Any]) -> bytes:
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, fastavro.parse_schema(schema), record)
+    return out.getvalue()
+
+
+def review(**overrides: Any) -> dict[str, Any]:
+    record = {"id": 7, "body": "The zip broke.", "price": Decimal("19.99"),
+              "at": dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC),
+              "ref": uuid.UUID("12345678-1234-5678-1234-567812345678"), "blob": b"\x01\x02"}  # fmt: skip
+    return {**record, **overrides}
+
+
+def client_for(server: FakeRegistry, metrics: Metrics | None = None, **settings: Any
+               ) -> RegistryClient:  # fmt: skip
+    base: dict[str, Any] = {"url": server.url, "retry_max_s": 0.05}
+    return RegistryClient(SchemaRegistrySettings(**{**base, **settings}), metrics)
+
+
+def avro_schema(schema_id: int, schema: dict[str, Any]) -> Schema:
+    return Schema(schema_id, "AVRO", avro=fastavro.parse_schema(schema))
+
+
+def test_an_avro_body_decodes_to_json_ready_values() -> None:
+    document = decode_body(avro_schema(1, REVIEW), avro_body(REVIEW, review()))
+    assert document == {"id": 7, "body": "The zip broke.", "price": "19.99",
+                        "at": "2026-11-30T12:00:00+00:00",
+                        "ref": "12345678-1234-5678-1234-567812345678", "blob": "AQI="}  # fmt: skip
+    orjson.dumps(document)  # results stay JSON: every value serialises
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (avro_body(REVIEW, review())[:-3], "source_undecodable"),  # truncated
+        (avro_body(REVIEW, review()) + b"\x00\x07", "source_undecodable"),  # bytes left over
+        (b"\xff" * 3, "source_undecodable"),  # not Avro at all
+    ],
+)
+def test_a_body_that_does_not_decode_is_invalid_input(body: bytes, code: str) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        decode_body(avro_schema(3, REVIEW), body)
+    assert caught.value.code == code
+    assert "schema 3" in caught.value.message
+
+
+def test_json_schema_bodies_are_validated_and_protobuf_is_refused() -> None:
+    import jsonschema
+
+    comment = {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}
+    schema = Schema(5, "JSON", validator=jsonschema.Draft7Validator(comment))
+    assert decode_body(schema, b'{"text": "ok"}') == {"text": "ok"}
+    with pytest.raises(InvalidInput) as caught:
+        decode_body(schema, b'{"text": 42}')
+    assert caught.value.code == "source_schema_mismatch"
+    assert "/text" in caught.value.message
+    with pytest.raises(InvalidInput) as caught:
+        decode_body(schema, b"{not json")
+    assert caught.value.code == "source_undecodable"
+    with pytest.raises(InvalidInput) as caught:
+        decode_body(Schema(6, "PROTOBUF"), b"\x00\x08\x01")
+    assert caught.value.code == "source_schema_type"
+
+
+async def test_records_are_read_with_their_schema_and_bad_ids_are_invalid_input(
+    fake_registry: FakeRegistry,
+) -> None:
+    fake_registry.schemas[11] = {
+        "schema": orjson.dumps(REVIEW).decode()
+    }  # schemaType omitted: AVRO
+    metrics = Metrics()
+    decoder = RecordDecoder(client_for(fake_registry, metrics, unknown_ttl_s=60))
+    try:
+        body = avro_body(REVIEW, review(id=9))
+        assert (await decoder.decode(framed(11, body)))["id"] == 9
+        assert (await decoder.decode(framed(11, body)))["id"] == 9  # from the cache
+        for _ in range(3):  # an unknown id is asked once, then remembered
+            with pytest.raises(InvalidInput) as caught:
+                await decoder.decode(framed(404, body))
+            assert caught.value.code == "source_schema_unknown"
+        with pytest.raises(InvalidInput) as caught:
+            await decoder.decode(b'{"id": 9}')  # plain JSON, not framed
+        assert caught.value.code == "source_not_framed"
+    finally:
+        await decoder.client.close()
+    assert fake_registry.requests == ["/schemas/ids/11", "/schemas/ids/404"]
+    count = metrics.schema_lookups.labels
+    assert count("cached")._value.get() == 1
+    assert count("fetched")._value.get() == 1
+    assert count("unknown")._value.get() == 3
+
+
+async def test_an_outage_is_waited_out_and_lookups_of_one_id_share_a_request(
+    fake_registry: FakeRegistry,
+) -> None:
+    fake_registry.schemas[12] = {"schema": orjson.dumps(REVIEW).decode(), "schemaType": "AVRO"}
+    fake_registry.fail_next = 3  # the registry answers 503 three times, then recovers
+    metrics = Metrics()
+    decoder = RecordDecoder(client_for(fake_registry, metrics))
+    body = framed(12, avro_body(REVIEW, review()))
+    try:
+        documents = await asyncio.gather(*(decoder.decode(body) for _ in range(20)))
+    finally:
+        await decoder.client.close()
+    assert all(d["id"] == 7 for d in documents)  # nothing dead-lettered for the outage
+    assert fake_registry.requests == ["/schemas/ids/12"] * 4  # 3 failures + 1 answer, shared by 20
+    assert metrics.schema_lookups.labels("unavailable")._value.get() == 3
+
+
+async def test_a_lookup_cancelled_while_the_registry_hangs_ends_at_once(
+    fake_registry: FakeRegistry,
+) -> None:
+    fake_registry.schemas[13] = {"schema": orjson.dumps(REVIEW).decode()}
+    fake_registry.hold.clear()  # every request hangs
+    client = client_for(fake_registry, timeout_s=30)
+    waiter = asyncio.ensure_future(client.schema(13))
+    await asyncio.sleep(0.2)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(waiter, 1.0)
+    await asyncio.wait_for(client.close(), 1.0)  # the shared lookup is cancelled too
+    assert not client._inflight
+
+
+async def test_the_cache_is_bounded_and_references_are_resolved(
+    fake_registry: FakeRegistry,
+) -> None:
+    product = {"type": "record", "name": "Product", "namespace": "shop",
+               "fields": [{"name": "name", "type": "string"}]}  # fmt: skip
+    order = {"type": "record", "name": "Order", "namespace": "shop",
+             "fields": [{"name": "product", "type": "shop.Product"}]}  # fmt: skip
+    fake_registry.subjects[("product-value", "1")] = {"schema": orjson.dumps(product).decode()}
+    for schema_id in (21, 22, 23):
+        fake_registry.schemas[schema_id] = {
+            "schema": orjson.dumps(order).decode(),
+            "references": [{"name": "shop.Product", "subject": "product-value", "version": 1}],
+        }
+    client = client_for(fake_registry, cache_size=2)
+    decoder = RecordDecoder(client)
+    try:
+        for schema_id in (21, 22, 23):
+            body = avro_body({**order, "fields": [{"name": "product", "type": product}]},
+                             {"product": {"name": "Bag"}})  # fmt: skip
+            assert await decoder.decode(framed(schema_id, body)) == {"product": {"name": "Bag"}}
+        assert len(client._cache) == 2
+        assert list(client._cache) == [22, 23]  # least recently used left
+    finally:
+        await client.close()
+
+
+async def test_a_schema_that_does_not_parse_is_an_unknown_schema(
+    fake_registry: FakeRegistry,
+) -> None:
+    fake_registry.schemas[31] = {"schema": '{"type": "record", "name": "X", "fields": [{"nam'}
+    client = client_for(fake_registry)
+    try:
+        with pytest.raises(UnknownSchema):
+            await client.schema(31)
+    finally:
+        await client.close()
