@@ -41,6 +41,13 @@ class SimConfig:
     rpm: int = 0  # 0 = no request limit
     tpm: int = 0  # 0 = no token limit
     burst_s: float = 1.0  # enforcement window: 60 RPM admits ~1 per second, not 60 at once
+    # How the limits are enforced: `bucket` (refilled continuously, holding `burst_s` of
+    # the rate) or `window` (a fixed budget per `window_s`, reset at each window's end).
+    limit_shape: str = "bucket"
+    window_s: float = 60.0
+    # The window `x-ratelimit-remaining-*` is counted against: 60, the minute, as OpenAI
+    # reports it; or the enforcing window (e.g. 1), as some gateways and providers do.
+    remaining_window_s: float = 60.0
     error_500_rate: float = 0.0
     error_500_models: list[str] = field(default_factory=list)  # these models always answer 500
     error_503_rate: float = 0.0
@@ -102,11 +109,54 @@ class _Bucket:
         missing = max(0.0, amount - self.level)
         return missing * 60 / self.limit if self.limit else 0.0
 
-    def remaining(self, burst_s: float) -> int:
-        return max(0, int(self.level / self.capacity(burst_s) * self.limit))
+    def remaining(self, burst_s: float, window_s: float) -> int:
+        """What is left, counted against `window_s` (60: as a share of the minute)."""
+        return max(0, int(self.level * window_s / burst_s))
 
     def reset_s(self, burst_s: float) -> float:
         return max(0.0, (self.capacity(burst_s) - self.level) * 60 / self.limit)
+
+
+class _Window:
+    """A fixed budget of limit * window_s / 60 per window, reset when each window ends."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.limit = 0
+        self.used = 0.0
+        self.start = time.monotonic()
+
+    def configure(self, limit: int, burst_s: float) -> None:
+        if limit != self.limit:
+            self.limit = limit
+            self.used = 0.0
+            self.start = time.monotonic()
+
+    def capacity(self, burst_s: float) -> float:
+        return max(1.0, self.limit * self.window_s / 60.0)
+
+    def refill(self, burst_s: float) -> None:
+        now = time.monotonic()
+        if now >= self.start + self.window_s:
+            self.start += (now - self.start) // self.window_s * self.window_s
+            self.used = 0.0
+
+    @property
+    def level(self) -> float:
+        return self.capacity(0.0) - self.used
+
+    @level.setter
+    def level(self, value: float) -> None:
+        self.used = self.capacity(0.0) - value
+
+    def wait_for(self, amount: float) -> float:
+        return 0.0 if self.level >= amount else self.start + self.window_s - time.monotonic()
+
+    def remaining(self, burst_s: float, window_s: float) -> int:
+        return max(0, int(self.level * window_s / self.window_s))
+
+    def reset_s(self, burst_s: float) -> float:
+        return max(0.0, self.start + self.window_s - time.monotonic())
 
 
 def _duration(seconds: float) -> str:
@@ -133,12 +183,14 @@ class Simulator:
     def __init__(self, config: SimConfig | None = None) -> None:
         self.config = config or SimConfig()
         self.rng = random.Random(self.config.seed)
-        self.requests = _Bucket()
-        self.tokens = _Bucket()
+        self.requests: _Bucket | _Window = _Bucket()
+        self.tokens: _Bucket | _Window = _Bucket()
+        self._shape_now = ("bucket", self.config.window_s)
         self.by_status: Counter[int] = Counter()
         self.by_outcome: Counter[str] = Counter()
         self.answered: Counter[str] = Counter()
         self.prompt_tokens = 0
+        self.charged_tokens = 0
         self.completion_tokens = 0
         self.in_flight = 0
         self.max_in_flight = 0
@@ -166,6 +218,7 @@ class Simulator:
             "successful_prompts": len(self.answered),
             "duplicate_successes": dup,
             "prompt_tokens": self.prompt_tokens,
+            "charged_tokens": self.charged_tokens,  # what admitted requests took of the TPM
             "completion_tokens": self.completion_tokens,
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight,
@@ -194,7 +247,7 @@ class Simulator:
         self.by_status.clear()
         self.by_outcome.clear()
         self.answered.clear()
-        self.prompt_tokens = self.completion_tokens = 0
+        self.prompt_tokens = self.completion_tokens = self.charged_tokens = 0
         self.max_in_flight = self.in_flight
         self.per_second.clear()
         return web.json_response(self.snapshot())
@@ -229,19 +282,34 @@ class Simulator:
     def _limit_headers(self) -> dict[str, str]:
         cfg = self.config
         headers: dict[str, str] = {}
+        window = cfg.remaining_window_s
         if cfg.rpm:
+            left = self.requests.remaining(cfg.burst_s, window)
             headers["x-ratelimit-limit-requests"] = str(cfg.rpm)
-            headers["x-ratelimit-remaining-requests"] = str(self.requests.remaining(cfg.burst_s))
+            headers["x-ratelimit-remaining-requests"] = str(left)
             headers["x-ratelimit-reset-requests"] = _duration(self.requests.reset_s(cfg.burst_s))
         if cfg.tpm:
+            left = self.tokens.remaining(cfg.burst_s, window)
             headers["x-ratelimit-limit-tokens"] = str(cfg.tpm)
-            headers["x-ratelimit-remaining-tokens"] = str(self.tokens.remaining(cfg.burst_s))
+            headers["x-ratelimit-remaining-tokens"] = str(left)
             headers["x-ratelimit-reset-tokens"] = _duration(self.tokens.reset_s(cfg.burst_s))
         return headers
+
+    def _shape(self) -> None:
+        """The limits' shape follows the config (changed while running: fresh limits)."""
+        cfg = self.config
+        shape = (cfg.limit_shape, cfg.window_s)
+        if shape != self._shape_now:
+            if cfg.limit_shape not in ("bucket", "window"):
+                raise ValueError(f"limit_shape {cfg.limit_shape!r}: bucket or window")
+            self._shape_now = shape
+            make = (lambda: _Window(cfg.window_s)) if cfg.limit_shape == "window" else _Bucket
+            self.requests, self.tokens = make(), make()
 
     def _admit(self, tokens: int) -> tuple[float, str] | None:
         """Take capacity for one request, or say how long to wait and which limit hit."""
         cfg = self.config
+        self._shape()
         self.requests.configure(cfg.rpm, cfg.burst_s)
         self.tokens.configure(cfg.tpm, cfg.burst_s)
         if cfg.rpm:
@@ -257,6 +325,7 @@ class Simulator:
             self.requests.level -= 1
         if cfg.tpm:
             self.tokens.level -= tokens
+        self.charged_tokens += tokens
         return None
 
     async def _sleep_latency(self, factor: float = 1.0) -> None:

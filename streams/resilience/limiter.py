@@ -9,7 +9,11 @@ replay queue is.
 
 Learning: `x-ratelimit-limit-*` headers set the ceiling; `x-ratelimit-remaining-*`
 lower our bucket when the provider (shared by other workers on the same key)
-has less left than we think; a 429 cuts the rate multiplicatively and pauses
+has less left than we think. Providers count `remaining` against different
+windows — the minute (OpenAI), or the window that enforces (a second, for some
+gateways) — so the window is learned, not assumed: a full provider bucket holds
+`window * limit / 60`, and what is left plus what refills before the reset
+(`x-ratelimit-reset-*`) is a full bucket, as is the most ever reported left; a 429 cuts the rate multiplicatively and pauses
 everyone until its Retry-After; the rate then recovers additively. Workers
 sharing a key converge to their shares with no shared store (AIMD).
 """
@@ -20,6 +24,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -57,6 +62,7 @@ class Bucket:
         self.safety = safety
         self.level = self.capacity
         self.stamp = now
+        self.peak_remaining = 0.0  # the most the provider ever reported left (a full bucket)
 
     @property
     def capacity(self) -> float:
@@ -318,12 +324,25 @@ class RateLimiter:
                 "provider %s limit is %g/min (was %g)", kind, limit, getattr(self, ceiling_attr)
             )
             setattr(self, ceiling_attr, limit)
+            bucket.peak_remaining = 0.0  # a new limit: learn its window again
             if bucket.per_minute > limit:
                 bucket.set_rate(limit, now)
         if remaining is not None:
             bucket.refill(now)
-            # The provider's bucket (shared with other clients of the key) has less left.
-            bucket.level = min(bucket.level, remaining * bucket.burst_s / 60.0)
+            bucket.peak_remaining = max(bucket.peak_remaining, remaining + 1)
+            # The window `remaining` is counted against. A full provider bucket holds
+            # window * limit / 60: the most ever reported left (+1: the call answered),
+            # or what is left now plus what refills until the reset.
+            ceiling = getattr(self, ceiling_attr) or bucket.per_minute
+            reset = _seconds(headers.get(f"x-ratelimit-reset-{kind}"))
+            window = 60.0 * bucket.peak_remaining / ceiling
+            if reset is not None:
+                window = max(window, 60.0 * remaining / ceiling + reset)
+            window = min(60.0, window)
+            # The provider's bucket (shared with other clients of the key) has less left:
+            # in our bucket's units, remaining * burst / window (no more than remaining).
+            scale = min(bucket.burst_s, window) / window if window > 0 else 1.0
+            bucket.level = min(bucket.level, remaining * scale)
 
     def rates(self) -> tuple[float, float | None]:
         """Current requests and tokens per minute (tokens None without a token limit)."""
@@ -338,6 +357,24 @@ class RateLimiter:
             paused_for_s=max(0.0, self.paused_until - self.clock.now()),
             waiting=sum(1 for w in self._queue if not w.future.done()),
         )
+
+
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?"
+                       r"(?:(\d+(?:\.\d+)?)s)?(?:(\d+(?:\.\d+)?)ms)?")
+
+
+def _seconds(value: str | None) -> float | None:
+    """A reset header in seconds: OpenAI's `6m0s`, `1.5s`, `20ms`, or a plain number."""
+    if not value:
+        return None
+    plain = _number(value)
+    if plain is not None:
+        return plain
+    found = _DURATION.fullmatch(value.strip())
+    if found is None or not any(found.groups()):
+        return None
+    h, m, sec, ms = (float(g) if g else 0.0 for g in found.groups())
+    return h * 3600 + m * 60 + sec + ms / 1000
 
 
 def _number(value: str | None) -> float | None:

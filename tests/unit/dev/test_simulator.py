@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,31 @@ async def test_rate_limit_answers_429_with_openai_headers(simulator: SimulatorSe
     assert body["error"]["code"] == "rate_limit_exceeded"
     assert 0 < float(headers["retry-after-ms"]) <= 1000 and headers["retry-after"] == "1"
     assert simulator.sim.snapshot()["by_status"] == {"200": 1, "429": 1}
+
+
+async def test_remaining_is_counted_against_the_minute_or_the_enforcing_window(
+    simulator: SimulatorServer,
+) -> None:
+    simulator.sim.config.rpm = 3000  # 50 a second, bursts of one second
+    minute = int((await _post(simulator, _body("a")))[1]["x-ratelimit-remaining-requests"])
+    simulator.sim.config.remaining_window_s = 1.0
+    second = int((await _post(simulator, _body("b")))[1]["x-ratelimit-remaining-requests"])
+    assert 2900 <= minute <= 2950  # OpenAI's way: the share of the minute's 3000 left
+    assert 46 <= second <= 48  # the second that enforces: 50 less the two calls
+
+
+async def test_a_fixed_window_admits_its_budget_then_refuses_until_it_ends(
+    simulator: SimulatorServer,
+) -> None:
+    simulator.sim.config.update({"rpm": 180, "limit_shape": "window", "window_s": 1.0})
+    statuses = [(await _post(simulator, _body(str(i))))[0] for i in range(4)]
+    assert statuses == [200, 200, 200, 429]  # 180/min over a 1 s window: 3 per window
+    status, headers, _ = await _post(simulator, _body("x"))
+    assert status == 429 and int(headers["x-ratelimit-remaining-requests"]) == 0
+    reset_ms = float(headers["retry-after-ms"])
+    assert 0 < reset_ms <= 1000  # until the window ends, not a refill per request
+    await asyncio.sleep(reset_ms / 1000 + 0.05)
+    assert (await _post(simulator, _body("y")))[0] == 200
 
 
 async def test_token_limit_answers_429(simulator: SimulatorServer) -> None:

@@ -90,6 +90,35 @@ async def test_headers_set_the_ceiling_and_the_shared_remaining() -> None:
     assert clock.now() - start == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize(
+    ("remaining", "reset", "left"),
+    [
+        ("2400", "12s", 40.0),  # counted against the minute (OpenAI): 2400/60 of a second's 50
+        ("1500", "30s", 25.0),  # the minute, half used by another client of the key
+        ("40", "200ms", 40.0),  # counted against the enforcing second (some gateways)
+        ("10", "800ms", 10.0),  # the second, mostly used
+    ],
+)
+def test_remaining_is_read_against_the_window_it_is_counted_in(
+    remaining: str, reset: str, left: float
+) -> None:
+    """3,000 RPM enforced per second (50 a second): whichever window the provider counts
+    `remaining` against, the bucket keeps exactly what the provider has left."""
+    limiter = exact(rpm=None, clock=FakeClock())
+    limiter.observe({"x-ratelimit-limit-requests": "3000",
+                     "x-ratelimit-remaining-requests": remaining,
+                     "x-ratelimit-reset-requests": reset})  # fmt: skip
+    assert limiter.requests.level == pytest.approx(left, abs=0.6)
+
+
+def test_the_largest_remaining_seen_tells_the_window_without_reset_headers() -> None:
+    limiter = exact(rpm=None, clock=FakeClock())
+    for remaining in ("49", "30", "12"):  # a per-second window: never more than 50 left
+        limiter.observe({"x-ratelimit-limit-requests": "3000",
+                         "x-ratelimit-remaining-requests": remaining})  # fmt: skip
+    assert limiter.requests.level == pytest.approx(12.0)  # not 12/60 of a second's worth
+
+
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ValueError):
         RateLimiter(rpm=0)
