@@ -13,9 +13,10 @@ has less left than we think. Providers count `remaining` against different
 windows — the minute (OpenAI), or the window that enforces (a second, for some
 gateways) — so the window is learned, not assumed: a full provider bucket holds
 `window * limit / 60`, and what is left plus what refills before the reset
-(`x-ratelimit-reset-*`) is a full bucket, as is the most ever reported left; a 429 cuts the rate multiplicatively and pauses
-everyone until its Retry-After; the rate then recovers additively. Workers
-sharing a key converge to their shares with no shared store (AIMD).
+(`x-ratelimit-reset-*`) is a full bucket, as is the most ever reported left.
+A 429 cuts the rate multiplicatively and pauses everyone until its Retry-After;
+the rate then recovers additively. Workers sharing a key converge to their
+shares with no shared store (AIMD).
 """
 
 from __future__ import annotations
@@ -359,8 +360,10 @@ class RateLimiter:
         )
 
 
-_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?"
-                       r"(?:(\d+(?:\.\d+)?)s)?(?:(\d+(?:\.\d+)?)ms)?")
+_DURATION = re.compile(
+    r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?"
+    r"(?:(\d+(?:\.\d+)?)s)?(?:(\d+(?:\.\d+)?)ms)?"
+)
 
 
 def _seconds(value: str | None) -> float | None:
