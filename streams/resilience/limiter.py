@@ -168,6 +168,7 @@ class RateLimiter:
         self.decrease = decrease
         self.decrease_informed = decrease_informed
         self.informed = False  # the provider sends x-ratelimit-* headers
+        self.tokens_reported = False  # ... and x-ratelimit-remaining-tokens among them
         self.recover_per_s = recover_per_s
         self.floor = floor
         self.paused_until = now
@@ -243,7 +244,11 @@ class RateLimiter:
                 task.cancel()
 
     def reconcile_tokens(self, estimated: int, actual: int) -> None:
-        if self.tokens is not None:
+        """The call's estimate settled against what it used: unused tokens go back —
+        unless the provider reports what it has left, which then already counts the
+        call as the provider charged it (OpenAI charges the prompt and the whole
+        completion budget at admission, whatever the answer used)."""
+        if self.tokens is not None and not self.tokens_reported:
             self.tokens.level += estimated - actual
         self._learned()
 
@@ -308,6 +313,8 @@ class RateLimiter:
                 self.tpm_ceiling = tpm
         if self.tokens is not None:
             self._steer(self.tokens, headers, "tokens", now, ceiling_attr="tpm_ceiling")
+            if "x-ratelimit-remaining-tokens" in headers:
+                self.tokens_reported = True
 
     def _steer(
         self,

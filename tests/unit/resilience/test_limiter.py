@@ -119,6 +119,22 @@ def test_the_largest_remaining_seen_tells_the_window_without_reset_headers() -> 
     assert limiter.requests.level == pytest.approx(12.0)  # not 12/60 of a second's worth
 
 
+async def test_unused_tokens_go_back_only_when_the_provider_does_not_report_its_own_count(
+) -> None:  # fmt: skip
+    clock = FakeClock()
+    silent = exact(rpm=10_000, tpm=6000, clock=clock)
+    (await silent.acquire(500)).reconcile(100)  # 400 of the estimate unused: given back
+    assert silent.tokens is not None and silent.tokens.level == pytest.approx(0.0)
+    told = exact(rpm=10_000, tpm=6000, clock=clock)
+    permit = await told.acquire(500)
+    # The provider charged the prompt and the whole completion budget, and says so.
+    told.observe({"x-ratelimit-limit-tokens": "6000", "x-ratelimit-remaining-tokens": "0",
+                  "x-ratelimit-reset-tokens": "5s"})  # fmt: skip
+    level = told.tokens.level if told.tokens is not None else None
+    permit.reconcile(100)
+    assert told.tokens is not None and told.tokens.level == level  # nothing given back
+
+
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ValueError):
         RateLimiter(rpm=0)
