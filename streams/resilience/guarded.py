@@ -81,17 +81,21 @@ class GuardedClient:
                 raise DeadlineExceeded(  # no call, no verdict, no capacity taken
                     "the task's deadline leaves no time for another attempt", code="task_deadline"
                 )
-            # Counting tokens costs CPU; only a token limit needs the estimate.
-            estimate = self.estimate(request) if self.limiter.tokens is not None else 0
+            # Counting tokens costs CPU; only a token limit needs the estimate — or one
+            # not known yet: calls queued before the first answer tells of a TPM limit
+            # would otherwise go with no tokens counted, all at once, into 429s.
+            limiter = self.limiter
+            counted = limiter.tokens is not None or limiter.probing
+            estimate = self.estimate(request) if counted else 0
             permit = await self.limiter.acquire(estimate, lane)
             started = self.clock.now()
             try:
                 response = await self._call(request, deadline_at, started)
             except RateLimited as exc:
                 if exc.headers:
-                    self.limiter.observe(exc.headers)
+                    self.limiter.observe(exc.headers, permit)
                 if exc.code not in CAPACITY_CODES:  # a tier without capacity is no rate limit
-                    self.limiter.throttled(exc.retry_after)
+                    self.limiter.throttled(exc.retry_after, permit)
                 permit.reconcile(0)  # refused before any token was used
                 self._count(request.model, lane, permit.waited_s, started, exc)
                 self.metrics.limiter_throttled.labels(request.model).inc()
@@ -118,7 +122,7 @@ class GuardedClient:
                 raise
             verdict = True
             if response.rate_headers:
-                self.limiter.observe(response.rate_headers)
+                self.limiter.observe(response.rate_headers, permit)
             permit.reconcile(response.prompt_tokens + response.completion_tokens)
             self._count(request.model, lane, permit.waited_s, started, None, response)
             return response

@@ -64,6 +64,7 @@ class Bucket:
         self.level = self.capacity
         self.stamp = now
         self.peak_remaining = 0.0  # the most the provider ever reported left (a full bucket)
+        self.taken = 0.0  # every unit ever granted: what was granted since a report
 
     @property
     def capacity(self) -> float:
@@ -112,6 +113,10 @@ class Permit:
     waited_s: float
     probe: bool = False  # the first call of a limiter that is learning the limit
     settled: bool = False
+    # When it was granted, and the units granted by then (requests, tokens): what the
+    # provider's report about this call is older than.
+    granted_at: float = 0.0
+    taken: tuple[float, float] = (0.0, 0.0)
 
     def reconcile(self, actual_tokens: int) -> None:
         if not self.settled:
@@ -177,13 +182,15 @@ class RateLimiter:
         self._seq = itertools.count()
         self._pump: asyncio.Task[None] | None = None
         self._wakeup = asyncio.Event()
+        self._mean_tokens = 0.0
+        self._last_cut = float("-inf")  # when a 429 last cut the rate
 
     # -- granting ------------------------------------------------------------
     async def acquire(self, tokens: int = 0, lane: Lane = Lane.LIVE) -> Permit:
         started = self.clock.now()
         if not self._queue and self._wait_time(tokens, started) <= _EPSILON:
             # Nobody waiting and capacity free: no queue round trip.
-            return Permit(self, tokens, 0.0, probe=self._grant(tokens))
+            return self._permit(tokens, 0.0, self._grant(tokens))
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._queue, _Waiter(int(lane), next(self._seq), tokens, future))
         if self._pump is None or self._pump.done():
@@ -196,14 +203,26 @@ class RateLimiter:
             if future.done() and not future.cancelled() and future.result():
                 self.probe_abandoned()  # granted as the probe, then cancelled: pass it on
             raise
-        return Permit(self, tokens, self.clock.now() - started, probe=probe)
+        return self._permit(tokens, self.clock.now() - started, probe)
+
+    def _permit(self, tokens: int, waited_s: float, probe: bool) -> Permit:
+        taken = (self.requests.taken, self.tokens.taken if self.tokens is not None else 0.0)
+        return Permit(self, tokens, waited_s, probe=probe, granted_at=self.clock.now(),
+                      taken=taken)  # fmt: skip
 
     def _grant(self, tokens: int) -> bool:
         """Take capacity for one call; True when it is the probe of a learning limiter."""
         self._probe_out = self.probing
         self.requests.level -= 1
+        self.requests.taken += 1
         if self.tokens is not None:
             self.tokens.level -= tokens
+            self.tokens.taken += tokens
+            # A call's worth of margin: calls reach the provider a little apart from when
+            # they are let go, and one of average size must still find room there.
+            self._mean_tokens += (tokens - self._mean_tokens) * 0.1
+            if self._margins["headroom"]:
+                self.tokens.headroom = max(self._margins["headroom"], self._mean_tokens)
         return self.probing
 
     def probe_abandoned(self) -> None:
@@ -276,20 +295,25 @@ class RateLimiter:
             rate = min(self.tpm_ceiling, self.tokens.per_minute + step * self.tpm_ceiling)
             self.tokens.set_rate(rate, now)
 
-    def throttled(self, retry_after_s: float | None) -> None:
-        """The provider answered 429: cut the rate, and pause everyone until Retry-After."""
+    def throttled(self, retry_after_s: float | None, permit: Permit | None = None) -> None:
+        """The provider answered 429: cut the rate, and pause everyone until Retry-After.
+        `permit`: the refused call. One burst is one event: a call let go before the
+        last cut was sent at the old rate, so its 429 pauses but does not cut again
+        (a burst of 24 refusals would otherwise cut the rate to 0.9**24 of itself)."""
         now = self.clock.now()
-        # A provider that reports its limit and remaining capacity already steers the
-        # buckets; a 429 then means jitter or a neighbour's burst, so cut gently.
-        factor = self.decrease_informed if self.informed else self.decrease
-        self.requests.set_rate(
-            max(self.rpm_ceiling * self.floor, self.requests.per_minute * factor), now
-        )
-        self.requests.level = min(self.requests.level, 0.0)
-        if self.tokens is not None and self.tpm_ceiling:
-            self.tokens.set_rate(
-                max(self.tpm_ceiling * self.floor, self.tokens.per_minute * factor), now
+        if permit is None or permit.granted_at > self._last_cut:
+            self._last_cut = now
+            # A provider that reports its limit and remaining capacity already steers
+            # the buckets; a 429 then means jitter or a neighbour's burst: cut gently.
+            factor = self.decrease_informed if self.informed else self.decrease
+            self.requests.set_rate(
+                max(self.rpm_ceiling * self.floor, self.requests.per_minute * factor), now
             )
+            if self.tokens is not None and self.tpm_ceiling:
+                self.tokens.set_rate(
+                    max(self.tpm_ceiling * self.floor, self.tokens.per_minute * factor), now
+                )
+        self.requests.level = min(self.requests.level, 0.0)
         if retry_after_s:
             self.paused_until = max(self.paused_until, now + retry_after_s)
         self._last_recover = max(now, self.paused_until)
@@ -298,10 +322,13 @@ class RateLimiter:
         )
         self._wakeup.set()
 
-    def observe(self, headers: Mapping[str, str]) -> None:
-        """Steer the buckets by the provider's `x-ratelimit-*` headers, when it sends them."""
+    def observe(self, headers: Mapping[str, str], permit: Permit | None = None) -> None:
+        """Steer the buckets by the provider's `x-ratelimit-*` headers, when it sends them.
+        `permit`: the call they answer (its report is as old as the call)."""
         now = self.clock.now()
-        self._steer(self.requests, headers, "requests", now, ceiling_attr="rpm_ceiling")
+        since = (permit.granted_at, permit.taken) if permit is not None else None
+        self._steer(self.requests, headers, "requests", now, ceiling_attr="rpm_ceiling",
+                    since=(since[0], since[1][0]) if since else None)  # fmt: skip
         if any(k.startswith("x-ratelimit-") for k in headers):
             self.informed = True
             self._learned()
@@ -312,7 +339,8 @@ class RateLimiter:
                 self.tokens = Bucket(tpm, self.requests.burst_s, now, **self._margins)
                 self.tpm_ceiling = tpm
         if self.tokens is not None:
-            self._steer(self.tokens, headers, "tokens", now, ceiling_attr="tpm_ceiling")
+            self._steer(self.tokens, headers, "tokens", now, ceiling_attr="tpm_ceiling",
+                        since=(since[0], since[1][1]) if since else None)  # fmt: skip
             if "x-ratelimit-remaining-tokens" in headers:
                 self.tokens_reported = True
 
@@ -324,6 +352,7 @@ class RateLimiter:
         now: float,
         *,
         ceiling_attr: str,
+        since: tuple[float, float] | None = None,
     ) -> None:
         limit = _number(headers.get(f"x-ratelimit-limit-{kind}"))
         remaining = _number(headers.get(f"x-ratelimit-remaining-{kind}"))
@@ -350,7 +379,14 @@ class RateLimiter:
             # The provider's bucket (shared with other clients of the key) has less left:
             # in our bucket's units, remaining * burst / window (no more than remaining).
             scale = min(bucket.burst_s, window) / window if window > 0 else 1.0
-            bucket.level = min(bucket.level, remaining * scale)
+            left = remaining * scale
+            if since is not None:
+                # The report is as old as the call it answers: since then the provider
+                # refilled, and took what we granted after it (others' grants unseen).
+                granted_at, taken = since
+                refilled = max(0.0, now - granted_at) * bucket.per_minute * bucket.safety / 60
+                left = min(bucket.capacity, left + refilled) - (bucket.taken - taken)
+            bucket.level = min(bucket.level, left)
 
     def rates(self) -> tuple[float, float | None]:
         """Current requests and tokens per minute (tokens None without a token limit)."""

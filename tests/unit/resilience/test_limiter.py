@@ -119,6 +119,39 @@ def test_the_largest_remaining_seen_tells_the_window_without_reset_headers() -> 
     assert limiter.requests.level == pytest.approx(12.0)  # not 12/60 of a second's worth
 
 
+async def test_a_report_counts_the_refill_and_our_grants_since_its_call() -> None:
+    """3,000 RPM (50 a second): the answer's `remaining` is as old as its call. Half a
+    second later the provider has refilled 25 and taken the 5 we granted meanwhile."""
+    clock = FakeClock()
+    limiter = exact(rpm=3000, clock=clock)
+    for _ in range(45):
+        await limiter.acquire()
+    permit = await limiter.acquire()  # the provider had 4 left after this one
+    clock.advance(0.5)
+    for _ in range(5):
+        await limiter.acquire()
+    limiter.observe({"x-ratelimit-limit-requests": "3000",
+                     "x-ratelimit-remaining-requests": "4",
+                     "x-ratelimit-reset-requests": "920ms"}, permit)  # fmt: skip
+    assert limiter.requests.level == pytest.approx(4 + 25 - 5)
+    limiter.observe({"x-ratelimit-remaining-requests": "0",
+                     "x-ratelimit-reset-requests": "1s"}, permit)  # fmt: skip
+    assert limiter.requests.level == pytest.approx(0 + 25 - 5)  # a neighbour took 4 more
+
+
+async def test_a_burst_of_429s_cuts_the_rate_once() -> None:
+    clock = FakeClock()
+    limiter = exact(rpm=600, clock=clock, decrease=0.5, recover_per_s=0.0)
+    burst = [await limiter.acquire() for _ in range(5)]  # let go together at the old rate
+    for permit in burst:
+        limiter.throttled(retry_after_s=None, permit=permit)
+    assert limiter.snapshot().rpm == 300  # once, not 600 * 0.5**5
+    clock.advance(0.1)
+    later = await limiter.acquire()  # let go after the cut: a new event
+    limiter.throttled(retry_after_s=None, permit=later)
+    assert limiter.snapshot().rpm == 150
+
+
 async def test_unused_tokens_go_back_only_when_the_provider_does_not_report_its_own_count(
 ) -> None:  # fmt: skip
     clock = FakeClock()
