@@ -7,7 +7,8 @@ with an RPM limit R (sub-minute enforcement, 1 s bursts), a TPM limit, latency
 1. llm-streams, one worker, limit not configured (learned from headers);
 2. a naive client on the same tasks: asyncio.gather + semaphore + tenacity
    retrying 429/5xx with random exponential backoff, as commonly written;
-3. two llm-streams workers sharing the key (one consumer group);
+3. two, then four llm-streams workers sharing the key (one consumer group), each
+   learning its share from the trend of `remaining`;
 4. one worker while the simulator's limit is halved mid-run.
 
 Printed per phase: successful requests/min over the busy span / R, and the
@@ -195,6 +196,7 @@ async def main() -> None:
     parser.add_argument("--rpm", type=int, default=3000)
     parser.add_argument("--tasks", type=int, default=3000)
     parser.add_argument("--phases", default="1,2,3,4", help="Which phases to run.")
+    parser.add_argument("--workers", default="2,4", help="Phase 3: workers sharing the key.")
     args = parser.parse_args()
     phases = {int(p) for p in args.phases.split(",")}
     rpm, n = args.rpm, args.tasks
@@ -215,12 +217,11 @@ async def main() -> None:
                 rows.append(
                     ("naive gather+semaphore+tenacity", *figures(sim.call("/sim/stats"), rpm, span))
                 )
-            if 3 in phases:
+            for workers in (int(w) for w in args.workers.split(",")) if 3 in phases else ():
                 sim.reset(rpm)
-                span = await run_workers(kafka, sim, 2 * n, 2, logdir)
-                rows.append(
-                    ("llm-streams, 2 workers, one key", *figures(sim.call("/sim/stats"), rpm, span))
-                )
+                span = await run_workers(kafka, sim, workers * n, workers, logdir)
+                rows.append((f"llm-streams, {workers} workers, one key",
+                             *figures(sim.call("/sim/stats"), rpm, span)))  # fmt: skip
             settle_s, storm = -1.0, 0
             changed: dict[str, float] = {}
 

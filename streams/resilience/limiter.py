@@ -65,11 +65,19 @@ class Bucket:
         self.stamp = now
         self.peak_remaining = 0.0  # the most the provider ever reported left (a full bucket)
         self.taken = 0.0  # every unit ever granted: what was granted since a report
+        # Other clients of the key, seen in the trend of `remaining`: their units per
+        # second (a moving average), and the report that trend is measured from.
+        self.others_mean = 0.0  # moving average of the samples, noise both ways included
+        self.last_report: tuple[float, float, float] | None = None  # granted_at, taken, left
 
     @property
     def capacity(self) -> float:
         full = self.per_minute * self.burst_s / 60.0
         return max(1.0, full - self.headroom if full - self.headroom >= 1.0 else full)
+
+    @property
+    def others_per_s(self) -> float:
+        return max(0.0, self.others_mean)
 
     @property
     def _per_second(self) -> float:
@@ -284,16 +292,19 @@ class RateLimiter:
         if elapsed <= 0 or now < self.paused_until:
             return
         step = self.recover_per_s * elapsed
-        if self.requests.per_minute < self.rpm_ceiling:
-            rate = min(self.rpm_ceiling, self.requests.per_minute + step * self.rpm_ceiling)
+        top = self.share(self.requests, self.rpm_ceiling)
+        if self.requests.per_minute < top:
+            rate = min(top, self.requests.per_minute + step * self.rpm_ceiling)
             self.requests.set_rate(rate, now)
-        if (
-            self.tokens is not None
-            and self.tpm_ceiling
-            and self.tokens.per_minute < self.tpm_ceiling
-        ):
-            rate = min(self.tpm_ceiling, self.tokens.per_minute + step * self.tpm_ceiling)
-            self.tokens.set_rate(rate, now)
+        if self.tokens is not None and self.tpm_ceiling:
+            top = self.share(self.tokens, self.tpm_ceiling)
+            if self.tokens.per_minute < top:
+                rate = min(top, self.tokens.per_minute + step * self.tpm_ceiling)
+                self.tokens.set_rate(rate, now)
+
+    def share(self, bucket: Bucket, ceiling: float) -> float:
+        """Our share of a limit, per minute: what other clients of the key leave."""
+        return max(ceiling * self.floor, ceiling - bucket.others_per_s * 60.0)
 
     def throttled(self, retry_after_s: float | None, permit: Permit | None = None) -> None:
         """The provider answered 429: cut the rate, and pause everyone until Retry-After.
@@ -381,12 +392,38 @@ class RateLimiter:
             scale = min(bucket.burst_s, window) / window if window > 0 else 1.0
             left = remaining * scale
             if since is not None:
+                self._others(bucket, ceiling, since, left)
                 # The report is as old as the call it answers: since then the provider
-                # refilled, and took what we granted after it (others' grants unseen).
+                # refilled, and took what we and (at their pace) others let go since.
                 granted_at, taken = since
-                refilled = max(0.0, now - granted_at) * bucket.per_minute * bucket.safety / 60
-                left = min(bucket.capacity, left + refilled) - (bucket.taken - taken)
+                elapsed = max(0.0, now - granted_at)
+                refilled = elapsed * ceiling / 60.0
+                left = (min(bucket.capacity, left + refilled) - (bucket.taken - taken)
+                        - bucket.others_per_s * elapsed)  # fmt: skip
+                share = self.share(bucket, ceiling)
+                if bucket.per_minute > share:
+                    bucket.set_rate(share, now)
             bucket.level = min(bucket.level, left)
+
+    @staticmethod
+    def _others(bucket: Bucket, ceiling: float, since: tuple[float, float], left: float
+                ) -> None:  # fmt: skip
+        """What other clients of the key take, from two reports: the provider's level
+        went from `before` to `left` while it refilled and we took our grants; the rest
+        is theirs. Skipped when the provider's bucket may have been full meanwhile (its
+        refill then stops, and the difference says nothing)."""
+        granted_at, taken = since
+        last = bucket.last_report
+        if last is not None and granted_at - last[0] >= 0.05:
+            dt = granted_at - last[0]
+            refilled = dt * ceiling / 60.0
+            full = ceiling * bucket.burst_s / 60.0  # the provider's bucket, in our units
+            if last[2] + refilled < full:
+                theirs = last[2] + refilled - (taken - last[1]) - left
+                sample = theirs / dt  # not clipped: noise both ways averages out
+                bucket.others_mean += (sample - bucket.others_mean) * 0.2
+        if last is None or granted_at > last[0]:
+            bucket.last_report = (granted_at, taken, left)
 
     def rates(self) -> tuple[float, float | None]:
         """Current requests and tokens per minute (tokens None without a token limit)."""

@@ -139,6 +139,30 @@ async def test_a_report_counts_the_refill_and_our_grants_since_its_call() -> Non
     assert limiter.requests.level == pytest.approx(0 + 25 - 5)  # a neighbour took 4 more
 
 
+async def test_a_neighbour_on_the_key_is_seen_in_the_trend_of_remaining() -> None:
+    """3,000 RPM (50 a second). Every half second the provider refills 25 and we take
+    15, yet it reports the same 20 left: another client of the key takes 10 (20 a
+    second). Our share becomes what it leaves, 30 a second; when the neighbour leaves
+    (we take all 25), it is seen gone."""
+    clock = FakeClock()
+    limiter = exact(rpm=3000, clock=clock, recover_per_s=0.0)
+    report = {"x-ratelimit-limit-requests": "3000", "x-ratelimit-remaining-requests": "20",
+              "x-ratelimit-reset-requests": "600ms"}  # fmt: skip
+
+    async def steps(n: int, ours: int) -> None:
+        for _ in range(n):
+            permit = await limiter.acquire()
+            limiter.observe(report, permit)
+            limiter.requests.taken += ours - 1  # our other grants until the next report
+            clock.advance(0.5)
+
+    await steps(30, ours=15)
+    assert limiter.requests.others_per_s == pytest.approx(20, rel=0.05)
+    assert limiter.snapshot().rpm == pytest.approx(1800, rel=0.05)
+    await steps(30, ours=25)
+    assert limiter.requests.others_per_s == pytest.approx(0, abs=0.5)
+
+
 async def test_a_burst_of_429s_cuts_the_rate_once() -> None:
     clock = FakeClock()
     limiter = exact(rpm=600, clock=clock, decrease=0.5, recover_per_s=0.0)
