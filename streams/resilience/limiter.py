@@ -68,7 +68,11 @@ class Bucket:
         # Other clients of the key, seen in the trend of `remaining`: their units per
         # second (a moving average), and the report that trend is measured from.
         self.others_mean = 0.0  # moving average of the samples, noise both ways included
-        self.last_report: tuple[float, float, float] | None = None  # granted_at, taken, left
+        # granted_at, taken, left, and the reported reset (s) or None
+        self.last_report: tuple[float, float, float, float | None] | None = None
+        # A fixed window (its reset counts down with the clock): nothing refills until
+        # it ends, so the trend of `remaining` says nothing about other clients.
+        self.fixed_window = False
 
     @property
     def capacity(self) -> float:
@@ -392,7 +396,7 @@ class RateLimiter:
             scale = min(bucket.burst_s, window) / window if window > 0 else 1.0
             left = remaining * scale
             if since is not None:
-                self._others(bucket, ceiling, since, left)
+                self._others(bucket, ceiling, since, left, reset)
                 # The report is as old as the call it answers: since then the provider
                 # refilled, and took what we and (at their pace) others let go since.
                 granted_at, taken = since
@@ -406,16 +410,29 @@ class RateLimiter:
             bucket.level = min(bucket.level, left)
 
     @staticmethod
-    def _others(bucket: Bucket, ceiling: float, since: tuple[float, float], left: float
-                ) -> None:  # fmt: skip
+    def _others(bucket: Bucket, ceiling: float, since: tuple[float, float], left: float,
+                reset: float | None) -> None:  # fmt: skip
         """What other clients of the key take, from two reports: the provider's level
-        went from `before` to `left` while it refilled and we took our grants; the rest
-        is theirs. Skipped when the provider's bucket may have been full meanwhile (its
-        refill then stops, and the difference says nothing)."""
+        went from the last report's to `left` while it refilled and we took our grants;
+        the rest is theirs. Skipped when the provider's bucket may have been full
+        meanwhile (its refill then stops), and for good once its reset is seen counting
+        down with the clock: a fixed window, which does not refill as time passes."""
         granted_at, taken = since
         last = bucket.last_report
-        if last is not None and granted_at - last[0] >= 0.05:
+        if last is not None and granted_at - last[0] >= 0.05 and not bucket.fixed_window:
             dt = granted_at - last[0]
+            # A bucket's reset moves with what is taken; a window's only with the clock
+            # (with two or more calls between the reports, a bucket's would differ).
+            if (
+                reset is not None
+                and last[3] is not None
+                and reset > 0.05
+                and taken - last[1] >= 2
+                and abs(last[3] - dt - reset) < 0.01 + 0.02 * dt
+            ):
+                bucket.fixed_window = True
+                bucket.others_mean = 0.0
+                return
             refilled = dt * ceiling / 60.0
             full = ceiling * bucket.burst_s / 60.0  # the provider's bucket, in our units
             if last[2] + refilled < full:
@@ -423,7 +440,7 @@ class RateLimiter:
                 sample = theirs / dt  # not clipped: noise both ways averages out
                 bucket.others_mean += (sample - bucket.others_mean) * 0.2
         if last is None or granted_at > last[0]:
-            bucket.last_report = (granted_at, taken, left)
+            bucket.last_report = (granted_at, taken, left, reset)
 
     def rates(self) -> tuple[float, float | None]:
         """Current requests and tokens per minute (tokens None without a token limit)."""

@@ -163,6 +163,26 @@ async def test_a_neighbour_on_the_key_is_seen_in_the_trend_of_remaining() -> Non
     assert limiter.requests.others_per_s == pytest.approx(0, abs=0.5)
 
 
+async def test_a_fixed_window_is_not_mistaken_for_a_neighbour() -> None:
+    """A one-minute window does not refill as time passes: `remaining` falls by what we
+    take while its reset counts down with the clock. That is no other client."""
+    clock = FakeClock()
+    limiter = exact(rpm=3000, clock=clock, recover_per_s=0.0)
+    remaining, reset = 3000, 60.0
+    for _ in range(40):
+        permit = await limiter.acquire()
+        remaining -= 10
+        limiter.observe({"x-ratelimit-limit-requests": "3000",
+                         "x-ratelimit-remaining-requests": str(remaining),
+                         "x-ratelimit-reset-requests": f"{reset:.3f}s"}, permit)  # fmt: skip
+        limiter.requests.taken += 9
+        clock.advance(0.2)
+        reset -= 0.2
+    assert limiter.requests.fixed_window
+    assert limiter.requests.others_per_s == 0
+    assert limiter.snapshot().rpm == 3000
+
+
 async def test_a_burst_of_429s_cuts_the_rate_once() -> None:
     clock = FakeClock()
     limiter = exact(rpm=600, clock=clock, decrease=0.5, recover_per_s=0.0)
