@@ -108,7 +108,9 @@ async def run_workers(kafka: ApacheKafka, sim: Sim, n_tasks: int, workers: int, 
     env.update(settings_env(settings))
     procs = []
     for i in range(workers):
-        env_i = {**env, "LLM_STREAMS_WEB_PORT": str(free_port())}
+        env_i = {**env, "LLM_STREAMS_WEB_PORT": str(free_port()),
+                 # each worker its own task store (a store directory takes one process)
+                 "LLM_STREAMS_DATA_DIR": str(logdir / f"w-{suffix}-{i}")}  # fmt: skip
         with open(logdir / f"worker-{suffix}-{i}.log", "wb") as log:
             procs.append(subprocess.Popen([sys.executable, "-m", "streams.cli", "worker"],
                                           env=env_i, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
