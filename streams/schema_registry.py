@@ -111,18 +111,13 @@ class RegistryClient:
         return await asyncio.shield(task)
 
     async def _load(self, schema_id: int) -> Schema:
-        try:
-            body = await self._get(f"/schemas/ids/{schema_id}")
+        try:  # not in the registry, or there but not parseable: unknown either way
+            schema = await self._parse(schema_id, await self._get(f"/schemas/ids/{schema_id}"))
         except UnknownSchema:
             self._unknown[schema_id] = asyncio.get_running_loop().time()
             if len(self._unknown) > self.settings.cache_size:
                 self._unknown.pop(next(iter(self._unknown)))
             self._count("unknown")
-            raise
-        try:
-            schema = await self._parse(schema_id, body)
-        except UnknownSchema:
-            self._unknown[schema_id] = asyncio.get_running_loop().time()
             raise
         self._cache[schema_id] = schema
         if len(self._cache) > self.settings.cache_size:
