@@ -37,7 +37,7 @@ from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
 from streams.pipelines.sources import Skipped, SourceMapper
 from streams.resilience.breaker import CircuitBreaker
-from streams.resilience.limiter import RateLimiter
+from streams.resilience.limiter import GroupShare, RateLimiter
 from streams.resilience.pool import ClientPool
 from streams.schema_registry import RecordDecoder, RegistryClient
 from streams.settings import Settings, load_settings
@@ -140,10 +140,12 @@ def processor_factory(
     registry: PipelineRegistry,
     metrics: Metrics | None = None,
     room: RecordRoom | None = None,
+    group: GroupShare | None = None,
 ) -> Callable[[], TaskProcessor]:
     """What makes the processor of a worker or an `Analyzer`; call it inside the event
     loop that will use it (the HTTP client binds to it). `room`: what a result and a
-    dead letter may take (the worker reads it from its topics)."""
+    dead letter may take (the worker reads it from its topics); `group`: the worker's
+    part of its consumer group's partitions, which its rate limiters claim."""
     llm = settings.llm
     res = settings.resilience
     config = ProcessorConfig.from_settings(settings, room)
@@ -161,7 +163,9 @@ def processor_factory(
             ),
             # Without a configured limit the first call goes alone and the provider's
             # x-ratelimit headers set the ceiling (or none: unlimited).
-            make_limiter=lambda: RateLimiter(rpm=llm.rpm, tpm=llm.tpm, burst_s=llm.burst_s),
+            make_limiter=lambda: RateLimiter(
+                rpm=llm.rpm, tpm=llm.tpm, burst_s=llm.burst_s, group=group
+            ),
             make_breaker=lambda name: CircuitBreaker(
                 name,
                 window_s=res.breaker_window_s,

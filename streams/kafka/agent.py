@@ -52,6 +52,7 @@ from streams.observability.logs import current_task_id
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import TRACER, context_from_headers
 from streams.pipelines.sources import SourceMapper
+from streams.resilience.limiter import GroupShare
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,10 @@ class TaskAgent:
         metrics: Metrics | None = None,
         limits: WriteLimits | None = None,
         sources: dict[str, list[SourceMapper]] | None = None,
+        group: GroupShare | None = None,
     ) -> None:
         self.app = app
+        self.group = group or GroupShare()
         self.settings = settings
         self.make_processor = make_processor
         self.metrics = metrics or Metrics()
@@ -189,6 +192,11 @@ class TaskAgent:
     async def _on_assigned(self, sender: Any, assigned: set[Any], **kwargs: Any) -> None:
         """Faust's rebalance signal: own the store partitions of the task partitions."""
         partitions = {tp.partition for tp in assigned if tp.topic in self._inputs}
+        # The limiters claim this worker's part of the group's work (see GroupShare).
+        consumer = self.app.consumer
+        total = sum(consumer.topic_partitions(t) or self.settings.kafka.partitions
+                    for t in self._inputs)  # fmt: skip
+        self.group.assigned(sum(1 for tp in assigned if tp.topic in self._inputs), total)
         if self.eos is not None:
             self.eos.hook_consumer(self.app.consumer)
             await self.eos.assign(partitions)

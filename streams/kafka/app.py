@@ -15,6 +15,7 @@ from streams.kafka.security import faust_credentials
 from streams.observability.metrics import Metrics
 from streams.observability.status import StatusView, render_html
 from streams.pipelines.registry import PipelineRegistry
+from streams.resilience.limiter import GroupShare
 from streams.settings import Settings, load_settings
 
 
@@ -63,9 +64,10 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
     app.llm_streams_settings = settings  # type: ignore[attr-defined]  # for CLI helpers
     metrics = Metrics()
     app.llm_streams_metrics = metrics  # type: ignore[attr-defined]
+    group = GroupShare()
     app.llm_streams_agent = TaskAgent(  # type: ignore[attr-defined]  # for the worker's stop
-        app, settings, processor_factory(settings, registry, metrics, room), metrics, limits,
-        sources=registry.sources(),
+        app, settings, processor_factory(settings, registry, metrics, room, group), metrics,
+        limits, sources=registry.sources(), group=group,
     )  # fmt: skip
 
     @app.page("/metrics")

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 _EPSILON = 1e-9
 UNKNOWN_RPM = 1_000_000.0  # no limit known and none learned: effectively unlimited
 PROBE_POLL_S = 0.05
+CALM_S = 5.0  # this long without a 429: a rate held below our share goes straight to it
 
 
 class Bucket:
@@ -68,6 +69,7 @@ class Bucket:
         # Other clients of the key, seen in the trend of `remaining`: their units per
         # second (a moving average), and the report that trend is measured from.
         self.others_mean = 0.0  # moving average of the samples, noise both ways included
+        self.sampled = False  # a first sample is in: until then the others are unknown
         # granted_at, taken, left, and the reported reset (s) or None
         self.last_report: tuple[float, float, float, float | None] | None = None
         # A fixed window (its reset counts down with the clock): nothing refills until
@@ -143,6 +145,25 @@ class Permit:
                 self.limiter.probe_abandoned()
 
 
+class GroupShare:
+    """This worker's part of its consumer group's work: the fraction of the group's input
+    partitions assigned to it (None: not in a group, or alone in it). Set at every
+    rebalance, read by the limiters of every model.
+
+    The trend of `remaining` tells how much the key's other clients take, not how
+    the key should be split: every split that sums to the limit fits it, and noise
+    walks the split about, so one worker could crawl at a tenth while the others,
+    done, leave the key idle. Members of one group are due what their partitions
+    bring, so each claims at least that fraction of the limit; beyond it, what the
+    others leave."""
+
+    def __init__(self, fraction: float | None = None) -> None:
+        self.fraction = fraction
+
+    def assigned(self, mine: int, total: int) -> None:
+        self.fraction = mine / total if total > 0 and mine < total else None
+
+
 @dataclass(frozen=True)
 class LimiterSnapshot:
     rpm: float
@@ -167,6 +188,7 @@ class RateLimiter:
         headroom: float = 1.0,
         safety: float = 0.995,
         clock: Clock | None = None,
+        group: GroupShare | None = None,
     ) -> None:
         if (rpm is not None and rpm <= 0) or (tpm is not None and tpm <= 0):
             raise ValueError("limits must be positive")
@@ -188,6 +210,7 @@ class RateLimiter:
         self.tokens_reported = False  # ... and x-ratelimit-remaining-tokens among them
         self.recover_per_s = recover_per_s
         self.floor = floor
+        self.group = group or GroupShare()
         self.paused_until = now
         self._last_recover = now
         self._queue: list[_Waiter] = []
@@ -295,7 +318,11 @@ class RateLimiter:
         self._last_recover = now
         if elapsed <= 0 or now < self.paused_until:
             return
-        step = self.recover_per_s * elapsed
+        # Long after the last 429, a rate below our share was held there by the share
+        # itself (a neighbour seen, a smaller part of the group): it follows the share
+        # at once, the provider's `remaining` guarding the step. After a 429 it climbs.
+        calm = self.informed and now - self._last_cut >= CALM_S
+        step = float("inf") if calm else self.recover_per_s * elapsed
         top = self.share(self.requests, self.rpm_ceiling)
         if self.requests.per_minute < top:
             rate = min(top, self.requests.per_minute + step * self.rpm_ceiling)
@@ -307,8 +334,12 @@ class RateLimiter:
                 self.tokens.set_rate(rate, now)
 
     def share(self, bucket: Bucket, ceiling: float) -> float:
-        """Our share of a limit, per minute: what other clients of the key leave."""
-        return max(ceiling * self.floor, ceiling - bucket.others_per_s * 60.0)
+        """Our share of a limit, per minute: what other clients of the key leave, and at
+        least our part of the group's work (see `GroupShare`)."""
+        due = ceiling * max(self.floor, self.group.fraction or 0.0)
+        if self.group.fraction is not None and not bucket.sampled:
+            return due  # the other members are about to take theirs: no more until seen
+        return max(due, ceiling - bucket.others_per_s * 60.0)
 
     def throttled(self, retry_after_s: float | None, permit: Permit | None = None) -> None:
         """The provider answered 429: cut the rate, and pause everyone until Retry-After.
@@ -316,6 +347,12 @@ class RateLimiter:
         last cut was sent at the old rate, so its 429 pauses but does not cut again
         (a burst of 24 refusals would otherwise cut the rate to 0.9**24 of itself)."""
         now = self.clock.now()
+        if permit is not None:
+            # Not charged by the provider: were it counted among our grants, the trend of
+            # `remaining` would read the others as taking that much less.
+            self.requests.taken -= 1
+            if self.tokens is not None:
+                self.tokens.taken -= permit.estimated_tokens
         if permit is None or permit.granted_at > self._last_cut:
             self._last_cut = now
             # A provider that reports its limit and remaining capacity already steers
@@ -439,6 +476,15 @@ class RateLimiter:
                 theirs = last[2] + refilled - (taken - last[1]) - left
                 sample = theirs / dt  # not clipped: noise both ways averages out
                 bucket.others_mean += (sample - bucket.others_mean) * 0.2
+                bucket.sampled = True
+            elif left >= full / 2:
+                # The provider's bucket stayed (nearly) full: the key has capacity nobody
+                # uses, whatever the others take. Let the estimate fall, slowly (a pause
+                # of everyone, such as a rebalance, looks the same), so our share grows
+                # into it; were it kept, a worker held to a small share by a neighbour
+                # that has since gone idle would stay there for good (its own pace never
+                # drains the bucket enough to be measured again).
+                bucket.others_mean *= 0.95
         if last is None or granted_at > last[0]:
             bucket.last_report = (granted_at, taken, left, reset)
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from streams.contract.lanes import Lane
 from streams.resilience.clock import FakeClock
-from streams.resilience.limiter import RateLimiter
+from streams.resilience.limiter import GroupShare, RateLimiter
 
 
 def exact(**kw: object) -> RateLimiter:
@@ -163,6 +163,27 @@ async def test_a_neighbour_on_the_key_is_seen_in_the_trend_of_remaining() -> Non
     assert limiter.requests.others_per_s == pytest.approx(0, abs=0.5)
 
 
+async def test_a_share_held_small_by_a_neighbour_grows_back_when_the_key_is_idle() -> None:
+    """A neighbour took 40 a second (of 50) and left: we are held to 10 a second and,
+    taking 2 between reports, never drain the provider's bucket enough to measure the
+    neighbour's absence. The provider reporting its bucket full says the key is idle."""
+    clock = FakeClock()
+    limiter = exact(rpm=3000, clock=clock, recover_per_s=0.0)
+    limiter.requests.others_mean = 40.0
+    limiter.requests.set_rate(limiter.share(limiter.requests, 3000), clock.now())
+    assert limiter.snapshot().rpm == pytest.approx(600)
+    for _ in range(120):
+        permit = await limiter.acquire()
+        limiter.observe({"x-ratelimit-limit-requests": "3000",
+                         "x-ratelimit-remaining-requests": "48",
+                         "x-ratelimit-reset-requests": "40ms"}, permit)  # fmt: skip
+        limiter.requests.taken += 1
+        clock.advance(0.2)
+    assert limiter.requests.others_per_s < 0.5
+    assert limiter.share(limiter.requests, 3000) == pytest.approx(3000, rel=0.01)
+    assert limiter.snapshot().rpm == pytest.approx(3000, rel=0.01)  # no 429: at once
+
+
 async def test_a_fixed_window_is_not_mistaken_for_a_neighbour() -> None:
     """A one-minute window does not refill as time passes: `remaining` falls by what we
     take while its reset counts down with the clock. That is no other client."""
@@ -298,3 +319,35 @@ async def test_a_429_from_an_informed_provider_cuts_gently_both_buckets() -> Non
     assert uninformed.snapshot().rpm == pytest.approx(
         420
     ) and uninformed.snapshot().tpm == pytest.approx(42000)
+
+
+async def test_a_group_member_claims_its_part_of_the_group_whatever_the_trend_says() -> None:
+    """Every split of the key that sums to the limit fits it; a member of a consumer group
+    holding a quarter of its partitions claims at least a quarter, and what the others
+    leave beyond that."""
+    clock = FakeClock()
+    group = GroupShare()
+    limiter = exact(rpm=3000, clock=clock, recover_per_s=0.0, group=group)
+    group.assigned(2, 8)
+    # Before the trend is measured, the other members are due theirs: no burst of all
+    # four at the whole limit when a phase starts.
+    assert limiter.share(limiter.requests, 3000) == pytest.approx(750)
+    limiter.requests.sampled = True
+    limiter.requests.others_mean = 45.0  # the others seem to take 2,700 of 3,000 a minute
+    assert limiter.share(limiter.requests, 3000) == pytest.approx(750)
+    limiter.requests.others_mean = 10.0  # they take little: more than our part is ours
+    assert limiter.share(limiter.requests, 3000) == pytest.approx(2400)
+    group.assigned(8, 8)  # alone in the group: the trend alone tells the others
+    assert group.fraction is None
+    limiter.requests.others_mean = 45.0
+    assert limiter.share(limiter.requests, 3000) == pytest.approx(300)
+
+
+async def test_a_refused_call_is_not_counted_among_what_we_took() -> None:
+    """A 429 was not charged by the provider: counting it as ours would read the others
+    as taking that much less."""
+    limiter = exact(rpm=3000, tpm=100_000, clock=FakeClock())
+    permits = [await limiter.acquire(100) for _ in range(3)]
+    limiter.throttled(retry_after_s=None, permit=permits[1])
+    assert limiter.requests.taken == 2
+    assert limiter.tokens is not None and limiter.tokens.taken == 200
