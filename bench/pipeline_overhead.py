@@ -24,11 +24,12 @@ from pathlib import Path
 
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
 
 from streams.dev.brokers.apache import ApacheKafka
 from streams.dev.brokers.common import free_port, wait_for_port
 from streams.kafka.topics import ensure_topics
-from streams.settings import load_settings, settings_env
+from streams.settings import Settings, load_settings, settings_env
 
 HERE = Path(__file__).resolve().parent
 TEXTS = [
@@ -48,13 +49,13 @@ def task_record(i: int) -> tuple[bytes, bytes]:
     return task["task_id"].encode(), orjson.dumps(task)
 
 
-async def preload(bootstrap: str, topic: str, n: int) -> int:
+async def preload(bootstrap: str, topic: str, n: int, first: int = 0) -> int:
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, acks=1)
     await producer.start()
     size = 0
     try:
         futures = []
-        for i in range(n):
+        for i in range(first, first + n):
             key, value = task_record(i)
             size += len(value)
             futures.append(await producer.send(topic, key=key, value=value))
@@ -80,6 +81,27 @@ async def warm_up(kafka: ApacheKafka, n: int) -> None:
             seen += sum(len(v) for v in batch.values())
     finally:
         await consumer.stop()
+
+
+async def group_stable(settings: Settings, members: int, timeout_s: float = 120) -> None:
+    """Wait until the workers' consumer group is Stable with `members` members."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+    await admin.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            try:
+                (response,) = await admin.describe_consumer_groups([settings.app_id])
+                # Raw DescribeGroups: (error, group_id, state, protocol_type, protocol, members)
+                group = response.groups[0]
+                if group[2] == "Stable" and len(group[5]) == members:
+                    return
+            except Exception:  # coordinator not there yet
+                pass
+            await asyncio.sleep(0.5)
+        raise RuntimeError(f"group {settings.app_id} not stable with {members} members")
+    finally:
+        await admin.close()
 
 
 async def create_topic(bootstrap: str, name: str, partitions: int = 4) -> None:

@@ -9,7 +9,9 @@ with an RPM limit R (sub-minute enforcement, 1 s bursts), a TPM limit, latency
    retrying 429/5xx with random exponential backoff, as commonly written;
 3. two, then four llm-streams workers sharing the key (one consumer group), each
    learning its share from the trend of `remaining`;
-4. one worker while the simulator's limit is halved mid-run.
+4. one worker while the simulator's limit is halved mid-run;
+5. a worker leaving (two, then one) and joining (one, then two) 30 s in: how long
+   until the key is used again (rebalance included).
 
 Printed per phase: successful requests/min over the busy span / R, and the
 share of requests answered 429.
@@ -36,7 +38,7 @@ import orjson
 from aiokafka import AIOKafkaConsumer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_overhead import preload, stop, task_record, warm_up
+from pipeline_overhead import group_stable, preload, stop, task_record, warm_up
 
 from streams.dev.brokers.apache import ApacheKafka
 from streams.dev.brokers.common import free_port, wait_for_port
@@ -44,6 +46,7 @@ from streams.kafka.topics import ensure_topics
 from streams.settings import load_settings, settings_env
 
 DEAD_LETTERS: Counter[str] = Counter()
+LOGDIR: Path | None = None
 
 
 class Sim:
@@ -75,6 +78,8 @@ class Sim:
 def figures(stats: dict[str, Any], rpm: float, span_s: float) -> tuple[float, float, float]:
     """Successful RPM over the busy span / R, the same over the middle 80% of the
     busy seconds (steady state, without ramp-up and the last stragglers), 429 share."""
+    if LOGDIR is not None:  # the simulator's count per second, for a look afterwards
+        (LOGDIR / f"sim-{uuid.uuid4().hex[:6]}.json").write_bytes(orjson.dumps(stats))
     ok = stats["by_status"].get("200", 0)
     total = stats["requests"]
     per_min = ok / span_s * 60
@@ -89,8 +94,11 @@ def figures(stats: dict[str, Any], rpm: float, span_s: float) -> tuple[float, fl
 
 
 async def run_workers(kafka: ApacheKafka, sim: Sim, n_tasks: int, workers: int, logdir: Path,
-                      on_progress: Any = None) -> float:  # fmt: skip
-    """Busy span (first to last outcome) of n_tasks through `workers` worker processes."""
+                      on_progress: Any = None, change: tuple[str, float] | None = None,
+                      changed: dict[str, float] | None = None) -> float:  # fmt: skip
+    """Busy span (first to last outcome) of n_tasks through `workers` worker processes.
+    `change`: ("join", s) starts one more worker s seconds into the busy span, ("leave",
+    s) stops one; the simulator's clock at that moment goes into `changed["at"]`."""
     suffix = uuid.uuid4().hex[:6]
     settings = load_settings(
         app_id=f"util-{suffix}",
@@ -103,17 +111,25 @@ async def run_workers(kafka: ApacheKafka, sim: Sim, n_tasks: int, workers: int, 
         log_level="warning",
     )  # fmt: skip
     await ensure_topics(settings)
-    await preload(kafka.bootstrap, settings.topics.tasks, n_tasks)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
     env.update(settings_env(settings))
-    procs = []
-    for i in range(workers):
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn() -> None:
+        i = len(procs)
         env_i = {**env, "LLM_STREAMS_WEB_PORT": str(free_port()),
                  # each worker its own task store (a store directory takes one process)
                  "LLM_STREAMS_DATA_DIR": str(logdir / f"w-{suffix}-{i}")}  # fmt: skip
         with open(logdir / f"worker-{suffix}-{i}.log", "wb") as log:
             procs.append(subprocess.Popen([sys.executable, "-m", "streams.cli", "worker"],
                                           env=env_i, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+
+    for _ in range(workers):
+        spawn()
+    # Tasks come once every worker is in the group: the figure is the workers sharing the
+    # key, not their joins one after the other (each a rebalance; phase 5 times those).
+    await group_stable(settings, workers, timeout_s=180)
+    await preload(kafka.bootstrap, settings.topics.tasks, n_tasks)
     consumer = AIOKafkaConsumer(
         settings.topics.results, settings.topics.dead_letters,
         bootstrap_servers=kafka.bootstrap, group_id=f"u-{suffix}",
@@ -137,6 +153,18 @@ async def run_workers(kafka: ApacheKafka, sim: Sim, n_tasks: int, workers: int, 
                 seen += got
             if on_progress is not None:
                 on_progress(seen, first)
+            if (
+                change
+                and changed is not None
+                and not changed
+                and first
+                and (time.monotonic() - first > change[1])
+            ):
+                changed["at"] = sim.call("/sim/stats")["now_s"]
+                if change[0] == "join":
+                    spawn()
+                else:  # a graceful stop: the worker leaves the group at once
+                    await asyncio.to_thread(stop, procs[0])
     finally:
         await consumer.stop()
         for p in procs:
@@ -185,6 +213,27 @@ async def run_naive(sim: Sim, n_tasks: int, concurrency: int = 64) -> float:
     return span
 
 
+def recovery(stats: dict[str, Any], change_at: float, rpm: int, window: int = 5,
+             hold: int = 15) -> tuple[float, int]:  # fmt: skip
+    """Seconds after the change until the key is used again for good: from then on, every
+    `window` seconds in a row (over `hold` s) average >= 0.95 of the limit with <= 0.5%
+    of their requests refused. Also the 429s until then."""
+    per_s = {int(k): v for k, v in stats["per_second"].items()}
+    start = int(change_at) + 1  # the first whole second after the change
+
+    def good(t: int) -> bool:
+        seconds = [per_s.get(t + i, {}) for i in range(window)]
+        ok = sum(c.get("200", 0) for c in seconds)
+        refused = sum(c.get("429", 0) for c in seconds)
+        total = max(1, sum(sum(c.values()) for c in seconds))
+        return bool(ok >= 0.95 * rpm / 60 * window and refused <= 0.005 * total)
+
+    for t in range(start, max(per_s, default=start) - window - hold + 2):
+        if all(good(t + i) for i in range(hold)):
+            return t - change_at, sum(per_s.get(s, {}).get("429", 0) for s in range(start, t))
+    return float("inf"), sum(c.get("429", 0) for s, c in per_s.items() if s >= start)
+
+
 def adaptation(stats: dict[str, Any], change_at: float, new_rpm: int) -> tuple[float, int]:
     """Seconds after the change until 429s stop for good, and 429s in that time."""
     per_s = {int(k): v for k, v in stats["per_second"].items()}
@@ -197,13 +246,15 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rpm", type=int, default=3000)
     parser.add_argument("--tasks", type=int, default=3000)
-    parser.add_argument("--phases", default="1,2,3,4", help="Which phases to run.")
+    parser.add_argument("--phases", default="1,2,3,4,5", help="Which phases to run.")
     parser.add_argument("--workers", default="2,4", help="Phase 3: workers sharing the key.")
     args = parser.parse_args()
     phases = {int(p) for p in args.phases.split(",")}
     rpm, n = args.rpm, args.tasks
     tpm = rpm * 800  # ~690 tokens estimated per call: RPM is the binding limit
     logdir = Path(tempfile.mkdtemp(prefix="llm-streams-util-"))
+    global LOGDIR
+    LOGDIR = logdir
     sim = Sim(rpm, tpm)
     rows = []
     try:
@@ -224,6 +275,15 @@ async def main() -> None:
                 span = await run_workers(kafka, sim, workers * n, workers, logdir)
                 rows.append((f"llm-streams, {workers} workers, one key",
                              *figures(sim.call("/sim/stats"), rpm, span)))  # fmt: skip
+            moves = []
+            for kind, before in (("leave", 2), ("join", 1)) if 5 in phases else ():
+                sim.reset(rpm)
+                moved: dict[str, float] = {}
+                await run_workers(kafka, sim, 2 * n, before, logdir, change=(kind, 30.0),
+                                  changed=moved)  # fmt: skip
+                took, refused = recovery(sim.call("/sim/stats"), moved.get("at", 0.0), rpm)
+                moves.append((f"{before} -> {before + (1 if kind == 'join' else -1)} workers",
+                              took, refused))  # fmt: skip
             settle_s, storm = -1.0, 0
             changed: dict[str, float] = {}
 
@@ -245,6 +305,9 @@ async def main() -> None:
     print(f"{'phase':<34} {'successful RPM / R':>19} {'steady-state':>13} {'429 share':>10}")
     for name, util, steady, share in rows:
         print(f"{name:<34} {util:>19.3f} {steady:>13.3f} {share:>9.2%}")
+    for name, took, refused in moves:
+        print(f"{name} 30 s in: back to >= 0.95 of R with <= 0.5% 429s (5 s in a row) after "
+              f"{took:.0f} s ({refused} 429s until then)")  # fmt: skip
     if settle_s >= 0:
         print(
             f"limit halved to {rpm // 2} mid-run: 429s stopped {settle_s:.1f} s after the change ({storm} 429s in that time)"

@@ -27,40 +27,18 @@ from typing import Any
 
 import orjson
 from aiokafka import AIOKafkaConsumer
-from aiokafka.admin import AIOKafkaAdminClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_overhead import preload, stop, warm_up
+from pipeline_overhead import group_stable, preload, stop, warm_up
 from rate_limit_utilisation import Sim
 
 from streams.dev.brokers.apache import ApacheKafka
 from streams.dev.brokers.common import free_port
 from streams.kafka.topics import ensure_topics
-from streams.settings import Settings, load_settings, settings_env
+from streams.settings import load_settings, settings_env
 
 PARTITIONS = 12
 LATENCY_MS = 300
-
-
-async def group_stable(settings: Settings, members: int, timeout_s: float = 120) -> None:
-    """Wait until the workers' consumer group is Stable with `members` members."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
-    await admin.start()
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            try:
-                (response,) = await admin.describe_consumer_groups([settings.app_id])
-                # Raw DescribeGroups: (error, group_id, state, protocol_type, protocol, members)
-                group = response.groups[0]
-                if group[2] == "Stable" and len(group[5]) == members:
-                    return
-            except Exception:  # coordinator not there yet
-                pass
-            await asyncio.sleep(0.5)
-        raise RuntimeError(f"group {settings.app_id} not stable with {members} members")
-    finally:
-        await admin.close()
 
 
 async def run(kafka: ApacheKafka, sim: Sim, workers: int, tasks: int, concurrency: int,

@@ -1,0 +1,245 @@
+"""Worker CPU per task in every regime of traffic: saturation, paced, rate-limited, idle.
+
+One run, one broker (Apache Kafka 4.1.1 from jars), one LLM simulator process,
+one llm-streams worker (the shipped comment pipeline; spans and redaction on)
+that lives through all regimes in turn, on the same topics:
+
+1. idle: no traffic, CPU per second;
+2. saturation: N tasks pre-loaded, the simulator answering at once, no limits
+   (a 5 s window while they drain);
+3. paced 10/s and 50/s: tasks published at that rate, answers in 300 +- 100 ms;
+4. rate-limited: N tasks pre-loaded, the simulator enforcing 3,000 RPM (50/s)
+   with 300 +- 100 ms answers, the limit not told to the worker.
+
+Printed per regime: tasks answered in the measuring window, and the worker's CPU
+(user + system, from /proc) per task over that window. `--profile DIR` also
+records each window with py-spy (attached to the worker) and prints the top
+entries by own time and by total time.
+
+    python bench/cpu_per_task.py [--tasks 10000] [--seconds 30] [--profile DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_overhead import cpu_seconds, preload, stop, task_record, warm_up
+from rate_limit_utilisation import Sim
+
+from streams.dev.brokers.apache import ApacheKafka
+from streams.kafka.topics import ensure_topics
+from streams.settings import load_settings, settings_env
+
+
+class Outcomes:
+    """Counts results and dead letters as they arrive."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def read(self, bootstrap: str, topics: list[str], stop_event: asyncio.Event) -> None:
+        consumer = AIOKafkaConsumer(
+            *topics, bootstrap_servers=bootstrap, group_id=f"cpu-{uuid.uuid4().hex[:6]}",
+            auto_offset_reset="earliest", enable_auto_commit=False,
+        )  # fmt: skip
+        await consumer.start()
+        try:
+            while not stop_event.is_set():
+                batch = await consumer.getmany(timeout_ms=100, max_records=5000)
+                self.count += sum(len(v) for v in batch.values())
+        finally:
+            await consumer.stop()
+
+    async def until(self, n: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.count < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {self.count}/{n} outcomes")
+            await asyncio.sleep(0.05)
+
+
+class Profiler:
+    """py-spy attached to the worker for one measuring window (raw collapsed stacks)."""
+
+    def __init__(self, out: Path | None, pid: int) -> None:
+        self.out, self.pid = out, pid
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, name: str, seconds: float) -> None:
+        if self.out is None:
+            return
+        self.file = self.out / f"{name}.txt"
+        self.proc = subprocess.Popen(
+            ["py-spy", "record", "-p", str(self.pid), "-d", str(int(seconds)), "-r", "200",
+             "-f", "raw", "-o", str(self.file), "--nonblocking"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def finish(self) -> tuple[Counter[str], Counter[str], int] | None:
+        if self.proc is None:
+            return None
+        self.proc.wait(60)
+        self.proc = None
+        own: Counter[str] = Counter()
+        total: Counter[str] = Counter()
+        samples = 0
+        for line in self.file.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            n = int(count)
+            frames = [f for f in stack.split(";") if f]
+            if not frames:
+                continue
+            samples += n
+            # Idle in the event loop's selector is not CPU: py-spy samples it anyway.
+            own[_short(frames[-1])] += n
+            for frame in {_short(f) for f in frames[1:]}:
+                total[frame] += n
+        return own, total, samples
+
+
+def _short(frame: str) -> str:
+    """`func (path/to/module.py:line)` -> `func (module.py)`."""
+    name, _, where = frame.partition(" (")
+    path = where.rstrip(")").rsplit(":", 1)[0]
+    parts = Path(path).parts
+    tail = "/".join(parts[parts.index("streams") :]) if "streams" in parts else Path(path).name
+    return f"{name} ({tail})"
+
+
+async def window(worker: subprocess.Popen[bytes], outcomes: Outcomes, profiler: Profiler,
+                 name: str, seconds: float) -> tuple[int, float]:  # fmt: skip
+    """Tasks answered and worker CPU seconds over the next `seconds`."""
+    profiler.start(name, seconds)
+    done, cpu = outcomes.count, cpu_seconds(worker.pid)
+    await asyncio.sleep(seconds)
+    return outcomes.count - done, cpu_seconds(worker.pid) - cpu
+
+
+async def paced(producer: AIOKafkaProducer, topic: str, rate: float, seconds: float,
+                first: int) -> int:  # fmt: skip
+    """Publish tasks at `rate`/s for `seconds`; returns how many."""
+    start, i = time.monotonic(), 0
+    while (elapsed := time.monotonic() - start) < seconds:
+        while i < int(elapsed * rate) + 1:
+            key, value = task_record(first + i)
+            await producer.send(topic, key=key, value=value)
+            i += 1
+        await asyncio.sleep(0.005)
+    return i
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", type=int, default=10_000, help="saturation backlog")
+    parser.add_argument("--seconds", type=float, default=30.0, help="each measuring window")
+    parser.add_argument("--profile", type=Path, help="py-spy each window into this directory")
+    args = parser.parse_args()
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    logdir = Path(tempfile.mkdtemp(prefix="llm-streams-cpu-"))
+    sim = Sim(rpm=0, tpm=0, latency_ms=0, jitter_ms=0, error_rate=0.0)
+    rows: list[tuple[str, int, float, float]] = []
+    profiles = {}
+    try:
+        with ApacheKafka(heap_mb=1024) as kafka:
+            await warm_up(kafka, 5000)
+            suffix = uuid.uuid4().hex[:6]
+            settings = load_settings(
+                app_id=f"cpu-{suffix}",
+                kafka={"broker_url": kafka.url, "partitions": 4},
+                topics={n: f"{n}-{suffix}" for n in ("tasks", "replay", "results", "dead_letters", "review")},
+                llm={"base_url": f"{sim.base}/v1", "api_key": "bench-key", "model": "sim-1"},
+                batch={"size": 200, "window_s": 0.05, "concurrency": 64},
+                data_dir=logdir / "worker",
+                log_level="warning",
+            )  # fmt: skip
+            await ensure_topics(settings)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
+            env.update(settings_env(settings))
+            with open(logdir / "worker.log", "wb") as log:
+                worker = subprocess.Popen([sys.executable, "-m", "streams.cli", "worker"],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            profiler = Profiler(args.profile, worker.pid)
+            outcomes = Outcomes()
+            stop_reading = asyncio.Event()
+            reader = asyncio.create_task(outcomes.read(
+                kafka.bootstrap, [settings.topics.results, settings.topics.dead_letters],
+                stop_reading))  # fmt: skip
+            producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, linger_ms=5, acks=1)
+            await producer.start()
+            sent = 0
+
+            async def measure(name: str, seconds: float) -> None:
+                done, cpu = await window(worker, outcomes, profiler, name, seconds)
+                rows.append((name, done, cpu, seconds))
+                got = profiler.finish()
+                if got is not None:
+                    profiles[name] = got
+
+            try:
+                # Warm-up: join the group, load the tokenizer and the pipelines.
+                sent += await paced(producer, settings.topics.tasks, 20, 5, sent)
+                await outcomes.until(sent, 120)
+                await measure("idle (per second)", args.seconds)
+                # Saturation: a backlog, answered at once; measured while it drains.
+                await preload(kafka.bootstrap, settings.topics.tasks, args.tasks, sent)
+                sent += args.tasks
+                await asyncio.sleep(1.0)  # past the ramp-up
+                await measure("saturation", 5.0)
+                await outcomes.until(sent, 600)
+                sim.call("/sim/config", {"latency_ms": 300, "latency_jitter_ms": 100})
+                for rate in (10, 50):
+                    pacer = asyncio.create_task(paced(producer, settings.topics.tasks, rate,
+                                                      args.seconds + 4, sent))  # fmt: skip
+                    await asyncio.sleep(2.0)
+                    await measure(f"paced {rate}/s", args.seconds)
+                    sent += await pacer
+                    await outcomes.until(sent, 120)
+                # Rate-limited: a backlog held to 3,000 RPM (50/s), learned from headers.
+                sim.call("/sim/config", {"rpm": 3000, "tpm": 3000 * 2000})
+                backlog = int(50 * (args.seconds + 10))
+                await preload(kafka.bootstrap, settings.topics.tasks, backlog, sent)
+                sent += backlog
+                await asyncio.sleep(5.0)  # past learning the limit
+                await measure("rate-limited 3,000 RPM", args.seconds)
+                await outcomes.until(sent, 900)
+            finally:
+                await producer.stop()
+                stop_reading.set()
+                await reader
+                stop(worker)
+    finally:
+        stop(sim.proc)
+    print("one worker, comment-analysis pipeline (spans, redaction on); Apache Kafka 4.1.1; "
+          "worker CPU from /proc")  # fmt: skip
+    print(f"{'regime':<26} {'tasks':>7} {'tasks/s':>8} {'CPU ms/task':>12} {'CPU ms/s':>9}")
+    for name, done, cpu, seconds in rows:
+        per_task = f"{cpu * 1000 / done:.2f}" if done else "-"
+        print(
+            f"{name:<26} {done:>7} {done / seconds:>8.1f} {per_task:>12} {cpu * 1000 / seconds:>9.1f}"
+        )
+    for name, (own, total, samples) in profiles.items():
+        print(f"\n== py-spy, {name}: {samples} samples (idle waits included)")
+        print("  top by own time:")
+        for frame, n in own.most_common(12):
+            print(f"    {n / samples:6.1%}  {frame}")
+        print("  top by total time:")
+        for frame, n in total.most_common(15):
+            print(f"    {n / samples:6.1%}  {frame}")
+    print(f"logs: {logdir}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
