@@ -159,9 +159,11 @@ class GroupShare:
 
     def __init__(self, fraction: float | None = None) -> None:
         self.fraction = fraction
+        self.epoch = 0  # counts rebalances: who the others are may have changed
 
     def assigned(self, mine: int, total: int) -> None:
         self.fraction = mine / total if total > 0 and mine < total else None
+        self.epoch += 1
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,7 @@ class RateLimiter:
         self.recover_per_s = recover_per_s
         self.floor = floor
         self.group = group or GroupShare()
+        self._epoch = self.group.epoch
         self.paused_until = now
         self._last_recover = now
         self._queue: list[_Waiter] = []
@@ -336,6 +339,13 @@ class RateLimiter:
     def share(self, bucket: Bucket, ceiling: float) -> float:
         """Our share of a limit, per minute: what other clients of the key leave, and at
         least our part of the group's work (see `GroupShare`)."""
+        if self.group.epoch != self._epoch:
+            # A rebalance: a member joined or left, and what the others took says
+            # nothing of what they will take. Measure again, claiming our part meanwhile.
+            self._epoch = self.group.epoch
+            for b in (self.requests, self.tokens):
+                if b is not None:
+                    b.others_mean, b.sampled, b.last_report = 0.0, False, None
         due = ceiling * max(self.floor, self.group.fraction or 0.0)
         if self.group.fraction is not None and not bucket.sampled:
             return due  # the other members are about to take theirs: no more until seen

@@ -339,7 +339,8 @@ async def test_a_group_member_claims_its_part_of_the_group_whatever_the_trend_sa
     assert limiter.share(limiter.requests, 3000) == pytest.approx(2400)
     group.assigned(8, 8)  # alone in the group: the trend alone tells the others
     assert group.fraction is None
-    limiter.requests.others_mean = 45.0
+    assert limiter.share(limiter.requests, 3000) == 3000  # not measured since
+    limiter.requests.sampled, limiter.requests.others_mean = True, 45.0
     assert limiter.share(limiter.requests, 3000) == pytest.approx(300)
 
 
@@ -351,3 +352,20 @@ async def test_a_refused_call_is_not_counted_among_what_we_took() -> None:
     limiter.throttled(retry_after_s=None, permit=permits[1])
     assert limiter.requests.taken == 2
     assert limiter.tokens is not None and limiter.tokens.taken == 200
+
+
+async def test_after_a_rebalance_the_others_are_measured_again() -> None:
+    """A worker alone on the key is joined by a second: until it has measured the
+    newcomer it claims its half, not the whole key it had. When the newcomer leaves
+    again, it claims the whole key at once, not after its estimate of it has decayed."""
+    clock = FakeClock()
+    group = GroupShare()
+    limiter = exact(rpm=3000, clock=clock, group=group)
+    group.assigned(8, 8)
+    limiter.requests.sampled = True
+    assert limiter.share(limiter.requests, 3000) == 3000
+    group.assigned(4, 8)
+    assert limiter.share(limiter.requests, 3000) == pytest.approx(1500)
+    limiter.requests.sampled, limiter.requests.others_mean = True, 25.0
+    group.assigned(8, 8)
+    assert limiter.share(limiter.requests, 3000) == 3000
