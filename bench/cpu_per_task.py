@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,9 +82,11 @@ class Profiler:
     def start(self, name: str, seconds: float) -> None:
         if self.out is None:
             return
-        self.file = self.out / f"{name}.txt"
+        self.file = self.out / f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}.txt"
+        # The venv's py-spy when the bench runs as .venv/bin/python without activating it.
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         self.proc = subprocess.Popen(
-            ["py-spy", "record", "-p", str(self.pid), "-d", str(int(seconds)), "-r", "200",
+            [spy, "record", "-p", str(self.pid), "-d", str(int(seconds)), "-r", "200",
              "-f", "raw", "-o", str(self.file), "--nonblocking"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
@@ -99,14 +103,23 @@ class Profiler:
             stack, _, count = line.rpartition(" ")
             n = int(count)
             frames = [f for f in stack.split(";") if f]
-            if not frames:
-                continue
+            # Below the event loop: what a callback or task runs. The frames above it
+            # (the CLI, the worker's start) are in every sample of the main thread.
+            loop = [i for i, f in enumerate(frames) if f.split(" (")[0] in _LOOP_FRAMES]
+            if loop:
+                frames = frames[loop[-1] + 1 :]
             samples += n
-            # Idle in the event loop's selector is not CPU: py-spy samples it anyway.
+            if not frames:  # inside uvloop's C code (I/O, scheduling): no Python frame
+                own["(uvloop: I/O and scheduling, in C)"] += n
+                continue
             own[_short(frames[-1])] += n
-            for frame in {_short(f) for f in frames[1:]}:
+            for frame in {_short(f) for f in frames}:
                 total[frame] += n
         return own, total, samples
+
+
+_LOOP_FRAMES = {"Worker.execute_from_commandline", "BaseEventLoop.run_forever",
+                "BaseEventLoop._run_once"}  # fmt: skip
 
 
 def _short(frame: str) -> str:
@@ -231,12 +244,12 @@ async def main() -> None:
             f"{name:<26} {done:>7} {done / seconds:>8.1f} {per_task:>12} {cpu * 1000 / seconds:>9.1f}"
         )
     for name, (own, total, samples) in profiles.items():
-        print(f"\n== py-spy, {name}: {samples} samples (idle waits included)")
+        print(f"\n== py-spy, {name}: {samples} samples of busy threads")
         print("  top by own time:")
         for frame, n in own.most_common(12):
             print(f"    {n / samples:6.1%}  {frame}")
         print("  top by total time:")
-        for frame, n in total.most_common(15):
+        for frame, n in total.most_common(20):
             print(f"    {n / samples:6.1%}  {frame}")
     print(f"logs: {logdir}")
 
