@@ -3,8 +3,8 @@ W3C `traceparent` header), one per stage, one per LLM attempt; the result record
 the trace id and the trace context goes on in the outcome record's headers.
 
 The official `opentelemetry-instrumentation-openai-v2` wraps `chat.completions.create`;
-the adapter calls the SDK's `post()` (see streams/llm/openai_client.py), so the attempt
-spans are written here with the GenAI semantic conventions' attribute names
+the adapter posts chat completions itself (see streams/llm/openai_client.py), so the
+attempt spans are written here with the GenAI semantic conventions' attribute names
 (`gen_ai.request.model`, `gen_ai.usage.input_tokens`, ...). Spans are made in the job's
 asyncio task (contextvars), not on Faust's consumer thread, so none is orphaned.
 """

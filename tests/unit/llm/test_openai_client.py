@@ -1,0 +1,98 @@
+"""The chat-completion path against the simulator: every answer and failure mapped to
+the project's categories exactly as the SDK's own calls would be."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+
+from streams.dev.simulator import SimulatorServer
+from streams.errors import AuthError, ContextOverflow, RateLimited, Timeout, UpstreamError
+from streams.llm.client import LLMRequest
+from streams.llm.openai_client import OpenAIClient
+
+REQ = LLMRequest(
+    messages=[{"role": "user", "content": "<comment>great</comment>"}],
+    model="sim-1",
+    params={"max_tokens": 50},
+)
+
+
+@pytest.fixture
+async def client(simulator: SimulatorServer) -> AsyncIterator[OpenAIClient]:
+    simulator.sim.config.api_key = "right-key"
+    c = OpenAIClient(base_url=simulator.base_url, api_key="right-key", connect_timeout_s=1,
+                     read_timeout_s=0.5)  # fmt: skip
+    yield c
+    await c.close()
+
+
+async def test_an_answer_carries_its_usage_and_rate_headers(
+    simulator: SimulatorServer, client: OpenAIClient
+) -> None:
+    simulator.sim.config.rpm = 600
+    answer = await client.complete(REQ)
+    assert answer.content and answer.prompt_tokens > 0 and answer.finish_reason == "stop"
+    assert answer.rate_headers["x-ratelimit-limit-requests"] == "600"
+
+
+async def test_the_key_goes_with_every_call(simulator: SimulatorServer) -> None:
+    simulator.sim.config.api_key = "right-key"
+    wrong = OpenAIClient(base_url=simulator.base_url, api_key="wrong", connect_timeout_s=1,
+                         read_timeout_s=1)  # fmt: skip
+    try:
+        with pytest.raises(AuthError) as raised:
+            await wrong.complete(REQ)
+    finally:
+        await wrong.close()
+    assert raised.value.code == "invalid_api_key"
+
+
+async def test_a_429_says_how_long_to_wait(
+    simulator: SimulatorServer, client: OpenAIClient
+) -> None:
+    simulator.sim.config.rpm = 1
+    await client.complete(REQ)
+    with pytest.raises(RateLimited) as raised:
+        await client.complete(REQ)
+    assert raised.value.retry_after is not None and raised.value.retry_after > 0
+    assert "Rate limit reached" in str(raised.value)
+
+
+async def test_a_prompt_past_the_context_window_is_a_context_overflow(
+    simulator: SimulatorServer, client: OpenAIClient
+) -> None:
+    simulator.sim.config.context_window = 20
+    with pytest.raises(ContextOverflow) as raised:
+        await client.complete(REQ)
+    assert raised.value.code == "context_length_exceeded"
+
+
+async def test_5xx_is_an_upstream_error(simulator: SimulatorServer, client: OpenAIClient) -> None:
+    simulator.sim.config.error_503_rate = 1.0
+    with pytest.raises(UpstreamError) as raised:
+        await client.complete(REQ)
+    assert "HTTP 503" in str(raised.value)
+
+
+async def test_a_hanging_answer_times_out(simulator: SimulatorServer, client: OpenAIClient) -> None:
+    simulator.sim.config.hang_rate, simulator.sim.config.hang_s = 1.0, 5.0
+    with pytest.raises(Timeout) as raised:
+        await client.complete(REQ)
+    assert raised.value.code == "timeout"
+
+
+async def test_a_refused_connection_is_an_upstream_error() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = OpenAIClient(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", connect_timeout_s=1,
+                     read_timeout_s=1)  # fmt: skip
+    try:
+        with pytest.raises(UpstreamError) as raised:
+            await c.complete(REQ)
+    finally:
+        await c.close()
+    assert raised.value.code == "connection_error"
