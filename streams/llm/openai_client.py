@@ -18,6 +18,8 @@ import aiohttp
 import httpx2  # the SDK's HTTP layer; its Response carries the headers
 import openai
 import orjson
+from aiohttp.helpers import get_env_proxy_for_url
+from yarl import URL
 
 from streams.errors import (
     TaskError,
@@ -130,12 +132,16 @@ class OpenAIClient:
         )
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None  # opened in the loop that calls
+        # HTTPS_PROXY / NO_PROXY, as the SDK honours them, read once: aiohttp's
+        # trust_env would read the environment (and ~/.netrc) on every request.
+        try:
+            self._proxy: URL | None = get_env_proxy_for_url(URL(self._url))[0]
+        except LookupError:
+            self._proxy = None
 
     def _open(self) -> aiohttp.ClientSession:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self._max_connections),
-            timeout=self._timeout,
-            trust_env=True,  # HTTPS_PROXY / SSL_CERT_FILE, as the SDK honours them
+            connector=aiohttp.TCPConnector(limit=self._max_connections), timeout=self._timeout
         )
         return self._session
 
@@ -143,7 +149,9 @@ class OpenAIClient:
         body = orjson.dumps(request_body(request))
         session = self._session if self._session is not None else self._open()
         try:
-            async with session.post(self._url, data=body, headers=self._headers) as response:
+            async with session.post(
+                self._url, data=body, headers=self._headers, proxy=self._proxy
+            ) as response:
                 content = await response.read()
                 status, headers = response.status, response.headers
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
