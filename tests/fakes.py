@@ -16,6 +16,13 @@ from streams.llm.client import LLMRequest, LLMResponse
 
 Behaviour = Callable[[LLMRequest], LLMResponse | TaskError | None]
 
+# One small call to the LLM simulator (tests of the HTTP client and the guarded client).
+SIM_REQUEST = LLMRequest(
+    messages=[{"role": "user", "content": "<comment>great</comment>"}],
+    model="sim-1",
+    params={"max_tokens": 50},
+)
+
 
 def answer(content: object, *, prompt_tokens: int = 10, completion_tokens: int = 5,
            model: str = "fake-1") -> LLMResponse:  # fmt: skip

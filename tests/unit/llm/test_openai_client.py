@@ -9,15 +9,29 @@ from collections.abc import AsyncIterator
 import pytest
 
 from streams.dev.simulator import SimulatorServer
-from streams.errors import AuthError, ContextOverflow, RateLimited, Timeout, UpstreamError
-from streams.llm.client import LLMRequest
-from streams.llm.openai_client import OpenAIClient
-
-REQ = LLMRequest(
-    messages=[{"role": "user", "content": "<comment>great</comment>"}],
-    model="sim-1",
-    params={"max_tokens": 50},
+from streams.errors import (
+    AuthError,
+    ContextOverflow,
+    RateLimited,
+    TaskError,
+    Timeout,
+    UpstreamError,
 )
+from streams.llm.openai_client import OpenAIClient
+from tests.fakes import SIM_REQUEST
+
+REQ = SIM_REQUEST
+
+
+async def refused(base_url: str, api_key: str) -> TaskError:
+    """The error one call through a fresh client ends with."""
+    c = OpenAIClient(base_url=base_url, api_key=api_key, connect_timeout_s=1, read_timeout_s=1)
+    try:
+        with pytest.raises(TaskError) as raised:
+            await c.complete(REQ)
+    finally:
+        await c.close()
+    return raised.value
 
 
 @pytest.fixture
@@ -40,14 +54,8 @@ async def test_an_answer_carries_its_usage_and_rate_headers(
 
 async def test_the_key_goes_with_every_call(simulator: SimulatorServer) -> None:
     simulator.sim.config.api_key = "right-key"
-    wrong = OpenAIClient(base_url=simulator.base_url, api_key="wrong", connect_timeout_s=1,
-                         read_timeout_s=1)  # fmt: skip
-    try:
-        with pytest.raises(AuthError) as raised:
-            await wrong.complete(REQ)
-    finally:
-        await wrong.close()
-    assert raised.value.code == "invalid_api_key"
+    error = await refused(simulator.base_url, "wrong")
+    assert isinstance(error, AuthError) and error.code == "invalid_api_key"
 
 
 async def test_a_429_says_how_long_to_wait(
@@ -88,11 +96,5 @@ async def test_a_refused_connection_is_an_upstream_error() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    c = OpenAIClient(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", connect_timeout_s=1,
-                     read_timeout_s=1)  # fmt: skip
-    try:
-        with pytest.raises(UpstreamError) as raised:
-            await c.complete(REQ)
-    finally:
-        await c.close()
-    assert raised.value.code == "connection_error"
+    error = await refused(f"http://127.0.0.1:{port}/v1", "k")
+    assert isinstance(error, UpstreamError) and error.code == "connection_error"

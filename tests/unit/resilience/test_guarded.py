@@ -9,17 +9,13 @@ import pytest
 
 from streams.dev.simulator import SimulatorServer
 from streams.errors import CircuitOpen, RateLimited, UpstreamError
-from streams.llm.client import LLMRequest
 from streams.llm.openai_client import OpenAIClient
 from streams.resilience.breaker import CircuitBreaker, State
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
+from tests.fakes import SIM_REQUEST
 
-REQ = LLMRequest(
-    messages=[{"role": "user", "content": "<comment>great</comment>"}],
-    model="sim-1",
-    params={"max_tokens": 50},
-)
+REQ = SIM_REQUEST
 
 
 @pytest.fixture
