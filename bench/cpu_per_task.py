@@ -16,7 +16,8 @@ Printed per regime: tasks answered in the measuring window, and the worker's CPU
 records each window with py-spy (attached to the worker) and prints the top
 entries by own time and by total time.
 
-    python bench/cpu_per_task.py [--tasks 10000] [--seconds 30] [--profile DIR]
+    python bench/cpu_per_task.py [--tasks 10000] [--seconds 30] [--regimes idle,paced10]
+                                 [--profile DIR [--native]]
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ class Outcomes:
 class Profiler:
     """py-spy attached to the worker for one measuring window (raw collapsed stacks)."""
 
-    def __init__(self, out: Path | None, pid: int) -> None:
-        self.out, self.pid = out, pid
+    def __init__(self, out: Path | None, pid: int, native: bool = False) -> None:
+        self.out, self.pid, self.native = out, pid, native
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, name: str, seconds: float) -> None:
@@ -87,7 +88,10 @@ class Profiler:
         spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         self.proc = subprocess.Popen(
             [spy, "record", "-p", str(self.pid), "-d", str(int(seconds)), "-r", "200",
-             "-f", "raw", "-o", str(self.file), "--nonblocking"],
+             "-f", "raw", "-o", str(self.file),
+             # --native needs the process paused while sampled: the CPU figures then
+             # include py-spy's pauses, the profile shows what runs inside uvloop.
+             *(["--native"] if self.native else ["--nonblocking"])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
 
@@ -131,13 +135,30 @@ def _short(frame: str) -> str:
     return f"{name} ({tail})"
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far per thread: "main" (the event loop) and the others by id
+    (Python does not name its threads for the OS)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            rest = (task / "stat").read_text().rpartition(")")[2]
+        except FileNotFoundError:  # the thread ended
+            continue
+        fields = rest.split()
+        name = "main" if int(task.name) == pid else f"thread {task.name}"
+        out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 async def window(worker: subprocess.Popen[bytes], outcomes: Outcomes, profiler: Profiler,
-                 name: str, seconds: float) -> tuple[int, float]:  # fmt: skip
-    """Tasks answered and worker CPU seconds over the next `seconds`."""
+                 name: str, seconds: float) -> tuple[int, float, dict[str, float]]:  # fmt: skip
+    """Tasks answered, worker CPU seconds and CPU seconds per thread over the next `seconds`."""
     profiler.start(name, seconds)
-    done, cpu = outcomes.count, cpu_seconds(worker.pid)
+    done, cpu, threads = outcomes.count, cpu_seconds(worker.pid), thread_cpu(worker.pid)
     await asyncio.sleep(seconds)
-    return outcomes.count - done, cpu_seconds(worker.pid) - cpu
+    after = thread_cpu(worker.pid)
+    per_thread = {name: spent - threads.get(name, 0.0) for name, spent in after.items()}
+    return outcomes.count - done, cpu_seconds(worker.pid) - cpu, per_thread
 
 
 async def paced(producer: AIOKafkaProducer, topic: str, rate: float, seconds: float,
@@ -153,17 +174,32 @@ async def paced(producer: AIOKafkaProducer, topic: str, rate: float, seconds: fl
     return i
 
 
+REGIMES = ("idle", "saturation", "paced10", "paced50", "limited")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=10_000, help="saturation backlog")
     parser.add_argument("--seconds", type=float, default=30.0, help="each measuring window")
     parser.add_argument("--profile", type=Path, help="py-spy each window into this directory")
+    parser.add_argument(
+        "--native", action="store_true", help="profile C frames too (py-spy --native)"
+    )
+    parser.add_argument(
+        "--regimes",
+        default=",".join(REGIMES),
+        help=f"which regimes, in this order: {','.join(REGIMES)}",
+    )
     args = parser.parse_args()
+    regimes = set(args.regimes.split(","))
+    if regimes - set(REGIMES):
+        parser.error(f"unknown regime(s): {', '.join(sorted(regimes - set(REGIMES)))}")
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     logdir = Path(tempfile.mkdtemp(prefix="llm-streams-cpu-"))
     sim = Sim(rpm=0, tpm=0, latency_ms=0, jitter_ms=0, error_rate=0.0)
     rows: list[tuple[str, int, float, float]] = []
+    split: dict[str, dict[str, float]] = {}
     profiles = {}
     try:
         with ApacheKafka(heap_mb=1024) as kafka:
@@ -184,7 +220,7 @@ async def main() -> None:
             with open(logdir / "worker.log", "wb") as log:
                 worker = subprocess.Popen([sys.executable, "-m", "streams.cli", "worker"],
                                           env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-            profiler = Profiler(args.profile, worker.pid)
+            profiler = Profiler(args.profile, worker.pid, args.native)
             outcomes = Outcomes()
             stop_reading = asyncio.Event()
             reader = asyncio.create_task(outcomes.read(
@@ -195,8 +231,9 @@ async def main() -> None:
             sent = 0
 
             async def measure(name: str, seconds: float) -> None:
-                done, cpu = await window(worker, outcomes, profiler, name, seconds)
+                done, cpu, threads = await window(worker, outcomes, profiler, name, seconds)
                 rows.append((name, done, cpu, seconds))
+                split[name] = threads
                 got = profiler.finish()
                 if got is not None:
                     profiles[name] = got
@@ -205,29 +242,32 @@ async def main() -> None:
                 # Warm-up: join the group, load the tokenizer and the pipelines.
                 sent += await paced(producer, settings.topics.tasks, 20, 5, sent)
                 await outcomes.until(sent, 120)
-                await measure("idle (per second)", args.seconds)
-                # Saturation: a backlog, answered at once; measured while it drains.
-                await preload(kafka.bootstrap, settings.topics.tasks, args.tasks, sent)
-                sent += args.tasks
-                await asyncio.sleep(1.0)  # past the ramp-up
-                await measure("saturation", 5.0)
-                await outcomes.until(sent, 600)
+                if "idle" in regimes:
+                    await measure("idle (per second)", args.seconds)
+                if "saturation" in regimes:  # a backlog, answered at once; measured draining
+                    await preload(kafka.bootstrap, settings.topics.tasks, args.tasks, sent)
+                    sent += args.tasks
+                    await asyncio.sleep(1.0)  # past the ramp-up
+                    await measure("saturation", 5.0)
+                    await outcomes.until(sent, 600)
                 sim.call("/sim/config", {"latency_ms": 300, "latency_jitter_ms": 100})
                 for rate in (10, 50):
+                    if f"paced{rate}" not in regimes:
+                        continue
                     pacer = asyncio.create_task(paced(producer, settings.topics.tasks, rate,
                                                       args.seconds + 4, sent))  # fmt: skip
                     await asyncio.sleep(2.0)
                     await measure(f"paced {rate}/s", args.seconds)
                     sent += await pacer
                     await outcomes.until(sent, 120)
-                # Rate-limited: a backlog held to 3,000 RPM (50/s), learned from headers.
-                sim.call("/sim/config", {"rpm": 3000, "tpm": 3000 * 2000})
-                backlog = int(50 * (args.seconds + 10))
-                await preload(kafka.bootstrap, settings.topics.tasks, backlog, sent)
-                sent += backlog
-                await asyncio.sleep(5.0)  # past learning the limit
-                await measure("rate-limited 3,000 RPM", args.seconds)
-                await outcomes.until(sent, 900)
+                if "limited" in regimes:  # a backlog held to 3,000 RPM (50/s), learned
+                    sim.call("/sim/config", {"rpm": 3000, "tpm": 3000 * 2000})
+                    backlog = int(50 * (args.seconds + 10))
+                    await preload(kafka.bootstrap, settings.topics.tasks, backlog, sent)
+                    sent += backlog
+                    await asyncio.sleep(5.0)  # past learning the limit
+                    await measure("rate-limited 3,000 RPM", args.seconds)
+                    await outcomes.until(sent, 900)
             finally:
                 await producer.stop()
                 stop_reading.set()
@@ -243,6 +283,16 @@ async def main() -> None:
         print(
             f"{name:<26} {done:>7} {done / seconds:>8.1f} {per_task:>12} {cpu * 1000 / seconds:>9.1f}"
         )
+    print("\nCPU ms/s per thread (the main thread runs the event loop; Faust's consumer "
+          "has its own)")  # fmt: skip
+    for name, threads in split.items():
+        seconds = next(r[3] for r in rows if r[0] == name)
+        busy = ", ".join(
+            f"{t} {c * 1000 / seconds:.1f}"
+            for t, c in sorted(threads.items(), key=lambda x: -x[1])[:5]
+            if c > 0
+        )
+        print(f"  {name:<26} {busy}")
     for name, (own, total, samples) in profiles.items():
         print(f"\n== py-spy, {name}: {samples} samples of busy threads")
         print("  top by own time:")
