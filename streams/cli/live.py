@@ -8,7 +8,7 @@ import urllib.request
 from typing import Any
 
 import orjson
-from rich.console import Console
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
@@ -47,6 +47,39 @@ def table(snap: dict[str, Any], url: str) -> Table:
     return t
 
 
+def versions_table(snap: dict[str, Any]) -> Table | None:
+    """Per prompt version: content pass rate, repairs, latency, cost per answered task."""
+    versions = snap.get("versions") or []
+    if not versions:
+        return None
+    t = Table("pipeline / version", "tasks", "pass", "repaired", "dead letters", "review",
+              "p50 / p95", "tokens / answer", "cost / answer", title="prompt versions")  # fmt: skip
+
+    def pct(x: float | None) -> str:
+        return "–" if x is None else f"{x:.1%}"
+
+    def secs(x: float | None) -> str:
+        return "–" if x is None else f"{x:.2f}s"
+
+    for v in versions:
+        lat = v["latency_s"]
+        tokens, cost = v["tokens_per_accepted"], v["cost_per_accepted_usd"]
+        t.add_row(
+            f"{v['pipeline']} / {v['version']}", str(v["tasks"]), pct(v["pass_rate"]),
+            pct(v["repair_rate"]), pct(v["dead_letter_rate"]), pct(v["review_share"]),
+            f"{secs(lat['p50'])} / {secs(lat['p95'])}",
+            "–" if tokens is None else f"{tokens:.0f}",
+            "–" if cost is None else f"${cost:.6f}",
+        )  # fmt: skip
+    return t
+
+
+def view(snap: dict[str, Any], url: str) -> Group:
+    """The worker table, and the versions table under it when there are versions."""
+    versions = versions_table(snap)
+    return Group(table(snap, url), *([versions] if versions is not None else []))
+
+
 def watch(url: str, *, once: bool, every_s: float) -> int:
     console = Console()
     try:
@@ -55,18 +88,18 @@ def watch(url: str, *, once: bool, every_s: float) -> int:
         console.print(f"cannot read {url}: {exc}", highlight=False)
         return 1
     if once:
-        console.print(table(snap, url))
+        console.print(view(snap, url))
         return 0
-    with Live(table(snap, url), console=console, refresh_per_second=4) as live:
+    with Live(view(snap, url), console=console, refresh_per_second=4) as live:
         try:
             while True:
                 time.sleep(every_s)
                 try:
-                    live.update(table(fetch(url), url))
+                    live.update(view(fetch(url), url))
                 except (urllib.error.URLError, OSError) as exc:
                     live.update(Table(title=f"{url}: {exc}"))
         except KeyboardInterrupt:
             return 0
 
 
-__all__ = ["fetch", "table", "watch"]
+__all__ = ["fetch", "table", "versions_table", "view", "watch"]

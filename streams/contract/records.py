@@ -61,6 +61,14 @@ class Result(_Record):
     source: Source
     trace_id: str | None
     processed_at: str
+    # Added compatibly (absent in older records: 0).
+    rejected_answers: int = Field(
+        0,
+        ge=0,
+        description="Answers of this task the output checks rejected (schema, quotes) before "
+        "the one kept, each followed by a repair or another attempt; 0: the first answer "
+        "passed. Per prompt version, the share of 0s is its content pass rate.",
+    )
 
 
 class ErrorInfo(_Record):
@@ -83,6 +91,14 @@ class DeadLetter(_Record):
     )
     source: Source
     failed_at: str
+    # Added compatibly (absent in older records: null / 0).
+    pipeline: str | None = Field(
+        None, description="The task's pipeline, when the record was a readable task."
+    )
+    prompt_version: str | None = Field(
+        None, description="The prompt version the task was answered under, when it got one."
+    )
+    cost_usd: float = Field(0.0, ge=0, description="What the failed attempts cost.")
 
 
 # Characters of an error message a dead letter keeps (a message may quote an answer).

@@ -184,6 +184,7 @@ class Calls:
             try:
                 output = parse_output(response, pipeline, prompt.variables)
             except InvalidOutput as exc:
+                spend.rejected += 1
                 self.count_output(response.model, ok=False)
                 mark_error(span, exc)
                 raise

@@ -15,6 +15,7 @@ from typing import Any, Literal, cast
 
 import orjson
 
+from streams.contract.evaluation import verdict
 from streams.contract.lanes import Tier
 from streams.contract.records import (
     DeadLetter,
@@ -83,6 +84,7 @@ class Spend:
     calls: list[str] = field(default_factory=list)  # the answers' text, for a repair
     last_prompt_tokens: int = 0
     repair_tokens: int = 0
+    rejected: int = 0  # answers the output checks rejected
     tier: Tier = Tier.SYNC
     route: tuple[int, str] | None = None  # batch tier: (partition, custom_id)
     discounted_prompt: int = 0  # tokens billed at the batch/flex price
@@ -94,6 +96,7 @@ class Spend:
         self.completion_tokens += other.completion_tokens
         self.discounted_prompt += other.discounted_prompt
         self.discounted_completion += other.discounted_completion
+        self.rejected += other.rejected
         self.model = other.model or self.model
         self.last_prompt_tokens = max(self.last_prompt_tokens, other.last_prompt_tokens)
 
@@ -137,6 +140,15 @@ class Outcome:
     stage: str = MAIN
     review: tuple[str, ...] = ()  # reasons this result also goes to the review topic
     review_value: bytes | None = None  # the result with those reasons, for that topic
+    # For the per-version evaluation (`Metrics.evaluated`): whose task, how it went.
+    pipeline: str | None = None
+    version: str | None = None
+    rejected: int = 0  # answers the output checks rejected
+    cached: bool = False
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.kind, self.category, self.rejected, self.cached)
 
     def record(self) -> dict[str, Any]:
         """The result or dead letter, as written (record contract v1)."""
@@ -174,6 +186,7 @@ class Outcomes:
         attempts: int,
         cached: bool,
         stages: dict[str, Any] | None = None,
+        rejected: int = 0,
     ) -> Outcome:
         latency_ms = (time.monotonic() - prep.started) * 1000
         record = Result(
@@ -191,6 +204,7 @@ class Outcomes:
             source=prep.source,
             trace_id=current_trace_id(),
             processed_at=now_iso(),
+            rejected_answers=rejected,
         ).model_dump(mode="json")
         value = orjson.dumps(record)
         reasons = tuple(prep.pipeline.review_reasons(prep.prompt.variables, output))
@@ -212,6 +226,10 @@ class Outcomes:
             review_value=orjson.dumps({**record, "review": {"reasons": list(reasons)}})
             if reasons
             else None,
+            pipeline=prep.pipeline.name,
+            version=prep.version.version,
+            rejected=rejected,
+            cached=cached,
         )
         if len(value) > self.room.result:
             too_large = OutputTooLarge(
@@ -237,9 +255,13 @@ class Outcomes:
         attempts: Attempts,
         spend: Spend,
         started: float,
+        version: str | None = None,
     ) -> Outcome:
+        """The dead letter of a record; `version`: the prompt version it was answered
+        under (None: it failed before one was chosen)."""
         task_id = task.task_id if task else task_id_hint(raw, key)
         error = error_info(exc.category, exc.code, exc.message, exc.retryable)
+        cost = self.cost(task.pipeline, spend) if task is not None else 0.0
         letter = DeadLetter(
             task_id=task_id,
             error=error,
@@ -247,8 +269,10 @@ class Outcomes:
             payload=payload_of(raw),
             source=source,
             failed_at=now_iso(),
+            pipeline=task.pipeline if task is not None else None,
+            prompt_version=version,
+            cost_usd=cost,
         )
-        cost = self.cost(task.pipeline, spend) if task is not None else 0.0
         return Outcome(
             kind="dead_letter",
             key=task_id or f"{source.topic}/{source.partition}/{source.offset}",
@@ -261,6 +285,9 @@ class Outcomes:
             prompt_tokens=spend.prompt_tokens,
             completion_tokens=spend.completion_tokens,
             cost_usd=cost,
+            pipeline=task.pipeline if task is not None else None,
+            version=version,
+            rejected=spend.rejected,
         )
 
     def failed(self, prep: Prepared, exc: StreamsError, like: Outcome) -> Outcome:
@@ -269,7 +296,9 @@ class Outcomes:
         error = error_info(exc.category, exc.code, exc.message, exc.retryable)
         letter = DeadLetter(task_id=prep.task.task_id, error=error, attempts=like.attempts,
                             payload=payload_of(prep.raw), source=prep.source,
-                            failed_at=now_iso())  # fmt: skip
+                            failed_at=now_iso(), pipeline=prep.pipeline.name,
+                            prompt_version=prep.version.version,
+                            cost_usd=like.cost_usd)  # fmt: skip
         return Outcome(
             kind="dead_letter",
             key=prep.task.task_id,
@@ -282,6 +311,9 @@ class Outcomes:
             prompt_tokens=like.prompt_tokens,
             completion_tokens=like.completion_tokens,
             cost_usd=like.cost_usd,
+            pipeline=prep.pipeline.name,
+            version=prep.version.version,
+            rejected=like.rejected,
         )
 
 

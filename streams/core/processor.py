@@ -258,10 +258,11 @@ class TaskProcessor:
                 attempts=attempts.count,
                 cached=False,
                 stages=kept,
+                rejected=spend.rejected,
             )
         except TaskError as exc:
             dead = self.outcomes.dead(exc, prep.raw, prep.key, task, prep.source, attempts,
-                                      spend, prep.started)  # fmt: skip
+                                      spend, prep.started, version.version)  # fmt: skip
             if kept is None:
                 return dead
             failed_at = exc.stage if isinstance(exc, StageFailed) else MAIN
@@ -270,7 +271,7 @@ class TaskProcessor:
             log.exception("unexpected error processing %s", prep.source)
             err = InternalError(f"internal error: {exc!r}", code="internal_error")
             return self.outcomes.dead(err, prep.raw, prep.key, task, prep.source, attempts,
-                                      spend, prep.started)  # fmt: skip
+                                      spend, prep.started, version.version)  # fmt: skip
 
     async def _main(
         self,

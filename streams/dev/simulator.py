@@ -54,6 +54,9 @@ class SimConfig:
     hang_rate: float = 0.0
     hang_s: float = 600.0
     malformed_rate: float = 0.0
+    # Prompts that do worse: marker -> malformed rate for requests whose messages contain
+    # the marker (e.g. a phrase only one prompt version has), instead of `malformed_rate`.
+    malformed_if_prompt_has: dict[str, float] = field(default_factory=dict)
     packed_drop_items: int = 0  # packed answers leave out this many items
     flex_latency_factor: float = 3.0  # service_tier=flex answers this much slower
     flex_unavailable_rate: float = 0.0  # share of flex calls refused: 429 resource_unavailable
@@ -447,7 +450,7 @@ class Simulator:
                 )
             roll -= cfg.error_503_rate
             content = self._content(body, messages)
-            if 0 <= roll < cfg.malformed_rate:
+            if 0 <= roll < self._malformed_rate(messages):
                 content = content[: max(1, len(content) // 2)]
                 self.by_outcome["malformed"] += 1
             finish_reason = "stop"
@@ -494,6 +497,18 @@ class Simulator:
             )
         finally:
             self.in_flight -= 1
+
+    def _malformed_rate(self, messages: list[dict[str, Any]]) -> float:
+        """`malformed_rate`, or the rate of a `malformed_if_prompt_has` marker the
+        messages contain."""
+        cfg = self.config
+        rate = cfg.malformed_rate
+        if cfg.malformed_if_prompt_has:
+            said = orjson.dumps(messages).decode()
+            for marker, marked in cfg.malformed_if_prompt_has.items():
+                if marker in said:
+                    rate = marked
+        return rate
 
     def _content(self, body: dict[str, Any], messages: list[dict[str, Any]]) -> str:
         packed = self._packed_content(body, messages)

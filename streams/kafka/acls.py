@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from streams.kafka.topics import ledger_topic, replays_topic, state_topic, topic_specs
+from streams.kafka.topics import (
+    decisions_topic,
+    ledger_topic,
+    replays_topic,
+    state_topic,
+    topic_specs,
+)
 from streams.settings import Settings
 
 
@@ -62,6 +68,8 @@ def command_acls(settings: Settings) -> dict[str, list[Acl]]:
     write = ("WRITE", "DESCRIBE")
     state = Acl("topic", state_topic(settings), read, why="task states")
     results = Acl("topic", t.results, read, why="what is answered")
+    failed = Acl("topic", t.dead_letters, read, why="the failed tasks")
+    own = ("READ", "WRITE", "DESCRIBE")
     return {
         "publish": [Acl("topic", t.tasks, write, why="the tasks it sends")],
         "tail": [
@@ -72,12 +80,7 @@ def command_acls(settings: Settings) -> dict[str, list[Acl]]:
             Acl("topic", "<source, default tasks>", read, why="the history replayed"),
             results,
             Acl("topic", t.replay, write, why="the replay lane"),
-            Acl(
-                "topic",
-                replays_topic(settings),
-                ("READ", "WRITE", "DESCRIBE"),
-                why="its checkpoints",
-            ),
+            Acl("topic", replays_topic(settings), own, why="its checkpoints"),
         ],
         "backtrack": [
             state,
@@ -86,6 +89,13 @@ def command_acls(settings: Settings) -> dict[str, list[Acl]]:
             Acl("topic", t.replay, write, why="the replay lane"),
         ],
         "diff": [results],
+        "ab report": [results, failed],
+        "ab promote": [
+            results,
+            failed,
+            Acl("topic", decisions_topic(settings), own, why="the decision it records"),
+        ],
+        "ab log": [Acl("topic", decisions_topic(settings), read, why="the decisions")],
         "redrive": [
             Acl("topic", t.dead_letters, read, why="the dead letters"),
             state,

@@ -415,6 +415,13 @@ class TaskAgent:
                 span.set_attribute("error.type", outcome.category)
                 span.set_status(SpanStatus(StatusCode.ERROR, outcome.category))
             m.tasks_completed.labels(lane_name, kind).inc()
+            if outcome is not None and outcome.version is not None and outcome.pipeline:
+                m.evaluated(
+                    outcome.pipeline, outcome.version, outcome.verdict,
+                    seconds=outcome.latency_ms / 1000, prompt_tokens=outcome.prompt_tokens,
+                    completion_tokens=outcome.completion_tokens, cost_usd=outcome.cost_usd,
+                    reviewed=bool(outcome.review),
+                )  # fmt: skip
             if outcome is not None and outcome.category is not None:
                 m.dead_letters.labels(outcome.category).inc()
                 error = outcome.error or {}

@@ -30,6 +30,11 @@ def replays_topic(settings: Settings) -> str:
     return f"{settings.app_id}-replays"
 
 
+def decisions_topic(settings: Settings) -> str:
+    """Decisions taken on prompt versions (`ab promote`): who, when, why; never deleted."""
+    return f"{settings.app_id}-decisions"
+
+
 def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
     """Topic name -> config. Results are keyed by result_key and compacted."""
     t = settings.topics
@@ -42,6 +47,7 @@ def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
         state_topic(settings): {"cleanup.policy": "compact"},
         ledger_topic(settings): {"cleanup.policy": "compact"},
         replays_topic(settings): {"cleanup.policy": "compact"},
+        decisions_topic(settings): {"cleanup.policy": "delete", "retention.ms": "-1"},
     }
 
 

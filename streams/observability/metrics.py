@@ -170,11 +170,54 @@ class Metrics:
         self.redactions = Counter(
             "llm_streams_pii_redactions", "Personal data replaced before prompts, by kind.",
             ["pipeline", "kind"], registry=r)  # fmt: skip
+        # Per prompt version (bounded: the versions pipeline files declare), the figures
+        # `ab report` computes from the topics, live: see `evaluated`.
+        self.version_tasks = Counter(
+            "llm_streams_version_tasks",
+            "Tasks finished per prompt version, by content verdict: pass (the first answer "
+            "passed the output checks), repaired (passed after a repair), cached (answered "
+            "without a call), rejected (a dead letter invalid_output), failed (another dead "
+            "letter).", ["pipeline", "version", "verdict"], registry=r)  # fmt: skip
+        self.version_seconds = Histogram(
+            "llm_streams_version_task_seconds",
+            "Time to answer one task (taken to outcome built), per prompt version.",
+            ["pipeline", "version"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.version_tokens = Counter(
+            "llm_streams_version_tokens", "Tokens spent per prompt version, by kind.",
+            ["pipeline", "version", "kind"], registry=r)  # fmt: skip
+        self.version_cost = Counter(
+            "llm_streams_version_cost_usd", "Spend in USD per prompt version (dead letters' too).",
+            ["pipeline", "version"], registry=r)  # fmt: skip
+        self.version_reviews = Counter(
+            "llm_streams_version_reviews",
+            "Results per prompt version also sent to the review topic.",
+            ["pipeline", "version"], registry=r)  # fmt: skip
         self.cache_hits = Counter(
             "llm_streams_cache_hits",
             "Tasks answered without an LLM call: kind=result (the task was answered before) "
             "or content (an identical input of another task was).",
             ["pipeline", "kind"], registry=r)  # fmt: skip
+
+    def evaluated(
+        self,
+        pipeline: str,
+        version: str,
+        verdict: str,
+        *,
+        seconds: float,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cost_usd: float,
+        reviewed: bool,
+    ) -> None:
+        """One task finished under `version` (see `core.outcome.verdict`)."""
+        self.version_tasks.labels(pipeline, version, verdict).inc()
+        self.version_seconds.labels(pipeline, version).observe(seconds)
+        self.version_tokens.labels(pipeline, version, "prompt").inc(prompt_tokens)
+        self.version_tokens.labels(pipeline, version, "completion").inc(completion_tokens)
+        self.version_cost.labels(pipeline, version).inc(cost_usd)
+        if reviewed:
+            self.version_reviews.labels(pipeline, version).inc()
 
     def breaker_changed(self, endpoint: str, new_state: str) -> None:
         self.breaker_state.labels(endpoint).set(BREAKER_STATES[new_state])

@@ -14,6 +14,7 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
+from streams.contract.evaluation import Evaluation
 from streams.observability.metrics import Metrics
 
 QUANTILES = (0.5, 0.95, 0.99)
@@ -82,6 +83,7 @@ class StatusView:
         for labels, value in samples.get("llm_streams_dead_letters_total", []):
             dead[labels["category"]] += value
         return {
+            "versions": self._versions(samples),
             "tasks": {
                 "received": total("llm_streams_tasks_received_total"),
                 "results": results,
@@ -105,6 +107,47 @@ class StatusView:
             "cost_per_result_usd": round(cost / results, 8) if results else None,
             "dead_letters_by_category": dict(sorted(dead.items(), key=lambda kv: -kv[1])[:5]),
         }
+
+    @staticmethod
+    def _versions(samples: dict[str, list[tuple[dict[str, str], float]]]) -> list[dict[str, Any]]:
+        """Per pipeline version: the figures of `Evaluation` and its task time percentiles."""
+        evals: dict[tuple[str, str], Evaluation] = defaultdict(Evaluation)
+        buckets: dict[tuple[str, str], dict[float, float]] = defaultdict(lambda: defaultdict(float))
+
+        def key(labels: dict[str, str]) -> tuple[str, str]:
+            return labels["pipeline"], labels["version"]
+
+        for labels, value in samples.get("llm_streams_version_tasks_total", []):
+            e = evals[key(labels)]
+            e.verdicts[labels["verdict"]] = e.verdicts.get(labels["verdict"], 0) + int(value)
+        for labels, value in samples.get("llm_streams_version_cost_usd_total", []):
+            evals[key(labels)].cost_usd += value
+        for labels, value in samples.get("llm_streams_version_tokens_total", []):
+            evals[key(labels)].tokens += int(value)
+        for labels, value in samples.get("llm_streams_version_reviews_total", []):
+            evals[key(labels)].reviews += int(value)
+        for labels, value in samples.get("llm_streams_version_task_seconds_bucket", []):
+            buckets[key(labels)][float(labels["le"])] += value
+
+        def share(x: float | None) -> float | None:
+            return None if x is None else round(x, 4)
+
+        out = []
+        for (pipeline, version), e in sorted(evals.items()):
+            ordered = sorted(buckets[(pipeline, version)].items())
+            out.append({
+                "pipeline": pipeline, "version": version, "tasks": e.tasks,
+                "pass_rate": share(e.pass_rate), "repair_rate": share(e.repair_rate),
+                "dead_letter_rate": share(e.dead_letter_rate),
+                "review_share": share(e.review_share),
+                "latency_s": {f"p{int(q * 100)}": histogram_quantile(q, ordered)
+                              for q in (0.5, 0.95)},
+                "tokens_per_accepted": None if e.tokens_per_accepted is None
+                else round(e.tokens_per_accepted, 1),
+                "cost_per_accepted_usd": None if e.cost_per_accepted is None
+                else round(e.cost_per_accepted, 8),
+            })  # fmt: skip
+        return out
 
 
 def render_html(snap: dict[str, Any], refresh_s: int = 5) -> str:
@@ -136,13 +179,46 @@ def render_html(snap: dict[str, Any], refresh_s: int = 5) -> str:
             for k, v in snap["dead_letters_by_category"].items()
         ),
     ]
+    versions = "".join(_version_row(v) for v in snap.get("versions", []))
+    if versions:
+        head = "".join(f"<th>{h}</th>" for h in VERSION_COLUMNS)
+        versions = f"<h2>Prompt versions</h2><table><tr>{head}</tr>{versions}</table>"
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<meta http-equiv='refresh' content='{refresh_s}'><title>llm-streams status</title>"
         "<style>body{font:14px sans-serif;margin:2em}th{text-align:left;padding-right:2em}"
         "td{font-family:monospace}</style></head><body><h1>llm-streams worker</h1>"
-        f"<table>{''.join(rows)}</table></body></html>"
+        f"<table>{''.join(rows)}</table>{versions}</body></html>"
     )
+
+
+VERSION_COLUMNS = ("pipeline", "version", "tasks", "pass rate", "repair rate", "dead letters",
+                   "review", "p50 (s)", "p95 (s)", "tokens / answer", "USD / answer")  # fmt: skip
+
+
+def _version_row(v: dict[str, Any]) -> str:
+    def pct(x: float | None) -> str:
+        return "–" if x is None else f"{x:.1%}"
+
+    def num(x: float | None, fmt: str) -> str:
+        return "–" if x is None else format(x, fmt)
+
+    name = f"{v['pipeline']}/{v['version']}"
+    cells = [
+        ("", v["pipeline"]), ("", v["version"]), ("tasks", str(v["tasks"])),
+        ("pass_rate", pct(v["pass_rate"])), ("repair_rate", pct(v["repair_rate"])),
+        ("dead_letter_rate", pct(v["dead_letter_rate"])), ("review_share", pct(v["review_share"])),
+        ("p50", num(v["latency_s"]["p50"], ".3f")), ("p95", num(v["latency_s"]["p95"], ".3f")),
+        ("tokens_per_accepted", num(v["tokens_per_accepted"], ".0f")),
+        ("cost_per_accepted_usd", num(v["cost_per_accepted_usd"], ".6f")),
+    ]  # fmt: skip
+    tds = "".join(
+        f'<td data-metric="version:{html.escape(name)}:{k}">{html.escape(x)}</td>'
+        if k
+        else f"<td>{html.escape(x)}</td>"
+        for k, x in cells
+    )
+    return f"<tr>{tds}</tr>"
 
 
 __all__ = ["StatusView", "histogram_quantile", "render_html"]

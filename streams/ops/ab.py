@@ -1,0 +1,361 @@
+"""A/B decisions on prompt versions: compare the versions of a pipeline from what they
+answered, and promote one with a guard and a durable record of who, when and why.
+
+The evidence is the topics, not a worker's counters: every result and dead letter
+of the pipeline (`scan`), the latest per task and version. A task's content
+verdict and a version's figures are `core.outcome.verdict` and `Evaluation`, the
+same rules `llm-streams status` applies live.
+
+Intervals are 95%: Wilson's score interval for a rate, Newcombe's hybrid score
+interval (method 10) for the difference of two rates, the delta method for a ratio
+(cost per answered task). They are a few lines each, and the project needs no
+statistics library for them.
+
+Promotion writes the pipeline file's `traffic` (and `default_version` when the
+version takes all of it) with ruamel.yaml, which keeps the file's comments and
+order, after the new file validates; the decision goes first to the decisions topic
+(`<app_id>-decisions`, never deleted), so no split changes without its record.
+Workers take a new split when they start.
+"""
+
+from __future__ import annotations
+
+import getpass
+import io
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from ruamel.yaml import YAML
+
+from streams.contract.evaluation import Evaluation, verdict
+from streams.contract.records import json_object, now_iso
+from streams.kafka import clients
+from streams.kafka.scan import scan
+from streams.kafka.topics import decisions_topic, ensure_topics
+from streams.ops.diff import Pairs, summarise
+from streams.pipelines.registry import PipelineSpec
+from streams.settings import Settings
+
+Z95 = 1.959964
+
+
+def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a rate k/n ((0, 1) when n = 0)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def rate_difference(k1: int, n1: int, k2: int, n2: int) -> tuple[float, float, float]:
+    """k1/n1 - k2/n2 and Newcombe's hybrid score interval of it."""
+    p1, p2 = (k1 / n1 if n1 else 0.0), (k2 / n2 if n2 else 0.0)
+    l1, u1 = wilson(k1, n1)
+    l2, u2 = wilson(k2, n2)
+    d = p1 - p2
+    lo = d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2)
+    hi = d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
+    return d, lo, hi
+
+
+def ratio_interval(num: list[float], den: list[float]) -> tuple[float, float, float] | None:
+    """sum(num) / sum(den) over the same units, with a delta-method interval."""
+    n = len(num)
+    if n == 0 or sum(den) == 0:
+        return None
+    mx, my = sum(num) / n, sum(den) / n
+    r = mx / my
+    if n < 2:
+        return r, r, r
+    var = sum((x - r * y) ** 2 for x, y in zip(num, den, strict=True)) / (n - 1)
+    half = Z95 * math.sqrt(var / n) / my
+    return r, max(0.0, r - half), r + half
+
+
+@dataclass
+class VersionEvidence:
+    """What one version answered: per task, its verdict, cost and output."""
+
+    version: str
+    evaluation: Evaluation = field(default_factory=Evaluation)
+    costs: list[float] = field(default_factory=list)  # per task
+    accepted: list[float] = field(default_factory=list)  # per task: 1 answered, else 0
+    outputs: dict[str, dict[str, Any]] = field(default_factory=dict)  # task id -> output
+
+    def add(self, record: dict[str, Any], kind: str) -> None:
+        cost = float(record.get("cost_usd") or 0.0)
+        usage = record.get("usage") or {}
+        tokens = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
+        category = (record.get("error") or {}).get("category")
+        v = verdict(kind, category, int(record.get("rejected_answers") or 0),
+                    bool(record.get("cached")))  # fmt: skip
+        self.evaluation.add(v, cost_usd=cost, tokens=tokens)
+        self.costs.append(cost)
+        self.accepted.append(1.0 if kind == "result" else 0.0)
+        if kind == "result" and isinstance(record.get("output"), dict):
+            self.outputs[str(record["task_id"])] = record["output"]
+
+    def pass_interval(self) -> tuple[float, float]:
+        return wilson(self.evaluation.n("pass"), self.evaluation.judged)
+
+    def cost_interval(self) -> tuple[float, float, float] | None:
+        return ratio_interval(self.costs, self.accepted)
+
+
+async def gather(settings: Settings, pipeline: str) -> dict[str, VersionEvidence]:
+    """Per version, the latest outcome of each task of `pipeline`: its result if it has
+    one (a redriven dead letter that was answered later counts as answered), else its
+    latest dead letter."""
+    latest: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+    for topic, kind in ((settings.topics.dead_letters, "dead_letter"),
+                        (settings.topics.results, "result")):  # fmt: skip
+        async for records in scan(settings, topic):
+            for rec in records:
+                record = json_object(rec.value) if rec.value is not None else None
+                if record is None or record.get("pipeline") != pipeline:
+                    continue
+                version, task_id = record.get("prompt_version"), record.get("task_id")
+                if not isinstance(version, str) or not isinstance(task_id, str):
+                    continue  # a dead letter from before records named their version
+                latest[(version, task_id)] = (kind, record)
+    evidence: dict[str, VersionEvidence] = {}
+    for (version, _), (kind, record) in sorted(latest.items()):
+        evidence.setdefault(version, VersionEvidence(version)).add(record, kind)
+    return evidence
+
+
+@dataclass
+class Agreement:
+    """How often two versions gave the same label on the tasks both answered."""
+
+    label: str
+    same: int
+    compared: int
+
+    def interval(self) -> tuple[float, float]:
+        return wilson(self.same, self.compared)
+
+
+def agreements(a: VersionEvidence, b: VersionEvidence, schema: dict[str, Any]) -> list[Agreement]:
+    """Per label field (string enum) of the output schema, over tasks answered by both."""
+    both = sorted(set(a.outputs) & set(b.outputs))
+    pairs: Pairs = [(a.outputs[t], b.outputs[t]) for t in both]
+    return [
+        Agreement(d.name, d.compared - d.changed, d.compared)
+        for d in summarise(pairs, schema)
+        if d.kind == "label" and d.compared
+    ]
+
+
+@dataclass
+class Comparison:
+    """`version` against `other`: the difference of their pass rates with its interval."""
+
+    version: str
+    other: str
+    difference: float
+    low: float
+    high: float
+
+    @property
+    def significantly_worse(self) -> bool:
+        return self.high < 0
+
+    @property
+    def significantly_better(self) -> bool:
+        return self.low > 0
+
+
+def compare(evidence: dict[str, VersionEvidence], version: str) -> list[Comparison]:
+    """`version`'s pass rate against every other version's that has judged tasks."""
+    mine = evidence[version].evaluation
+    out = []
+    for other, ev in sorted(evidence.items()):
+        theirs = ev.evaluation
+        if other == version or not theirs.judged or not mine.judged:
+            continue
+        d, lo, hi = rate_difference(mine.n("pass"), mine.judged, theirs.n("pass"), theirs.judged)
+        out.append(Comparison(version, other, d, lo, hi))
+    return out
+
+
+def report(evidence: dict[str, VersionEvidence], schema: dict[str, Any]) -> dict[str, Any]:
+    """The comparison as data (`ab report --json`)."""
+    versions = []
+    for name, ev in sorted(evidence.items()):
+        e = ev.evaluation
+        cost = ev.cost_interval()
+        versions.append({
+            "version": name, "tasks": e.tasks, "judged": e.judged, "accepted": e.accepted,
+            "verdicts": dict(sorted(e.verdicts.items())),
+            "pass_rate": e.pass_rate, "pass_rate_ci": list(ev.pass_interval()),
+            "repair_rate": e.repair_rate, "dead_letter_rate": e.dead_letter_rate,
+            "cost_per_accepted_usd": None if cost is None else cost[0],
+            "cost_per_accepted_ci": None if cost is None else [cost[1], cost[2]],
+        })  # fmt: skip
+    names = sorted(evidence)
+    pairs = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            diff = compare({a: evidence[a], b: evidence[b]}, a)
+            pairs.append({
+                "versions": [a, b],
+                "pass_rate_difference": None if not diff else
+                {"value": diff[0].difference, "ci": [diff[0].low, diff[0].high]},
+                "agreement": [
+                    {"label": g.label, "same": g.same, "compared": g.compared,
+                     "rate": g.same / g.compared, "ci": list(g.interval())}
+                    for g in agreements(evidence[a], evidence[b], schema)
+                ],
+            })  # fmt: skip
+    return {"versions": versions, "pairs": pairs}
+
+
+class PromotionRefused(Exception):
+    """The guard said no: the message says why."""
+
+
+def guard(evidence: dict[str, VersionEvidence], version: str, rivals: list[str]) -> None:
+    """Refuse a version with no judged tasks, or whose pass rate is significantly worse
+    (95%) than a rival's (the versions now in the split, or the default)."""
+    ev = evidence.get(version)
+    if ev is None or not ev.evaluation.judged:
+        raise PromotionRefused(f"{version} has no answered tasks to judge it by")
+    for c in compare({v: e for v, e in evidence.items() if v in rivals or v == version},
+                     version):  # fmt: skip
+        if c.significantly_worse:
+            raise PromotionRefused(
+                f"{version}'s pass rate is significantly worse than {c.other}'s: "
+                f"{c.difference:+.1%} (95% CI {c.low:+.1%} to {c.high:+.1%})"
+            )
+
+
+def pipeline_file(directory: Path, pipeline: str) -> Path:
+    """The pipeline file that defines `pipeline`."""
+    yaml = YAML(typ="safe")
+    for path in sorted(directory.glob("*.y*ml")):
+        data = yaml.load(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict) and data.get("name") == pipeline:
+            return path
+    raise FileNotFoundError(f"no pipeline file in {directory} defines {pipeline!r}")
+
+
+def new_split(
+    traffic: dict[str, float] | None, default: str, version: str, share: float
+) -> dict[str, float]:
+    """`version` gets `share` of the traffic; the others keep their proportions of the
+    rest (no split before: the default version had it all)."""
+    others = {v: w for v, w in (traffic or {default: 1.0}).items() if v != version and w > 0}
+    total = sum(others.values())
+    split = {version: round(share, 6)}
+    if share < 1 and total > 0:
+        split.update({v: round((1 - share) * w / total, 6) for v, w in sorted(others.items())})
+    return split
+
+
+def rewrite(
+    path: Path, version: str, share: float, *, write: bool = True
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pipeline file with `version` at `share` of the traffic (and the default when
+    it takes all), comments kept; checked as a pipeline before it replaces the file
+    (`write=False`: only checked). Returns the split and default before and after."""
+    yaml = YAML()  # round trip: comments, order and quoting kept
+    yaml.preserve_quotes = True
+    yaml.width = 4096
+    text = path.read_text(encoding="utf-8")
+    data = yaml.load(text)
+    # Plain values (ruamel's keep their formatting), for the decision's record.
+    traffic = {str(v): float(w) for v, w in (data.get("traffic") or {}).items()}
+    default = str(data["default_version"])
+    before: dict[str, Any] = {"traffic": traffic or None, "default_version": default}
+    split = new_split(traffic or None, default, version, share)
+    data["traffic"] = split
+    if share >= 1:
+        data["default_version"] = version
+    PipelineSpec.model_validate(YAML(typ="safe").load(_dump(yaml, data)))
+    after = {"traffic": split, "default_version": str(data["default_version"])}
+    if not write:
+        return before, after
+    with tempfile.NamedTemporaryFile(
+        "w", delete=False, dir=path.parent, suffix=".tmp", encoding="utf-8"
+    ) as tmp:
+        yaml.dump(data, tmp)
+    os.replace(tmp.name, path)  # atomic: a reader sees the old file or the new one
+    return before, after
+
+
+def _dump(yaml: YAML, data: Any) -> str:
+    out = io.StringIO()
+    yaml.dump(data, out)
+    return out.getvalue()
+
+
+async def record_decision(settings: Settings, decision: dict[str, Any]) -> None:
+    """The decision, durably on the decisions topic (acks=all), keyed by pipeline."""
+    topic = decisions_topic(settings)
+    await ensure_topics(settings, [topic])
+    producer = clients.producer(settings, acks="all")
+    await producer.start()
+    try:
+        await producer.send_and_wait(topic, orjson.dumps(decision),
+                                     key=str(decision["pipeline"]).encode())  # fmt: skip
+    finally:
+        await producer.stop()
+
+
+async def decisions(settings: Settings, pipeline: str | None = None) -> list[dict[str, Any]]:
+    """Decisions recorded so far (of one pipeline), oldest first."""
+    found: list[dict[str, Any]] = []
+    async for records in scan(settings, decisions_topic(settings)):
+        for rec in records:
+            d = json_object(rec.value) if rec.value is not None else None
+            if d is not None and (pipeline is None or d.get("pipeline") == pipeline):
+                found.append(d)
+    return sorted(found, key=lambda d: str(d.get("at")))
+
+
+def decision(
+    pipeline: str,
+    version: str,
+    share: float,
+    reason: str,
+    evidence: dict[str, VersionEvidence],
+    *,
+    by: str | None,
+    forced: bool,
+    before: dict[str, Any],
+    after: dict[str, Any],
+) -> dict[str, Any]:
+    """The record of a promotion: who, when, why, the split before and after, and the
+    evidence it was taken on."""
+    return {
+        "pipeline": pipeline, "version": version, "share": share, "reason": reason,
+        "by": by or getpass.getuser(), "at": now_iso(), "forced": forced,
+        "before": before, "after": after,
+        "evidence": {
+            v: {"judged": ev.evaluation.judged, "pass_rate": ev.evaluation.pass_rate,
+                "pass_rate_ci": list(ev.pass_interval()),
+                "cost_per_accepted_usd": ev.evaluation.cost_per_accepted}
+            for v, ev in sorted(evidence.items())
+        },
+    }  # fmt: skip
+
+
+def rivals_of(spec: PipelineSpec, version: str) -> list[str]:
+    """The versions `version` would take traffic from: those in the split, or the default."""
+    split = {v for v, w in (spec.traffic or {}).items() if w > 0} or {spec.default_version}
+    return sorted(split - {version})
+
+
+__all__ = [
+    "Agreement", "Comparison", "PromotionRefused", "VersionEvidence", "agreements", "compare",
+    "decision", "decisions", "gather", "guard", "new_split", "pipeline_file", "rate_difference",
+    "ratio_interval", "record_decision", "report", "rewrite", "rivals_of", "wilson",
+]  # fmt: skip

@@ -1,0 +1,178 @@
+"""A/B statistics, the promotion guard and the pipeline file rewrite."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from streams.contract.evaluation import Evaluation, verdict
+from streams.observability.metrics import Metrics
+from streams.observability.status import StatusView, render_html
+from streams.ops.ab import (
+    PromotionRefused,
+    VersionEvidence,
+    agreements,
+    guard,
+    new_split,
+    rate_difference,
+    ratio_interval,
+    report,
+    rewrite,
+    rivals_of,
+    wilson,
+)
+from streams.pipelines.registry import PipelineRegistry
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_wilson_interval_matches_published_values() -> None:
+    # Newcombe (1998), table I: 81/263 -> 0.2553 to 0.3662; 0/10 -> 0 to 0.2775.
+    lo, hi = wilson(81, 263)
+    assert (round(lo, 4), round(hi, 4)) == (0.2553, 0.3662)
+    lo, hi = wilson(0, 10)
+    assert lo == 0.0 and round(hi, 4) == 0.2775
+    assert wilson(0, 0) == (0.0, 1.0)
+
+
+def test_rate_difference_matches_newcombe_method_10() -> None:
+    # Newcombe (1998), table II, example (a): 56/70 - 48/80 = 0.2000, 0.0524 to 0.3339.
+    d, lo, hi = rate_difference(56, 70, 48, 80)
+    assert (round(d, 4), round(lo, 4), round(hi, 4)) == (0.2, 0.0524, 0.3339)
+
+
+def test_ratio_interval_is_the_ratio_of_sums_with_a_spread() -> None:
+    costs = [0.002, 0.004, 0.0, 0.003]  # the third task failed before any call
+    answered = [1.0, 1.0, 0.0, 1.0]
+    r, lo, hi = ratio_interval(costs, answered) or (0, 0, 0)
+    assert r == pytest.approx(0.009 / 3)
+    assert lo < r < hi
+    assert ratio_interval([], []) is None
+    assert ratio_interval([0.1], [0.0]) is None
+
+
+def test_verdicts_and_the_figures_they_add_up_to() -> None:
+    assert verdict("result", None, 0, False) == "pass"
+    assert verdict("result", None, 2, False) == "repaired"
+    assert verdict("result", None, 0, True) == "cached"
+    assert verdict("dead_letter", "invalid_output", 2, False) == "rejected"
+    assert verdict("dead_letter", "timeout", 0, False) == "failed"
+    e = Evaluation()
+    for v in ["pass"] * 6 + ["repaired"] * 2 + ["rejected", "failed", "cached"]:
+        e.add(v, cost_usd=0.01, tokens=100)
+    assert e.tasks == 11 and e.judged == 9 and e.accepted == 9
+    assert e.pass_rate == pytest.approx(6 / 9)
+    assert e.repair_rate == pytest.approx(2 / 9)
+    assert e.dead_letter_rate == pytest.approx(2 / 11)
+    assert e.cost_per_accepted == pytest.approx(0.11 / 9)
+
+
+def evidence(version: str, passed: int, rejected: int, label: str = "positive") -> VersionEvidence:
+    ev = VersionEvidence(version)
+    for i in range(passed):
+        ev.add({"task_id": f"t{i}", "cost_usd": 0.001, "usage": {"prompt_tokens": 10,
+                "completion_tokens": 5}, "output": {"sentiment": label}}, "result")  # fmt: skip
+    for i in range(rejected):
+        ev.add({"task_id": f"x{i}", "cost_usd": 0.002,
+                "error": {"category": "invalid_output"}}, "dead_letter")  # fmt: skip
+    return ev
+
+
+def test_the_guard_refuses_a_worse_version_and_accepts_a_better_one() -> None:
+    found = {"v1": evidence("v1", 190, 10), "v2": evidence("v2", 140, 60)}
+    with pytest.raises(PromotionRefused, match="significantly worse than v1"):
+        guard(found, "v2", ["v1"])
+    guard(found, "v1", ["v2"])
+    # Close rates: no significant difference, so no refusal.
+    guard({"v1": evidence("v1", 95, 5), "v2": evidence("v2", 93, 7)}, "v2", ["v1"])
+    with pytest.raises(PromotionRefused, match="no answered tasks"):
+        guard(found, "v3", ["v1"])
+
+
+def test_the_report_shows_rates_intervals_and_agreement() -> None:
+    schema = {"properties": {"sentiment": {"type": "string", "enum": ["positive", "negative"]}}}
+    found = {"v1": evidence("v1", 190, 10), "v2": evidence("v2", 140, 60, label="negative")}
+    data = report(found, schema)
+    v1, v2 = data["versions"]
+    assert v1["pass_rate"] == pytest.approx(0.95) and v2["pass_rate"] == pytest.approx(0.7)
+    assert v1["pass_rate_ci"][0] < 0.95 < v1["pass_rate_ci"][1]
+    (pair,) = data["pairs"]
+    diff = pair["pass_rate_difference"]
+    assert diff["value"] == pytest.approx(0.25) and diff["ci"][0] > 0
+    (agree,) = pair["agreement"]
+    # Tasks t0..t139 answered by both, with opposite labels.
+    assert (agree["label"], agree["compared"], agree["same"]) == ("sentiment", 140, 0)
+    assert agreements(found["v1"], found["v1"], schema)[0].same == 190
+
+
+def test_new_split_gives_the_share_and_keeps_the_others_proportions() -> None:
+    assert new_split({"v1": 0.5, "v2": 0.5}, "v1", "v2", 1.0) == {"v2": 1.0}
+    assert new_split({"v1": 0.6, "v2": 0.2, "v3": 0.2}, "v1", "v2", 0.5) == {
+        "v2": 0.5, "v1": 0.375, "v3": 0.125}  # fmt: skip
+    assert new_split(None, "v1", "v2", 0.1) == {"v2": 0.1, "v1": 0.9}
+
+
+@pytest.fixture
+def ab_pipeline(tmp_path: Path) -> Path:
+    """comment-analysis with a second version and a 50/50 split, in a file of its own."""
+    src = (ROOT / "pipelines" / "comment-analysis.yaml").read_text()
+    data = yaml.safe_load(src)
+    v2 = dict(data["versions"]["v1"], system=data["versions"]["v1"]["system"] + "Be terse.\n")
+    text = (
+        src
+        + "  v2:\n"
+        + "\n".join("    " + line for line in yaml.safe_dump(v2, allow_unicode=True).splitlines())
+    )
+    text += "\ntraffic:  # half and half while we decide\n  v1: 0.5\n  v2: 0.5\n"
+    directory = tmp_path / "pipelines"
+    directory.mkdir()
+    path = directory / "comment-analysis.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_rewrite_keeps_comments_and_refuses_nothing_valid(ab_pipeline: Path) -> None:
+    before, after = rewrite(ab_pipeline, "v2", 1.0, write=False)
+    assert "v2: 0.5" in ab_pipeline.read_text()  # a check only
+    assert before == {"traffic": {"v1": 0.5, "v2": 0.5}, "default_version": "v1"}
+    assert after == {"traffic": {"v2": 1.0}, "default_version": "v2"}
+    rewrite(ab_pipeline, "v2", 1.0)
+    text = ab_pipeline.read_text()
+    assert "# Every issue's evidence must be a verbatim quote of the comment." in text
+    loaded = PipelineRegistry.load(ab_pipeline.parent, ROOT / "schemas").get("comment-analysis")
+    assert loaded.spec.traffic == {"v2": 1.0} and loaded.spec.default_version == "v2"
+    assert rivals_of(loaded.spec, "v1") == ["v2"]
+    rewrite(ab_pipeline, "v1", 0.25)
+    loaded = PipelineRegistry.load(ab_pipeline.parent, ROOT / "schemas").get("comment-analysis")
+    assert loaded.spec.traffic == {"v1": 0.25, "v2": 0.75}
+    assert loaded.spec.default_version == "v2"
+
+
+def test_rewrite_of_an_unknown_version_fails_and_leaves_the_file(ab_pipeline: Path) -> None:
+    original = ab_pipeline.read_text()
+    with pytest.raises(ValueError, match="not in versions"):
+        rewrite(ab_pipeline, "v9", 1.0)
+    assert ab_pipeline.read_text() == original
+    shutil.rmtree(ab_pipeline.parent)
+
+
+def test_status_shows_each_versions_figures() -> None:
+    metrics = Metrics()
+    for v, n_pass, n_rejected in (("v1", 9, 1), ("v2", 5, 5)):
+        for i in range(n_pass + n_rejected):
+            metrics.evaluated(
+                "comment-analysis", v, "pass" if i < n_pass else "rejected", seconds=0.3,
+                prompt_tokens=100, completion_tokens=50, cost_usd=0.001, reviewed=i == 0,
+            )  # fmt: skip
+    snap = StatusView(metrics).snapshot()
+    v1, v2 = snap["versions"]
+    assert (v1["version"], v1["tasks"], v1["pass_rate"]) == ("v1", 10, 0.9)
+    assert (v2["version"], v2["pass_rate"], v2["dead_letter_rate"]) == ("v2", 0.5, 0.5)
+    assert v1["cost_per_accepted_usd"] == pytest.approx(0.01 / 9)
+    assert v1["review_share"] == pytest.approx(1 / 9, abs=1e-4)
+    assert 0.25 <= v1["latency_s"]["p50"] <= 0.5
+    page = render_html(snap)
+    assert 'data-metric="version:comment-analysis/v2:pass_rate">50.0%<' in page
