@@ -9,6 +9,7 @@ sync and flex tiers through the guarded client (breaker, limiter).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -30,6 +31,7 @@ from streams.errors import (
     TaskError,
 )
 from streams.llm.client import LLMRequest, LLMResponse, completion_budget, with_budget
+from streams.observability.genai import GENAI, GenAIMetrics
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import TRACER, mark_error
 from streams.pipelines.output import parse_output
@@ -54,8 +56,10 @@ class Calls:
         context_window: int,
         metrics: Metrics,
         clients: ClientFor | None = None,
+        genai: GenAIMetrics = GENAI,
     ) -> None:
         self.client = client
+        self.genai = genai
         self.policy = policy
         self.context_window = context_window
         self.metrics = metrics
@@ -82,7 +86,8 @@ class Calls:
         ) -> Callable[[Attempts], Awaitable[dict[str, Any]]]:
             async def run(a: Attempts) -> dict[str, Any]:
                 return await self._attempt(pipeline, candidate, a, spend, lane, deadline_at,
-                                           client, wait_for_circuit=wait)  # fmt: skip
+                                           client, wait_for_circuit=wait,
+                                           version=version.version)  # fmt: skip
 
             return run
 
@@ -118,6 +123,7 @@ class Calls:
         client: GuardedClient,
         *,
         wait_for_circuit: bool = True,
+        version: str = "",
     ) -> dict[str, Any]:
         messages = list(prompt.messages)
         params = prompt.params
@@ -159,6 +165,7 @@ class Calls:
             },
             record_exception=False,
         ) as span:
+            sent = time.monotonic()
             try:
                 response = await self.send(request, spend, attempts, lane, deadline_at, client,
                                            wait_for_circuit)  # fmt: skip
@@ -168,7 +175,17 @@ class Calls:
                 raise
             except StreamsError as exc:
                 mark_error(span, exc)
+                self.genai.attempt(request_model=prompt.model, pipeline=pipeline.name,
+                                   version=version, seconds=time.monotonic() - sent,
+                                   error_type=exc.category.value)  # fmt: skip
                 raise
+            took = response.duration_s
+            self.genai.attempt(
+                request_model=prompt.model, pipeline=pipeline.name, version=version,
+                seconds=time.monotonic() - sent if took is None else took,
+                response_model=response.model,
+                input_tokens=response.prompt_tokens, output_tokens=response.completion_tokens,
+            )  # fmt: skip
             span.set_attributes({
                 "gen_ai.response.model": response.model,
                 "gen_ai.usage.input_tokens": response.prompt_tokens,

@@ -39,9 +39,11 @@ def run_worker(settings: Settings) -> None:
 
     registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
     loop.run_until_complete(check_sources(settings, registry.sources()))
+    from streams.observability.genai import setup_metrics
     from streams.observability.tracing import setup_tracing
 
     setup_tracing(settings)
+    setup_metrics(settings)
     app = create_app(settings, limits)
     worker = BoundedWorker(
         app, loop=loop, loglevel=settings.log_level,

@@ -96,6 +96,9 @@ class LLMResponse:
     finish_reason: str
     #: the provider's `x-ratelimit-*` headers, for the limiter to learn from
     rate_headers: dict[str, str] = field(default_factory=dict)
+    #: seconds from the request sent to the answer (set by the guarded client: its
+    #: limiter's wait excluded)
+    duration_s: float | None = None
 
 
 class LLMClient(Protocol):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 
 from streams.contract.lanes import Lane
 from streams.errors import (
@@ -125,7 +126,7 @@ class GuardedClient:
                 self.limiter.observe(response.rate_headers, permit)
             permit.reconcile(response.prompt_tokens + response.completion_tokens)
             self._count(request.model, lane, permit.waited_s, started, None, response)
-            return response
+            return replace(response, duration_s=self.clock.now() - started)
         finally:
             self.breaker.settle(admission, verdict)
 

@@ -1,0 +1,96 @@
+"""OpenTelemetry GenAI client metrics, as the semantic conventions name them:
+`gen_ai.client.token.usage` (tokens per attempt, by `gen_ai.token.type` input|output)
+and `gen_ai.client.operation.duration` (seconds per attempt, with `error.type` when it
+failed), with the request and response model and, beyond the conventions, the
+pipeline and prompt version (`llm_streams.pipeline`, `llm_streams.prompt_version`).
+
+The adapter posts chat completions itself (streams/llm/openai_client.py), so the
+official OpenAI instrumentation never sees the calls: they are recorded here, next
+to the attempt spans (`core.calls`). The duration of an answered attempt is the
+call's own (the guarded client's, the limiter's wait excluded); a failed attempt's
+is measured from its start, a wait for the limiter included. They go out with the OTLP exporter when
+tracing exports to OTLP (`setup_metrics`); otherwise the API's no-op meter takes them.
+The Prometheus view of the same per version is `llm_streams_version_*` (metrics.py).
+"""
+
+from __future__ import annotations
+
+from opentelemetry import metrics
+from opentelemetry.metrics import Meter
+
+from streams.settings import Settings
+
+# The conventions' advised bucket boundaries.
+TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304,
+                 16777216, 67108864]  # fmt: skip
+DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
+                    40.96, 81.92]  # fmt: skip
+EXPORT_INTERVAL_MS = 15_000
+
+
+class GenAIMetrics:
+    """The two GenAI client histograms, on `meter` (default: the process's)."""
+
+    def __init__(self, meter: Meter | None = None) -> None:
+        meter = meter or metrics.get_meter("llm-streams")
+        self.tokens = meter.create_histogram(
+            "gen_ai.client.token.usage", unit="{token}",
+            description="Measures number of input and output tokens used",
+            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
+        )  # fmt: skip
+        self.duration = meter.create_histogram(
+            "gen_ai.client.operation.duration", unit="s",
+            description="GenAI operation duration",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )  # fmt: skip
+
+    def attempt(
+        self,
+        *,
+        request_model: str,
+        seconds: float,
+        pipeline: str,
+        version: str,
+        response_model: str | None = None,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        """One chat attempt: its duration, and its tokens when it was answered."""
+        attrs: dict[str, str] = {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": "openai",
+            "gen_ai.request.model": request_model,
+            "llm_streams.pipeline": pipeline,
+            "llm_streams.prompt_version": version,
+        }
+        if response_model:
+            attrs["gen_ai.response.model"] = response_model
+        if error_type:
+            attrs["error.type"] = error_type
+        self.duration.record(seconds, {**attrs})
+        if input_tokens is not None:
+            self.tokens.record(input_tokens, {**attrs, "gen_ai.token.type": "input"})
+        if output_tokens is not None:
+            self.tokens.record(output_tokens, {**attrs, "gen_ai.token.type": "output"})
+
+
+def setup_metrics(settings: Settings) -> None:
+    """A meter provider exporting to OTLP when tracing does (same endpoint variables)."""
+    if settings.tracing.exporter != "otlp":
+        return
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.resources import Resource
+
+    reader = PeriodicExportingMetricReader(
+        OTLPMetricExporter(), export_interval_millis=EXPORT_INTERVAL_MS
+    )
+    resource = Resource.create({"service.name": settings.tracing.service_name})
+    metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[reader]))
+
+
+GENAI = GenAIMetrics()
+
+__all__ = ["GENAI", "GenAIMetrics", "setup_metrics"]

@@ -1,0 +1,72 @@
+"""The GenAI client metrics of the semantic conventions, recorded per attempt with the
+request model and the pipeline version."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from streams.contract.records import Source
+from streams.errors import UpstreamError
+from streams.observability.genai import GenAIMetrics
+from tests.conftest import MakeProcessor
+from tests.fakes import FakeLLM, answer
+
+GOOD = {"sentiment": "positive", "confidence": 0.9, "topics": ["quality"], "issues": [],
+        "summary": "good", "language": "en"}  # fmt: skip
+
+
+def points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
+    data = reader.get_metrics_data()
+    assert data is not None
+    found: dict[str, list[Any]] = {}
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                found.setdefault(metric.name, []).extend(metric.data.data_points)
+    return found
+
+
+async def test_each_attempt_records_its_tokens_and_duration(
+    make_processor: MakeProcessor,
+) -> None:
+    reader = InMemoryMetricReader()
+    genai = GenAIMetrics(MeterProvider(metric_readers=[reader]).get_meter("test"))
+    replies = iter(
+        [
+            UpstreamError("boom", code="http_500"),
+            answer(GOOD, prompt_tokens=120, completion_tokens=30, model="sim-1-0613"),
+        ]
+    )
+
+    def behave(_request: Any) -> Any:
+        reply = next(replies)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    processor = make_processor(FakeLLM(behave))
+    processor.calls.genai = genai
+    task = {"task_id": "t1", "pipeline": "comment-analysis", "prompt_version": "v1",
+            "input": {"text": "Great phone."}}  # fmt: skip
+    out = await processor.process(orjson.dumps(task), b"t1", Source(topic="t", partition=0,
+                                                                     offset=1))  # fmt: skip
+    assert out.kind == "result" and out.attempts == 2
+    found = points(reader)
+    durations = found["gen_ai.client.operation.duration"]
+    assert sorted(p.count for p in durations) == [1, 1]
+    failed = next(p for p in durations if "error.type" in p.attributes)
+    assert failed.attributes["error.type"] == "upstream_error"
+    ok = next(p for p in durations if "error.type" not in p.attributes)
+    assert ok.attributes["gen_ai.response.model"] == "sim-1-0613"
+    for p in durations:
+        assert p.attributes["gen_ai.operation.name"] == "chat"
+        assert p.attributes["gen_ai.request.model"] == "sim-1"
+        assert p.attributes["llm_streams.pipeline"] == "comment-analysis"
+        assert p.attributes["llm_streams.prompt_version"] == "v1"
+    tokens = {p.attributes["gen_ai.token.type"]: p.sum
+              for p in found["gen_ai.client.token.usage"]}  # fmt: skip
+    assert tokens == {"input": 120, "output": 30}
