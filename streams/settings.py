@@ -330,6 +330,16 @@ class TracingSettings(_Section):
     service_name: str = Field("llm-streams", min_length=1, description="service.name resource.")
 
 
+class DriftSettings(_Section):
+    window: int = Field(
+        1000, ge=10, le=100_000,
+        description="Answers per prompt version in the worker's drift window (the latest).",
+    )  # fmt: skip
+    refresh_s: float = Field(
+        30.0, gt=0, description="How often the worker reads the stored drift baselines."
+    )
+
+
 class Settings(BaseSettings):
     """All settings of a worker or a CLI command."""
 
@@ -346,6 +356,7 @@ class Settings(BaseSettings):
     batch_api: BatchApiSettings = BatchApiSettings()
     retention: RetentionSettings = RetentionSettings()
     tracing: TracingSettings = TracingSettings()
+    drift: DriftSettings = DriftSettings()
     schema_registry: SchemaRegistrySettings = SchemaRegistrySettings()
     store: str = Field(
         "rocksdb://",

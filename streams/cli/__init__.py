@@ -14,6 +14,10 @@ import click
 from streams.errors import REDRIVABLE, ConfigError
 from streams.settings import Settings, load_settings
 
+# Above this divergence (PSI or KS) a field is said to drift: the alert rule's threshold
+# (deploy/prometheus/rules.yml, LLMStreamsOutputDrift).
+DRIFT_THRESHOLD = 0.15
+
 
 def settings_or_exit(**overrides: Any) -> Settings:
     """Settings, or a one-line message naming the bad variable and exit status 2."""
@@ -539,6 +543,72 @@ def ab_log(pipeline: str | None) -> None:
         forced = " (forced)" if d.get("forced") else ""
         click.echo(f"{d.get('at')} {d.get('pipeline')}: {d.get('version')} -> {split} by "
                    f"{d.get('by')}{forced}: {d.get('reason')}")  # fmt: skip
+
+
+@cli.command("drift")
+@click.option("--pipeline", required=True)
+@click.option("--version", "version", default=None, help="Only this version (default: each).")
+@click.option(
+    "--baseline",
+    default="stored",
+    show_default=True,
+    help="stored | version:V (its latest answers) | window:FROM..TO (ISO times).",
+)
+@click.option(
+    "--window",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="The latest answers per version compared.",
+)
+@click.option("--save-baseline", is_flag=True,
+              help="Store the baseline chosen (with `stored`: the current window) for the "
+              "workers.")  # fmt: skip
+def drift_command(pipeline: str, version: str | None, baseline: str, window: int,
+                  save_baseline: bool) -> None:  # fmt: skip
+    """Output drift per prompt version: label shares (PSI), numbers and length (KS), the
+    share of optional fields left null or at their default, against a baseline."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from streams.ops.drift import Baseline, drift
+
+    settings = settings_or_exit()
+    found = _pipeline_or_exit(settings, pipeline)
+    try:
+        chosen = Baseline.parse(baseline)
+    except ValueError as exc:
+        click.echo(f"drift: --baseline {exc}", err=True)
+        sys.exit(2)
+    rows, saved = on_kafka(settings, drift(settings, pipeline, found.output_schema,
+                                           version=version, baseline=chosen, window=window,
+                                           save=save_baseline))  # fmt: skip
+    console = Console(soft_wrap=True)
+    if not rows:
+        console.print(f"{pipeline}: no answers yet", highlight=False)
+    for v in rows:
+        table = Table("field", "divergence", "null / default", "shares now (baseline)",
+                      title=f"{pipeline} {v.version}: {v.answers} answer(s) against "
+                      f"{chosen.describe()} ({v.baseline_answers})")  # fmt: skip
+        for f in v.fields:
+            div = "–" if f.divergence is None else f"{f.measure} {f.divergence:.3f}"
+            if f.divergence is not None and f.divergence > DRIFT_THRESHOLD:
+                div += "  DRIFT"
+            null = "–"
+            if f.empty_ratio is not None:
+                base = f.baseline_empty_ratio
+                null = f"{f.empty_ratio:.1%}" + ("" if base is None else f" ({base:.1%})")
+            top = sorted(f.shares.items(), key=lambda kv: -kv[1])[:4]
+            shares = ", ".join(
+                f"{k} {x:.0%}" + (f" ({f.baseline_shares[k]:.0%})" if k in f.baseline_shares
+                                   else "")
+                for k, x in top if x > 0
+            )  # fmt: skip
+            table.add_row(f.field, div, null, shares or "–")
+        console.print(table)
+    for name in saved:
+        console.print(f"saved as {pipeline} {name}'s baseline (workers read it within "
+                      f"{settings.drift.refresh_s:g} s)", highlight=False)  # fmt: skip
 
 
 @cli.group()

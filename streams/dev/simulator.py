@@ -57,6 +57,10 @@ class SimConfig:
     # Prompts that do worse: marker -> malformed rate for requests whose messages contain
     # the marker (e.g. a phrase only one prompt version has), instead of `malformed_rate`.
     malformed_if_prompt_has: dict[str, float] = field(default_factory=dict)
+    # Drifting answers: with probability `shift_rate`, a JSON answer's fields named here
+    # take these values instead (e.g. {"sentiment": "negative"}) whatever the text says.
+    shift_fields: dict[str, Any] = field(default_factory=dict)
+    shift_rate: float = 0.0
     packed_drop_items: int = 0  # packed answers leave out this many items
     flex_latency_factor: float = 3.0  # service_tier=flex answers this much slower
     flex_unavailable_rate: float = 0.0  # share of flex calls refused: 429 resource_unavailable
@@ -529,6 +533,9 @@ class Simulator:
             long = self.config.long_answer_chars and model in self.config.long_answer_models
             if long and isinstance(answer, dict):
                 answer = sim_content.padded(answer, self.config.long_answer_chars)
+            cfg = self.config
+            if isinstance(answer, dict) and cfg.shift_fields and self.rng.random() < cfg.shift_rate:
+                answer = {**answer, **{k: v for k, v in cfg.shift_fields.items() if k in answer}}
             return orjson.dumps(answer).decode()
         if fmt.get("type") == "json_object":
             return orjson.dumps(sim_content.analysis(text)).decode()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from streams.kafka.topics import (
     decisions_topic,
+    drift_baselines_topic,
     ledger_topic,
     replays_topic,
     state_topic,
@@ -46,6 +47,7 @@ def worker_acls(
         Acl("topic", t.review, write, why="writes review copies"),
         Acl("topic", state_topic(settings), both, why="task states (the store's changelog)"),
         Acl("topic", ledger_topic(settings), both, why="the batch lane's ledger"),
+        Acl("topic", drift_baselines_topic(settings), read, why="the drift baselines it holds to"),
         Acl("group", settings.app_id, read, why="the consumer group"),
     ]
     acls += [Acl("topic", name, read, why="a pipeline's source topic, read as it is")
@@ -96,6 +98,15 @@ def command_acls(settings: Settings) -> dict[str, list[Acl]]:
             Acl("topic", decisions_topic(settings), own, why="the decision it records"),
         ],
         "ab log": [Acl("topic", decisions_topic(settings), read, why="the decisions")],
+        "drift": [
+            results,
+            Acl(
+                "topic",
+                drift_baselines_topic(settings),
+                own,
+                why="the stored baselines (WRITE only with --save-baseline)",
+            ),
+        ],
         "redrive": [
             Acl("topic", t.dead_letters, read, why="the dead letters"),
             state,

@@ -34,6 +34,7 @@ from streams.core.batches import PARKING, BatchLane, Parked, Parking
 from streams.core.cache import ContentCache
 from streams.core.decide import Asked, Decider
 from streams.core.dispatch import Dispatcher, LaneSlots
+from streams.core.drift import DriftMonitor
 from streams.core.offsets import InOrderAcks, Ticket
 from streams.core.processor import Outcome, TaskProcessor
 from streams.errors import InternalError
@@ -92,9 +93,11 @@ class TaskAgent:
         limits: WriteLimits | None = None,
         sources: dict[str, list[SourceMapper]] | None = None,
         group: GroupShare | None = None,
+        drift: DriftMonitor | None = None,
     ) -> None:
         self.app = app
         self.group = group or GroupShare()
+        self.drift = drift  # fed every fresh answer (output drift per version)
         self.settings = settings
         self.make_processor = make_processor
         self.metrics = metrics or Metrics()
@@ -422,6 +425,8 @@ class TaskAgent:
                     completion_tokens=outcome.completion_tokens, cost_usd=outcome.cost_usd,
                     reviewed=bool(outcome.review),
                 )  # fmt: skip
+                if self.drift is not None and outcome.output is not None and not outcome.cached:
+                    self.drift.observe(outcome.pipeline, outcome.version, outcome.output)
             if outcome is not None and outcome.category is not None:
                 m.dead_letters.labels(outcome.category).inc()
                 error = outcome.error or {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import faust
@@ -9,7 +10,9 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from streams.api import processor_factory
+from streams.core.drift import DriftMonitor
 from streams.kafka.agent import TaskAgent
+from streams.kafka.drift import load_baselines
 from streams.kafka.limits import WriteLimits
 from streams.kafka.security import faust_credentials
 from streams.observability.metrics import Metrics
@@ -17,6 +20,8 @@ from streams.observability.status import StatusView, render_html
 from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.limiter import GroupShare
 from streams.settings import Settings, load_settings
+
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.App:
@@ -65,10 +70,24 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
     metrics = Metrics()
     app.llm_streams_metrics = metrics  # type: ignore[attr-defined]
     group = GroupShare()
+    schemas = {name: p.output_schema for name, p in registry.pipelines.items()}
+    drift = DriftMonitor(schemas, settings.drift.window)
+    metrics.watch_drift(drift.rows)
     app.llm_streams_agent = TaskAgent(  # type: ignore[attr-defined]  # for the worker's stop
         app, settings, processor_factory(settings, registry, metrics, room, group), metrics,
-        limits, sources=registry.sources(), group=group,
+        limits, sources=registry.sources(), group=group, drift=drift,
     )  # fmt: skip
+
+    async def read_baselines() -> None:
+        """The stored drift baselines, read again (an operator may have set one)."""
+        try:
+            drift.baselines = await load_baselines(settings)
+        except Exception as exc:  # the broker is away: keep the ones held, try again later
+            log.warning("could not read the drift baselines: %r", exc)
+
+    # At start, then every `drift.refresh_s` (faust leaves both decorators untyped).
+    app.task(read_baselines)
+    app.timer(settings.drift.refresh_s)(read_baselines)
 
     @app.page("/metrics")
     async def metrics_page(web: Any, request: Any) -> Any:

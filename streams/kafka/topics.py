@@ -35,6 +35,11 @@ def decisions_topic(settings: Settings) -> str:
     return f"{settings.app_id}-decisions"
 
 
+def drift_baselines_topic(settings: Settings) -> str:
+    """Drift baselines by `pipeline/version` (`llm-streams drift --save-baseline`; compacted)."""
+    return f"{settings.app_id}-drift-baselines"
+
+
 def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
     """Topic name -> config. Results are keyed by result_key and compacted."""
     t = settings.topics
@@ -48,6 +53,7 @@ def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
         ledger_topic(settings): {"cleanup.policy": "compact"},
         replays_topic(settings): {"cleanup.policy": "compact"},
         decisions_topic(settings): {"cleanup.policy": "delete", "retention.ms": "-1"},
+        drift_baselines_topic(settings): {"cleanup.policy": "compact"},
     }
 
 

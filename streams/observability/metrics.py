@@ -228,6 +228,10 @@ class Metrics:
         self.limiter_rate.labels(model, "requests").set_function(lambda: rates()[0])
         self.limiter_rate.labels(model, "tokens").set_function(lambda: rates()[1] or 0.0)
 
+    def watch_drift(self, read: Callable[[], list[Any]]) -> None:
+        """Output-drift gauges read at scrape time (see `DriftCollector`)."""
+        self.registry.register(DriftCollector(read))
+
     def watch_stream(self, read: Callable[[], dict[str, Any]]) -> None:
         """Consumer-side gauges read at scrape time (see `StreamCollector`)."""
         self.registry.register(StreamCollector(read))
@@ -270,4 +274,57 @@ class StreamCollector(Collector):
             value=state.get("buffered", 0))  # fmt: skip
 
 
-__all__ = ["LATENCY_BUCKETS", "Metrics", "StreamCollector"]
+class DriftCollector(Collector):
+    """Output drift per prompt version (`core.drift.DriftMonitor.rows`), at scrape time.
+
+    Labels stay bounded: pipeline, version and field come from the pipeline files, value
+    from a field's enum; `measure` is psi (labels) or ks (numbers)."""
+
+    def __init__(self, read: Callable[[], list[Any]]) -> None:
+        self.read = read
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        answers = GaugeMetricFamily(
+            "llm_streams_drift_window_answers",
+            "Answers in the worker's drift window, per prompt version.",
+            labels=["pipeline", "version"])  # fmt: skip
+        share = GaugeMetricFamily(
+            "llm_streams_drift_share",
+            "Share of each label value in the window (a list field: of the labels given).",
+            labels=["pipeline", "version", "field", "value"])  # fmt: skip
+        base_share = GaugeMetricFamily(
+            "llm_streams_drift_baseline_share", "Share of each label value in the baseline.",
+            labels=["pipeline", "version", "field", "value"])  # fmt: skip
+        divergence = GaugeMetricFamily(
+            "llm_streams_drift_divergence",
+            "The window against the stored baseline: PSI for labels, the KS statistic for "
+            "numbers (the answer's length too, field=(length)).",
+            labels=["pipeline", "version", "field", "measure"])  # fmt: skip
+        null = GaugeMetricFamily(
+            "llm_streams_drift_null_ratio",
+            "Share of answers leaving an optional field null or at its schema default.",
+            labels=["pipeline", "version", "field"])  # fmt: skip
+        base_null = GaugeMetricFamily(
+            "llm_streams_drift_baseline_null_ratio",
+            "The same share in the baseline.", labels=["pipeline", "version", "field"])  # fmt: skip
+        for pipeline, version, n, fields in self.read():
+            answers.add_metric([pipeline, version], n)
+            for f in fields:
+                at = [pipeline, version, f.field]
+                for value, x in f.shares.items():
+                    share.add_metric([*at, value], x)
+                for value, x in f.baseline_shares.items():
+                    base_share.add_metric([*at, value], x)
+                if f.divergence is not None:
+                    divergence.add_metric([*at, f.measure], f.divergence)
+                if f.empty_ratio is not None:
+                    null.add_metric(at, f.empty_ratio)
+                if f.baseline_empty_ratio is not None:
+                    base_null.add_metric(at, f.baseline_empty_ratio)
+        yield from (answers, share, base_share, divergence, null, base_null)
+
+
+__all__ = ["LATENCY_BUCKETS", "DriftCollector", "Metrics", "StreamCollector"]

@@ -25,6 +25,7 @@ RECORDED = re.compile(r"\bllm_streams:[a-z0-9_:]+\b")
 def exported_names() -> set[str]:
     metrics = Metrics()
     metrics.watch_stream(lambda: {"lag": {("t", 0): 1}, "paused": 0, "buffered": 0})
+    metrics.watch_drift(lambda: [])
     names: set[str] = set()
     for family in metrics.registry.collect():
         suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"],
@@ -262,3 +263,18 @@ def test_the_secured_setups_read_their_secrets_from_mounted_files(monkeypatch: A
     for path in (secured.ssl_cafile, secured.sasl_username_file, secured.sasl_password_file):
         assert str(path) in mounted
     assert set(service["secrets"]) <= set(compose["secrets"])
+
+
+def test_the_null_ratio_rule_fires_when_up_fourfold_and_above_five_percent() -> None:
+    from tests.promql import firing
+
+    (expr,) = [r["expr"] for r in rules() if r.get("alert") == "LLMStreamsNullRatioUp"]
+
+    def series(now: float, baseline: float, field: str) -> list[Any]:
+        labels = {"pipeline": "p", "version": "v1", "field": field}
+        return [("llm_streams_drift_null_ratio", labels, now),
+                ("llm_streams_drift_baseline_null_ratio", labels, baseline)]  # fmt: skip
+
+    samples = (series(0.30, 0.05, "up-sixfold") + series(0.12, 0.04, "up-threefold")
+               + series(0.04, 0.0, "under-five-percent") + series(0.06, 0.0, "from-nothing"))  # fmt: skip
+    assert sorted(f["field"] for f in firing(expr, samples)) == ["from-nothing", "up-sixfold"]
