@@ -428,8 +428,8 @@ class TaskAgent:
                 if self.drift is not None and outcome.output is not None and not outcome.cached:
                     self.drift.observe(outcome.pipeline, outcome.version, outcome.output)
             if outcome is not None and outcome.category is not None:
-                m.dead_letters.labels(outcome.category).inc()
-                error = outcome.error or {}
+                error = outcome.error or {"category": outcome.category}
+                m.dead_letter_written(outcome.task_id, error)
                 log.info(
                     "dead letter %s/%s after %d attempt(s) for %s/%d/%d: %s",
                     error.get("category"), error.get("code"), outcome.attempts,

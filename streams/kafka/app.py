@@ -16,7 +16,8 @@ from streams.kafka.drift import load_baselines
 from streams.kafka.limits import WriteLimits
 from streams.kafka.security import faust_credentials
 from streams.observability.metrics import Metrics
-from streams.observability.status import StatusView, render_html
+from streams.observability.page import render_html
+from streams.observability.status import SAMPLE_EVERY_S, StatusView
 from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.limiter import GroupShare
 from streams.settings import Settings, load_settings
@@ -95,6 +96,12 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
         return web.bytes(metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     status = StatusView(metrics)
+
+    async def sample_status() -> None:
+        status.sample()
+
+    # The page's charts: a history point every SAMPLE_EVERY_S.
+    app.timer(SAMPLE_EVERY_S)(sample_status)
 
     @app.page("/status.json")
     async def status_json(web: Any, request: Any) -> Any:

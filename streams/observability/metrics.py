@@ -6,6 +6,8 @@ partition; never a task id. The worker serves them at `/metrics` on its web port
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -19,11 +21,15 @@ WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 5000)
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+RECENT_DEAD_LETTERS = 20  # the status page's latest dead letters
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        # The latest dead letters, newest last, for the status page (not a series: the
+        # task id and message would be unbounded labels).
+        self.recent_dead: deque[dict[str, Any]] = deque(maxlen=RECENT_DEAD_LETTERS)
         r = self.registry
         self.tasks_received = Counter(
             "llm_streams_tasks_received", "Records taken from the input topics.", ["lane"],
@@ -218,6 +224,14 @@ class Metrics:
         self.version_cost.labels(pipeline, version).inc(cost_usd)
         if reviewed:
             self.version_reviews.labels(pipeline, version).inc()
+
+    def dead_letter_written(self, task_id: str | None, error: dict[str, Any]) -> None:
+        """Counted by category, and kept among the latest with its reason."""
+        self.dead_letters.labels(error.get("category", "")).inc()
+        self.recent_dead.append({
+            "at": time.time(), "task_id": task_id, "category": error.get("category"),
+            "code": error.get("code"), "message": str(error.get("message", ""))[:300],
+        })  # fmt: skip
 
     def breaker_changed(self, endpoint: str, new_state: str) -> None:
         self.breaker_state.labels(endpoint).set(BREAKER_STATES[new_state])

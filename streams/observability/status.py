@@ -1,5 +1,5 @@
-"""A worker's live status from its own metrics: JSON for `llm-streams status`, and a small
-HTML page (`/status`, refreshing) with the same numbers.
+"""A worker's live status from its own metrics: JSON for `llm-streams status` and the
+figures of its page (`observability.page`), with the last hour's history.
 
 Percentiles are estimated from the end-to-end histogram the way Prometheus'
 `histogram_quantile` does (linear within a bucket), so the page, the terminal
@@ -9,15 +9,17 @@ view and a Grafana panel agree. Throughput is measured between the last calls
 
 from __future__ import annotations
 
-import html
 import time
 from collections import defaultdict, deque
+from itertools import pairwise
 from typing import Any
 
 from streams.contract.evaluation import Evaluation
 from streams.observability.metrics import Metrics
 
 QUANTILES = (0.5, 0.95, 0.99)
+HISTORY_S = 3600  # the page's charts: the last hour
+SAMPLE_EVERY_S = 10.0  # one history point per this (the app's timer calls `sample`)
 BREAKER_NAMES = {0: "closed", 1: "half_open", 2: "open"}
 
 
@@ -45,6 +47,11 @@ class StatusView:
         self.clock = clock
         self.started = clock()
         self._samples: deque[tuple[float, float]] = deque()
+        # (time, tasks completed, end-to-end buckets, cost, lag): cumulative, one per
+        # SAMPLE_EVERY_S; the charts plot what changed between two of them.
+        self.history: deque[tuple[float, float, dict[float, float], float, float]] = deque(
+            maxlen=int(HISTORY_S / SAMPLE_EVERY_S) + 1
+        )
 
     def _samples_by_name(self) -> dict[str, list[tuple[dict[str, str], float]]]:
         found: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
@@ -52,6 +59,33 @@ class StatusView:
             for s in family.samples:
                 found[s.name].append((dict(s.labels), float(s.value)))
         return found
+
+    def sample(self) -> None:
+        """One history point (the worker's timer calls this every SAMPLE_EVERY_S)."""
+        samples = self._samples_by_name()
+        self.history.append((
+            self.clock(),
+            _total(samples, "llm_streams_tasks_completed_total"),
+            _buckets(samples, "llm_streams_end_to_end_seconds_bucket"),
+            _total(samples, "llm_streams_cost_usd_total"),
+            _total(samples, "llm_streams_consumer_lag"),
+        ))  # fmt: skip
+
+    def _history(self) -> list[dict[str, Any]]:
+        """Per interval between history points: seconds ago, throughput, end-to-end p50
+        and p95 of the tasks finished in it, USD per minute, lag at its end."""
+        now = self.clock()
+        out = []
+        for (t0, n0, b0, c0, _), (t1, n1, b1, c1, lag) in pairwise(self.history):
+            dt = max(t1 - t0, 1e-9)
+            delta = sorted((le, b1.get(le, 0.0) - b0.get(le, 0.0)) for le in b1)
+            out.append({
+                "ago_s": round(now - t1, 1), "throughput_per_s": round((n1 - n0) / dt, 3),
+                "e2e_p50_s": histogram_quantile(0.5, delta),
+                "e2e_p95_s": histogram_quantile(0.95, delta),
+                "cost_per_min_usd": round((c1 - c0) / dt * 60, 8), "lag": lag,
+            })  # fmt: skip
+        return out
 
     def snapshot(self) -> dict[str, Any]:
         samples = self._samples_by_name()
@@ -83,6 +117,8 @@ class StatusView:
         for labels, value in samples.get("llm_streams_dead_letters_total", []):
             dead[labels["category"]] += value
         return {
+            "history": self._history(),
+            "recent_dead_letters": list(reversed(self.metrics.recent_dead)),
             "versions": self._versions(samples),
             "tasks": {
                 "received": total("llm_streams_tasks_received_total"),
@@ -129,6 +165,8 @@ class StatusView:
         for labels, value in samples.get("llm_streams_version_task_seconds_bucket", []):
             buckets[key(labels)][float(labels["le"])] += value
 
+        drift = _worst_drift(samples)
+
         def share(x: float | None) -> float | None:
             return None if x is None else round(x, 4)
 
@@ -146,79 +184,36 @@ class StatusView:
                 else round(e.tokens_per_accepted, 1),
                 "cost_per_accepted_usd": None if e.cost_per_accepted is None
                 else round(e.cost_per_accepted, 8),
+                "drift": None if (pipeline, version) not in drift else
+                {"divergence": round(drift[(pipeline, version)][0], 4),
+                 "field": drift[(pipeline, version)][1]},
             })  # fmt: skip
         return out
 
 
-def render_html(snap: dict[str, Any], refresh_s: int = 5) -> str:
-    """The snapshot as a page; each figure sits in an element with `data-metric`."""
-
-    def row(label: str, key: str, value: Any) -> str:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        shown = "–" if value is None else (f"{value:.6g}" if isinstance(value, float) else value)
-        cell = f'<td data-metric="{html.escape(key)}">{html.escape(str(shown))}</td>'
-        return f"<tr><th>{html.escape(label)}</th>{cell}</tr>"
-
-    t = snap["tasks"]
-    rows = [
-        row("tasks received", "received", t["received"]),
-        row("results", "results", t["results"]),
-        row("dead letters", "dead_letters", t["dead_letters"]),
-        row("in flight", "in_flight", t["in_flight"]),
-        row("throughput (tasks/s)", "throughput_per_s", snap["throughput_per_s"]),
-        row("consumer lag", "lag", snap["lag"]),
-        row("paused partitions", "paused_partitions", snap["paused_partitions"]),
-        *(row(f"end-to-end {k} (s)", f"e2e_{k}", v) for k, v in snap["end_to_end_s"].items()),
-        row("cost so far (USD)", "cost_usd", snap["cost_usd"]),
-        row("cost per result (USD)", "cost_per_result_usd", snap["cost_per_result_usd"]),
-        *(row(f"breaker {k}", f"breaker_{k}", v) for k, v in snap["breakers"].items()),
-        *(row(f"limiter {k} (RPM)", f"limiter_{k}", v) for k, v in snap["limiter_rpm"].items()),
-        *(
-            row(f"dead letters: {k}", f"dlq_{k}", v)
-            for k, v in snap["dead_letters_by_category"].items()
-        ),
-    ]
-    versions = "".join(_version_row(v) for v in snap.get("versions", []))
-    if versions:
-        head = "".join(f"<th>{h}</th>" for h in VERSION_COLUMNS)
-        versions = f"<h2>Prompt versions</h2><table><tr>{head}</tr>{versions}</table>"
-    return (
-        "<!doctype html><html><head><meta charset='utf-8'>"
-        f"<meta http-equiv='refresh' content='{refresh_s}'><title>llm-streams status</title>"
-        "<style>body{font:14px sans-serif;margin:2em}th{text-align:left;padding-right:2em}"
-        "td{font-family:monospace}</style></head><body><h1>llm-streams worker</h1>"
-        f"<table>{''.join(rows)}</table>{versions}</body></html>"
-    )
+def _worst_drift(
+    samples: dict[str, list[tuple[dict[str, str], float]]],
+) -> dict[tuple[str, str], tuple[float, str]]:
+    """Per (pipeline, version): its largest divergence and which field and measure."""
+    worst: dict[tuple[str, str], tuple[float, str]] = {}
+    for labels, value in samples.get("llm_streams_drift_divergence", []):
+        k = (labels["pipeline"], labels["version"])
+        if value > worst.get(k, (-1.0, ""))[0]:
+            worst[k] = (value, f"{labels['field']} {labels['measure']}")
+    return worst
 
 
-VERSION_COLUMNS = ("pipeline", "version", "tasks", "pass rate", "repair rate", "dead letters",
-                   "review", "p50 (s)", "p95 (s)", "tokens / answer", "USD / answer")  # fmt: skip
+def _total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
+    return sum(v for _, v in samples.get(name, []))
 
 
-def _version_row(v: dict[str, Any]) -> str:
-    def pct(x: float | None) -> str:
-        return "–" if x is None else f"{x:.1%}"
-
-    def num(x: float | None, fmt: str) -> str:
-        return "–" if x is None else format(x, fmt)
-
-    name = f"{v['pipeline']}/{v['version']}"
-    cells = [
-        ("", v["pipeline"]), ("", v["version"]), ("tasks", str(v["tasks"])),
-        ("pass_rate", pct(v["pass_rate"])), ("repair_rate", pct(v["repair_rate"])),
-        ("dead_letter_rate", pct(v["dead_letter_rate"])), ("review_share", pct(v["review_share"])),
-        ("p50", num(v["latency_s"]["p50"], ".3f")), ("p95", num(v["latency_s"]["p95"], ".3f")),
-        ("tokens_per_accepted", num(v["tokens_per_accepted"], ".0f")),
-        ("cost_per_accepted_usd", num(v["cost_per_accepted_usd"], ".6f")),
-    ]  # fmt: skip
-    tds = "".join(
-        f'<td data-metric="version:{html.escape(name)}:{k}">{html.escape(x)}</td>'
-        if k
-        else f"<td>{html.escape(x)}</td>"
-        for k, x in cells
-    )
-    return f"<tr>{tds}</tr>"
+def _buckets(
+    samples: dict[str, list[tuple[dict[str, str], float]]], name: str
+) -> dict[float, float]:
+    out: dict[float, float] = defaultdict(float)
+    for labels, value in samples.get(name, []):
+        out[float(labels["le"])] += value
+    return dict(out)
 
 
-__all__ = ["StatusView", "histogram_quantile", "render_html"]
+__all__ = ["HISTORY_S", "SAMPLE_EVERY_S", "StatusView", "histogram_quantile"]

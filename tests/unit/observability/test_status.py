@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from streams.observability.metrics import Metrics
-from streams.observability.status import StatusView, histogram_quantile, render_html
+from streams.observability.page import count, render_html, seconds, usd
+from streams.observability.status import StatusView, histogram_quantile
 
 
 def test_quantiles_interpolate_within_buckets_like_prometheus() -> None:
@@ -39,4 +40,49 @@ def test_the_snapshot_adds_up_the_registry() -> None:
     metrics.tasks_completed.labels("live", "result").inc(20)
     assert view.snapshot()["throughput_per_s"] == pytest.approx(2.0)
     page = render_html(view.snapshot())
-    assert '<td data-metric="results">28</td>' in page and 'data-metric="breaker_sim">open' in page
+    assert 'data-metric="results" data-value="28.0">28<' in page
+    assert 'data-metric="breaker_sim">open' in page
+    assert 'data-metric="cost_usd" data-value="0.04">$0.0400<' in page
+
+
+def test_the_history_charts_what_changed_between_samples() -> None:
+    metrics = Metrics()
+    clock = [0.0]
+    view = StatusView(metrics, clock=lambda: clock[0])
+    view.sample()
+    for minute in range(1, 4):
+        clock[0] += 60
+        for _ in range(120 * minute):  # 2, 4, 6 tasks/s
+            metrics.tasks_completed.labels("live", "result").inc()
+            metrics.end_to_end.labels("live", "result").observe(0.2 * minute)
+        metrics.cost.labels("p", "m", "sync").inc(0.01 * minute)
+        view.sample()
+    history = view.snapshot()["history"]
+    assert [p["throughput_per_s"] for p in history] == [2.0, 4.0, 6.0]
+    assert [p["cost_per_min_usd"] for p in history] == pytest.approx([0.01, 0.02, 0.03])
+    assert [p["ago_s"] for p in history] == [120.0, 60.0, 0.0]
+    # Each interval's own tasks: 0.2 s, then 0.4 s, then 0.6 s.
+    assert 0.1 < history[0]["e2e_p50_s"] <= 0.25 < history[1]["e2e_p50_s"] <= 0.5
+    page = render_html(view.snapshot())
+    assert page.count("<polyline") == 5  # throughput, p95 and p50, spend, lag
+    assert 'data-metric="chart_throughput" data-value="6.0">6.0/s<' in page
+
+
+def test_numbers_are_formatted_for_people() -> None:
+    assert (count(999), count(12_345), count(2_500_000)) == ("999", "12.3k", "2.5M")
+    assert (seconds(0.0123), seconds(2.5), seconds(95)) == ("12 ms", "2.50 s", "1.6 min")
+    assert (usd(12.345), usd(0.0123), usd(0.000072), usd(0)) == (
+        "$12.35", "$0.0123", "$0.0000720", "$0.00")  # fmt: skip
+
+
+def test_the_latest_dead_letters_show_their_reason() -> None:
+    metrics = Metrics()
+    for i in range(25):
+        metrics.dead_letter_written(f"t-{i}", {"category": "invalid_input", "code": "not_json",
+                                               "message": f"record {i} is not JSON <oops>"})  # fmt: skip
+    snap = StatusView(metrics).snapshot()
+    shown = snap["recent_dead_letters"]
+    assert len(shown) == 20 and shown[0]["task_id"] == "t-24"  # newest first, bounded
+    assert snap["dead_letters_by_category"] == {"invalid_input": 25}
+    page = render_html(snap)
+    assert "record 24 is not JSON &lt;oops&gt;" in page and "t-4<" not in page

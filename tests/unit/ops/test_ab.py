@@ -10,7 +10,8 @@ import yaml
 
 from streams.contract.evaluation import Evaluation, verdict
 from streams.observability.metrics import Metrics
-from streams.observability.status import StatusView, render_html
+from streams.observability.page import render_html
+from streams.observability.status import StatusView
 from streams.ops.ab import (
     PromotionRefused,
     VersionEvidence,
@@ -175,4 +176,4 @@ def test_status_shows_each_versions_figures() -> None:
     assert v1["review_share"] == pytest.approx(1 / 9, abs=1e-4)
     assert 0.25 <= v1["latency_s"]["p50"] <= 0.5
     page = render_html(snap)
-    assert 'data-metric="version:comment-analysis/v2:pass_rate">50.0%<' in page
+    assert 'data-metric="version:comment-analysis/v2:pass_rate" data-value="0.5">50.0%<' in page
