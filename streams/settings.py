@@ -286,13 +286,20 @@ class RetentionSettings(_Section):
         description="Age after which a batch-lane ledger entry expires; longer than a "
         "batch-lane task may take (LLM_STREAMS_BATCH_API__DEADLINE_S).",
     )
+    sessions_days: float = Field(
+        7.0,
+        ge=0,
+        description="Idle time (days since its last turn) after which a session's turns "
+        "expire: a later turn of it starts a new conversation.",
+    )
+    sessions_max: int = Field(0, ge=0, description="Sessions kept per partition.")
     check_s: float = Field(60.0, gt=0, description="How often expired entries are looked for.")
 
     def limits(self) -> dict[str, tuple[float, int]]:
         """Map name -> (days, max entries), the maps that have a limit."""
         found = {
             name: (getattr(self, f"{name}_days"), getattr(self, f"{name}_max", 0))
-            for name in ("results", "tasks", "dead_letters", "ledger")
+            for name in ("results", "tasks", "dead_letters", "ledger", "sessions")
         }
         return {name: limit for name, limit in found.items() if any(limit)}
 

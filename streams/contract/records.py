@@ -31,6 +31,8 @@ class Task(_Record):
     input: dict[str, Any] = Field(min_length=1)
     prompt_version: str | None = Field(None, min_length=1, max_length=64)
     metadata: dict[str, Any] | None = None
+    # Added compatibly: the conversation a task belongs to (pipelines with `session:`).
+    session_id: str | None = Field(None, min_length=1, max_length=512)
 
 
 class Usage(_Record):
@@ -135,26 +137,36 @@ def canonical_input(task_input: dict[str, Any]) -> bytes:
     return orjson.dumps(_nfc(task_input), option=orjson.OPT_SORT_KEYS)
 
 
-def result_key(pipeline: str, prompt_version: str, task_id: str, task_input: dict[str, Any]) -> str:
-    """Deterministic key of a result: same task, same version, same input -> same key."""
+def _key(parts: tuple[str, ...], task_input: dict[str, Any], context: str | None) -> str:
     h = hashlib.sha256()
-    for part in (pipeline, prompt_version, task_id):
+    for part in parts:
         encoded = part.encode()
         h.update(len(encoded).to_bytes(4, "big"))
         h.update(encoded)
     h.update(canonical_input(task_input))
-    return "rk1-" + h.hexdigest()[:40]
+    if context is not None:  # after the input: keys without a context stay as they were
+        h.update(b"\0context\0" + context.encode())
+    return h.hexdigest()[:40]
 
 
-def content_key(pipeline: str, prompt_version: str, task_input: dict[str, Any]) -> str:
-    """Key of what is asked, whoever asks: identical inputs under one version share it."""
-    h = hashlib.sha256()
-    for part in (pipeline, prompt_version):
-        encoded = part.encode()
-        h.update(len(encoded).to_bytes(4, "big"))
-        h.update(encoded)
-    h.update(canonical_input(task_input))
-    return "ck1-" + h.hexdigest()[:40]
+def result_key(
+    pipeline: str,
+    prompt_version: str,
+    task_id: str,
+    task_input: dict[str, Any],
+    context: str | None = None,
+) -> str:
+    """Deterministic key of a result: same task, same version, same input (and, in a
+    session, the same earlier turns in its prompt: `context`, their digest) -> same key."""
+    return "rk1-" + _key((pipeline, prompt_version, task_id), task_input, context)
+
+
+def content_key(
+    pipeline: str, prompt_version: str, task_input: dict[str, Any], context: str | None = None
+) -> str:
+    """Key of what is asked, whoever asks: identical inputs (and context) under one
+    version share it."""
+    return "ck1-" + _key((pipeline, prompt_version), task_input, context)
 
 
 def payload_of(raw: bytes | None) -> Any:

@@ -30,6 +30,8 @@ from streams.contract.records import (
     payload_of,
     task_id_hint,
 )
+from streams.core.sessions import NONE as NO_CONTEXT
+from streams.core.sessions import Context
 from streams.core.stages import MAIN
 from streams.errors import OutputTooLarge, StreamsError
 from streams.observability.metrics import Metrics
@@ -115,6 +117,11 @@ class Prepared:
     key: bytes | None
     source: Source
     started: float
+    # A task of a session: its id, where it stands in it, and the earlier turns its
+    # prompt carries (`core.sessions`).
+    session: str | None = None
+    position: int = 0
+    context: Context = NO_CONTEXT
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import orjson
+
 from streams.contract.lanes import Lane, Tier
 from streams.contract.records import (
     RecordRoom,
@@ -33,6 +35,8 @@ from streams.core.calls import Calls, ClientFor
 from streams.core.chunking import reduce_outputs
 from streams.core.outcome import Outcome, Outcomes, Prepared, Prices, Spend
 from streams.core.packs import Packs
+from streams.core.sessions import NONE as NO_CONTEXT
+from streams.core.sessions import context_of, with_context
 from streams.core.stages import MAIN, StageFailed, run_stages
 from streams.core.window import chunk_plan, shorten
 from streams.errors import (
@@ -43,6 +47,7 @@ from streams.errors import (
     StreamsError,
     TaskError,
 )
+from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import stage_span
 from streams.pipelines.registry import Pipeline, PipelineRegistry, PipelineVersion, RenderedPrompt
@@ -51,6 +56,11 @@ from streams.resilience.retry import Attempts, RetryPolicy
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+def _turn_tokens(messages: list[dict[str, str]]) -> int:
+    """Tokens a turn's messages add to a prompt (no reply priming: the prompt has it)."""
+    return count_messages(messages) - 3
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,7 @@ class TaskProcessor:
                            metrics=self.metrics, clients=clients)  # fmt: skip
         self.packs = Packs(self.calls, registry)
         self.outcomes = Outcomes(config.room, config.prices, self.metrics, config.default_model)
+        self._sessions = registry.keeps_sessions
         self._close = close
 
     @property
@@ -134,16 +145,48 @@ class TaskProcessor:
             return prepared
         return await self.answer(prepared, lane)
 
-    def prepare(self, raw: bytes | None, key: bytes | None, source: Source) -> Prepared | Outcome:
-        """Decode and render a record: a task ready to answer, or its dead letter."""
+    def session_hint(self, raw: bytes | None) -> str | None:
+        """The session a record's task belongs to, read without validating it (to order
+        a session's records one after another); None when it names none or is not a task."""
+        if raw is None or not self._sessions:
+            return None
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        pipeline = self.registry.pipelines.get(str(data.get("pipeline")))
+        return pipeline.session_of(data) if pipeline is not None else None
+
+    def prepare(
+        self,
+        raw: bytes | None,
+        key: bytes | None,
+        source: Source,
+        history: Callable[[str], bytes | None] | None = None,
+        position: int | None = None,
+    ) -> Prepared | Outcome:
+        """Decode and render a record: a task ready to answer, or its dead letter.
+
+        A task of a session gets its version by its session's bucket and, when its
+        version keeps sessions and `history` (session id -> the stored turns) is given,
+        the earlier turns before `position` (default: the record's offset) in its prompt."""
         started = time.monotonic()
         task: Task | None = None
         m = self.metrics
         try:
             task = decode_task(raw, max_bytes=self.config.max_task_bytes)
             pipeline = self.registry.get(task.pipeline)
-            version = pipeline.version(task.prompt_version, task.task_id)
+            session = pipeline.session_of(task)
+            version = pipeline.version(task.prompt_version, session or task.task_id)
             prompt = version.render(task.input, self.config.default_model)
+            context = NO_CONTEXT
+            at = source.offset if position is None else position
+            spec = version.spec.session
+            if session is not None and spec is not None and history is not None:
+                context = context_of(history(session), task.task_id, at, spec, _turn_tokens)
+                prompt = replace(prompt, messages=with_context(prompt.messages, context))
             chosen_by = ("pinned" if task.prompt_version else
                          "split" if pipeline.spec.traffic else "default")  # fmt: skip
             m.versions_chosen.labels(pipeline.name, version.version, chosen_by).inc()
@@ -154,13 +197,18 @@ class TaskProcessor:
                 pipeline=pipeline,
                 version=version,
                 prompt=prompt,
-                result_key=result_key(pipeline.name, version.version, task.task_id, task.input),
-                content_key=content_key(pipeline.name, version.version, task.input),
+                result_key=result_key(pipeline.name, version.version, task.task_id, task.input,
+                                      context.digest),
+                content_key=content_key(pipeline.name, version.version, task.input,
+                                        context.digest),
                 raw=raw,
                 key=key,
                 source=source,
                 started=started,
-            )
+                session=session,
+                position=at,
+                context=context,
+            )  # fmt: skip
         except TaskError as exc:
             return self.outcomes.dead(exc, raw, key, task, source, Attempts(), Spend(), started)
         except Exception as exc:  # a bug must not stop the worker or lose the record
@@ -297,9 +345,11 @@ class TaskProcessor:
             packing.max_chars
         )
         # Not packed: in a batch (which already halves the price), nor a version whose
-        # schema is in its system message (a packed answer has another shape).
+        # schema is in its system message (a packed answer has another shape), nor a turn
+        # with earlier turns in its prompt (a pack item has no conversation).
         if (
             short
+            and not prep.context.messages
             and spend.tier is not Tier.BATCH
             and version.spec.response_format != ("schema_in_prompt")
         ):

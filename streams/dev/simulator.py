@@ -18,7 +18,7 @@ import random
 import re
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,6 +196,8 @@ class Simulator:
         self.by_status: Counter[int] = Counter()
         self.by_outcome: Counter[str] = Counter()
         self.answered: Counter[str] = Counter()
+        # The latest chat requests' messages, oldest first (tests read the prompts sent).
+        self.chats: deque[list[dict[str, Any]]] = deque(maxlen=10_000)
         self.prompt_tokens = 0
         self.charged_tokens = 0
         self.completion_tokens = 0
@@ -374,6 +376,7 @@ class Simulator:
             return _error(
                 400, f"Invalid request: {exc}", "invalid_request_error", "invalid_request", {}
             )
+        self.chats.append(messages)
         sem = self._semaphore()
         if sem is None:
             return await self._answer(body, messages, model)

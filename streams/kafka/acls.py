@@ -15,6 +15,7 @@ from streams.kafka.topics import (
     drift_baselines_topic,
     ledger_topic,
     replays_topic,
+    sessions_topic,
     state_topic,
     topic_specs,
 )
@@ -47,6 +48,7 @@ def worker_acls(
         Acl("topic", t.review, write, why="writes review copies"),
         Acl("topic", state_topic(settings), both, why="task states (the store's changelog)"),
         Acl("topic", ledger_topic(settings), both, why="the batch lane's ledger"),
+        Acl("topic", sessions_topic(settings), both, why="sessions' turns (the store's map)"),
         Acl("topic", drift_baselines_topic(settings), read, why="the drift baselines it holds to"),
         Acl("group", settings.app_id, read, why="the consumer group"),
     ]

@@ -24,12 +24,13 @@ from opentelemetry.trace import Status as SpanStatus
 from streams.contract.headers import (
     BACKTRACK_HEADER,
     FORCE_HEADER,
+    REPLAY_OF_HEADER,
     REROUTED_FROM_HEADER,
     TIER_HEADER,
     header_items,
 )
 from streams.contract.lanes import Lane, Tier
-from streams.contract.records import Source
+from streams.contract.records import Source, json_object
 from streams.core.batches import PARKING, BatchLane, Parked, Parking
 from streams.core.cache import ContentCache
 from streams.core.decide import Asked, Decider
@@ -37,6 +38,7 @@ from streams.core.dispatch import Dispatcher, LaneSlots
 from streams.core.drift import DriftMonitor
 from streams.core.offsets import InOrderAcks, Ticket
 from streams.core.processor import Outcome, TaskProcessor
+from streams.core.sessions import add_turn, has_turn, turn_of
 from streams.errors import InternalError
 from streams.kafka import faust_private
 from streams.kafka.eos import Transactions
@@ -46,7 +48,7 @@ from streams.kafka.routing import partition_for
 from streams.kafka.shutdown import Watchdog
 from streams.kafka.sources import SourceIngest
 from streams.kafka.store import Kind, MapView, TaskStore
-from streams.kafka.topics import ledger_topic, state_topic
+from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.kafka.writer import CannotWrite, Headers, Writer
 from streams.llm.openai_client import OpenAIClient
 from streams.observability.logs import current_task_id
@@ -60,6 +62,18 @@ log = logging.getLogger(__name__)
 
 BACKTRACK_NOTES = {b"restore": "backtrack: restored", b"rerun": "backtrack: re-run"}
 TIERS = {tier.value.encode(): tier for tier in Tier}
+
+
+def original_offset(message: Any) -> int:
+    """Where a record stands in its partition: a replayed record, where it was first
+    (its `llm-streams-replay-of` header); otherwise its own offset."""
+    origin = header(message, REPLAY_OF_HEADER)
+    if origin:
+        try:
+            return int(origin.rsplit(b"/", 1)[1])
+        except (IndexError, ValueError):
+            pass
+    return int(message.offset)
 
 
 def header(message: Any, name: str) -> bytes | None:
@@ -123,9 +137,11 @@ class TaskAgent:
         self.state_topic = app.topic(state_topic(settings), compacting=True, **parts)
         self.review_topic = app.topic(settings.topics.review, **parts)
         self.ledger_topic = app.topic(ledger_topic(settings), compacting=True, **parts)
+        self.sessions_topic = app.topic(sessions_topic(settings), compacting=True, **parts)
         self._topics = {topic.get_topic_name(): topic for topic in (
             self.live_topic, self.replay_topic, self.results_topic, self.dead_letter_topic,
-            self.state_topic, self.review_topic, self.ledger_topic)}  # fmt: skip
+            self.state_topic, self.review_topic, self.ledger_topic,
+            self.sessions_topic)}  # fmt: skip
         # A stop takes at most `shutdown_grace_s`; what is unfinished then stays unacked.
         self.watchdog = Watchdog(settings.shutdown_grace_s, self.left_behind)
         self.store = TaskStore(
@@ -332,7 +348,9 @@ class TaskAgent:
                             max(0.0, time.time() - message.timestamp)
                         )
                     m.unfinished.inc()
-                    order_key = (
+                    # One at a time per task, and per session: a turn's prompt needs the
+                    # turns before it answered.
+                    order_key = processor.session_hint(message.value) or (
                         message.key.decode(errors="replace")
                         if message.key
                         else f"{message.tp.partition}/{message.offset}"
@@ -449,19 +467,27 @@ class TaskAgent:
         and the outcome written (None when nothing was)."""
         decider = self._decider
         assert decider is not None  # made with the processor
-        prep = processor.prepare(message.value, message.key, source)
+        prep = processor.prepare(
+            message.value, message.key, source,
+            history=lambda session: self.store.get(Kind.SESSIONS, source.partition,
+                                                   session.encode()),
+            position=original_offset(message),
+        )  # fmt: skip
         if isinstance(prep, Outcome):  # bad input: a dead letter, unless written
             if decider.dead_letter_written(prep.key, source):
                 return "already_done", None
             await self.writer.deliver(prep, source.partition)
             return prep.kind, prep
         task_id = prep.task.task_id
-        home = partition_for(task_id, self.settings.kafka.partitions)
+        # A task's home: its task id's partition, or its session's (a session's turns and
+        # tasks live on one partition).
+        routed_by = prep.session or task_id
+        home = partition_for(routed_by, self.settings.kafka.partitions)
         lane = self.lane_of(message.topic)
         if home != message.partition:  # keyed otherwise by its producer: answer it at home
             await self._reroute(message, source, home, task_id)
             return "rerouted", None
-        if message.key != task_id.encode():
+        if message.key not in (task_id.encode(), routed_by.encode()):
             # On its task's partition after all: answered here, where its answers live.
             self.metrics.misrouted.labels(lane.name.lower(), "answered").inc()
         span.set_attributes({
@@ -478,13 +504,40 @@ class TaskAgent:
         if decision.outcome is None:
             if decision.state is not None:
                 await self.writer.put_state(source.partition, decision.state)
+            await self._add_turn(source.partition, prep, None)  # if a run died before it
             return decision.kind, None
         written = await self.writer.deliver(
             decision.outcome, source.partition, prep=prep,
             state_for=lambda outcome: decider.state_after(outcome, prep, how.note),
             failed=lambda outcome, error: processor.failed(prep, error, outcome),
         )  # fmt: skip
+        if written.output is not None:
+            await self._add_turn(source.partition, prep, written.output)
         return written.kind, written
+
+    async def _add_turn(self, partition: int, prep: Any, output: dict[str, Any] | None) -> None:
+        """A session task's answered turn into its session, written after its result. No
+        `output`: the task was answered before; its turn is added from its stored result
+        if a run was killed between the two."""
+        spec = prep.version.spec.session
+        if prep.session is None or spec is None:
+            return
+        key = str(prep.session).encode()
+        stored = self.store.get(Kind.SESSIONS, partition, key)
+        if output is None:
+            earlier = json_object(self.store.result(partition, prep.result_key))
+            if has_turn(stored, prep.task.task_id) or earlier is None:
+                return
+            output = earlier.get("output")
+            if not isinstance(output, dict):
+                return
+        turn = turn_of(prep.task.task_id, prep.position, prep.prompt.variables, output, spec)
+        value = add_turn(stored, turn, spec)
+
+        def write() -> Awaitable[None]:
+            return self.store.put(Kind.SESSIONS, partition, key, value)
+
+        await self.writer.write_or_stop(write, what=f"session {prep.session}'s turn")
 
     async def _reroute(self, message: Any, source: Source, home: int, task_id: str) -> None:
         """Forward a record to the partition its task id maps to, keyed by the task id;

@@ -44,6 +44,7 @@ class Kind(StrEnum):
     DEAD_LETTERS = "dead_letters"
     TASKS = "tasks"
     LEDGER = "ledger"  # the batch lane's batches and their requests
+    SESSIONS = "sessions"  # each session's turns (core.sessions), by session id
 
 
 CODES = {kind: bytes([i + 1]) for i, kind in enumerate(Kind)}

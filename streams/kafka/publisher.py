@@ -1,4 +1,5 @@
-"""Publishing API for producers: validate against the contract, key by task_id, send."""
+"""Publishing API for producers: validate against the contract, key by task_id (by
+session_id for a task of a session: its turns stay in order on one partition), send."""
 
 from __future__ import annotations
 
@@ -64,7 +65,10 @@ class TaskPublisher:
         value = orjson.dumps(task.model_dump(mode="json", exclude_none=True))
         # The caller's trace (if a span is current) goes on through the worker.
         fut = await self._producer.send(
-            self.topic, key=task.task_id.encode(), value=value, headers=headers_for() or None
+            self.topic,
+            key=(task.session_id or task.task_id).encode(),
+            value=value,
+            headers=headers_for() or None,
         )
         if wait:
             await fut

@@ -1,6 +1,6 @@
 """Task state and the answers the worker already has, kept beside the stream.
 
-`TaskStore` holds four maps per task partition, each backed by a topic and
+`TaskStore` holds five maps per task partition, each backed by a topic and
 co-partitioned with the task topics (a task's entries live in the partition
 its record came from), with a local copy (`kafka.local`: on disk by default,
 read again only from its checkpoint on):
@@ -11,7 +11,9 @@ read again only from its checkpoint on):
 * task state: task_id -> `TaskState` (status, keys, last error, history), on
   `<app_id>-task-state-changelog` (compacted);
 * batch ledger: the batch lane's batches and requests (streams.core.batches),
-  on `<app_id>-batch-ledger` (compacted).
+  on `<app_id>-batch-ledger` (compacted);
+* sessions: session id -> its turns (streams.core.sessions), on
+  `<app_id>-sessions-changelog` (compacted).
 
 At-least-once: the input offset commits only after these writes are acked, so
 after a crash a record runs again, finds its answer and writes nothing more.
@@ -35,7 +37,7 @@ from streams.core.taskstate import TaskState
 from streams.kafka.clients import reader
 from streams.kafka.local import Kind, LocalStore, Maps, now_ms
 from streams.kafka.scan import end_offsets, read_range
-from streams.kafka.topics import ledger_topic, state_topic
+from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.observability.metrics import Metrics
 from streams.resilience.retry import retry_transient
 from streams.settings import Settings
@@ -142,6 +144,7 @@ class TaskStore:
             Kind.DEAD_LETTERS: settings.topics.dead_letters,
             Kind.TASKS: state_topic(settings),
             Kind.LEDGER: ledger_topic(settings),
+            Kind.SESSIONS: sessions_topic(settings),
         }
         self._send = send
         self.metrics = metrics or Metrics()  # none given: one nobody scrapes

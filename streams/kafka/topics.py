@@ -25,6 +25,12 @@ def ledger_topic(settings: Settings) -> str:
     return f"{settings.app_id}-batch-ledger"
 
 
+def sessions_topic(settings: Settings) -> str:
+    """The task store's sessions map: each session's turns, by session id (compacted,
+    co-partitioned with the tasks: a session's tasks are answered on its partition)."""
+    return f"{settings.app_id}-sessions-changelog"
+
+
 def replays_topic(settings: Settings) -> str:
     """Replay checkpoints, keyed by replay id (compacted)."""
     return f"{settings.app_id}-replays"
@@ -51,6 +57,7 @@ def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
         t.review: {},
         state_topic(settings): {"cleanup.policy": "compact"},
         ledger_topic(settings): {"cleanup.policy": "compact"},
+        sessions_topic(settings): {"cleanup.policy": "compact"},
         replays_topic(settings): {"cleanup.policy": "compact"},
         decisions_topic(settings): {"cleanup.policy": "delete", "retention.ms": "-1"},
         drift_baselines_topic(settings): {"cleanup.policy": "compact"},
@@ -62,7 +69,7 @@ def written_topics(settings: Settings) -> list[str]:
     limit); it makes no other."""
     t = settings.topics
     return [t.tasks, t.replay, t.results, t.dead_letters, t.review, state_topic(settings),
-            ledger_topic(settings)]  # fmt: skip
+            ledger_topic(settings), sessions_topic(settings)]  # fmt: skip
 
 
 async def ensure_topics(
@@ -129,7 +136,8 @@ async def _check_partitions(
     writes needs `kafka.partitions` partitions."""
     t = settings.topics
     names = [n for n in (t.tasks, t.replay, t.results, t.dead_letters, state_topic(settings),
-                         ledger_topic(settings)) if n in among]  # fmt: skip
+                         ledger_topic(settings), sessions_topic(settings))
+             if n in among]  # fmt: skip
     if not names:
         return
     found: dict[str, int] = {}

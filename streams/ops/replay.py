@@ -310,7 +310,11 @@ class Replayer:
                 counts.filtered += 1
                 return None
             pipeline = self.registry.get(task.pipeline)
-            version = pipeline.version(request.prompt_version or task.prompt_version, task.task_id)
+            session = pipeline.session_of(task)  # its turns stay in order, on its partition
+            version = pipeline.version(request.prompt_version or task.prompt_version,
+                                       session or task.task_id)  # fmt: skip
+            # A turn with earlier turns has a key with their digest, which only the worker
+            # knows: such a task is sent, and the worker finds its answer if it has one.
             key = result_key(pipeline.name, version.version, task.task_id, task.input)
             if key.encode() in self._keys and not request.force:
                 counts.answered += 1
@@ -335,7 +339,7 @@ class Replayer:
             headers.append((FORCE_HEADER, b"1"))
         if request.tier is not None:
             headers.append((TIER_HEADER, request.tier.encode()))
-        return task.task_id.encode(), orjson.dumps(value), headers
+        return (session or task.task_id).encode(), orjson.dumps(value), headers
 
     def _completion_estimate(self, pipeline: str, version: str, params: dict[str, Any]) -> float:
         for k in ((pipeline, version), (pipeline, None)):

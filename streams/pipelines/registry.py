@@ -15,7 +15,14 @@ import jsonschema
 import jsonschema_rs
 import yaml
 from jinja2 import TemplateError, Undefined
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from streams.errors import ConfigError, InvalidInput
 from streams.llm.client import SCHEMA_IN_PROMPT, budget_key
@@ -83,6 +90,61 @@ class OverflowPolicy(BaseModel):
     keep: Literal["head", "tail"] = "head"
 
 
+class SessionKeep(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    slots: list[str] | None = Field(
+        None, description="The user's slots a turn keeps (none given: every slot)."
+    )
+    fields: list[str] = Field(
+        default_factory=list, description="The answer's fields a turn keeps (empty: all)."
+    )
+
+
+class SessionSpec(BaseModel):
+    """Multi-turn context (`core.sessions`): the earlier turns of a task's session go into
+    its prompt, within `budget_tokens`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str = Field(
+        "session_id",
+        description="Where a task's session id is: `session_id` (the task's field), "
+        "`input.<slot>` or `metadata.<name>`.",
+    )
+    budget_tokens: int = Field(1000, ge=1, description="Tokens the earlier turns may take.")
+    keep: SessionKeep = Field(default_factory=SessionKeep)
+    mark: list[str] = Field(
+        default_factory=lambda: ["intent", "slots"],
+        description="Answer fields that, filled, mark a turn as carrying intent or filled "
+        "slots: kept before other earlier turns.",
+    )
+    max_turns: int = Field(50, ge=1, le=1000, description="Turns stored per session.")
+
+    @field_validator("key")
+    @classmethod
+    def _key_is_a_place(cls, key: str) -> str:
+        if key != "session_id" and not re.fullmatch(r"(input|metadata)\.[A-Za-z0-9_-]+", key):
+            raise ValueError(f"session.key {key!r}: give session_id, input.<slot> or "
+                             "metadata.<name>")  # fmt: skip
+        return key
+
+    def session_of(self, task: Any) -> str | None:
+        """The session id of a task (a `Task`, or a record's decoded JSON), or None (a
+        task outside any session)."""
+
+        def part(name: str) -> Any:
+            return task.get(name) if isinstance(task, dict) else getattr(task, name, None)
+
+        if self.key == "session_id":
+            value = part("session_id")
+        else:
+            where, _, name = self.key.partition(".")
+            found = part(where)
+            value = found.get(name) if isinstance(found, dict) else None
+        return None if value in (None, "") else str(value)
+
+
 class VersionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -104,6 +166,7 @@ class VersionSpec(BaseModel):
     )
     example_input: dict[str, Any] | None = None
     on_context_overflow: OverflowPolicy | None = None
+    session: SessionSpec | None = None
 
     @model_validator(mode="after")
     def _params_make_sense(self) -> VersionSpec:
@@ -133,6 +196,14 @@ class VersionSpec(BaseModel):
         if p.get("temperature", 0) > 1.2:
             found.append(f"temperature {p['temperature']} makes JSON answers fail validation often")
         return found
+
+    @model_validator(mode="after")
+    def _session_slots_exist(self) -> VersionSpec:
+        kept = self.session.keep.slots if self.session is not None else None
+        unknown = sorted(set(kept or []) - set(self.slots))
+        if unknown:
+            raise ValueError(f"session.keep.slots {unknown} are not slots of this version")
+        return self
 
     @model_validator(mode="after")
     def _overflow_slot_is_text(self) -> VersionSpec:
@@ -306,6 +377,13 @@ class PipelineSpec(BaseModel):
             slot = version.slots.get(slot_name)
             if slot is None or slot.type != "string":
                 raise ValueError(f"{what}.slot {slot_name!r} is not a string slot of {name}")
+
+    @model_validator(mode="after")
+    def _one_session_key(self) -> PipelineSpec:
+        keys = {v.session.key for v in self.versions.values() if v.session is not None}
+        if len(keys) > 1:
+            raise ValueError(f"versions find the session id in different places: {sorted(keys)}")
+        return self
 
     @model_validator(mode="after")
     def _default_exists(self) -> PipelineSpec:
@@ -554,8 +632,22 @@ class Pipeline:
                 reasons.append(name)
         return reasons
 
+    @property
+    def session(self) -> SessionSpec | None:
+        """Where its tasks' session ids are (any version's `session:`; they agree)."""
+        for v in self.spec.versions.values():
+            if v.session is not None:
+                return v.session
+        return None
+
+    def session_of(self, task: Any) -> str | None:
+        """The task's session id when the pipeline keeps sessions, else None."""
+        spec = self.session
+        return spec.session_of(task) if spec is not None else None
+
     def bucket(self, task_id: str) -> str:
-        """The version of the traffic split this task id falls in (stable across runs)."""
+        """The version of the traffic split this id (a task's, or its session's, so a
+        conversation keeps its version) falls in (stable across runs)."""
         digest = hashlib.sha256(f"{self.name}\x1f{task_id}".encode()).digest()
         point = int.from_bytes(digest[:8], "big") / 2**64
         for edge, name in self._split:
@@ -653,6 +745,11 @@ class PipelineRegistry:
                 for topic in pipeline.source.spec.topics:
                     found.setdefault(topic, []).append(pipeline.source)
         return found
+
+    @property
+    def keeps_sessions(self) -> bool:
+        """Does any pipeline keep sessions?"""
+        return any(p.session is not None for p in self.pipelines.values())
 
     def get(self, name: str) -> Pipeline:
         try:

@@ -12,7 +12,7 @@ from streams.kafka import store as store_module
 from streams.kafka.agent import TaskAgent, asked
 from streams.kafka.parked import StoredRecord
 from streams.kafka.store import Kind
-from streams.kafka.topics import ledger_topic, state_topic
+from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.settings import load_settings
 
 
@@ -30,9 +30,10 @@ def test_the_store_shares_the_task_topics_partitions(agent: TaskAgent) -> None:
         Kind.DEAD_LETTERS: s.topics.dead_letters,
         Kind.TASKS: state_topic(s),
         Kind.LEDGER: ledger_topic(s),
+        Kind.SESSIONS: sessions_topic(s),
     }
     for topic in (agent.results_topic, agent.dead_letter_topic, agent.state_topic,
-                  agent.ledger_topic):  # fmt: skip
+                  agent.ledger_topic, agent.sessions_topic):  # fmt: skip
         assert topic.partitions == s.kafka.partitions
 
 

@@ -89,7 +89,8 @@ async def test_entries_past_their_retention_go_with_a_tombstone_unless_written_a
 
     monkeypatch.setattr(state_module, "load_partition", empty)
     settings = load_settings(store=store, retention={"results_days": 1, "tasks_max": 2,
-                                                     "dead_letters_days": 1})  # fmt: skip
+                                                     "dead_letters_days": 1,
+                                                     "sessions_days": 1})  # fmt: skip
     sent: list[tuple[str, bytes, bytes | None]] = []
     held = asyncio.Event()
 
@@ -108,6 +109,7 @@ async def test_entries_past_their_retention_go_with_a_tombstone_unless_written_a
         await store_.put(Kind.TASKS, 0, f"t{n}".encode(), f'{{"n": {n}}}'.encode())
     await store_.put(Kind.DEAD_LETTERS, 0, b"t9", b'{"error": {}}')
     await store_.put(Kind.LEDGER, 0, b"b1", b"{}")
+    await store_.put(Kind.SESSIONS, 0, b"s1", b'{"turns": []}')  # idle for a day: it goes
     store_.committed(0)  # flushed to disk (what the flush loop does every interval)
     writing = asyncio.create_task(store_.put(Kind.RESULTS, 0, b"rk-1", b"again"))
     await asyncio.sleep(0)
@@ -115,13 +117,15 @@ async def test_entries_past_their_retention_go_with_a_tombstone_unless_written_a
 
     gone = await store_.expire(0, now=now_ms() + 2 * 86_400_000)  # two days on
 
-    assert gone == {Kind.RESULTS: 1, Kind.TASKS: 2, Kind.DEAD_LETTERS: 1, Kind.LEDGER: 0}
+    assert gone == {Kind.RESULTS: 1, Kind.TASKS: 2, Kind.DEAD_LETTERS: 1, Kind.LEDGER: 0,
+                    Kind.SESSIONS: 1}  # fmt: skip
     tombstones = sent[before:]
     assert sorted((t, k) for t, k, v in tombstones if v is None) == sorted([
         (settings.topics.results, b"rk-2"),
         (store_.topics[Kind.TASKS], b"t0"), (store_.topics[Kind.TASKS], b"t1"),
+        (store_.topics[Kind.SESSIONS], b"s1"),
     ])  # fmt: skip  # the dead-letter topic is not compacted: no tombstone there
-    assert len(tombstones) == 3
+    assert len(tombstones) == 4
     assert store_.get(Kind.RESULTS, 0, b"rk-2") is None
     assert store_.get(Kind.DEAD_LETTERS, 0, b"t9") is None
     assert [store_.get(Kind.TASKS, 0, f"t{n}".encode()) is not None for n in range(4)] == [
