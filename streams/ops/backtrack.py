@@ -26,7 +26,7 @@ from typing import Any, Literal
 import orjson
 from aiokafka import TopicPartition
 
-from streams.contract.headers import BACKTRACK_HEADER
+from streams.contract.headers import BACKTRACK_HEADER, REPLAY_OF_HEADER
 from streams.contract.records import decode_task, result_key
 from streams.errors import ConfigError, TaskError
 from streams.kafka import clients
@@ -75,7 +75,9 @@ class Selection:
 
 @dataclass
 class Plan:
-    send: list[tuple[str, bytes]] = field(default_factory=list)  # (task_id, task JSON)
+    # (task_id, task JSON, record key: the task's, or its session's, and where the task's
+    # record was: the worker rebuilds a session turn's context from the turns before it)
+    send: list[tuple[str, bytes, bytes, bytes]] = field(default_factory=list)
     no_source: list[str] = field(default_factory=list)  # state without a readable record
     no_result: list[str] = field(default_factory=list)  # restore: that version never answered
     missing_ids: list[str] = field(default_factory=list)  # asked for, no state at all
@@ -149,18 +151,35 @@ async def plan_backtrack(
         except TaskError:
             plan.no_source.append(task_id)
             continue
+        session = pipeline.session_of(task)
         try:
-            target = pipeline.version(version or task.prompt_version, task.task_id)
+            target = pipeline.version(version or task.prompt_version, session or task.task_id)
         except TaskError as exc:  # the version asked for does not exist: say so, send nothing
             raise ConfigError(str(exc)) from None
-        key = result_key(pipeline.name, target.version, task.task_id, task.input)
-        if action == "restore" and key.encode() not in keys:
+        if action == "restore" and not _answered(states[task_id], task, pipeline.name,
+                                                 target.version, keys):  # fmt: skip
             plan.no_result.append(task_id)
             continue
         value = task.model_dump(mode="json", exclude_none=True)
         value["prompt_version"] = target.version
-        plan.send.append((task_id, orjson.dumps(value)))
+        origin = "/".join(str(x) for x in source).encode()
+        plan.send.append((task_id, orjson.dumps(value), (session or task_id).encode(), origin))
     return plan
+
+
+def _answered(
+    state: dict[str, Any], task: Any, pipeline: str, version: str, keys: set[bytes]
+) -> bool:
+    """Was the task answered under `version`? Its result key says so; a session turn's
+    key holds its context's digest, so for it the task's history says so."""
+    if result_key(pipeline, version, task.task_id, task.input).encode() in keys:
+        return True
+    return any(
+        h.get("prompt_version") == version
+        and h.get("result_key")
+        and h.get("status") == "succeeded"
+        for h in state.get("history") or []
+    )
 
 
 async def send_backtrack(settings: Settings, plan: Plan, action: Action) -> int:
@@ -172,13 +191,13 @@ async def send_backtrack(settings: Settings, plan: Plan, action: Action) -> int:
                                 enable_idempotence=settings.kafka.idempotent_producer)  # fmt: skip
     await producer.start()
     try:
-        headers = [(BACKTRACK_HEADER, action.encode())]
         pending = [
             await producer.send(
-                settings.topics.replay, key=task_id.encode(), value=value, headers=headers
+                settings.topics.replay, key=key, value=value,
+                headers=[(BACKTRACK_HEADER, action.encode()), (REPLAY_OF_HEADER, origin)],
             )
-            for task_id, value in plan.send
-        ]
+            for _, value, key, origin in plan.send
+        ]  # fmt: skip
         for sent in pending:
             await sent
     finally:

@@ -94,6 +94,14 @@ async def test_turns_carry_their_sessions_history_within_the_budget(
                 break
             await asyncio.sleep(0.5)
         again = list(simulator.sim.chats)
+        simulator.sim.chats.clear()
+        rerun = await asyncio.to_thread(run_cli, settings, "backtrack", "s-beta-4", "--rerun")
+        assert rerun.returncode == 0, rerun.stderr
+        for _ in range(120):
+            if simulator.sim.chats:
+                break
+            await asyncio.sleep(0.5)
+        backtracked = list(simulator.sim.chats)
     finally:
         worker.stop()
     assert not got.dead_letters, got.dead_letters
@@ -116,5 +124,8 @@ async def test_turns_carry_their_sessions_history_within_the_budget(
     others = [c for t in range(5) for c in context_of_turn(live, f"Unrelated comment {t},")]
     assert others == [[]] * 5  # tasks outside a session carry nothing
 
-    # The replay sent each turn's prompt again, the same as live.
+    # The replay sent each turn's prompt again, the same as live; so did a backtrack.
     assert sorted(orjson.dumps(m) for m in again) == sorted(orjson.dumps(m) for m in live)
+    (rerun_prompt,) = backtracked
+    assert rerun_prompt in live and context_of_turn([rerun_prompt], said("s-beta", 4)) == [
+        [said("s-beta", 1), said("s-beta", 3)]]  # fmt: skip
