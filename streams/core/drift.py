@@ -28,7 +28,7 @@ import orjson
 EPSILON = 1e-4  # share floor for PSI: a value never seen does not make it infinite
 NONE = "(none)"  # an empty list of labels
 LENGTH = "(length)"  # the answer's length in characters of JSON
-MAX_SAMPLES = 5000  # numbers kept per field in a stored profile
+MAX_SAMPLES = 1000  # numbers kept per field in a stored profile (its record stays small)
 
 
 @dataclass(frozen=True)

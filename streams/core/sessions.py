@@ -57,13 +57,22 @@ def turn_of(
             "marked": marked}  # fmt: skip
 
 
-def add_turn(stored: bytes | None, turn: dict[str, Any], spec: SessionSpec) -> bytes:
+def add_turn(
+    stored: bytes | None, turn: dict[str, Any], spec: SessionSpec, room: int = 1_000_000
+) -> bytes:
     """The session's turns with `turn` in (replacing an earlier answer of its task), in
-    order of position, the oldest beyond `spec.max_turns` dropped."""
+    order of position, the oldest beyond `spec.max_turns` dropped, and the oldest beyond
+    what its topic takes (`room` bytes): a session never makes a write the broker refuses
+    (with no turn that fits, it holds none)."""
     turns = [t for t in _turns(stored) if t.get("task_id") != turn["task_id"]]
     turns.append(turn)
     turns.sort(key=lambda t: int(t.get("position", 0)))
-    return orjson.dumps({"turns": turns[-spec.max_turns :]})
+    turns = turns[-spec.max_turns :]
+    value = orjson.dumps({"turns": turns})
+    while len(value) > room and turns:
+        turns = turns[1:]
+        value = orjson.dumps({"turns": turns})
+    return value
 
 
 def has_turn(stored: bytes | None, task_id: str) -> bool:

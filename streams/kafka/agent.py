@@ -532,7 +532,7 @@ class TaskAgent:
             if not isinstance(output, dict):
                 return
         turn = turn_of(prep.task.task_id, prep.position, prep.prompt.variables, output, spec)
-        value = add_turn(stored, turn, spec)
+        value = add_turn(stored, turn, spec, self.limits.room(sessions_topic(self.settings)))
 
         def write() -> Awaitable[None]:
             return self.store.put(Kind.SESSIONS, partition, key, value)

@@ -61,6 +61,21 @@ def test_turns_are_ordered_replaced_and_capped() -> None:
     assert has_turn(value, "t4") and not has_turn(value, "t1")
 
 
+def test_a_session_never_outgrows_what_its_topic_takes() -> None:
+    spec = SessionSpec()
+    big = [turn(n, spec, text=f"turn {n} " + "x" * 3000) for n in range(1, 6)]
+    value = stored(*big, spec=spec)
+    assert len(value) > 15_000  # no room given: all five kept
+    room = 10_000
+    capped: bytes | None = None
+    for t in big:
+        capped = add_turn(capped, t, spec, room)
+        assert len(capped) <= room
+    assert [t["task_id"] for t in orjson.loads(capped or b"")["turns"]] == ["t3", "t4", "t5"]
+    # A turn larger than the room on its own: the session holds none, the write fits.
+    assert orjson.loads(add_turn(capped, big[0], spec, 1_000)) == {"turns": []}
+
+
 def test_the_context_is_trimmed_last_turn_first_then_marked_then_newest() -> None:
     spec = SessionSpec(budget_tokens=20)  # each turn: 4 + 3 words = 7
     value = stored(turn(1, spec, intent="refund"), turn(2, spec), turn(3, spec), turn(4, spec),
