@@ -70,6 +70,11 @@ class Bucket:
         # second (a moving average), and the report that trend is measured from.
         self.others_mean = 0.0  # moving average of the samples, noise both ways included
         self.sampled = False  # a first sample is in: until then the others are unknown
+        # The part of the limit the other members of the group are due: where the moving
+        # average starts, not from nothing (its first sample would else read them as
+        # taking a fifth of what they take, and our share leap to most of the key just
+        # as they start).
+        self.others_due = 0.0
         # granted_at, taken, left, and the reported reset (s) or None
         self.last_report: tuple[float, float, float, float | None] | None = None
         # A fixed window (its reset counts down with the clock): nothing refills until
@@ -343,9 +348,11 @@ class RateLimiter:
             # A rebalance: a member joined or left, and what the others took says
             # nothing of what they will take. Measure again, claiming our part meanwhile.
             self._epoch = self.group.epoch
+            others = 1.0 - self.group.fraction if self.group.fraction is not None else 0.0
             for b in (self.requests, self.tokens):
                 if b is not None:
                     b.others_mean, b.sampled, b.last_report = 0.0, False, None
+                    b.others_due = others
         due = ceiling * max(self.floor, self.group.fraction or 0.0)
         if self.group.fraction is not None and not bucket.sampled:
             return due  # the other members are about to take theirs: no more until seen
@@ -485,6 +492,8 @@ class RateLimiter:
             if last[2] + refilled < full:
                 theirs = last[2] + refilled - (taken - last[1]) - left
                 sample = theirs / dt  # not clipped: noise both ways averages out
+                if not bucket.sampled:
+                    bucket.others_mean = bucket.others_due * ceiling / 60.0
                 bucket.others_mean += (sample - bucket.others_mean) * 0.2
                 bucket.sampled = True
             elif left >= full / 2:

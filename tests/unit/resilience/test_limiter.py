@@ -369,3 +369,22 @@ async def test_after_a_rebalance_the_others_are_measured_again() -> None:
     limiter.requests.sampled, limiter.requests.others_mean = True, 25.0
     group.assigned(8, 8)
     assert limiter.share(limiter.requests, 3000) == 3000
+
+
+async def test_after_a_rebalance_the_first_sample_does_not_read_the_others_as_gone() -> None:
+    """The trend's moving average starts from what the other members are due: one sample
+    of them taking their half leaves this worker at its half, where an average started
+    from nothing would read them as taking a fifth of it and leap to 2,700 of 3,000."""
+    clock = FakeClock()
+    group = GroupShare()
+    limiter = exact(rpm=3000, clock=clock, group=group)
+    group.assigned(4, 8)
+    bucket = limiter.requests
+    assert limiter.share(bucket, 3000) == pytest.approx(1500)  # the rebalance is seen
+    # Two reports 0.1 s apart: the provider refilled 5, we took 2.5, the others 2.5.
+    RateLimiter._others(bucket, 3000, (1000.0, 0.0), 10.0, None)
+    RateLimiter._others(bucket, 3000, (1000.1, 2.5), 10.0, None)
+    assert bucket.sampled
+    assert limiter.share(bucket, 3000) == pytest.approx(1500)
+    group.assigned(8, 8)  # alone again: nobody else is due anything
+    assert limiter.share(bucket, 3000) == 3000 and bucket.others_mean == 0.0
