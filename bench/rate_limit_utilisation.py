@@ -234,6 +234,16 @@ def recovery(stats: dict[str, Any], change_at: float, rpm: int, window: int = 5,
     return float("inf"), sum(c.get("429", 0) for s, c in per_s.items() if s >= start)
 
 
+def timeline(stats: dict[str, Any], change_at: float, kind: str, before_s: int = 3,
+             after_s: int = 20) -> str:  # fmt: skip
+    """Answers / 429s per second from a little before the change to well after it."""
+    per_s = {int(k): v for k, v in stats["per_second"].items()}
+    at = int(change_at)
+    cells = [f"{s - at:+d}:{per_s.get(s, {}).get('200', 0)}/{per_s.get(s, {}).get('429', 0)}"
+             for s in range(at - before_s, at + after_s)]  # fmt: skip
+    return f"{kind} at {change_at:.1f} s (answers/429s per second): " + " ".join(cells)
+
+
 def adaptation(stats: dict[str, Any], change_at: float, new_rpm: int) -> tuple[float, int]:
     """Seconds after the change until 429s stop for good, and 429s in that time."""
     per_s = {int(k): v for k, v in stats["per_second"].items()}
@@ -248,6 +258,12 @@ async def main() -> None:
     parser.add_argument("--tasks", type=int, default=3000)
     parser.add_argument("--phases", default="1,2,3,4,5", help="Which phases to run.")
     parser.add_argument("--workers", default="2,4", help="Phase 3: workers sharing the key.")
+    parser.add_argument("--moves", default="leave,join", help="Phase 5: which changes to time.")
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="Phase 5: print answers and 429s per second around each change.",
+    )
     args = parser.parse_args()
     phases = {int(p) for p in args.phases.split(",")}
     rpm, n = args.rpm, args.tasks
@@ -276,12 +292,18 @@ async def main() -> None:
                 rows.append((f"llm-streams, {workers} workers, one key",
                              *figures(sim.call("/sim/stats"), rpm, span)))  # fmt: skip
             moves = []
+            wanted = set(args.moves.split(","))
             for kind, before in (("leave", 2), ("join", 1)) if 5 in phases else ():
+                if kind not in wanted:
+                    continue
                 sim.reset(rpm)
                 moved: dict[str, float] = {}
                 await run_workers(kafka, sim, 2 * n, before, logdir, change=(kind, 30.0),
                                   changed=moved)  # fmt: skip
-                took, refused = recovery(sim.call("/sim/stats"), moved.get("at", 0.0), rpm)
+                stats = sim.call("/sim/stats")
+                took, refused = recovery(stats, moved.get("at", 0.0), rpm)
+                if args.timeline:
+                    print(timeline(stats, moved.get("at", 0.0), kind))
                 moves.append((f"{before} -> {before + (1 if kind == 'join' else -1)} workers",
                               took, refused))  # fmt: skip
             settle_s, storm = -1.0, 0
