@@ -158,7 +158,9 @@ class TopicSettings(_Section):
 
 class BatchSettings(_Section):
     size: int = Field(100, ge=1, le=10_000, description="Max records in one micro-batch.")
-    window_s: float = Field(0.05, gt=0, le=60, description="Max wait to fill a micro-batch.")
+    window_s: float = Field(
+        0.05, gt=0, le=60, description="Max wait to fill a micro-batch, from its first record."
+    )
     concurrency: int = Field(
         64, ge=1, le=10_000, description="Max tasks in flight per worker (LLM calls included)."
     )

@@ -2,7 +2,7 @@
 read, the core decides (`core.decide`) and answers (`core.processor`), the writer
 writes (`kafka.writer`), and the record is acked.
 
-Offset safety: the stream runs without automatic acks (`noack_take`). An
+Offset safety: the stream runs without automatic acks (`kafka.take`). An
 event counts as finished once its result or dead letter is acknowledged by
 the broker, and finished events are acked to Faust in arrival order per
 partition (`InOrderAcks`), so Faust's commit never passes a record still in
@@ -48,6 +48,7 @@ from streams.kafka.routing import partition_for
 from streams.kafka.shutdown import Watchdog
 from streams.kafka.sources import SourceIngest
 from streams.kafka.store import Kind, MapView, TaskStore
+from streams.kafka.take import take
 from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.kafka.writer import CannotWrite, Headers, Writer
 from streams.llm.openai_client import OpenAIClient
@@ -315,8 +316,8 @@ class TaskAgent:
         assert self.sources is not None
         processor = self._processor_now()
         try:
-            async for events in stream.noack_take(
-                self.settings.batch.size, within=self.settings.batch.window_s
+            async for events in take(
+                stream, self.settings.batch.size, within=self.settings.batch.window_s
             ):
                 await asyncio.gather(*(self.sources.ingest(e.message, processor)
                                        for e in events))  # fmt: skip
@@ -335,9 +336,7 @@ class TaskAgent:
         m = self.metrics
         try:
             waiting_since = time.monotonic()
-            async for events in stream.noack_take(
-                settings.batch.size, within=settings.batch.window_s
-            ):
+            async for events in take(stream, settings.batch.size, within=settings.batch.window_s):
                 m.batch_size.observe(len(events))
                 m.batch_fill.observe(time.monotonic() - waiting_since)
                 for event in events:

@@ -41,3 +41,14 @@ def request_rejoin(consumer: Any) -> None:
     thread = consumer._thread
     coordinator = thread._ensure_consumer()._coordinator
     thread.thread_loop.call_soon_threadsafe(coordinator.request_rejoin)
+
+
+def drain_passively(stream: Any) -> None:
+    """Make `stream` consume its channel in the background (its processors then see every
+    event), as Faust's own take does (`Stream._enable_passive`)."""
+    stream._enable_passive(aiter(stream.channel))
+
+
+def remove_processor(stream: Any, processor: Callable[..., Any]) -> None:
+    """Undo `stream.add_processor(processor)` (Faust has no public way)."""
+    stream._processors.remove(processor)

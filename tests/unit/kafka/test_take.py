@@ -1,0 +1,77 @@
+"""The worker's take (`kafka.take`) on a Faust stream of an in-memory channel: batches as
+Faust's take makes them, no wake-up while nothing comes, events left for the caller
+to ack."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import faust
+import pytest
+
+from streams.kafka.take import take
+
+
+@pytest.fixture
+async def stream() -> AsyncIterator[Any]:
+    # Never connected: a channel's stream needs the app's consumer object, not a broker.
+    app = faust.App("take-test", broker="kafka://127.0.0.1:1", autodiscover=False,
+                    loop=asyncio.get_running_loop())  # fmt: skip
+    app.flow_control.resume()
+    channel = app.channel()
+    s = channel.stream()
+    s.test_channel = channel
+    yield s
+    await s.stop()
+    # The consumer object made its thread's event loop; never started, it is not closed.
+    app.consumer._thread.thread_loop.close()
+
+
+async def _batches(stream: Any, max_: int, within: float, sends: list[Any]) -> list[list[Any]]:
+    """What `take` yields while `sends` go in: values, or a float to pause that long."""
+    got: list[list[Any]] = []
+    acks_while_taking: list[bool] = []
+
+    async def consume() -> None:
+        async for events in take(stream, max_, within):
+            acks_while_taking.append(stream.enable_acks)
+            got.append([e.value for e in events])
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.05)  # subscribed
+    for item in sends:
+        if isinstance(item, float):
+            await asyncio.sleep(item)
+        else:
+            await stream.test_channel.send(value=item)
+    await asyncio.sleep(within * 4)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not any(acks_while_taking)  # Faust acks nothing: the caller does, when done
+    assert stream.enable_acks  # and as it was once the take ends
+    return got
+
+
+async def test_a_full_batch_goes_at_once_the_rest_within_the_window(stream: Any) -> None:
+    got = await _batches(stream, 3, 0.05, [0, 1, 2, 3, 4, 0.3, 9])
+    assert got == [[0, 1, 2], [3, 4], [9]]
+
+
+async def test_nothing_wakes_the_take_while_nothing_comes(stream: Any) -> None:
+    """Faust's take wakes every `within` whether anything came or not (here ~50 times);
+    this one waits once for its first record, then once for the batch to fill."""
+    waits = 0
+    wait_for_stopped = stream.wait_for_stopped
+
+    async def counted(*args: Any, **kwargs: Any) -> bool:
+        nonlocal waits
+        waits += 1
+        return bool(await wait_for_stopped(*args, **kwargs))
+
+    stream.wait_for_stopped = counted
+    got = await _batches(stream, 100, 0.01, [0.5, 7])
+    assert got == [[7]]
+    assert waits == 3  # the first record, its window, and the next first record
