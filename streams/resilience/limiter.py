@@ -329,17 +329,20 @@ class RateLimiter:
         # Long after the last 429, a rate below our share was held there by the share
         # itself (a neighbour seen, a smaller part of the group): it follows the share
         # at once, the provider's `remaining` guarding the step. After a 429 it climbs.
+        # Above our share (a rebalance just made it smaller: a member joined), the rate
+        # comes down to it before the next grant, not at the next report: a worker that
+        # had the key to itself would else spend a whole bucket beside the newcomer's.
         calm = self.informed and now - self._last_cut >= CALM_S
         step = float("inf") if calm else self.recover_per_s * elapsed
-        top = self.share(self.requests, self.rpm_ceiling)
-        if self.requests.per_minute < top:
-            rate = min(top, self.requests.per_minute + step * self.rpm_ceiling)
-            self.requests.set_rate(rate, now)
+        buckets = [(self.requests, self.rpm_ceiling)]
         if self.tokens is not None and self.tpm_ceiling:
-            top = self.share(self.tokens, self.tpm_ceiling)
-            if self.tokens.per_minute < top:
-                rate = min(top, self.tokens.per_minute + step * self.tpm_ceiling)
-                self.tokens.set_rate(rate, now)
+            buckets.append((self.tokens, self.tpm_ceiling))
+        for bucket, ceiling in buckets:
+            top = self.share(bucket, ceiling)
+            if bucket.per_minute > top:
+                bucket.set_rate(top, now)
+            elif bucket.per_minute < top:
+                bucket.set_rate(min(top, bucket.per_minute + step * ceiling), now)
 
     def share(self, bucket: Bucket, ceiling: float) -> float:
         """Our share of a limit, per minute: what other clients of the key leave, and at

@@ -388,3 +388,20 @@ async def test_after_a_rebalance_the_first_sample_does_not_read_the_others_as_go
     assert limiter.share(bucket, 3000) == pytest.approx(1500)
     group.assigned(8, 8)  # alone again: nobody else is due anything
     assert limiter.share(bucket, 3000) == 3000 and bucket.others_mean == 0.0
+
+
+async def test_a_member_joining_brings_the_rate_down_before_the_next_grant() -> None:
+    """A worker alone on the key runs at all of it with a full bucket; when a second
+    member joins, its next grants follow its half at once (no full bucket spent beside
+    the newcomer's), not only once the provider's next report comes."""
+    clock = FakeClock()
+    group = GroupShare()
+    limiter = exact(rpm=3000, clock=clock, group=group)  # 50/s, a bucket of 50
+    group.assigned(8, 8)
+    clock.advance(1.0)
+    group.assigned(4, 8)
+    clock.advance(0.01)
+    await asyncio.gather(*(limiter.acquire() for _ in range(40)))
+    assert limiter.snapshot().rpm == pytest.approx(1500)
+    # A bucket of 25 at once, then 25/s: the other 15 took 0.6 s, not nothing.
+    assert clock.now() - 1001.01 == pytest.approx(0.6, abs=0.05)
