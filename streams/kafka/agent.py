@@ -145,6 +145,11 @@ class TaskAgent:
             self.sessions_topic)}  # fmt: skip
         # A stop takes at most `shutdown_grace_s`; what is unfinished then stays unacked.
         self.watchdog = Watchdog(settings.shutdown_grace_s, self.left_behind)
+        self.watchdog.on_start.append(self.begin_stop)
+        self.stopping = False
+        self._dispatchers: dict[Lane, Dispatcher] = {}
+        self._finishing: asyncio.Future[None] | None = None
+        self._left_at_stop = 0  # records taken and, the stop begun, not started
         self.store = TaskStore(
             settings, self._send, self.metrics, state_room=self.limits.room(state_topic(settings))
         )
@@ -331,6 +336,7 @@ class TaskAgent:
         settings = self.settings
         processor = self._processor_now()
         dispatcher = Dispatcher(slots=self.slots, lane=lane)
+        self._dispatchers[lane] = dispatcher
         self._streams[lane] = stream
         lane_name = lane.name.lower()
         m = self.metrics
@@ -339,7 +345,12 @@ class TaskAgent:
             async for events in take(stream, settings.batch.size, within=settings.batch.window_s):
                 m.batch_size.observe(len(events))
                 m.batch_fill.observe(time.monotonic() - waiting_since)
-                for event in events:
+                for i, event in enumerate(events):
+                    if self.stopping:  # not started, not acked: the next owner runs them
+                        self._left_at_stop += faust_private.forget_unacked(
+                            self.app.consumer, [e.message for e in events[i:]]
+                        )
+                        break
                     message = event.message
                     m.tasks_received.labels(lane_name).inc()
                     if message.timestamp:
@@ -368,6 +379,36 @@ class TaskAgent:
             except (TimeoutError, asyncio.CancelledError):
                 await dispatcher.cancel()
             await self._lane_stopped(processor)
+
+    def begin_stop(self) -> None:
+        """A stop has begun (a signal, or the worker stopping itself): no record is started
+        any more, the started ones finish (within the shutdown grace), and the records
+        taken but not started are left unacked to the partition's next owner at once —
+        not run first at the rate limit's pace, each a call the group waits for."""
+        if self.stopping:
+            return
+        self.stopping = True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the event loop (never started): nothing runs
+            return
+        self._finishing = loop.create_task(self._finish_started())
+
+    async def _finish_started(self) -> None:
+        budget = max(0.0, self.watchdog.remaining(self.settings.shutdown_grace_s) - 3.0)
+        dispatchers = list(self._dispatchers.values())
+        try:
+            await asyncio.wait_for(asyncio.gather(*(d.drain() for d in dispatchers)), budget)
+        except TimeoutError:
+            for dispatcher in dispatchers:  # unfinished: unacked, run again by the next owner
+                await dispatcher.cancel()
+        try:
+            self._left_at_stop += faust_private.forget_unacked(self.app.consumer)
+        except Exception as exc:  # no consumer (never started): nothing waits for acks
+            log.debug("no taken records to leave: %r", exc)
+            return
+        log.info("stopping: the started tasks are done; %d taken and not started are left "
+                 "unacknowledged for the partitions' next owner", self._left_at_stop)  # fmt: skip
 
     def _job(
         self,

@@ -7,7 +7,7 @@ fence), so an upgrade that moves one fails there, not in production.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 Commit = Callable[[Mapping[Any, int]], Awaitable[bool]]
@@ -52,3 +52,15 @@ def drain_passively(stream: Any) -> None:
 def remove_processor(stream: Any, processor: Callable[..., Any]) -> None:
     """Undo `stream.add_processor(processor)` (Faust has no public way)."""
     stream._processors.remove(processor)
+
+
+def forget_unacked(consumer: Any, messages: Iterable[Any] | None = None) -> int:
+    """Stop Faust's stop from waiting for records taken and never to be acked by this
+    worker (its `wait_empty` waits, with no bound, for every record taken from the
+    stream): `messages`, or every one not acked. Their offsets stay uncommitted: the
+    next owner of the partition runs them. Returns how many were forgotten."""
+    unacked = consumer._unacked_messages
+    gone = [m for m in (list(unacked) if messages is None else messages) if not m.acked]
+    for message in gone:
+        unacked.discard(message)
+    return len(gone)

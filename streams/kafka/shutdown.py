@@ -34,6 +34,7 @@ class Watchdog:
         self._why = ""
         self._timer: threading.Timer | None = None
         self._lock = threading.Lock()
+        self.on_start: list[Callable[[], None]] = []  # told once, when a stop begins
 
     def start(self, why: str) -> None:
         """A stop has begun (idempotent: the first reason counts)."""
@@ -46,6 +47,8 @@ class Watchdog:
             self._timer.daemon = True
             self._timer.start()
         log.info("stopping (%s): in-flight tasks get %.0fs to finish", why, self.grace_s)
+        for begun in self.on_start:
+            begun()
 
     def remaining(self, default: float) -> float:
         """Seconds left of the grace, or `default` when no stop has begun."""

@@ -5,6 +5,7 @@ the next worker answers every task that was left, once."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
 from pathlib import Path
@@ -77,3 +78,60 @@ async def test_sigterm_with_broker_and_endpoint_gone_exits_within_the_grace(
             second.stop()
     assert not got.dead_letters, [d["error"] for d in got.dead_letters[:3]]
     assert_each_task_answered_once(got, {t["task_id"] for t in tasks})
+
+
+async def test_sigterm_finishes_the_started_tasks_and_leaves_the_rest_at_once(
+    make_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    """A worker held by a rate limit has taken far more records than it has started.
+    Told to stop, it starts none of them: it finishes the tasks it started (at most its
+    concurrency of calls after the signal, where it used to work through everything it
+    had taken at the limit's pace before leaving the group), leaves the others
+    unacknowledged, and the next worker answers them: each task once, no prompt paid
+    for twice."""
+    simulator.sim.config.latency_ms, simulator.sim.config.latency_dist = 300, "fixed"
+    simulator.sim.config.rpm = 600  # 10 calls a second
+    concurrency = 8
+    tasks = [{"task_id": f"q-{i:04d}", "pipeline": "comment-analysis",
+              "input": {"text": f"Comment {i}: the zip jammed on day {i}."}}
+             for i in range(300)]  # fmt: skip
+    with ApacheKafka(heap_mb=512) as kafka:
+        settings = make_settings(
+            kafka={"broker_url": kafka.url},
+            llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
+            batch={"concurrency": concurrency},
+        )  # fmt: skip
+        await produce(settings, [(t["task_id"].encode(), orjson.dumps(t)) for t in tasks])
+        first = WorkerProcess(settings, tmp_path / "worker-1.log").start()
+        try:
+            deadline = time.monotonic() + 120
+            while simulator.sim.by_status[200] < 30 and time.monotonic() < deadline:
+                assert first.alive(), first.log_tail()
+                await asyncio.sleep(0.2)
+            assert first.proc is not None
+            first.proc.send_signal(signal.SIGTERM)
+            answered_at_signal = simulator.sim.by_status[200]
+            exit_code = await asyncio.to_thread(first.proc.wait, 120)
+            answered_after = simulator.sim.by_status[200] - answered_at_signal
+        finally:
+            first.kill()
+        log = (tmp_path / "worker-1.log").read_text(errors="replace")
+        assert exit_code == 0, first.log_tail()
+        assert "left unacknowledged for the partitions' next owner" in log, first.log_tail()
+        # The calls in flight, and the few started before the signal reached the worker;
+        # not the records it had taken (it used to answer them all before leaving).
+        left = int(re.search(r"(\d+) taken and not started are left", log).group(1))  # type: ignore[union-attr]
+        assert left > 2 * concurrency, first.log_tail()
+        assert answered_after <= 2 * concurrency, (answered_after, first.log_tail())
+        assert "stopped after the" not in log  # not by the watchdog: the stop ended itself
+
+        second = WorkerProcess(settings, tmp_path / "worker-2.log").start()
+        try:
+            got = await collect(settings, set(), timeout_s=240, worker=second,
+                                until=lambda g: {r["task_id"] for r in g.results}
+                                >= {t["task_id"] for t in tasks})  # fmt: skip
+        finally:
+            second.stop()
+    assert not got.dead_letters, [d["error"] for d in got.dead_letters[:3]]
+    assert_each_task_answered_once(got, {t["task_id"] for t in tasks})
+    assert simulator.sim.snapshot()["duplicate_successes"] == 0
