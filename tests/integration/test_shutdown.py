@@ -69,15 +69,7 @@ async def test_sigterm_with_broker_and_endpoint_gone_exits_within_the_grace(
         await asyncio.to_thread(kafka.start_node, 0)
         await simulator.start()
         simulator.sim.config.latency_ms = 0
-        second = WorkerProcess(settings, tmp_path / "worker-2.log").start()
-        try:
-            got = await collect(settings, set(), timeout_s=180, worker=second,
-                                until=lambda g: {r["task_id"] for r in g.results}
-                                >= {t["task_id"] for t in tasks})  # fmt: skip
-        finally:
-            second.stop()
-    assert not got.dead_letters, [d["error"] for d in got.dead_letters[:3]]
-    assert_each_task_answered_once(got, {t["task_id"] for t in tasks})
+        await _the_next_worker_answers_each_once(settings, tasks, tmp_path)
 
 
 async def test_sigterm_finishes_the_started_tasks_and_leaves_the_rest_at_once(
@@ -125,13 +117,20 @@ async def test_sigterm_finishes_the_started_tasks_and_leaves_the_rest_at_once(
         assert answered_after <= 2 * concurrency, (answered_after, first.log_tail())
         assert "stopped after the" not in log  # not by the watchdog: the stop ended itself
 
-        second = WorkerProcess(settings, tmp_path / "worker-2.log").start()
-        try:
-            got = await collect(settings, set(), timeout_s=240, worker=second,
-                                until=lambda g: {r["task_id"] for r in g.results}
-                                >= {t["task_id"] for t in tasks})  # fmt: skip
-        finally:
-            second.stop()
+        await _the_next_worker_answers_each_once(settings, tasks, tmp_path)
+    assert simulator.sim.snapshot()["duplicate_successes"] == 0
+
+
+async def _the_next_worker_answers_each_once(
+    settings: Any, tasks: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """A second worker answers every task the first left: none dead-lettered, each once."""
+    second = WorkerProcess(settings, tmp_path / "worker-2.log").start()
+    try:
+        got = await collect(settings, set(), timeout_s=240, worker=second,
+                            until=lambda g: {r["task_id"] for r in g.results}
+                            >= {t["task_id"] for t in tasks})  # fmt: skip
+    finally:
+        second.stop()
     assert not got.dead_letters, [d["error"] for d in got.dead_letters[:3]]
     assert_each_task_answered_once(got, {t["task_id"] for t in tasks})
-    assert simulator.sim.snapshot()["duplicate_successes"] == 0
