@@ -192,7 +192,7 @@ class Simulator:
         self.rng = random.Random(self.config.seed)
         self.requests: _Bucket | _Window = _Bucket()
         self.tokens: _Bucket | _Window = _Bucket()
-        self._shape_now = ("bucket", self.config.window_s)
+        self._shape_now: tuple[str, float] | None = ("bucket", self.config.window_s)
         self.by_status: Counter[int] = Counter()
         self.by_outcome: Counter[str] = Counter()
         self.answered: Counter[str] = Counter()
@@ -259,6 +259,9 @@ class Simulator:
         self.prompt_tokens = self.completion_tokens = self.charged_tokens = 0
         self.max_in_flight = self.in_flight
         self.per_second.clear()
+        # The limits start afresh too (full buckets, a new window): a bench phase after a
+        # reset does not inherit the last phase's spent capacity.
+        self._shape_now = None  # the next request makes them (`_shape`), full
         return web.json_response(self.snapshot())
 
     async def models(self, request: web.Request) -> web.Response:

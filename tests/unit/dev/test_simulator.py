@@ -173,3 +173,15 @@ async def test_config_and_stats_endpoints(simulator: SimulatorServer) -> None:
             assert "sim-1" in [m["id"] for m in (await r.json())["data"]]
         async with s.get(f"{root}/sim/stats") as r:
             assert (await r.json())["requests"] == 0
+
+
+async def test_a_reset_starts_the_limits_afresh(simulator: SimulatorServer) -> None:
+    """A bench phase after `/sim/reset` finds full buckets, not the last phase's debt."""
+    simulator.sim.config.rpm = 60  # a bucket of one
+    assert (await _post(simulator, _body("a")))[0] == 200
+    assert (await _post(simulator, _body("b")))[0] == 429
+    async with aiohttp.ClientSession() as s:
+        root = simulator.base_url.removesuffix("/v1")
+        async with s.post(f"{root}/sim/reset") as r:
+            assert r.status == 200
+    assert (await _post(simulator, _body("c")))[0] == 200
