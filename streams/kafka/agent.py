@@ -371,14 +371,19 @@ class TaskAgent:
                     )
                 waiting_since = time.monotonic()
         finally:
-            # Stopping: in-flight tasks finish and write within the shutdown grace (less a
-            # margin to close the clients); the rest are cancelled and stay unacked.
-            budget = max(0.0, self.watchdog.remaining(self.settings.shutdown_grace_s) - 3.0)
-            try:
-                await asyncio.wait_for(asyncio.shield(dispatcher.drain()), timeout=budget)
-            except (TimeoutError, asyncio.CancelledError):
-                await dispatcher.cancel()
+            await self._finish([dispatcher])
             await self._lane_stopped(processor)
+
+    async def _finish(self, dispatchers: list[Dispatcher]) -> None:
+        """Stopping: the started tasks finish and write within the shutdown grace (less a
+        margin to close the clients); the rest are cancelled and stay unacked."""
+        budget = max(0.0, self.watchdog.remaining(self.settings.shutdown_grace_s) - 3.0)
+        drained = asyncio.gather(*(d.drain() for d in dispatchers))
+        try:
+            await asyncio.wait_for(asyncio.shield(drained), timeout=budget)
+        except (TimeoutError, asyncio.CancelledError):
+            for dispatcher in dispatchers:
+                await dispatcher.cancel()
 
     def begin_stop(self) -> None:
         """A stop has begun (a signal, or the worker stopping itself): no record is started
@@ -392,16 +397,11 @@ class TaskAgent:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # not on the event loop (never started): nothing runs
             return
+        # Held: the loop keeps only a weak reference to a task.
         self._finishing = loop.create_task(self._finish_started())
 
     async def _finish_started(self) -> None:
-        budget = max(0.0, self.watchdog.remaining(self.settings.shutdown_grace_s) - 3.0)
-        dispatchers = list(self._dispatchers.values())
-        try:
-            await asyncio.wait_for(asyncio.gather(*(d.drain() for d in dispatchers)), budget)
-        except TimeoutError:
-            for dispatcher in dispatchers:  # unfinished: unacked, run again by the next owner
-                await dispatcher.cancel()
+        await self._finish(list(self._dispatchers.values()))
         try:
             self._left_at_stop += faust_private.forget_unacked(self.app.consumer)
         except Exception as exc:  # no consumer (never started): nothing waits for acks
