@@ -14,10 +14,13 @@ that lives through all regimes in turn, on the same topics:
 Printed per regime: tasks answered in the measuring window, and the worker's CPU
 (user + system, from /proc) per task over that window. `--profile DIR` also
 records each window with py-spy (attached to the worker) and prints the top
-entries by own time and by total time.
+entries by own time and by total time; `--strace` counts the worker's system
+calls per task (strace slows the worker: its CPU figures are then not the
+worker's own); `--floor` then runs the paced regimes through a bare Faust agent
+that writes each record on (one acked write), the floor under the worker's cost.
 
     python bench/cpu_per_task.py [--tasks 10000] [--seconds 30] [--regimes idle,paced10]
-                                 [--profile DIR [--native]]
+                                 [--profile DIR [--native]] [--strace] [--floor]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import asyncio
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,7 +42,16 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_overhead import cpu_seconds, preload, stop, task_record, warm_up
+from pipeline_overhead import (
+    HERE,
+    cpu_seconds,
+    create_topic,
+    free_port,
+    preload,
+    stop,
+    task_record,
+    warm_up,
+)
 from rate_limit_utilisation import Sim
 
 from streams.dev.brokers.apache import ApacheKafka
@@ -150,10 +163,41 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+class Syscalls:
+    """`strace -c -f` attached to the worker for one measuring window: system calls
+    (every wake-up of a thread is one) counted per kind."""
+
+    def __init__(self, on: bool, pid: int) -> None:
+        self.on, self.pid = on, pid
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        if self.on:
+            self.proc = subprocess.Popen(["strace", "-c", "-f", "-p", str(self.pid)],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         text=True)  # fmt: skip
+
+    def finish(self) -> Counter[str] | None:
+        if self.proc is None:
+            return None
+        self.proc.send_signal(signal.SIGINT)  # detaches and prints its summary
+        _, summary = self.proc.communicate(timeout=30)
+        self.proc = None
+        calls: Counter[str] = Counter()
+        for line in summary.splitlines():
+            fields = line.split()
+            # % time, seconds, usecs/call, calls, [errors], syscall
+            if len(fields) >= 5 and fields[0][0].isdigit() and fields[-1] != "total":
+                calls[fields[-1]] = int(fields[3])
+        return calls
+
+
 async def window(worker: subprocess.Popen[bytes], outcomes: Outcomes, profiler: Profiler,
-                 name: str, seconds: float) -> tuple[int, float, dict[str, float]]:  # fmt: skip
+                 syscalls: Syscalls, name: str,
+                 seconds: float) -> tuple[int, float, dict[str, float]]:  # fmt: skip
     """Tasks answered, worker CPU seconds and CPU seconds per thread over the next `seconds`."""
     profiler.start(name, seconds)
+    syscalls.start()
     done, cpu, threads = outcomes.count, cpu_seconds(worker.pid), thread_cpu(worker.pid)
     await asyncio.sleep(seconds)
     after = thread_cpu(worker.pid)
@@ -174,6 +218,48 @@ async def paced(producer: AIOKafkaProducer, topic: str, rate: float, seconds: fl
     return i
 
 
+async def floor(kafka: ApacheKafka, regimes: set[str], seconds: float,
+                logdir: Path) -> list[tuple[int, int, float]]:  # fmt: skip
+    """The same paced traffic through a bare Faust agent that writes each record on,
+    awaiting the broker's ack (bench/passthrough_app.py): what Faust and aiokafka cost
+    per record before any of the worker's own work. (rate, records, CPU s) per rate."""
+    suffix = uuid.uuid4().hex[:6]
+    source, sink = f"pt-in-{suffix}", f"pt-out-{suffix}"
+    await create_topic(kafka.bootstrap, source)
+    await create_topic(kafka.bootstrap, sink)
+    env = {**os.environ, "BENCH_BROKER": kafka.url, "BENCH_SOURCE": source, "BENCH_SINK": sink,
+           "BENCH_APP_ID": f"pt-{suffix}", "BENCH_WEB_PORT": str(free_port()),
+           "BENCH_ACKED": "1"}  # fmt: skip
+    with open(logdir / "passthrough.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(HERE / "passthrough_app.py")], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, cwd=logdir)  # fmt: skip
+    outcomes = Outcomes()
+    stop_reading = asyncio.Event()
+    reader = asyncio.create_task(outcomes.read(kafka.bootstrap, [sink], stop_reading))
+    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, linger_ms=5, acks=1)
+    await producer.start()
+    rows = []
+    try:
+        sent = await paced(producer, source, 20, 5, 0)  # joins the group
+        await outcomes.until(sent, 120)
+        for rate in (10, 50):
+            if f"paced{rate}" not in regimes:
+                continue
+            pacer = asyncio.create_task(paced(producer, source, rate, seconds + 4, sent))
+            await asyncio.sleep(2.0)
+            done, cpu = outcomes.count, cpu_seconds(proc.pid)
+            await asyncio.sleep(seconds)
+            rows.append((rate, outcomes.count - done, cpu_seconds(proc.pid) - cpu))
+            sent += await pacer
+            await outcomes.until(sent, 120)
+    finally:
+        await producer.stop()
+        stop_reading.set()
+        await reader
+        stop(proc)
+    return rows
+
+
 REGIMES = ("idle", "saturation", "paced10", "paced50", "limited")
 
 
@@ -184,6 +270,14 @@ async def main() -> None:
     parser.add_argument("--profile", type=Path, help="py-spy each window into this directory")
     parser.add_argument(
         "--native", action="store_true", help="profile C frames too (py-spy --native)"
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="then a bare Faust pass-through (one acked write per record) paced the same",
+    )
+    parser.add_argument(
+        "--strace", action="store_true", help="count the worker's system calls (strace -c)"
     )
     parser.add_argument(
         "--regimes",
@@ -201,6 +295,7 @@ async def main() -> None:
     rows: list[tuple[str, int, float, float]] = []
     split: dict[str, dict[str, float]] = {}
     profiles = {}
+    counted: dict[str, tuple[Counter[str], int]] = {}
     try:
         with ApacheKafka(heap_mb=1024) as kafka:
             await warm_up(kafka, 5000)
@@ -221,6 +316,7 @@ async def main() -> None:
                 worker = subprocess.Popen([sys.executable, "-m", "streams.cli", "worker"],
                                           env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
             profiler = Profiler(args.profile, worker.pid, args.native)
+            syscalls = Syscalls(args.strace, worker.pid)
             outcomes = Outcomes()
             stop_reading = asyncio.Event()
             reader = asyncio.create_task(outcomes.read(
@@ -231,9 +327,13 @@ async def main() -> None:
             sent = 0
 
             async def measure(name: str, seconds: float) -> None:
-                done, cpu, threads = await window(worker, outcomes, profiler, name, seconds)
+                done, cpu, threads = await window(worker, outcomes, profiler, syscalls, name,
+                                                  seconds)  # fmt: skip
                 rows.append((name, done, cpu, seconds))
                 split[name] = threads
+                calls = syscalls.finish()
+                if calls is not None:
+                    counted[name] = (calls, done)
                 got = profiler.finish()
                 if got is not None:
                     profiles[name] = got
@@ -273,6 +373,9 @@ async def main() -> None:
                 stop_reading.set()
                 await reader
                 stop(worker)
+            if args.floor:
+                for rate, done, cpu in await floor(kafka, regimes, args.seconds, logdir):
+                    rows.append((f"pass-through {rate}/s", done, cpu, args.seconds))
     finally:
         stop(sim.proc)
     print("one worker, comment-analysis pipeline (spans, redaction on); Apache Kafka 4.1.1; "
@@ -293,6 +396,11 @@ async def main() -> None:
             if c > 0
         )
         print(f"  {name:<26} {busy}")
+    for name, (calls, done) in counted.items():
+        seconds = next(r[3] for r in rows if r[0] == name)
+        per = f"per task ({done})" if done else "per second"
+        top = ", ".join(f"{call} {n / (done or seconds):.1f}" for call, n in calls.most_common(8))
+        print(f"\n== system calls {per}, {name}: {top}")
     for name, (own, total, samples) in profiles.items():
         print(f"\n== py-spy, {name}: {samples} samples of busy threads")
         print("  top by own time:")

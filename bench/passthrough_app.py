@@ -1,7 +1,8 @@
 """A bare Faust pass-through agent (A -> B), the baseline of bench/pipeline_overhead.py.
 
 Run as `python bench/passthrough_app.py` with BENCH_BROKER, BENCH_SOURCE,
-BENCH_SINK, BENCH_APP_ID, BENCH_WEB_PORT in the environment. It starts the
+BENCH_SINK, BENCH_APP_ID, BENCH_WEB_PORT in the environment (BENCH_ACKED=1: each
+record's write is awaited until the broker acks it, as the worker does). It starts the
 worker exactly as `llm-streams worker` does (same event loop, no spinner), so
 the ratio measures the pipeline, not worker set-up differences.
 """
@@ -27,10 +28,15 @@ source = app.topic(os.environ["BENCH_SOURCE"], **raw)
 sink = app.topic(os.environ["BENCH_SINK"], **raw)
 
 
+ACKED = os.environ.get("BENCH_ACKED") == "1"
+
+
 @app.agent(source)
 async def passthrough(stream):  # type: ignore[no-untyped-def]
     async for key, value in stream.items():
-        await sink.send(key=key, value=value)
+        written = await sink.send(key=key, value=value)
+        if ACKED:
+            await written
 
 
 if __name__ == "__main__":
