@@ -61,17 +61,41 @@ async def test_a_full_batch_goes_at_once_the_rest_within_the_window(stream: Any)
 
 
 async def test_nothing_wakes_the_take_while_nothing_comes(stream: Any) -> None:
-    """Faust's take wakes every `within` whether anything came or not (here ~50 times);
-    this one waits once for its first record, then once for the batch to fill."""
-    waits = 0
-    wait_for_stopped = stream.wait_for_stopped
+    """Faust's take sets a timer every `within` whether anything came or not (here ~50);
+    this one sets none while nothing comes, then one for the batch's window."""
+    loop = asyncio.get_running_loop()
+    call_later = loop.call_later
+    timers: list[Any] = []
 
-    async def counted(*args: Any, **kwargs: Any) -> bool:
-        nonlocal waits
-        waits += 1
-        return bool(await wait_for_stopped(*args, **kwargs))
+    def counted(delay: float, callback: Any, *args: Any, **kwargs: Any) -> Any:
+        # asyncio.sleep's own timers are the test's pauses, not the take's.
+        if callback is not asyncio.futures._set_result_unless_cancelled:  # type: ignore[attr-defined]
+            timers.append(callback)
+        return call_later(delay, callback, *args, **kwargs)
 
-    stream.wait_for_stopped = counted
-    got = await _batches(stream, 100, 0.01, [0.5, 7])
+    loop.call_later = counted  # type: ignore[method-assign]
+    try:
+        got = await _batches(stream, 100, 0.01, [0.5, 7])
+    finally:
+        del loop.call_later  # type: ignore[method-assign]
     assert got == [[7]]
-    assert waits == 3  # the first record, its window, and the next first record
+    assert len(timers) == 1  # the window of the batch of 7
+
+
+async def test_the_streams_end_ends_the_take_at_once(stream: Any) -> None:
+    """The stream's end (here a crash; a stop sets the same wait) wakes a take waiting
+    for its first record: the loop ends."""
+    ended = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in take(stream, 10, 0.05):
+            pass
+        ended.set()
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    await stream.crash(RuntimeError("the stream's end"))
+    await asyncio.wait_for(ended.wait(), timeout=5)
+    assert task.done() and task.exception() is None
+    assert stream.enable_acks  # as it was before the take
