@@ -43,6 +43,11 @@ def request_rejoin(consumer: Any) -> None:
     thread.thread_loop.call_soon_threadsafe(coordinator.request_rejoin)
 
 
+def kafka_producer(producer: Any) -> Any:
+    """The aiokafka producer under Faust's producer, or None before Faust started it."""
+    return producer._producer
+
+
 def drain_passively(stream: Any) -> None:
     """Make `stream` consume its channel in the background (its processors then see every
     event), as Faust's own take does (`Stream._enable_passive`)."""

@@ -129,10 +129,16 @@ class Writer:
         names = ["outcome"] if "outcome" in pending else sorted(pending)
         # The trace goes on in the outcome's headers (the task's span is current).
         trace = headers_for()
-        done = await asyncio.gather(
-            *(self._write(n, outcome, partition, prep, state_for, trace) for n in names),
-            return_exceptions=True,
-        )
+        writes = [self._write(n, outcome, partition, prep, state_for, trace) for n in names]
+        done: list[BaseException | None]
+        if len(writes) == 1:  # awaited here: a task of its own costs a thin stream per task
+            try:
+                await writes[0]
+                done = [None]
+            except Exception as exc:
+                done = [exc]
+        else:
+            done = await asyncio.gather(*writes, return_exceptions=True)
         transient: BaseException | None = None
         for name, error in zip(names, done, strict=True):
             if error is None:

@@ -32,9 +32,6 @@ def test_the_store_shares_the_task_topics_partitions(agent: TaskAgent) -> None:
         Kind.LEDGER: ledger_topic(s),
         Kind.SESSIONS: sessions_topic(s),
     }
-    for topic in (agent.results_topic, agent.dead_letter_topic, agent.state_topic,
-                  agent.ledger_topic, agent.sessions_topic):  # fmt: skip
-        assert topic.partitions == s.kafka.partitions
 
 
 async def test_the_store_follows_the_assignment_of_the_task_topics(
