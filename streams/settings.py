@@ -332,7 +332,8 @@ class SchemaRegistrySettings(_Section):
 class TracingSettings(_Section):
     exporter: Literal["none", "otlp", "file"] = Field(
         "none",
-        description="Where spans go: nowhere (trace ids still flow), OTLP over HTTP "
+        description="Where spans go: nowhere (trace ids still flow; only a trace sampled "
+        "upstream is recorded, a trace begun here is not), OTLP over HTTP "
         "(OTEL_EXPORTER_OTLP_ENDPOINT etc. as the exporter reads them), or a JSON-lines file.",
     )
     file: Path | None = Field(None, description="With exporter=file: the file spans go to.")

@@ -30,8 +30,16 @@ HEADERS = ("traceparent", "tracestate")
 
 
 def setup_tracing(settings: Settings) -> None:
-    """A tracer provider for this process: always (so trace ids exist and propagate),
-    exporting only when configured."""
+    """This process's tracer provider (`tracer_provider`)."""
+    trace.set_tracer_provider(tracer_provider(settings))
+
+
+def tracer_provider(settings: Settings) -> Any:
+    """A tracer provider: always (so trace ids exist and propagate), exporting only
+    when configured. Without an exporter, a trace begun here is not
+    sampled: its spans are the SDK's non-recording ones (ids, no attributes, no
+    events: a third of the cost), and the flag says so downstream; a trace sampled
+    upstream stays sampled, as its producer asked."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import (
@@ -39,9 +47,12 @@ def setup_tracing(settings: Settings) -> None:
         ConsoleSpanExporter,
         SimpleSpanProcessor,
     )
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
 
     t = settings.tracing
-    provider = TracerProvider(resource=Resource.create({"service.name": t.service_name}))
+    root = ALWAYS_OFF if t.exporter == "none" else ALWAYS_ON
+    provider = TracerProvider(resource=Resource.create({"service.name": t.service_name}),
+                              sampler=ParentBased(root))  # fmt: skip
     if t.exporter == "otlp":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -52,7 +63,7 @@ def setup_tracing(settings: Settings) -> None:
         out: TextIO = open(t.file, "a", encoding="utf-8")  # noqa: SIM115  # lives as long as the process
         exporter = ConsoleSpanExporter(out=out, formatter=lambda s: s.to_json(indent=None) + "\n")
         provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
+    return provider
 
 
 def context_from_headers(headers: Any) -> otel_context.Context:
@@ -112,4 +123,5 @@ __all__ = [
     "mark_error",
     "setup_tracing",
     "stage_span",
+    "tracer_provider",
 ]
