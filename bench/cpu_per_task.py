@@ -16,8 +16,9 @@ Printed per regime: tasks answered in the measuring window, and the worker's CPU
 records each window with py-spy (attached to the worker) and prints the top
 entries by own time and by total time; `--strace` counts the worker's system
 calls per task (strace slows the worker: its CPU figures are then not the
-worker's own); `--floor` then runs the paced regimes through a bare Faust agent
-that writes each record on (one acked write), the floor under the worker's cost.
+worker's own); `--floor` then runs the paced regimes through two bare
+pass-throughs that write each record on (one acked write): a Faust agent, and
+aiokafka alone on one event loop — the floors under the worker's cost.
 
     python bench/cpu_per_task.py [--tasks 10000] [--seconds 30] [--regimes idle,paced10]
                                  [--profile DIR [--native]] [--strace] [--floor]
@@ -46,7 +47,6 @@ from pipeline_overhead import (
     HERE,
     cpu_seconds,
     create_topic,
-    free_port,
     preload,
     stop,
     task_record,
@@ -55,6 +55,7 @@ from pipeline_overhead import (
 from rate_limit_utilisation import Sim
 
 from streams.dev.brokers.apache import ApacheKafka
+from streams.dev.brokers.common import free_port
 from streams.kafka.topics import ensure_topics
 from streams.settings import load_settings, settings_env
 
@@ -218,20 +219,27 @@ async def paced(producer: AIOKafkaProducer, topic: str, rate: float, seconds: fl
     return i
 
 
-async def floor(kafka: ApacheKafka, regimes: set[str], seconds: float,
+FLOORS = {  # name: the pass-through's script
+    "Faust pass-through": "passthrough_app.py",
+    "aiokafka pass-through": "passthrough_aiokafka.py",
+}
+
+
+async def floor(kafka: ApacheKafka, script: str, regimes: set[str], seconds: float,
                 logdir: Path) -> list[tuple[int, int, float]]:  # fmt: skip
-    """The same paced traffic through a bare Faust agent that writes each record on,
-    awaiting the broker's ack (bench/passthrough_app.py): what Faust and aiokafka cost
-    per record before any of the worker's own work. (rate, records, CPU s) per rate."""
+    """The same paced traffic through a bare pass-through that writes each record on,
+    awaiting the broker's ack: a Faust agent (bench/passthrough_app.py), or aiokafka
+    alone on one loop (bench/passthrough_aiokafka.py). What the framework costs per
+    record before any of the worker's own work. (rate, records, CPU s) per rate."""
     suffix = uuid.uuid4().hex[:6]
     source, sink = f"pt-in-{suffix}", f"pt-out-{suffix}"
     await create_topic(kafka.bootstrap, source)
     await create_topic(kafka.bootstrap, sink)
-    env = {**os.environ, "BENCH_BROKER": kafka.url, "BENCH_SOURCE": source, "BENCH_SINK": sink,
-           "BENCH_APP_ID": f"pt-{suffix}", "BENCH_WEB_PORT": str(free_port()),
-           "BENCH_ACKED": "1"}  # fmt: skip
-    with open(logdir / "passthrough.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(HERE / "passthrough_app.py")], env=env,
+    env = {**os.environ, "BENCH_BROKER": kafka.url, "BENCH_BOOTSTRAP": kafka.bootstrap,
+           "BENCH_SOURCE": source, "BENCH_SINK": sink, "BENCH_APP_ID": f"pt-{suffix}",
+           "BENCH_WEB_PORT": str(free_port()), "BENCH_ACKED": "1"}  # fmt: skip
+    with open(logdir / f"{script}.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(HERE / script)], env=env,
                                 stdout=log, stderr=subprocess.STDOUT, cwd=logdir)  # fmt: skip
     outcomes = Outcomes()
     stop_reading = asyncio.Event()
@@ -274,7 +282,7 @@ async def main() -> None:
     parser.add_argument(
         "--floor",
         action="store_true",
-        help="then a bare Faust pass-through (one acked write per record) paced the same",
+        help="then bare Faust and aiokafka pass-throughs (one acked write per record), paced",
     )
     parser.add_argument(
         "--strace", action="store_true", help="count the worker's system calls (strace -c)"
@@ -373,18 +381,18 @@ async def main() -> None:
                 stop_reading.set()
                 await reader
                 stop(worker)
-            if args.floor:
-                for rate, done, cpu in await floor(kafka, regimes, args.seconds, logdir):
-                    rows.append((f"pass-through {rate}/s", done, cpu, args.seconds))
+            for name, script in FLOORS.items() if args.floor else ():
+                for rate, done, cpu in await floor(kafka, script, regimes, args.seconds, logdir):
+                    rows.append((f"{name} {rate}/s", done, cpu, args.seconds))
     finally:
         stop(sim.proc)
     print("one worker, comment-analysis pipeline (spans, redaction on); Apache Kafka 4.1.1; "
           "worker CPU from /proc")  # fmt: skip
-    print(f"{'regime':<26} {'tasks':>7} {'tasks/s':>8} {'CPU ms/task':>12} {'CPU ms/s':>9}")
+    print(f"{'regime':<30} {'tasks':>7} {'tasks/s':>8} {'CPU ms/task':>12} {'CPU ms/s':>9}")
     for name, done, cpu, seconds in rows:
         per_task = f"{cpu * 1000 / done:.2f}" if done else "-"
         print(
-            f"{name:<26} {done:>7} {done / seconds:>8.1f} {per_task:>12} {cpu * 1000 / seconds:>9.1f}"
+            f"{name:<30} {done:>7} {done / seconds:>8.1f} {per_task:>12} {cpu * 1000 / seconds:>9.1f}"
         )
     print("\nCPU ms/s per thread (the main thread runs the event loop; Faust's consumer "
           "has its own)")  # fmt: skip
