@@ -33,7 +33,7 @@ from streams.errors import (
 from streams.llm.client import LLMRequest, LLMResponse, completion_budget, with_budget
 from streams.observability.genai import GENAI, GenAIMetrics
 from streams.observability.metrics import Metrics
-from streams.observability.tracing import TRACER, mark_error
+from streams.observability.tracing import child_span, mark_error
 from streams.pipelines.output import parse_output
 from streams.pipelines.registry import Fallback, Pipeline, PipelineVersion, RenderedPrompt
 from streams.resilience.guarded import CAPACITY_CODES, GuardedClient
@@ -152,7 +152,7 @@ class Calls:
             raise
         request = LLMRequest(messages=messages, model=prompt.model, params=params,
                              response_format=prompt.response_format, tool=prompt.tool)  # fmt: skip
-        with TRACER.start_as_current_span(
+        with child_span(
             f"chat {prompt.model}",
             kind=SpanKind.CLIENT,
             attributes={

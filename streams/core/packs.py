@@ -26,7 +26,7 @@ from streams.core.packing import (
 from streams.core.window import fit_window
 from streams.errors import InvalidOutput, OutputRejected, TaskError
 from streams.llm.client import LLMRequest, LLMResponse, budget_key, completion_budget
-from streams.observability.tracing import TRACER
+from streams.observability.tracing import child_span
 from streams.pipelines.output import check_output
 from streams.pipelines.registry import PipelineRegistry, RenderedPrompt, structured_output
 from streams.resilience.retry import Attempts, call_with_retries
@@ -89,7 +89,7 @@ class Packs:
             deadline_at = min(i.deadline_at for i in items)
 
             async def attempt(a: Attempts) -> LLMResponse:
-                with TRACER.start_as_current_span(
+                with child_span(
                     f"chat {first.model}", kind=SpanKind.CLIENT,
                     attributes={"gen_ai.operation.name": "chat", "gen_ai.system": "openai",
                                 "gen_ai.request.model": first.model,

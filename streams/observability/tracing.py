@@ -99,9 +99,20 @@ def mark_error(span: Span, exc: StreamsError) -> None:
     span.set_status(Status(StatusCode.ERROR, exc.message[:200]))
 
 
+def child_span(name: str, **options: Any) -> contextlib.AbstractContextManager[Span]:
+    """A span under the current one (`Tracer.start_as_current_span(name, **options)`);
+    under a span that records nothing (its trace not sampled), that span itself: a
+    child would record nothing either (the sampler follows the parent), and each one
+    still costs a sampling decision and a context switch, per stage and per attempt."""
+    current = trace.get_current_span()
+    if current.get_span_context().is_valid and not current.is_recording():
+        return contextlib.nullcontext(current)
+    return TRACER.start_as_current_span(name, **options)
+
+
 @contextlib.contextmanager
 def stage_span(stage: str, pipeline: str, version: str) -> Iterator[Span]:
-    with TRACER.start_as_current_span(
+    with child_span(
         f"stage {stage}",
         attributes={"llm_streams.stage": stage, "llm_streams.pipeline": pipeline,
                     "llm_streams.prompt_version": version},
@@ -117,6 +128,7 @@ def stage_span(stage: str, pipeline: str, version: str) -> Iterator[Span]:
 __all__ = [
     "PROPAGATOR",
     "TRACER",
+    "child_span",
     "context_from_headers",
     "current_trace_id",
     "headers_for",

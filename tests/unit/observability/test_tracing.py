@@ -40,3 +40,29 @@ def test_with_an_exporter_every_trace_is_recorded(tmp_path: Path) -> None:
     with tracer.start_as_current_span("process") as span:
         assert span.is_recording()
     assert '"name": "process"' in (tmp_path / "spans").read_text()
+
+
+def test_under_a_span_that_records_nothing_no_child_is_made() -> None:
+    from opentelemetry import trace
+
+    from streams.observability.tracing import child_span
+
+    tracer = tracer_provider(load_settings()).get_tracer("test")
+    with tracer.start_as_current_span("process") as task_span:
+        assert not task_span.is_recording()
+        with child_span("chat m") as attempt:
+            assert attempt is task_span
+            assert trace.get_current_span() is task_span
+
+
+def test_under_a_recording_span_a_child_is_made(tmp_path: Path) -> None:
+    from streams.observability.tracing import child_span
+
+    settings = load_settings(tracing={"exporter": "file", "file": str(tmp_path / "spans")})
+    provider = tracer_provider(settings)
+    with provider.get_tracer("test").start_as_current_span("process") as task_span:
+        assert task_span.is_recording()
+        # (child_span starts it with the process's tracer, not this test's provider:
+        # what is checked is that it starts one, not the task's span again.)
+        with child_span("chat m") as attempt:
+            assert attempt is not task_span
