@@ -9,7 +9,9 @@ that lives through all regimes in turn, on the same topics:
    (a 5 s window while they drain);
 3. paced 10/s and 50/s: tasks published at that rate, answers in 300 +- 100 ms;
 4. rate-limited: N tasks pre-loaded, the simulator enforcing 3,000 RPM (50/s)
-   with 300 +- 100 ms answers, the limit not told to the worker.
+   with 300 +- 100 ms answers, the limit not told to the worker;
+5. packed: N tasks pre-loaded for comment-analysis with prompt packing (packs of
+   up to 20 comments, as bench/packing.py), answered at once (a 5 s window).
 
 Printed per regime: tasks answered in the measuring window, and the worker's CPU
 (user + system, from /proc) per task over that window. `--profile DIR` also
@@ -40,6 +42,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -268,7 +271,35 @@ async def floor(kafka: ApacheKafka, script: str, regimes: set[str], seconds: flo
     return rows
 
 
-REGIMES = ("idle", "saturation", "paced10", "paced50", "limited")
+REGIMES = ("idle", "saturation", "paced10", "paced50", "limited", "packed")
+PACKED = "comment-analysis-packed"
+
+
+def pipelines_with_packing(folder: Path) -> Path:
+    """The shipped pipelines, and comment-analysis again as PACKED with prompt packing."""
+    folder.mkdir(parents=True)
+    for path in (HERE.parent / "pipelines").glob("*.yaml"):
+        shutil.copy(path, folder / path.name)
+    spec = (HERE.parent / "pipelines" / "comment-analysis.yaml").read_text()
+    packing = "packing: {slot: text, max_chars: 200, max_items: 20, linger_s: 0.05}\n"
+    spec = spec.replace("name: comment-analysis\n", f"name: {PACKED}\n", 1)
+    (folder / f"{PACKED}.yaml").write_text(spec.replace("versions:\n", packing + "versions:\n", 1))
+    return folder
+
+
+async def preload_packed(bootstrap: str, topic: str, n: int, first: int) -> None:
+    """`n` tasks as the other regimes' (bench/pipeline_overhead.py), for PACKED."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, acks=1)
+    await producer.start()
+    try:
+        for i in range(first, first + n):
+            key, value = task_record(i)
+            task = orjson.loads(value)
+            task["pipeline"] = PACKED
+            await producer.send(topic, key=key, value=orjson.dumps(task))
+        await producer.flush()
+    finally:
+        await producer.stop()
 
 
 async def main() -> None:
@@ -315,6 +346,7 @@ async def main() -> None:
                 llm={"base_url": f"{sim.base}/v1", "api_key": "bench-key", "model": "sim-1"},
                 batch={"size": 200, "window_s": 0.05, "concurrency": 64},
                 data_dir=logdir / "worker",
+                pipelines_dir=pipelines_with_packing(logdir / "pipelines"),
                 log_level="warning",
             )  # fmt: skip
             await ensure_topics(settings)
@@ -368,6 +400,13 @@ async def main() -> None:
                     await measure(f"paced {rate}/s", args.seconds)
                     sent += await pacer
                     await outcomes.until(sent, 120)
+                if "packed" in regimes:  # a backlog of packed tasks, answered at once
+                    sim.call("/sim/config", {"latency_ms": 0, "latency_jitter_ms": 0})
+                    await preload_packed(kafka.bootstrap, settings.topics.tasks, args.tasks, sent)
+                    sent += args.tasks
+                    await asyncio.sleep(1.0)  # past the ramp-up
+                    await measure("packed (20 per request)", 5.0)
+                    await outcomes.until(sent, 600)
                 if "limited" in regimes:  # a backlog held to 3,000 RPM (50/s), learned
                     sim.call("/sim/config", {"rpm": 3000, "tpm": 3000 * 2000})
                     backlog = int(50 * (args.seconds + 10))

@@ -140,18 +140,19 @@ class OpenAIClient:
             self._proxy = None
 
     def _open(self) -> aiohttp.ClientSession:
+        # The headers as the session's: aiohttp copies them per request (in C) instead of
+        # merging a request's own into them key by key.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self._max_connections), timeout=self._timeout
-        )
+            connector=aiohttp.TCPConnector(limit=self._max_connections), timeout=self._timeout,
+            headers=self._headers,
+        )  # fmt: skip
         return self._session
 
     async def complete(self, request: LLMRequest) -> LLMResponse:
         body = orjson.dumps(request_body(request))
         session = self._session if self._session is not None else self._open()
         try:
-            async with session.post(
-                self._url, data=body, headers=self._headers, proxy=self._proxy
-            ) as response:
+            async with session.post(self._url, data=body, proxy=self._proxy) as response:
                 content = await response.read()
                 status, headers = response.status, response.headers
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
