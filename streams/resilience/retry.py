@@ -126,17 +126,31 @@ async def retry_transient(
 ) -> T:
     """`fn()` again after each failure `transient` accepts, waiting `first_s` doubling up to
     `max_s`, at most `attempts` calls (None: until the caller is cancelled); what is not
-    transient, or the last failure, is raised as it is."""
+    transient, or the last failure, is raised as it is.
+
+    The first call is made plainly: every write goes through here and nearly all succeed
+    at once, and tenacity's machinery (its iterator, actions, a retry state) cost a write
+    more than the write's own Python path. Tenacity takes over from the second call."""
+    try:
+        return await fn()
+    except Exception as exc:
+        if not transient(exc) or attempts == 1:
+            raise
+        wait = min(first_s, max_s)
+        log.warning("%s failed (%r); retry 1 in %.1fs", what, exc, wait)
+        await sleep(wait)
 
     def say(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
         wait = state.next_action.sleep if state.next_action else 0.0
-        log.warning("%s failed (%r); retry %d in %.1fs", what, exc, state.attempt_number, wait)
+        log.warning("%s failed (%r); retry %d in %.1fs", what, exc, state.attempt_number + 1,
+                    wait)  # fmt: skip
 
     retrying = AsyncRetrying(
         retry=retry_if_exception(transient),
-        stop=stop_after_attempt(attempts) if attempts else stop_never,
-        wait=wait_exponential(multiplier=first_s, max=max_s),
+        stop=stop_after_attempt(attempts - 1) if attempts else stop_never,
+        # the waits after the second call on: 2 x first_s, 4 x first_s, ...
+        wait=wait_exponential(multiplier=first_s * 2, max=max_s),
         sleep=sleep,
         before_sleep=say,
         reraise=True,

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from streams.errors import AuthError, BadRequest, InvalidOutput, RateLimited, Timeout, UpstreamError
-from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries
+from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries, retry_transient
 
 
 class FakeSleep:
@@ -110,3 +110,51 @@ def test_backoff_is_full_jitter_exponential_and_capped() -> None:
         samples = [policy.backoff(n, rng) for _ in range(200)]
         assert min(samples) >= 0 and max(samples) <= cap
         assert max(samples) > cap * 0.8  # it spreads over the whole range
+
+
+class _Flaky:
+    """Fails with `errors` in turn, then answers."""
+
+    def __init__(self, *errors: Exception) -> None:
+        self.errors, self.calls, self.slept = list(errors), 0, []
+
+    async def __call__(self) -> str:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return "ok"
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+
+def _transient(exc: BaseException) -> bool:
+    return isinstance(exc, ConnectionError)
+
+
+@pytest.mark.parametrize("attempts", [None, 3, 8])
+async def test_transient_failures_are_tried_again_with_doubling_waits(attempts: int | None) -> None:
+    flaky = _Flaky(ConnectionError("a"), ConnectionError("b"))
+    got = await retry_transient(flaky, what="w", transient=_transient, attempts=attempts,
+                                first_s=0.1, max_s=5.0, sleep=flaky.sleep)  # fmt: skip
+    assert got == "ok" and flaky.calls == 3
+    assert flaky.slept == pytest.approx([0.1, 0.2])
+
+
+async def test_the_last_failure_is_raised_after_the_attempts() -> None:
+    flaky = _Flaky(*(ConnectionError(str(i)) for i in range(5)))
+    with pytest.raises(ConnectionError, match="3"):
+        await retry_transient(flaky, what="w", transient=_transient, attempts=4, first_s=1.0,
+                              max_s=3.0, sleep=flaky.sleep)  # fmt: skip
+    assert flaky.calls == 4
+    assert flaky.slept == pytest.approx([1.0, 2.0, 3.0])  # capped at max_s
+
+
+@pytest.mark.parametrize("attempts", [1, 5])
+async def test_a_failure_not_transient_or_with_one_attempt_is_raised_at_once(attempts: int) -> None:
+    error: Exception = ValueError("bad") if attempts == 5 else ConnectionError("down")
+    flaky = _Flaky(error)
+    with pytest.raises(type(error)):
+        await retry_transient(flaky, what="w", transient=_transient, attempts=attempts,
+                              sleep=flaky.sleep)  # fmt: skip
+    assert flaky.calls == 1 and flaky.slept == []
