@@ -50,6 +50,18 @@ class RetryPolicy:
         cap = min(self.backoff_max_s, self.backoff_base_s * 2 ** (retry_number - 1))
         return (rng or random).uniform(0, cap)
 
+    def wait_after(
+        self, number: int, exc: BaseException | None, rng: random.Random | None = None
+    ) -> float:
+        """The wait after the `number`-th attempt failed with `exc`: the backoff, or a
+        provider's Retry-After when longer."""
+        wait = self.backoff(number, rng)
+        if isinstance(exc, RateLimited) and exc.retry_after is not None:
+            # Spread the herd: every caller throttled at once gets the same hint.
+            hinted = min(exc.retry_after, self.max_retry_after_s)
+            wait = max(wait, hinted * (rng or random).uniform(1.0, 1.5))
+        return wait
+
 
 @dataclass
 class Attempts:
@@ -82,36 +94,33 @@ async def call_with_retries(
             return invalid_seen <= policy.invalid_output_retries
         return True
 
-    def wait(state: RetryCallState) -> float:
-        delay = policy.backoff(state.attempt_number, rng)
-        exc = state.outcome.exception() if state.outcome else None
-        if isinstance(exc, RateLimited) and exc.retry_after is not None:
-            # Spread the herd: every caller throttled at once gets the same hint.
-            hinted = min(exc.retry_after, policy.max_retry_after_s)
-            delay = max(delay, hinted * (rng or random).uniform(1.0, 1.5))
-        return delay
+    def spent(number: int) -> bool:
+        return number - outage_attempts >= policy.max_attempts
 
-    def stop(state: RetryCallState) -> bool:
-        return state.attempt_number - outage_attempts >= policy.max_attempts
+    async def attempt_number(number: int) -> T:
+        nonlocal outage_attempts
+        attempts.count = attempts.previous + number
+        try:
+            return await fn(attempts)
+        except StreamsError as exc:
+            attempts.last_error = exc
+            if isinstance(exc, Transient) and exc.endpoint_down:
+                outage_attempts += 1
+            raise
+
+    def first_failed(exc: Exception) -> float | None:
+        return None if not should_retry(exc) or spent(1) else policy.wait_after(1, exc, rng)
 
     retrying = AsyncRetrying(
         retry=retry_if_exception(should_retry),
-        stop=stop,
-        wait=wait,
+        stop=lambda state: spent(state.attempt_number + 1),
+        wait=lambda state: policy.wait_after(
+            state.attempt_number + 1, state.outcome.exception() if state.outcome else None, rng
+        ),
         sleep=sleep,
         reraise=True,
     )
-    async for attempt in retrying:
-        with attempt:
-            attempts.count = attempts.previous + attempt.retry_state.attempt_number
-            try:
-                return await fn(attempts)
-            except StreamsError as exc:
-                attempts.last_error = exc
-                if isinstance(exc, Transient) and exc.endpoint_down:
-                    outage_attempts += 1
-                raise
-    raise AssertionError("unreachable: tenacity re-raises the last error")  # pragma: no cover
+    return await _plain_first(attempt_number, first_failed, retrying, sleep)
 
 
 async def retry_transient(
@@ -128,17 +137,14 @@ async def retry_transient(
     `max_s`, at most `attempts` calls (None: until the caller is cancelled); what is not
     transient, or the last failure, is raised as it is.
 
-    The first call is made plainly: every write goes through here and nearly all succeed
-    at once, and tenacity's machinery (its iterator, actions, a retry state) cost a write
-    more than the write's own Python path. Tenacity takes over from the second call."""
-    try:
-        return await fn()
-    except Exception as exc:
+    Every write goes through here and nearly all succeed at once (`_plain_first`)."""
+
+    def first_failed(exc: Exception) -> float | None:
         if not transient(exc) or attempts == 1:
-            raise
+            return None
         wait = min(first_s, max_s)
         log.warning("%s failed (%r); retry 1 in %.1fs", what, exc, wait)
-        await sleep(wait)
+        return wait
 
     def say(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
@@ -155,7 +161,27 @@ async def retry_transient(
         before_sleep=say,
         reraise=True,
     )
+    return await _plain_first(lambda _: fn(), first_failed, retrying, sleep)
+
+
+async def _plain_first(
+    call: Callable[[int], Awaitable[T]],
+    first_failed: Callable[[Exception], float | None],
+    retrying: AsyncRetrying,
+    sleep: Callable[[float], Awaitable[None]],
+) -> T:
+    """`call(1)` plainly; if it fails, `first_failed(exc)` says how long to wait before the
+    second (None: raise it), then `retrying` makes `call(2)`, `call(3)`, ... (its attempt
+    numbers one behind). Nearly every call succeeds at once, and tenacity's machinery (its
+    iterator, actions, a retry state) cost more than the call's own Python path."""
+    try:
+        return await call(1)
+    except Exception as exc:
+        wait = first_failed(exc)
+        if wait is None:
+            raise
+        await sleep(wait)
     async for attempt in retrying:
         with attempt:
-            return await fn()
+            return await call(attempt.retry_state.attempt_number + 1)
     raise AssertionError("unreachable: tenacity re-raises the last error")  # pragma: no cover
