@@ -264,11 +264,17 @@ async def floor(kafka: ApacheKafka, script: str, regimes: set[str], seconds: flo
             sent += await pacer
             await outcomes.until(sent, 120)
     finally:
-        await producer.stop()
-        stop_reading.set()
-        await reader
-        stop(proc)
+        await wind_down(producer, stop_reading, reader, proc)
     return rows
+
+
+async def wind_down(producer: AIOKafkaProducer, stop_reading: asyncio.Event,
+                    reader: asyncio.Task[None], proc: subprocess.Popen[bytes]) -> None:  # fmt: skip
+    """The traffic's producer, the outcomes' reader and the process under test, stopped."""
+    await producer.stop()
+    stop_reading.set()
+    await reader
+    stop(proc)
 
 
 REGIMES = ("idle", "saturation", "paced10", "paced50", "limited", "packed")
@@ -416,10 +422,7 @@ async def main() -> None:
                     await measure("rate-limited 3,000 RPM", args.seconds)
                     await outcomes.until(sent, 900)
             finally:
-                await producer.stop()
-                stop_reading.set()
-                await reader
-                stop(worker)
+                await wind_down(producer, stop_reading, reader, worker)
             for name, script in FLOORS.items() if args.floor else ():
                 for rate, done, cpu in await floor(kafka, script, regimes, args.seconds, logdir):
                     rows.append((f"{name} {rate}/s", done, cpu, args.seconds))
