@@ -8,7 +8,8 @@ per task. Faust offers no take that waits for its first record, so this is that
 take, written the way Faust's is (a stream processor fills the buffer; the stream
 is drained passively; events are not acked): it sleeps, with no timer, until a
 record comes, then waits at most `within` for the batch to fill (Kafka's
-`linger.ms`), and yields it.
+`linger.ms`), and yields it. A wait is one future (and the window one timer), not
+mode's `wait_first`: a thin stream pays the take per record.
 """
 
 from __future__ import annotations
@@ -25,60 +26,93 @@ from streams.kafka import faust_private
 log = logging.getLogger(__name__)
 
 
-async def take(stream: faust.Stream[Any], max_: int, within: float) -> AsyncIterator[list[Any]]:
-    """Lists of up to `max_` events of `stream` (not acked): each yielded once it is full,
-    or `within` seconds after its first event came."""
-    buffer: list[Any] = []
-    arrived = asyncio.Event()  # the buffer holds a first event
-    full = asyncio.Event()
-    consumed = asyncio.Event()
-    consuming: asyncio.Future[None] | None = None  # set while a batch is being handled
+class _Batch:
+    """The batch being filled, and the one future the take waits on: woken by the
+    batch's first event, a full batch, the window's end or the stream's end — one future
+    (and one timer for the window) per wait, not mode's `wait_first` (three tasks, an
+    `asyncio.wait` and their cancels)."""
 
-    async def add(value: Any) -> Any:
-        nonlocal consuming
+    def __init__(self, stream: faust.Stream[Any], max_: int) -> None:
+        self.stream, self.max_ = stream, max_
+        self.loop = asyncio.get_running_loop()
+        self.events: list[Any] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._consumed = asyncio.Event()
+        self.consuming: asyncio.Future[None] | None = None  # set while a batch is out
+
+    def wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self, within: float | None = None) -> None:
+        """Until `wake()`, or at most `within` seconds."""
+        self._waiter = self.loop.create_future()
+        timer = self.loop.call_later(within, self.wake) if within is not None else None
         try:
-            if consuming is not None:  # a batch is out: the next one waits for it
+            await self._waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    async def add(self, value: Any) -> Any:
+        """The stream's processor: each event into the batch."""
+        try:
+            if self.consuming is not None:  # a batch is out: the next one waits for it
                 try:
-                    await consuming
+                    await self.consuming
                 finally:
-                    consuming = None
-            event = stream.current_event
+                    self.consuming = None
+            event = self.stream.current_event
             if event is None:
                 raise RuntimeError("take found no current event")
-            buffer.append(event)
-            arrived.set()
-            if len(buffer) >= max_:  # no more than `max_`: wait until this one is out
-                full.set()
-                consumed.clear()
-                await stream.wait(consumed)  # type: ignore[arg-type]
+            self.events.append(event)
+            full = len(self.events) >= self.max_
+            if full or len(self.events) == 1:  # the batch's first, or full
+                self.wake()
+            if full:  # no more than `max_`: wait until this one is out
+                self._consumed.clear()
+                await self.stream.wait(self._consumed)  # type: ignore[arg-type]
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # as Faust's take: the stream crashes, not silently stalls
             log.exception("could not add to the take buffer: %r", exc)
-            await stream.crash(exc)
+            await self.stream.crash(exc)
         return value
 
+    def handed_out(self) -> None:
+        """The batch yielded is done with: the next one may fill."""
+        self.events.clear()
+        self._consumed.set()
+        if self.consuming is not None and not self.consuming.done():
+            self.consuming.set_result(None)
+
+
+async def take(stream: faust.Stream[Any], max_: int, within: float) -> AsyncIterator[list[Any]]:
+    """Lists of up to `max_` events of `stream` (not acked): each yielded once it is full,
+    or `within` seconds after its first event came."""
+    batch = _Batch(stream, max_)
     acks = stream.enable_acks
     stream.enable_acks = False  # acked by the caller, once each task is done
-    stream.add_processor(add)
+    stream.add_processor(batch.add)
     faust_private.drain_passively(stream)
+    # The stream's stop or crash wakes the take: one task for the take's whole life.
+    ended = asyncio.ensure_future(stream.wait())
+    ended.add_done_callback(lambda _: batch.wake())
     try:
-        while not stream.should_stop:
-            # (Both return at once when the stream stops; the loop then ends.)
-            await stream.wait_for_stopped(arrived)  # type: ignore[arg-type]
-            await stream.wait_for_stopped(full, timeout=within)  # type: ignore[arg-type]
-            if not buffer:
+        while not ended.done():
+            if not batch.events:
+                await batch.wait()  # until the batch's first event (or the end)
+            if batch.events and len(batch.events) < max_ and not ended.done():
+                await batch.wait(within)  # until it is full or the window ends (or the end)
+            if not batch.events:
                 continue
-            consuming = asyncio.get_running_loop().create_future()
+            batch.consuming = batch.loop.create_future()
             try:
-                yield list(buffer)
+                yield list(batch.events)
             finally:
-                buffer.clear()
-                arrived.clear()
-                full.clear()
-                consumed.set()
-                if not consuming.done():
-                    consuming.set_result(None)
+                batch.handed_out()
     finally:
+        ended.cancel()
         stream.enable_acks = acks
-        faust_private.remove_processor(stream, add)
+        faust_private.remove_processor(stream, batch.add)

@@ -62,7 +62,8 @@ async def test_a_full_batch_goes_at_once_the_rest_within_the_window(stream: Any)
 
 async def test_nothing_wakes_the_take_while_nothing_comes(stream: Any) -> None:
     """Faust's take sets a timer every `within` whether anything came or not (here ~50);
-    this one sets none while nothing comes, then one for the batch's window."""
+    this one sets none while nothing comes, then one for the batch's window, and makes
+    no task per wait."""
     loop = asyncio.get_running_loop()
     call_later = loop.call_later
     timers: list[Any] = []
@@ -73,13 +74,26 @@ async def test_nothing_wakes_the_take_while_nothing_comes(stream: Any) -> None:
             timers.append(callback)
         return call_later(delay, callback, *args, **kwargs)
 
+    create_task = loop.create_task
+    tasks: list[str] = []
+
+    def counted_task(coro: Any, **kwargs: Any) -> Any:
+        tasks.append(getattr(coro, "__qualname__", repr(coro)))
+        return create_task(coro, **kwargs)
+
     loop.call_later = counted  # type: ignore[method-assign]
+    loop.create_task = counted_task  # type: ignore[method-assign]
     try:
-        got = await _batches(stream, 100, 0.01, [0.5, 7])
+        got = await _batches(stream, 100, 0.01, [0.5, 7, 0.3, 8])
     finally:
         del loop.call_later  # type: ignore[method-assign]
-    assert got == [[7]]
-    assert len(timers) == 1  # the window of the batch of 7
+        del loop.create_task  # type: ignore[method-assign]
+    assert got == [[7], [8]]
+    assert len(timers) == 2  # the window of each batch
+    # No task per wait (mode's wait_first made three per wait: the awaited, the stop, the
+    # crash; here ~12): only the take's one wait for the stream's end (mode's own wait
+    # for its stop or crash), made once for the take's life.
+    assert sum("wait" in name for name in tasks) <= 3, tasks
 
 
 async def test_the_streams_end_ends_the_take_at_once(stream: Any) -> None:
