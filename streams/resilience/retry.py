@@ -24,11 +24,7 @@ from typing import TypeVar
 
 from tenacity import (
     AsyncRetrying,
-    RetryCallState,
     retry_if_exception,
-    stop_after_attempt,
-    stop_never,
-    wait_exponential,
 )
 
 from streams.errors import Category, RateLimited, StreamsError, Transient
@@ -108,19 +104,13 @@ async def call_with_retries(
                 outage_attempts += 1
             raise
 
-    def first_failed(exc: Exception) -> float | None:
-        return None if not should_retry(exc) or spent(1) else policy.wait_after(1, exc, rng)
-
-    retrying = AsyncRetrying(
-        retry=retry_if_exception(should_retry),
-        stop=lambda state: spent(state.attempt_number + 1),
-        wait=lambda state: policy.wait_after(
-            state.attempt_number + 1, state.outcome.exception() if state.outcome else None, rng
-        ),
+    return await _plain_first(
+        attempt_number,
+        retry=should_retry,
+        spent=spent,
+        wait=lambda number, exc: policy.wait_after(number, exc, rng),
         sleep=sleep,
-        reraise=True,
     )
-    return await _plain_first(attempt_number, first_failed, retrying, sleep)
 
 
 async def retry_transient(
@@ -139,48 +129,46 @@ async def retry_transient(
 
     Every write goes through here and nearly all succeed at once (`_plain_first`)."""
 
-    def first_failed(exc: Exception) -> float | None:
-        if not transient(exc) or attempts == 1:
-            return None
-        wait = min(first_s, max_s)
-        log.warning("%s failed (%r); retry 1 in %.1fs", what, exc, wait)
-        return wait
+    def spent(number: int) -> bool:
+        return attempts is not None and attempts > 0 and number >= attempts
 
-    def say(state: RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome else None
-        wait = state.next_action.sleep if state.next_action else 0.0
-        log.warning("%s failed (%r); retry %d in %.1fs", what, exc, state.attempt_number + 1,
-                    wait)  # fmt: skip
+    def wait(number: int, exc: BaseException | None) -> float:
+        waited = min(first_s * 2.0 ** (number - 1), max_s)
+        log.warning("%s failed (%r); retry %d in %.1fs", what, exc, number, waited)
+        return waited
 
-    retrying = AsyncRetrying(
-        retry=retry_if_exception(transient),
-        stop=stop_after_attempt(attempts - 1) if attempts else stop_never,
-        # the waits after the second call on: 2 x first_s, 4 x first_s, ...
-        wait=wait_exponential(multiplier=first_s * 2, max=max_s),
-        sleep=sleep,
-        before_sleep=say,
-        reraise=True,
-    )
-    return await _plain_first(lambda _: fn(), first_failed, retrying, sleep)
+    return await _plain_first(lambda _: fn(), retry=transient, spent=spent, wait=wait,
+                              sleep=sleep)  # fmt: skip
 
 
 async def _plain_first(
     call: Callable[[int], Awaitable[T]],
-    first_failed: Callable[[Exception], float | None],
-    retrying: AsyncRetrying,
+    *,
+    retry: Callable[[BaseException], bool],
+    spent: Callable[[int], bool],
+    wait: Callable[[int, BaseException | None], float],
     sleep: Callable[[float], Awaitable[None]],
 ) -> T:
-    """`call(1)` plainly; if it fails, `first_failed(exc)` says how long to wait before the
-    second (None: raise it), then `retrying` makes `call(2)`, `call(3)`, ... (its attempt
-    numbers one behind). Nearly every call succeeds at once, and tenacity's machinery (its
-    iterator, actions, a retry state) cost more than the call's own Python path."""
+    """`call(1)`, `call(2)`, ... while a failure is one to `retry` and the attempts are not
+    `spent(number)`, waiting `wait(number, failure)` after the `number`-th. The first call
+    is made plainly: nearly every call succeeds at once, and tenacity's machinery (its
+    iterator, actions, a retry state) costs more than the call's own Python path; tenacity
+    takes over from the second (its attempt numbers one behind)."""
     try:
         return await call(1)
     except Exception as exc:
-        wait = first_failed(exc)
-        if wait is None:
+        if not retry(exc) or spent(1):
             raise
-        await sleep(wait)
+        await sleep(wait(1, exc))
+    retrying = AsyncRetrying(
+        retry=retry_if_exception(retry),
+        stop=lambda state: spent(state.attempt_number + 1),
+        wait=lambda state: wait(
+            state.attempt_number + 1, state.outcome.exception() if state.outcome else None
+        ),
+        sleep=sleep,
+        reraise=True,
+    )
     async for attempt in retrying:
         with attempt:
             return await call(attempt.retry_state.attempt_number + 1)
