@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from streams.api import processor_factory
 from streams.core.drift import DriftMonitor
+from streams.kafka import faust_private
 from streams.kafka.agent import TaskAgent
 from streams.kafka.drift import load_baselines
 from streams.kafka.limits import WriteLimits
@@ -25,6 +26,13 @@ from streams.settings import Settings, load_settings
 log = logging.getLogger(__name__)
 
 
+class _App(faust.App):
+    """Faust's app with its consumer on the app's own loop (`faust_private.InLoopConsumer`)."""
+
+    def _new_transport(self) -> Any:
+        return faust_private.InLoopTransport(self.conf.broker_consumer, self)
+
+
 def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.App:
     """The worker's Faust app. `limits`: what each written topic takes (read from the
     broker at start by `run_worker`; without them, the producer's limit and Kafka's
@@ -34,7 +42,7 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
     room = (limits or WriteLimits(settings.kafka.max_request_bytes)).record_room(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # Faust makes only the last level
     buffer = max(settings.batch.buffer, settings.batch.size)
-    app = faust.App(
+    app = (faust.App if settings.kafka.consumer_thread else _App)(
         settings.app_id,
         broker=settings.kafka.broker_url,
         broker_credentials=faust_credentials(settings),  # the clients' own security

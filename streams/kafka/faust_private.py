@@ -1,4 +1,5 @@
-"""Every use of Faust's (and its aiokafka consumer's) private attributes, in one place.
+"""Every use of Faust's (and its aiokafka consumer's) private attributes, in one place;
+and its consumer on the app's loop (`InLoopTransport`, below), built on them.
 
 faust-streaming 0.15.3 offers no public way to do these; each is pinned by the
 tests that exercise it (exactly-once commits, lag on /metrics, the rejoin after a
@@ -8,7 +9,12 @@ fence), so an upgrade that moves one fails there, not in production.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
+
+from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.types import TP
+from mode import Service
+from mode.utils.futures import maybe_async
 
 Commit = Callable[[Mapping[Any, int]], Awaitable[bool]]
 
@@ -37,7 +43,8 @@ def request_rejoin(consumer: Any) -> None:
     """Make the group member rejoin (eager: every partition is revoked and assigned
     again, and Faust seeks the assigned ones back to their committed offsets), the way
     Kafka Streams enforces a rebalance after a task's producer was fenced. The
-    aiokafka consumer runs in Faust's consumer thread: the request is handed to its loop."""
+    request is handed to the aiokafka consumer's loop (the worker's own, or Faust's
+    consumer thread's with `kafka.consumer_thread`)."""
     thread = consumer._thread
     coordinator = thread._ensure_consumer()._coordinator
     thread.thread_loop.call_soon_threadsafe(coordinator.request_rejoin)
@@ -69,3 +76,82 @@ def forget_unacked(consumer: Any, messages: Iterable[Any] | None = None) -> int:
     for message in gone:
         unacked.discard(message)
     return len(gone)
+
+
+# Faust's aiokafka consumer on the worker's own event loop, not in a thread of its own.
+#
+# faust-streaming runs its aiokafka consumer in a dedicated thread with a second event
+# loop (`ThreadDelegateConsumer`), so a blocked agent cannot stop the heartbeats. Every
+# fetch, commit and seek crosses threads through mode's `MethodQueue`: a
+# `call_soon_threadsafe` into the consumer's loop, a worker task there, a second
+# `call_soon_threadsafe` back with the result, and the GIL handed between the two loops
+# each way. At thin traffic every record pays that alone: measured at 10 tasks/s, the
+# consumer thread was ~11 ms/s of CPU (a sixth of the worker's) and a third of the main
+# loop's steps per task were the hand-over (bench/BENCHMARKS.md, cpu_per_task).
+#
+# The worker's agents never block their loop (every LLM call, write and store read is a
+# coroutine; the CPU-heavy parts run per record in microseconds), so the heartbeat needs
+# no thread of its own. `InLoopConsumer` keeps Faust's aiokafka consumer — its
+# configuration, rebalance listener, commit and fetch paths — and only swaps the thread
+# for the same service started on the app's loop: a delegated call is a plain `await`.
+# Faust offers no setting for this, so the app's transport (`InLoopTransport`) names this
+# consumer; the class overrides are mode's `Service` methods that `ServiceThread`
+# replaced for its thread, put back. Pinned by every integration test that consumes.
+
+
+class _OnTheLoop(faust_aiokafka.AIOKafkaConsumerThread):
+    """Faust's consumer "thread" as a service on the app's loop: no thread, no second
+    loop, no method queue; what the thread version delegates is awaited in place."""
+
+    wait_for_shutdown = False  # the thread version waits for its thread to say it is done
+
+    def __init__(self, consumer: Any, **kwargs: Any) -> None:
+        loop = kwargs.get("loop") or consumer.loop
+        super().__init__(consumer, thread_loop=loop, **{**kwargs, "loop": loop})
+
+    # ServiceThread replaces these for a thread; a service on one loop wants mode's own.
+    start = Service.start
+    maybe_start = Service.maybe_start
+    stop = Service.stop
+    set_shutdown = Service.set_shutdown
+    _stopped_set = Service._stopped_set
+    _stop_children = Service._stop_children
+    _stop_futures = Service._stop_futures
+    _stop_exit_stacks = Service._stop_exit_stacks
+
+    @Service.task
+    async def _thread_keepalive(self) -> None:
+        """The thread version wakes its second loop every second; one loop needs nothing."""
+
+    async def on_stop(self) -> None:
+        # What the thread does as it ends: leave the group and close the consumer.
+        await self.on_thread_stop()
+
+    async def call_thread(
+        self, fun: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any
+    ) -> Any:
+        return await maybe_async(fun(*args, **kwargs))
+
+    async def cast_thread(
+        self, fun: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any
+    ) -> None:
+        await maybe_async(fun(*args, **kwargs))
+
+    async def on_partitions_revoked(self, revoked: set[TP]) -> None:
+        await self.consumer.on_partitions_revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned: set[TP], generation_id: int = 0) -> None:
+        await self.consumer.on_partitions_assigned(assigned, generation_id)
+
+
+class InLoopConsumer(faust_aiokafka.Consumer):
+    """Faust's aiokafka consumer, its aiokafka client on the app's loop."""
+
+    def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
+        return _OnTheLoop(self, loop=self.loop, beacon=self.beacon)
+
+
+class InLoopTransport(faust_aiokafka.Transport):
+    """Faust's aiokafka transport with `InLoopConsumer`."""
+
+    Consumer: ClassVar[Any] = InLoopConsumer
