@@ -8,9 +8,11 @@ fence), so an upgrade that moves one fails there, not in production.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
+from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
 from mode import Service
@@ -144,11 +146,103 @@ class _OnTheLoop(faust_aiokafka.AIOKafkaConsumerThread):
         await self.consumer.on_partitions_assigned(assigned, generation_id)
 
 
+def _current() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no loop running: not a task
+        return None
+
+
 class InLoopConsumer(faust_aiokafka.Consumer):
-    """Faust's aiokafka consumer, its aiokafka client on the app's loop."""
+    """Faust's aiokafka consumer, its aiokafka client on the app's loop, and its drain
+    loop (`_drain_messages`) without a task per record: Faust hands each record to its
+    conductor in mode's `wait_first(callback(message), suspend_flow.wait())` — four tasks,
+    an `asyncio.wait` and three cancels per record, so that a rebalance's `stop_flow` can
+    abandon a delivery blocked on a full stream buffer. Here the delivery is awaited in
+    place and `stop_flow` abandons it by cancelling the drain task at that await, the way
+    `asyncio.timeout` interrupts a task (`uncancel`, no task made)."""
+
+    _delivering: asyncio.Task[Any] | None = None  # the drain task, while it delivers
+    _abandoning = False
 
     def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
         return _OnTheLoop(self, loop=self.loop, beacon=self.beacon)
+
+    def stop_flow(self) -> None:
+        super().stop_flow()
+        delivering = self._delivering
+        if delivering is not None and not self._abandoning and delivering is not _current():
+            self._abandoning = True  # the record is read again after the rebalance
+            delivering.cancel()
+
+    async def _deliver(self, delivery: Awaitable[Any]) -> None:
+        """`callback(message)` until done, or until `stop_flow` abandons it."""
+        task = self._delivering = asyncio.current_task()
+        try:
+            await delivery
+        except asyncio.CancelledError:
+            # Ours alone: carry on with the next record; anyone else's: stop.
+            if not self._abandoning or task is None or task.uncancel() > 0:
+                raise
+        finally:
+            self._delivering, self._abandoning = None, False
+
+    async def _drain_messages(self, fetcher: Any) -> None:  # noqa: C901  # Faust's, as it is
+        # faust.transport.consumer.Consumer._drain_messages (faust-streaming 0.15.3), with
+        # two changes: a record is handed over by `_deliver`, not mode's `wait_first`; and
+        # the yield after each fetch is a bare `asyncio.sleep(0)`, not mode's `sleep(0)`
+        # (a task for `wait_for`, its timeout and its cancel).
+        callback = self.callback
+        getmany = self.getmany
+        consumer_should_stop = self._stopped.is_set
+        fetcher_should_stop = fetcher._stopped.is_set
+        get_read_offset = self._read_offset.__getitem__
+        set_read_offset = self._read_offset.__setitem__
+        flag_consumer_fetching = CONSUMER_FETCHING
+        set_flag = self.diag.set_flag
+        unset_flag = self.diag.unset_flag
+        commit_every = self._commit_every
+        acks_enabled_for = self.app.topics.acks_enabled_for
+        yield_every = 100
+        num_since_yield = 0
+        try:
+            while not (consumer_should_stop() or fetcher_should_stop()):
+                set_flag(flag_consumer_fetching)
+                ait = getmany(timeout=1.0)
+                await asyncio.sleep(0)  # a fetch served from the buffer may never yield
+                if not self.should_stop:
+                    async for tp, message in ait:
+                        num_since_yield += 1
+                        if num_since_yield > yield_every:
+                            await asyncio.sleep(0)
+                            num_since_yield = 0
+                        offset = message.offset
+                        r_offset = get_read_offset(tp)
+                        if r_offset is None or offset >= r_offset:
+                            gap = offset - (r_offset or 0)
+                            if gap > 1 and r_offset and acks_enabled_for(message.topic):
+                                await self._add_gap(tp, r_offset + 1, offset)
+                            if commit_every is not None and self._n_acked >= commit_every:
+                                self._n_acked = 0
+                                await self.commit()
+                            await self._deliver(callback(message))
+                            set_read_offset(tp, offset)
+                    unset_flag(flag_consumer_fetching)
+        except self.consumer_stopped_errors:
+            if self.transport.app.should_stop:
+                self.log.info("Broker stopped consumer, shutting down...")
+                return
+            raise
+        except asyncio.CancelledError:
+            if self.transport.app.should_stop:
+                self.log.info("Consumer shutting down for user cancel.")
+                return
+            raise
+        except Exception as exc:
+            self.log.exception("Drain messages raised: %r", exc)
+            raise
+        finally:
+            unset_flag(flag_consumer_fetching)
 
 
 class InLoopTransport(faust_aiokafka.Transport):

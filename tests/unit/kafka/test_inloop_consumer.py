@@ -72,3 +72,86 @@ async def test_consumer_thread_setting_keeps_fausts_threaded_consumer() -> None:
     delegate = app.consumer._thread
     assert not isinstance(delegate, faust_private._OnTheLoop)
     assert delegate.thread_loop is not app.loop
+
+
+class _Fetcher:
+    def __init__(self) -> None:
+        self._stopped = asyncio.Event()
+
+
+class _Message:
+    def __init__(self, tp: TP, offset: int) -> None:
+        self.tp, self.topic, self.offset = tp, tp.topic, offset
+
+
+async def test_the_drain_loop_delivers_in_place_and_a_rebalance_abandons_a_blocked_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Faust's drain loop, one task per record fewer: each record is delivered in the
+    drain task itself; one blocked on a full buffer is abandoned by `stop_flow` (as
+    mode's `wait_first` abandoned it), and the loop goes on to the next."""
+    app = _app()
+    consumer_ = app.consumer
+    fetcher = _Fetcher()
+    tp = TP("llm-tasks", 0)
+    fetches = [[_Message(tp, 0), _Message(tp, 1), _Message(tp, 2)]]
+    delivered: list[int] = []
+    abandoned: list[int] = []
+    blocked = asyncio.Event()
+    drain_task = None
+
+    async def getmany(timeout: float) -> Any:
+        if not fetches:
+            fetcher._stopped.set()  # the fetcher stops after the one fetch
+            return
+        for message in fetches.pop():
+            yield tp, message
+
+    async def callback(message: _Message) -> None:
+        assert asyncio.current_task() is drain_task  # in place: no task per record
+        if message.offset == 1:  # a full stream buffer: waits for room
+            blocked.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                abandoned.append(message.offset)
+                raise
+        delivered.append(message.offset)
+
+    monkeypatch.setattr(consumer_, "getmany", getmany)
+    monkeypatch.setattr(consumer_, "callback", callback)
+    drain_task = asyncio.ensure_future(consumer_._drain_messages(fetcher))
+    await asyncio.wait_for(blocked.wait(), 5)
+    consumer_.stop_flow()  # what a rebalance does first
+    await asyncio.wait_for(drain_task, 5)
+    assert delivered == [0, 2]
+    assert abandoned == [1]
+    assert consumer_._read_offset[tp] == 2  # what Faust records, read again after the seek
+    assert drain_task.cancelling() == 0
+
+
+async def test_a_real_cancel_during_a_delivery_still_stops_the_drain() -> None:
+    app = _app()
+    consumer_ = app.consumer
+    started = asyncio.Event()
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    task = asyncio.ensure_future(consumer_._deliver(forever()))
+    await started.wait()
+    task.cancel()  # the fetcher stopping
+    consumer_.stop_flow()  # and a rebalance at the same moment
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert consumer_._delivering is None
+
+
+async def test_stop_flow_between_deliveries_cancels_nothing() -> None:
+    app = _app()
+    consumer_ = app.consumer
+    assert await asyncio.wait_for(consumer_._deliver(_as_coro(lambda: 5)()), 5) is None
+    consumer_.stop_flow()  # no delivery in progress
+    assert consumer_._delivering is None and not consumer_._abandoning
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
