@@ -100,7 +100,7 @@ async def test_the_drain_loop_delivers_in_place_and_a_rebalance_abandons_a_block
     blocked = asyncio.Event()
     drain_task = None
 
-    async def getmany(timeout: float) -> Any:
+    async def getmany(**_: Any) -> Any:
         if not fetches:
             fetcher._stopped.set()  # the fetcher stops after the one fetch
             return
