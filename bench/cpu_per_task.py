@@ -436,8 +436,8 @@ async def main() -> None:
         print(
             f"{name:<30} {done:>7} {done / seconds:>8.1f} {per_task:>12} {cpu * 1000 / seconds:>9.1f}"
         )
-    print("\nCPU ms/s per thread (the main thread runs the event loop; Faust's consumer "
-          "has its own)")  # fmt: skip
+    print("\nCPU ms/s per thread (the main thread runs the event loop and the Kafka consumer; "
+          "with LLM_STREAMS_KAFKA__CONSUMER_THREAD the consumer has its own)")  # fmt: skip
     for name, threads in split.items():
         seconds = next(r[3] for r in rows if r[0] == name)
         busy = ", ".join(

@@ -131,8 +131,8 @@ class KafkaSettings(_Section):
     consumer_thread: bool = Field(
         False,
         description="Run the worker's Kafka consumer in a thread of its own, as Faust does by "
-        "default, instead of on the worker's event loop: ~1 ms more CPU per task at thin "
-        "traffic; only for pipeline code that can block the loop for seconds.",
+        "default, instead of on the worker's event loop: more CPU per task at thin traffic; "
+        "only for pipeline code that can block the loop for seconds.",
     )
     idempotent_producer: bool = Field(
         False, description="Kafka idempotent producer; Tansu cannot do it, keep off there."
