@@ -168,12 +168,20 @@ class Packer:
         task.add_done_callback(self._running.discard)
 
     async def _run(self, key: Key, items: list[Item]) -> None:
+        """Never leaves a task waiting on its pack: one the pack did not answer — it
+        failed, was cancelled, or left the item out — is told to answer alone."""
+        reason = "the pack gave it no answer"
         try:
             await self._send(key, items)
-        except Exception as exc:  # never leave a task waiting on a pack
+        except Exception as exc:
             log.exception("pack of %d tasks failed", len(items))
-            for item in items:
-                item.settle(PackedAnswer(None, reason=f"pack failed: {exc!r}"))
+            reason = f"pack failed: {exc!r}"
+        except BaseException:  # cancelled: its tasks go on without it
+            reason = "pack cancelled"
+            raise
+        finally:
+            for item in items:  # a no-op for the items the pack settled
+                item.settle(PackedAnswer(None, reason=reason))
 
 
 __all__ = [

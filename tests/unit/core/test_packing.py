@@ -14,6 +14,7 @@ import pytest
 from streams.contract.records import Source
 from streams.core.packing import (
     Item,
+    PackedAnswer,
     Packer,
     packed_messages,
     packed_schema,
@@ -77,6 +78,42 @@ async def test_a_failing_send_settles_every_item_to_be_answered_alone() -> None:
     items = [Item(f"t{i}", None, loop.time() + 5, lambda d: d) for i in range(3)]  # type: ignore[arg-type]
     answers = await asyncio.gather(*(packer.submit(("p",) * 5, i, 10, 0.01) for i in items))  # type: ignore[arg-type]
     assert all(a.output is None and "boom" in a.reason for a in answers)
+
+
+async def test_a_cancelled_pack_lets_every_task_answer_alone() -> None:
+    """A pack's task cancelled mid-send (a cancellation that is not the tasks' own) must
+    not leave its tasks waiting on it until their deadline."""
+    sending = asyncio.Event()
+
+    async def send(key: Any, items: list[Item]) -> None:
+        sending.set()
+        await asyncio.Event().wait()  # the request hangs
+
+    packer = Packer(send)
+    loop = asyncio.get_running_loop()
+    items = [Item(f"t{i}", None, loop.time() + 5, lambda d: d) for i in range(3)]  # type: ignore[arg-type]
+    waiting = asyncio.gather(*(packer.submit(("p",) * 5, i, 3, 10) for i in items))  # type: ignore[arg-type]
+    await asyncio.wait_for(sending.wait(), 5)
+    (pack,) = packer._running
+    pack.cancel()
+    answers = await asyncio.wait_for(waiting, 5)
+    assert [(a.output, a.reason) for a in answers] == [(None, "pack cancelled")] * 3
+    assert pack.cancelled()
+
+
+async def test_an_item_the_pack_leaves_unsettled_is_answered_alone() -> None:
+    async def send(key: Any, items: list[Item]) -> None:
+        items[0].settle(PackedAnswer({"ok": 1}))  # the others forgotten (a bug)
+
+    packer = Packer(send)
+    loop = asyncio.get_running_loop()
+    items = [Item(f"t{i}", None, loop.time() + 5, lambda d: d) for i in range(2)]  # type: ignore[arg-type]
+    answers = await asyncio.wait_for(
+        asyncio.gather(*(packer.submit(("p",) * 5, i, 2, 10) for i in items)),
+        5,  # type: ignore[arg-type]
+    )
+    assert answers[0].output == {"ok": 1}
+    assert (answers[1].output, answers[1].reason) == (None, "the pack gave it no answer")
 
 
 @pytest.fixture
