@@ -317,13 +317,23 @@ class TaskAgent:
             async for events in take(
                 stream, self.settings.batch.size, within=self.settings.batch.window_s
             ):
-                await asyncio.gather(*(self.sources.ingest(e.message, processor)
-                                       for e in events))  # fmt: skip
-                for event in events:
-                    await stream.ack(event)
+                await self._forward(stream, events, processor)
         finally:
             await self.sources.close()
             await self._lane_stopped(processor)
+
+    async def _forward(self, stream: Any, events: list[Any], processor: TaskProcessor) -> None:
+        """Source records mapped, forwarded and acked; once a stop has begun, left unacked
+        instead, as the lanes leave theirs: the partition's next owner forwards them."""
+        assert self.sources is not None
+        if self.stopping:
+            self._left_at_stop += faust_private.forget_unacked(
+                self.app.consumer, [e.message for e in events]
+            )
+            return
+        await asyncio.gather(*(self.sources.ingest(e.message, processor) for e in events))
+        for event in events:
+            await stream.ack(event)
 
     async def _run(self, stream: faust.Stream[Any], lane: Lane) -> None:
         settings = self.settings

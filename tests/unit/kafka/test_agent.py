@@ -8,6 +8,7 @@ from typing import Any
 import faust
 import pytest
 
+from streams.kafka import faust_private
 from streams.kafka import store as store_module
 from streams.kafka.agent import TaskAgent, asked
 from streams.kafka.parked import StoredRecord
@@ -94,3 +95,41 @@ def test_a_parked_record_comes_back_from_the_ledger_as_it_came_in() -> None:
     assert StoredRecord.unpack(packed) == message
     again = StoredRecord.unpack(StoredRecord(**{**message.__dict__, "key": None}).pack())
     assert again.key is None and asked(again).tier is not None
+
+
+async def test_source_records_taken_after_a_stop_began_are_left_for_the_next_owner(
+    agent: TaskAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Event:
+        def __init__(self, offset: int) -> None:
+            self.message = f"record {offset}"
+
+    class Sources:
+        ingested: list[str] = []
+
+        async def ingest(self, message: str, processor: Any) -> None:
+            self.ingested.append(message)
+
+    class Stream:
+        acked: list[Event] = []
+
+        async def ack(self, event: Event) -> None:
+            self.acked.append(event)
+
+    forgotten: list[str] = []
+
+    def forget(consumer: Any, messages: list[str]) -> int:
+        forgotten.extend(messages)
+        return len(messages)
+
+    monkeypatch.setattr(faust_private, "forget_unacked", forget)
+    monkeypatch.setattr(agent.app, "consumer", object(), raising=False)
+    sources, stream = Sources(), Stream()
+    agent.sources = sources  # type: ignore[assignment]
+    first = [Event(0), Event(1)]
+    await agent._forward(stream, first, None)  # type: ignore[arg-type]
+    assert sources.ingested == ["record 0", "record 1"] and stream.acked == first
+    agent.stopping = True  # what `begin_stop` sets first
+    await agent._forward(stream, [Event(2), Event(3)], None)  # type: ignore[arg-type]
+    assert sources.ingested == ["record 0", "record 1"] and stream.acked == first
+    assert forgotten == ["record 2", "record 3"] and agent._left_at_stop == 2
