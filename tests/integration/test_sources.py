@@ -1,7 +1,7 @@
 """Existing topics as they are, on real Kafka: a Debezium-shaped CDC topic and a plain JSON
 topic with no envelope are analysed end to end (task ids from the mapping, results keyed
 as any task's); deletes and tombstones are skipped; what cannot be mapped ends as an
-invalid_input dead letter."""
+invalid_input dead letter, and so does one whose task is larger than `llm-tasks` takes."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 import pytest
 from aiokafka.admin import NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from streams.dev.simulator import SimulatorServer
 from streams.kafka import clients
@@ -59,6 +60,18 @@ async def test_a_cdc_topic_and_a_plain_topic_are_analysed_as_they_are(
     settings = make_settings(llm={"base_url": simulator.base_url, "api_key": "k",
                                   "model": "sim-1"}, pipelines_dir=pipelines)  # fmt: skip
     await ensure_topics(settings)
+    admin = clients.admin(settings)
+    await admin.start()
+    try:  # llm-tasks takes 16 KiB records (read by the worker at start): 20 KB will not fit
+        await admin.alter_configs(
+            [
+                ConfigResource(
+                    ConfigResourceType.TOPIC, settings.topics.tasks, {"max.message.bytes": "16384"}
+                )
+            ]
+        )
+    finally:
+        await admin.close()
     rows = [{"id": i, "body": f"Review {i}: the strap broke after a week.",
              "product_name": "Bag", "stars": 1 + i % 5} for i in range(1, 9)]  # fmt: skip
     cdc: list[tuple[bytes | None, bytes | None]] = [
@@ -75,6 +88,8 @@ async def test_a_cdc_topic_and_a_plain_topic_are_analysed_as_they_are(
         for i in range(5)
     ]
     plain.append((None, b'{"comment": {"text": "no key"}}'))  # dead letter: source_key
+    big = orjson.dumps({"comment": {"text": "Too long. " * 2000}})  # 20 KB: source_too_large
+    plain.append((b"c-big", big))
     worker = WorkerProcess(settings, tmp_path / "worker.log").start()
     try:
         await _publish(settings, cdc_topic, cdc)
@@ -82,7 +97,7 @@ async def test_a_cdc_topic_and_a_plain_topic_are_analysed_as_they_are(
         wanted = {f"review-{r['id']}" for r in rows} | {f"c-{i}" for i in range(5)}
         got = await collect(settings, set(), timeout_s=120, worker=worker, settle_s=2.0,
                             until=lambda g: wanted <= {r["task_id"] for r in g.results}
-                            and len(g.dead_letters) >= 3)  # fmt: skip
+                            and len(g.dead_letters) >= 4)  # fmt: skip
         scrape = await worker.scrape()
     finally:
         worker.stop()
@@ -93,7 +108,10 @@ async def test_a_cdc_topic_and_a_plain_topic_are_analysed_as_they_are(
     assert by_task["c-2"]["pipeline"] == "plain-comments"
     assert all(r["output"]["sentiment"] for r in got.results)
     codes = sorted(d["error"]["code"] for d in got.dead_letters)
-    assert codes == ["source_key", "source_not_json", "source_pointer"], codes
+    assert codes == ["source_key", "source_not_json", "source_pointer", "source_too_large"], codes
+    (too_large,) = [d for d in got.dead_letters if d["error"]["code"] == "source_too_large"]
+    assert too_large["source"]["topic"] == plain_topic
+    assert "bytes, over the" in too_large["error"]["message"]
     assert all(d["error"]["category"] == "invalid_input" for d in got.dead_letters)
     assert {d["source"]["topic"] for d in got.dead_letters} == {cdc_topic, plain_topic}
     count = scrape.value
@@ -105,6 +123,8 @@ async def test_a_cdc_topic_and_a_plain_topic_are_analysed_as_they_are(
                  outcome="dead_letter") == 2  # fmt: skip
     assert count("llm_streams_source_records_total", pipeline="plain-comments",
                  outcome="forwarded") == 5  # fmt: skip
+    assert count("llm_streams_source_records_total", pipeline="plain-comments",
+                 outcome="dead_letter") == 2  # fmt: skip
 
 
 KEY = {"type": "record", "name": "Key", "namespace": "shop.public.reviews",
