@@ -56,6 +56,7 @@ def on_kafka(settings: Settings, work: Coroutine[Any, Any, T]) -> T:
     from aiokafka.errors import (
         ClusterAuthorizationFailedError,
         GroupAuthorizationFailedError,
+        KafkaError,
         TopicAuthorizationFailedError,
         TransactionalIdAuthorizationFailed,
     )
@@ -73,6 +74,9 @@ def on_kafka(settings: Settings, work: Coroutine[Any, Any, T]) -> T:
         click.echo(f"llm-streams: Kafka: not authorized: {exc!r}; grant the ACLs "
                    "`llm-streams acls` lists for this command", err=True)  # fmt: skip
         sys.exit(2)
+    except KafkaError as exc:  # the broker refused the command's work: one line, no traceback
+        click.echo(f"llm-streams: Kafka refused it: {exc!r}", err=True)
+        sys.exit(1)
 
 
 @click.group()
