@@ -13,7 +13,7 @@ from streams.api import processor_factory
 from streams.core.drift import DriftMonitor
 from streams.kafka import faust_private
 from streams.kafka.agent import TaskAgent
-from streams.kafka.drift import load_baselines
+from streams.kafka.drift import refresh_baselines
 from streams.kafka.limits import WriteLimits
 from streams.kafka.security import faust_credentials
 from streams.observability.metrics import Metrics
@@ -88,11 +88,7 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
     )  # fmt: skip
 
     async def read_baselines() -> None:
-        """The stored drift baselines, read again (an operator may have set one)."""
-        try:
-            drift.baselines = await load_baselines(settings)
-        except Exception as exc:  # the broker is away: keep the ones held, try again later
-            log.warning("could not read the drift baselines: %r", exc)
+        await refresh_baselines(settings, drift)
 
     # At start, then every `drift.refresh_s` (faust leaves both decorators untyped).
     app.task(read_baselines)

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 
 from streams.contract.records import now_iso
-from streams.core.drift import Profile, baseline_key
+from streams.core.drift import DriftMonitor, Profile, baseline_key
 from streams.kafka import clients
 from streams.kafka.scan import latest_objects, scan
 from streams.kafka.topics import drift_baselines_topic, ensure_topics
@@ -34,6 +34,17 @@ async def load_baselines(settings: Settings) -> dict[tuple[str, str], Profile]:
     return out
 
 
+async def refresh_baselines(settings: Settings, drift: DriftMonitor) -> None:
+    """The stored baselines read again into `drift` (an operator may have set one). While
+    the topic cannot be read (the broker away), `drift` keeps the ones it holds and the
+    next refresh tries again."""
+    try:
+        drift.baselines = await load_baselines(settings)
+    except Exception as exc:
+        log.warning("could not read the drift baselines (keeping the %d held): %r",
+                    len(drift.baselines), exc)  # fmt: skip
+
+
 async def save_baseline(
     settings: Settings, pipeline: str, version: str, profile: Profile, chosen: str
 ) -> dict[str, Any]:
@@ -54,4 +65,4 @@ async def save_baseline(
     return record
 
 
-__all__ = ["load_baselines", "save_baseline"]
+__all__ = ["load_baselines", "refresh_baselines", "save_baseline"]
