@@ -235,10 +235,14 @@ class RateLimiter:
             # Nobody waiting and capacity free: no queue round trip.
             return self._permit(tokens, 0.0, self._grant(tokens))
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._queue, _Waiter(int(lane), next(self._seq), tokens, future))
+        waiter = _Waiter(int(lane), next(self._seq), tokens, future)
+        heapq.heappush(self._queue, waiter)
         if self._pump is None or self._pump.done():
             self._pump = asyncio.create_task(self._run())
-        else:
+        elif self._queue[0] is waiter:
+            # It goes first now (a live call before replay ones, or a smaller one): the
+            # pump's sleep was for another. Behind the head it changes nothing, and a
+            # backlog's every new waiter would wake the pump once more per grant.
             self._wakeup.set()
         try:
             probe = await future

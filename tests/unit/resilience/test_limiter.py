@@ -405,3 +405,33 @@ async def test_a_member_joining_brings_the_rate_down_before_the_next_grant() -> 
     assert limiter.snapshot().rpm == pytest.approx(1500)
     # A bucket of 25 at once, then 25/s: the other 15 took 0.6 s, not nothing.
     assert clock.now() - 1001.01 == pytest.approx(0.6, abs=0.05)
+
+
+async def test_only_a_waiter_that_goes_first_wakes_the_sleeping_pump() -> None:
+    """A backlog held by the limit: each new waiter queues behind the head, and the pump
+    sleeps on for the head. Only one that goes before it (live before replay) wakes it."""
+    limiter = exact(rpm=1)  # the real clock: the pump sleeps a minute for the head
+    await limiter.acquire(0, Lane.REPLAY)  # empties the bucket
+    wakes: list[int] = []
+    event = limiter._wakeup
+    real_set = event.set
+
+    def counted_set() -> None:
+        wakes.append(len(limiter._queue))
+        real_set()
+
+    event.set = counted_set  # type: ignore[method-assign]
+    head = asyncio.ensure_future(limiter.acquire(0, Lane.REPLAY))
+    await asyncio.sleep(0.01)  # the pump runs and sleeps for the head
+    behind = [asyncio.ensure_future(limiter.acquire(0, Lane.REPLAY)) for _ in range(5)]
+    await asyncio.sleep(0.01)
+    assert wakes == []  # the pump slept through them
+    live = asyncio.ensure_future(limiter.acquire(0, Lane.LIVE))
+    await asyncio.sleep(0.01)
+    assert wakes == [7]  # the live call goes first: woken once, to sleep for it
+    assert not any(f.done() for f in [head, live, *behind])
+    for f in [head, live, *behind]:
+        f.cancel()
+    assert limiter._pump is not None
+    limiter._pump.cancel()
+    await asyncio.gather(head, live, *behind, limiter._pump, return_exceptions=True)
