@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import faust
@@ -22,8 +21,6 @@ from streams.observability.status import SAMPLE_EVERY_S, StatusView
 from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.limiter import GroupShare
 from streams.settings import Settings, load_settings
-
-log = logging.getLogger(__name__)
 
 
 class _App(faust.App):
