@@ -224,7 +224,7 @@ class RateLimiter:
         self._queue: list[_Waiter] = []
         self._seq = itertools.count()
         self._pump: asyncio.Task[None] | None = None
-        self._wakeup = asyncio.Event()
+        self._woken: asyncio.Future[None] | None = None  # the sleeping pump's wake-up
         self._mean_tokens = 0.0
         self._last_cut = float("-inf")  # when a 429 last cut the rate
 
@@ -243,7 +243,7 @@ class RateLimiter:
             # It goes first now (a live call before replay ones, or a smaller one): the
             # pump's sleep was for another. Behind the head it changes nothing, and a
             # backlog's every new waiter would wake the pump once more per grant.
-            self._wakeup.set()
+            self._wake()
         try:
             probe = await future
         except asyncio.CancelledError:
@@ -276,7 +276,7 @@ class RateLimiter:
         """The probe got no answer: the next call probes instead."""
         if self.probing and self._probe_out:
             self._probe_out = False
-            self._wakeup.set()
+            self._wake()
 
     def _wait_time(self, tokens: int, now: float) -> float:
         if self.probing and self._probe_out:
@@ -301,13 +301,22 @@ class RateLimiter:
                 heapq.heappop(self._queue)
                 head.future.set_result(self._grant(head.tokens))
                 continue
-            # Sleep until the head can go, or until a new (maybe higher-lane) waiter comes.
-            self._wakeup.clear()
-            sleeper = asyncio.ensure_future(self.clock.sleep(wait))
-            waker = asyncio.ensure_future(self._wakeup.wait())
-            await asyncio.wait([sleeper, waker], return_when=asyncio.FIRST_COMPLETED)
-            for task in (sleeper, waker):
-                task.cancel()
+            # Sleep until the head can go, or until a waiter that goes first (or news
+            # from the provider) wakes it: one future and one timer per sleep, not a
+            # task for each way to wake and an asyncio.wait over them.
+            self._woken = asyncio.get_running_loop().create_future()
+            timer = self.clock.call_later(wait, self._wake)
+            try:
+                await self._woken
+            finally:
+                timer.cancel()
+                self._woken = None
+
+    def _wake(self) -> None:
+        """The sleeping pump looks at the queue again (nothing if it is not asleep: it
+        looks before it sleeps)."""
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)
 
     def reconcile_tokens(self, estimated: int, actual: int) -> None:
         """The call's estimate settled against what it used: unused tokens go back —
@@ -322,7 +331,7 @@ class RateLimiter:
         """The first answer is in: stop probing (with or without headers)."""
         if self.probing:
             self.probing = False
-            self._wakeup.set()
+            self._wake()
 
     # -- learning ------------------------------------------------------------
     def _recover(self, now: float) -> None:
@@ -396,7 +405,7 @@ class RateLimiter:
         log.info(
             "throttled: rpm now %.0f, paused %.2fs", self.requests.per_minute, retry_after_s or 0
         )
-        self._wakeup.set()
+        self._wake()
 
     def observe(self, headers: Mapping[str, str], permit: Permit | None = None) -> None:
         """Steer the buckets by the provider's `x-ratelimit-*` headers, when it sends them.

@@ -413,14 +413,13 @@ async def test_only_a_waiter_that_goes_first_wakes_the_sleeping_pump() -> None:
     limiter = exact(rpm=1)  # the real clock: the pump sleeps a minute for the head
     await limiter.acquire(0, Lane.REPLAY)  # empties the bucket
     wakes: list[int] = []
-    event = limiter._wakeup
-    real_set = event.set
+    real_wake = limiter._wake
 
-    def counted_set() -> None:
+    def counted_wake() -> None:
         wakes.append(len(limiter._queue))
-        real_set()
+        real_wake()
 
-    event.set = counted_set  # type: ignore[method-assign]
+    limiter._wake = counted_wake  # type: ignore[method-assign]
     head = asyncio.ensure_future(limiter.acquire(0, Lane.REPLAY))
     await asyncio.sleep(0.01)  # the pump runs and sleeps for the head
     behind = [asyncio.ensure_future(limiter.acquire(0, Lane.REPLAY)) for _ in range(5)]
@@ -435,3 +434,20 @@ async def test_only_a_waiter_that_goes_first_wakes_the_sleeping_pump() -> None:
     assert limiter._pump is not None
     limiter._pump.cancel()
     await asyncio.gather(head, live, *behind, limiter._pump, return_exceptions=True)
+
+
+async def test_on_the_real_clock_the_pump_sleeps_on_a_loop_timer_and_grants_in_order() -> None:
+    """The pump's sleep is one loop timer on the real clock: a backlog held by 1,200 RPM
+    (20/s, a burst of one) is granted one by one, in order, and the pump ends with it."""
+    limiter = exact(rpm=1200, burst_s=0.05)
+    order: list[int] = []
+
+    async def one(i: int) -> None:
+        await limiter.acquire()
+        order.append(i)
+
+    await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(4))), 5)
+    assert order == [0, 1, 2, 3]
+    assert limiter._pump is not None
+    await asyncio.wait_for(limiter._pump, 1)  # the queue is empty: the pump is done
+    assert limiter._woken is None
