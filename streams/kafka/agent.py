@@ -327,9 +327,7 @@ class TaskAgent:
         instead, as the lanes leave theirs: the partition's next owner forwards them."""
         assert self.sources is not None
         if self.stopping:
-            self._left_at_stop += faust_private.forget_unacked(
-                self.app.consumer, [e.message for e in events]
-            )
+            self._leave(events)
             return
         await asyncio.gather(*(self.sources.ingest(e.message, processor) for e in events))
         for event in events:
@@ -350,9 +348,7 @@ class TaskAgent:
                 m.batch_fill.observe(time.monotonic() - waiting_since)
                 for i, event in enumerate(events):
                     if self.stopping:  # not started, not acked: the next owner runs them
-                        self._left_at_stop += faust_private.forget_unacked(
-                            self.app.consumer, [e.message for e in events[i:]]
-                        )
+                        self._leave(events[i:])
                         break
                     message = event.message
                     m.tasks_received.labels(lane_name).inc()
@@ -403,10 +399,16 @@ class TaskAgent:
         # Held: the loop keeps only a weak reference to a task.
         self._finishing = loop.create_task(self._finish_started())
 
+    def _leave(self, events: list[Any] | None) -> None:
+        """Records taken and, a stop begun, never to be started here (`events`, or every
+        one not acked): left unacked to the partition's next owner, and counted."""
+        messages = None if events is None else [e.message for e in events]
+        self._left_at_stop += faust_private.forget_unacked(self.app.consumer, messages)
+
     async def _finish_started(self) -> None:
         await self._finish(list(self._dispatchers.values()))
         try:
-            self._left_at_stop += faust_private.forget_unacked(self.app.consumer)
+            self._leave(None)
         except Exception as exc:  # no consumer (never started): nothing waits for acks
             log.debug("no taken records to leave: %r", exc)
             return
