@@ -152,10 +152,10 @@ def _short(frame: str) -> str:
     return f"{name} ({tail})"
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds so far per thread: "main" (the event loop) and the others by id
-    (Python does not name its threads for the OS)."""
-    out: dict[str, float] = {}
+def thread_cpu(pid: int) -> dict[str, tuple[float, float]]:
+    """CPU seconds so far per thread, (all, in the kernel): "main" (the event loop) and
+    the others by id (Python does not name its threads for the OS)."""
+    out: dict[str, tuple[float, float]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             rest = (task / "stat").read_text().rpartition(")")[2]
@@ -163,7 +163,8 @@ def thread_cpu(pid: int) -> dict[str, float]:
             continue
         fields = rest.split()
         name = "main" if int(task.name) == pid else f"thread {task.name}"
-        out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        tick = os.sysconf("SC_CLK_TCK")
+        out[name] = ((int(fields[11]) + int(fields[12])) / tick, int(fields[12]) / tick)
     return out
 
 
@@ -198,14 +199,17 @@ class Syscalls:
 
 async def window(worker: subprocess.Popen[bytes], outcomes: Outcomes, profiler: Profiler,
                  syscalls: Syscalls, name: str,
-                 seconds: float) -> tuple[int, float, dict[str, float]]:  # fmt: skip
+                 seconds: float) -> tuple[int, float, dict[str, tuple[float, float]]]:  # fmt: skip
     """Tasks answered, worker CPU seconds and CPU seconds per thread over the next `seconds`."""
     profiler.start(name, seconds)
     syscalls.start()
     done, cpu, threads = outcomes.count, cpu_seconds(worker.pid), thread_cpu(worker.pid)
     await asyncio.sleep(seconds)
     after = thread_cpu(worker.pid)
-    per_thread = {name: spent - threads.get(name, 0.0) for name, spent in after.items()}
+    per_thread = {
+        name: (spent - threads.get(name, (0.0, 0.0))[0], kernel - threads.get(name, (0.0, 0.0))[1])
+        for name, (spent, kernel) in after.items()
+    }
     return outcomes.count - done, cpu_seconds(worker.pid) - cpu, per_thread
 
 
@@ -338,7 +342,7 @@ async def main() -> None:
     logdir = Path(tempfile.mkdtemp(prefix="llm-streams-cpu-"))
     sim = Sim(rpm=0, tpm=0, latency_ms=0, jitter_ms=0, error_rate=0.0)
     rows: list[tuple[str, int, float, float]] = []
-    split: dict[str, dict[str, float]] = {}
+    split: dict[str, dict[str, tuple[float, float]]] = {}
     profiles = {}
     counted: dict[str, tuple[Counter[str], int]] = {}
     try:
@@ -436,13 +440,14 @@ async def main() -> None:
         print(
             f"{name:<30} {done:>7} {done / seconds:>8.1f} {per_task:>12} {cpu * 1000 / seconds:>9.1f}"
         )
-    print("\nCPU ms/s per thread (the main thread runs the event loop and the Kafka consumer; "
-          "with LLM_STREAMS_KAFKA__CONSUMER_THREAD the consumer has its own)")  # fmt: skip
+    print("\nCPU ms/s per thread, of it in the kernel (the main thread runs the event loop and "
+          "the Kafka consumer; with LLM_STREAMS_KAFKA__CONSUMER_THREAD the consumer has its "
+          "own)")  # fmt: skip
     for name, threads in split.items():
         seconds = next(r[3] for r in rows if r[0] == name)
         busy = ", ".join(
-            f"{t} {c * 1000 / seconds:.1f}"
-            for t, c in sorted(threads.items(), key=lambda x: -x[1])[:5]
+            f"{t} {c * 1000 / seconds:.1f} (kernel {k * 1000 / seconds:.1f})"
+            for t, (c, k) in sorted(threads.items(), key=lambda x: -x[1][0])[:5]
             if c > 0
         )
         print(f"  {name:<26} {busy}")
