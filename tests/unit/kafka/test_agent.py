@@ -133,3 +133,34 @@ async def test_source_records_taken_after_a_stop_began_are_left_for_the_next_own
     await agent._forward(stream, [Event(2), Event(3)], None)  # type: ignore[arg-type]
     assert sources.ingested == ["record 0", "record 1"] and stream.acked == first
     assert forgotten == ["record 2", "record 3"] and agent._left_at_stop == 2
+
+
+async def test_a_worker_that_cannot_write_begins_the_same_stop_as_a_signal(
+    agent: TaskAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's crash (the broker cannot be written to) starts the watchdog, which
+    tells the agent: it starts nothing more and leaves every record taken and not acked
+    to the partitions' next owner, as a SIGTERM does; the app is crashed after that."""
+    order: list[str] = []
+
+    def forget(consumer: Any, messages: Any = None) -> int:
+        order.append(f"left {messages}")
+        return 3
+
+    async def crash_app(exc: BaseException) -> None:
+        order.append(f"app crashed: {exc}")
+
+    monkeypatch.setattr(faust_private, "forget_unacked", forget)
+    monkeypatch.setattr(agent.app, "consumer", object(), raising=False)
+    monkeypatch.setattr(agent.writer, "_crash_app", crash_app)
+    agent.watchdog.grace_s = 3600  # the stop's bound, never reached here
+    try:
+        assert not agent.stopping
+        await agent.writer.crash(RuntimeError("cannot write"))
+        assert agent.stopping and agent._finishing is not None
+        await agent._finishing
+        assert order == ["app crashed: cannot write", "left None"]
+        assert agent._left_at_stop == 3
+        assert agent.watchdog.started_at is not None
+    finally:
+        agent.watchdog.cancel()
