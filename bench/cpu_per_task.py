@@ -7,7 +7,8 @@ that lives through all regimes in turn, on the same topics:
 1. idle: no traffic, CPU per second;
 2. saturation: N tasks pre-loaded, the simulator answering at once, no limits
    (a 5 s window while they drain);
-3. paced 10/s and 50/s: tasks published at that rate, answers in 300 +- 100 ms;
+3. paced 10/s and 50/s (or any rate N/s: pacedN): tasks published at that rate,
+   answers in 300 +- 100 ms;
 4. rate-limited: N tasks pre-loaded, the simulator enforcing 3,000 RPM (50/s)
    with 300 +- 100 ms answers, the limit not told to the worker;
 5. packed: N tasks pre-loaded for comment-analysis with prompt packing (packs of
@@ -22,7 +23,7 @@ worker's own); `--floor` then runs the paced regimes through two bare
 pass-throughs that write each record on (one acked write): a Faust agent, and
 aiokafka alone on one event loop — the floors under the worker's cost.
 
-    python bench/cpu_per_task.py [--tasks 10000] [--seconds 30] [--regimes idle,paced10]
+    python bench/cpu_per_task.py [--tasks 10000] [--seconds 30] [--regimes idle,paced2,paced10]
                                  [--profile DIR [--native]] [--strace] [--floor]
 """
 
@@ -257,9 +258,7 @@ async def floor(kafka: ApacheKafka, script: str, regimes: set[str], seconds: flo
     try:
         sent = await paced(producer, source, 20, 5, 0)  # joins the group
         await outcomes.until(sent, 120)
-        for rate in (10, 50):
-            if f"paced{rate}" not in regimes:
-                continue
+        for rate in paced_rates(regimes):
             pacer = asyncio.create_task(paced(producer, source, rate, seconds + 4, sent))
             await asyncio.sleep(2.0)
             done, cpu = outcomes.count, cpu_seconds(proc.pid)
@@ -282,6 +281,14 @@ async def wind_down(producer: AIOKafkaProducer, stop_reading: asyncio.Event,
 
 
 REGIMES = ("idle", "saturation", "paced10", "paced50", "limited", "packed")
+PACED = re.compile(r"paced([1-9]\d*)")  # any steady rate: paced2, paced25, ...
+
+
+def paced_rates(regimes: set[str]) -> list[int]:
+    """The paced regimes' rates (tasks/s), slowest first."""
+    return sorted(int(m[1]) for r in regimes if (m := PACED.fullmatch(r)))
+
+
 PACKED = "comment-analysis-packed"
 
 
@@ -331,12 +338,13 @@ async def main() -> None:
     parser.add_argument(
         "--regimes",
         default=",".join(REGIMES),
-        help=f"which regimes, in this order: {','.join(REGIMES)}",
+        help=f"which regimes, in this order: {','.join(REGIMES)} (pacedN: any rate N/s)",
     )
     args = parser.parse_args()
     regimes = set(args.regimes.split(","))
-    if regimes - set(REGIMES):
-        parser.error(f"unknown regime(s): {', '.join(sorted(regimes - set(REGIMES)))}")
+    unknown = {r for r in regimes - set(REGIMES) if not PACED.fullmatch(r)}
+    if unknown:
+        parser.error(f"unknown regime(s): {', '.join(sorted(unknown))}")
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     logdir = Path(tempfile.mkdtemp(prefix="llm-streams-cpu-"))
@@ -401,9 +409,7 @@ async def main() -> None:
                     await measure("saturation", 5.0)
                     await outcomes.until(sent, 600)
                 sim.call("/sim/config", {"latency_ms": 300, "latency_jitter_ms": 100})
-                for rate in (10, 50):
-                    if f"paced{rate}" not in regimes:
-                        continue
+                for rate in paced_rates(regimes):
                     pacer = asyncio.create_task(paced(producer, settings.topics.tasks, rate,
                                                       args.seconds + 4, sent))  # fmt: skip
                     await asyncio.sleep(2.0)
