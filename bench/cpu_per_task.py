@@ -227,14 +227,16 @@ async def paced(producer: AIOKafkaProducer, topic: str, rate: float, seconds: fl
     return i
 
 
-FLOORS = {  # name: the pass-through's script
-    "Faust pass-through": "passthrough_app.py",
-    "aiokafka pass-through": "passthrough_aiokafka.py",
+FLOORS = {  # name: the pass-through's script, and its environment
+    "Faust pass-through": ("passthrough_app.py", {}),
+    # Faust with its consumer on the app's loop, as the worker runs it (InLoopTransport)
+    "Faust in-loop pass-through": ("passthrough_app.py", {"BENCH_IN_LOOP": "1"}),
+    "aiokafka pass-through": ("passthrough_aiokafka.py", {}),
 }
 
 
-async def floor(kafka: ApacheKafka, script: str, regimes: set[str], seconds: float,
-                logdir: Path) -> list[tuple[int, int, float]]:  # fmt: skip
+async def floor(kafka: ApacheKafka, script: str, extra: dict[str, str], regimes: set[str],
+                seconds: float, logdir: Path) -> list[tuple[int, int, float]]:  # fmt: skip
     """The same paced traffic through a bare pass-through that writes each record on,
     awaiting the broker's ack: a Faust agent (bench/passthrough_app.py), or aiokafka
     alone on one loop (bench/passthrough_aiokafka.py). What the framework costs per
@@ -245,8 +247,8 @@ async def floor(kafka: ApacheKafka, script: str, regimes: set[str], seconds: flo
     await create_topic(kafka.bootstrap, sink)
     env = {**os.environ, "BENCH_BROKER": kafka.url, "BENCH_BOOTSTRAP": kafka.bootstrap,
            "BENCH_SOURCE": source, "BENCH_SINK": sink, "BENCH_APP_ID": f"pt-{suffix}",
-           "BENCH_WEB_PORT": str(free_port()), "BENCH_ACKED": "1"}  # fmt: skip
-    with open(logdir / f"{script}.log", "wb") as log:
+           "BENCH_WEB_PORT": str(free_port()), "BENCH_ACKED": "1", **extra}  # fmt: skip
+    with open(logdir / f"{script}-{suffix}.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, str(HERE / script)], env=env,
                                 stdout=log, stderr=subprocess.STDOUT, cwd=logdir)  # fmt: skip
     outcomes = Outcomes()
@@ -433,8 +435,9 @@ async def main() -> None:
                     await outcomes.until(sent, 900)
             finally:
                 await wind_down(producer, stop_reading, reader, worker)
-            for name, script in FLOORS.items() if args.floor else ():
-                for rate, done, cpu in await floor(kafka, script, regimes, args.seconds, logdir):
+            for name, (script, extra) in FLOORS.items() if args.floor else ():
+                for rate, done, cpu in await floor(kafka, script, extra, regimes, args.seconds,
+                                                   logdir):  # fmt: skip
                     rows.append((f"{name} {rate}/s", done, cpu, args.seconds))
     finally:
         stop(sim.proc)

@@ -2,7 +2,8 @@
 
 Run as `python bench/passthrough_app.py` with BENCH_BROKER, BENCH_SOURCE,
 BENCH_SINK, BENCH_APP_ID, BENCH_WEB_PORT in the environment (BENCH_ACKED=1: each
-record's write is awaited until the broker acks it, as the worker does). It starts the
+record's write is awaited until the broker acks it, as the worker does; BENCH_IN_LOOP=1:
+Faust's consumer runs on the app's loop, as the worker's does). It starts the
 worker exactly as `llm-streams worker` does (same event loop, no spinner), so
 the ratio measures the pipeline, not worker set-up differences.
 """
@@ -13,7 +14,10 @@ import os
 
 import faust
 
-app = faust.App(
+from streams.kafka.app import InLoopApp
+
+IN_LOOP = os.environ.get("BENCH_IN_LOOP") == "1"
+app = (InLoopApp if IN_LOOP else faust.App)(
     os.environ["BENCH_APP_ID"],
     broker=os.environ["BENCH_BROKER"],
     store="memory://",

@@ -23,7 +23,7 @@ from streams.resilience.limiter import GroupShare
 from streams.settings import Settings, load_settings
 
 
-class _App(faust.App):
+class InLoopApp(faust.App):
     """Faust's app with its consumer on the app's own loop (`faust_private.InLoopConsumer`)."""
 
     def _new_transport(self) -> Any:
@@ -39,7 +39,7 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
     room = (limits or WriteLimits(settings.kafka.max_request_bytes)).record_room(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # Faust makes only the last level
     buffer = max(settings.batch.buffer, settings.batch.size)
-    app = (faust.App if settings.kafka.consumer_thread else _App)(
+    app = (faust.App if settings.kafka.consumer_thread else InLoopApp)(
         settings.app_id,
         broker=settings.kafka.broker_url,
         broker_credentials=faust_credentials(settings),  # the clients' own security
