@@ -19,9 +19,11 @@ Printed per regime: tasks answered in the measuring window, and the worker's CPU
 records each window with py-spy (attached to the worker) and prints the top
 entries by own time and by total time; `--strace` counts the worker's system
 calls per task (strace slows the worker: its CPU figures are then not the
-worker's own); `--floor` then runs the paced regimes through two bare
-pass-throughs that write each record on (one acked write): a Faust agent, and
-aiokafka alone on one event loop — the floors under the worker's cost.
+worker's own); `--floor` measures, right after the worker at each paced rate,
+three bare pass-throughs that write each record on (one acked write), started
+beside it: a Faust agent (Faust's consumer thread), the same agent with its
+consumer on the app's loop as the worker runs it, and aiokafka alone on one event
+loop — the floors under the worker's cost, minutes apart from it at most.
 
     python bench/cpu_per_task.py [--tasks 10000] [--seconds 30] [--regimes idle,paced2,paced10]
                                  [--profile DIR [--native]] [--strace] [--floor]
@@ -235,42 +237,65 @@ FLOORS = {  # name: the pass-through's script, and its environment
 }
 
 
-async def floor(kafka: ApacheKafka, script: str, extra: dict[str, str], regimes: set[str],
-                seconds: float, logdir: Path) -> list[tuple[int, int, float]]:  # fmt: skip
-    """The same paced traffic through a bare pass-through that writes each record on,
-    awaiting the broker's ack: a Faust agent (bench/passthrough_app.py), or aiokafka
-    alone on one loop (bench/passthrough_aiokafka.py). What the framework costs per
-    record before any of the worker's own work. (rate, records, CPU s) per rate."""
-    suffix = uuid.uuid4().hex[:6]
-    source, sink = f"pt-in-{suffix}", f"pt-out-{suffix}"
-    await create_topic(kafka.bootstrap, source)
-    await create_topic(kafka.bootstrap, sink)
-    env = {**os.environ, "BENCH_BROKER": kafka.url, "BENCH_BOOTSTRAP": kafka.bootstrap,
-           "BENCH_SOURCE": source, "BENCH_SINK": sink, "BENCH_APP_ID": f"pt-{suffix}",
-           "BENCH_WEB_PORT": str(free_port()), "BENCH_ACKED": "1", **extra}  # fmt: skip
-    with open(logdir / f"{script}-{suffix}.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(HERE / script)], env=env,
-                                stdout=log, stderr=subprocess.STDOUT, cwd=logdir)  # fmt: skip
-    outcomes = Outcomes()
-    stop_reading = asyncio.Event()
-    reader = asyncio.create_task(outcomes.read(kafka.bootstrap, [sink], stop_reading))
-    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, linger_ms=5, acks=1)
-    await producer.start()
-    rows = []
-    try:
-        sent = await paced(producer, source, 20, 5, 0)  # joins the group
-        await outcomes.until(sent, 120)
-        for rate in paced_rates(regimes):
-            pacer = asyncio.create_task(paced(producer, source, rate, seconds + 4, sent))
-            await asyncio.sleep(2.0)
-            done, cpu = outcomes.count, cpu_seconds(proc.pid)
-            await asyncio.sleep(seconds)
-            rows.append((rate, outcomes.count - done, cpu_seconds(proc.pid) - cpu))
-            sent += await pacer
-            await outcomes.until(sent, 120)
-    finally:
-        await wind_down(producer, stop_reading, reader, proc)
-    return rows
+class Floor:
+    """A bare pass-through that writes each record on, awaiting the broker's ack: a
+    Faust agent (bench/passthrough_app.py), or aiokafka alone on one loop
+    (bench/passthrough_aiokafka.py) — what the framework costs per record before any
+    of the worker's own work. Started beside the worker and measured right after the
+    worker at each paced rate, so the host's drift between them stays small."""
+
+    def __init__(self, kafka: ApacheKafka, script: str, extra: dict[str, str],
+                 logdir: Path) -> None:  # fmt: skip
+        self.kafka, self.script, self.extra, self.logdir = kafka, script, extra, logdir
+        self.sent = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.producer: AIOKafkaProducer | None = None
+        self.reader: asyncio.Task[None] | None = None
+        self.stop_reading = asyncio.Event()
+
+    async def start(self) -> None:
+        kafka, suffix = self.kafka, uuid.uuid4().hex[:6]
+        self.source, sink = f"pt-in-{suffix}", f"pt-out-{suffix}"
+        await create_topic(kafka.bootstrap, self.source)
+        await create_topic(kafka.bootstrap, sink)
+        env = {**os.environ, "BENCH_BROKER": kafka.url, "BENCH_BOOTSTRAP": kafka.bootstrap,
+               "BENCH_SOURCE": self.source, "BENCH_SINK": sink, "BENCH_APP_ID": f"pt-{suffix}",
+               "BENCH_WEB_PORT": str(free_port()), "BENCH_ACKED": "1", **self.extra}  # fmt: skip
+        with open(self.logdir / f"{self.script}-{suffix}.log", "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, str(HERE / self.script)], env=env,
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=self.logdir)  # fmt: skip
+        self.outcomes = Outcomes()
+        self.reader = asyncio.create_task(
+            self.outcomes.read(kafka.bootstrap, [sink], self.stop_reading)
+        )
+        self.producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, linger_ms=5, acks=1)
+        await self.producer.start()
+        self.sent = await paced(self.producer, self.source, 20, 5, 0)  # joins the group
+        await self.outcomes.until(self.sent, 120)
+
+    async def measure(self, rate: int, seconds: float) -> tuple[int, float]:
+        """Records written on and CPU seconds over `seconds` of traffic at `rate`/s."""
+        assert self.proc is not None and self.producer is not None
+        pacer = asyncio.create_task(paced(self.producer, self.source, rate, seconds + 4,
+                                          self.sent))  # fmt: skip
+        await asyncio.sleep(2.0)
+        done, cpu = self.outcomes.count, cpu_seconds(self.proc.pid)
+        await asyncio.sleep(seconds)
+        row = (self.outcomes.count - done, cpu_seconds(self.proc.pid) - cpu)
+        self.sent += await pacer
+        await self.outcomes.until(self.sent, 120)
+        return row
+
+    async def close(self) -> None:
+        """Whatever of it started, stopped."""
+        if self.producer is not None:
+            await self.producer.stop()
+        self.stop_reading.set()
+        if self.reader is not None:
+            await self.reader
+        if self.proc is not None:
+            stop(self.proc)
 
 
 async def wind_down(producer: AIOKafkaProducer, stop_reading: asyncio.Event,
@@ -398,6 +423,7 @@ async def main() -> None:
                 if got is not None:
                     profiles[name] = got
 
+            floors: dict[str, Floor] = {}  # --floor: started before the paced regimes
             try:
                 # Warm-up: join the group, load the tokenizer and the pipelines.
                 sent += await paced(producer, settings.topics.tasks, 20, 5, sent)
@@ -411,6 +437,9 @@ async def main() -> None:
                     await measure("saturation", 5.0)
                     await outcomes.until(sent, 600)
                 sim.call("/sim/config", {"latency_ms": 300, "latency_jitter_ms": 100})
+                for name, (script, extra) in FLOORS.items() if args.floor else ():
+                    floors[name] = Floor(kafka, script, extra, logdir)
+                    await floors[name].start()
                 for rate in paced_rates(regimes):
                     pacer = asyncio.create_task(paced(producer, settings.topics.tasks, rate,
                                                       args.seconds + 4, sent))  # fmt: skip
@@ -418,6 +447,9 @@ async def main() -> None:
                     await measure(f"paced {rate}/s", args.seconds)
                     sent += await pacer
                     await outcomes.until(sent, 120)
+                    for name, pass_through in floors.items():  # right after, the same rate
+                        done, cpu = await pass_through.measure(rate, args.seconds)
+                        rows.append((f"{name} {rate}/s", done, cpu, args.seconds))
                 if "packed" in regimes:  # a backlog of packed tasks, answered at once
                     sim.call("/sim/config", {"latency_ms": 0, "latency_jitter_ms": 0})
                     await preload_packed(kafka.bootstrap, settings.topics.tasks, args.tasks, sent)
@@ -434,11 +466,9 @@ async def main() -> None:
                     await measure("rate-limited 3,000 RPM", args.seconds)
                     await outcomes.until(sent, 900)
             finally:
+                for pass_through in floors.values():
+                    await pass_through.close()
                 await wind_down(producer, stop_reading, reader, worker)
-            for name, (script, extra) in FLOORS.items() if args.floor else ():
-                for rate, done, cpu in await floor(kafka, script, extra, regimes, args.seconds,
-                                                   logdir):  # fmt: skip
-                    rows.append((f"{name} {rate}/s", done, cpu, args.seconds))
     finally:
         stop(sim.proc)
     print("one worker, comment-analysis pipeline (spans, redaction on); Apache Kafka 4.1.1; "
