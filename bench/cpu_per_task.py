@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import re
 import shutil
@@ -43,7 +44,9 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -159,6 +162,7 @@ def thread_cpu(pid: int) -> dict[str, tuple[float, float]]:
     """CPU seconds so far per thread, (all, in the kernel): "main" (the event loop) and
     the others by id (Python does not name its threads for the OS)."""
     out: dict[str, tuple[float, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             rest = (task / "stat").read_text().rpartition(")")[2]
@@ -166,7 +170,6 @@ def thread_cpu(pid: int) -> dict[str, tuple[float, float]]:
             continue
         fields = rest.split()
         name = "main" if int(task.name) == pid else f"thread {task.name}"
-        tick = os.sysconf("SC_CLK_TCK")
         out[name] = ((int(fields[11]) + int(fields[12])) / tick, int(fields[12]) / tick)
     return out
 
@@ -209,10 +212,10 @@ async def window(worker: subprocess.Popen[bytes], outcomes: Outcomes, profiler: 
     done, cpu, threads = outcomes.count, cpu_seconds(worker.pid), thread_cpu(worker.pid)
     await asyncio.sleep(seconds)
     after = thread_cpu(worker.pid)
-    per_thread = {
-        name: (spent - threads.get(name, (0.0, 0.0))[0], kernel - threads.get(name, (0.0, 0.0))[1])
-        for name, (spent, kernel) in after.items()
-    }
+    per_thread = {}
+    for name, (spent, kernel) in after.items():
+        spent_before, kernel_before = threads.get(name, (0.0, 0.0))
+        per_thread[name] = (spent - spent_before, kernel - kernel_before)
     return outcomes.count - done, cpu_seconds(worker.pid) - cpu, per_thread
 
 
@@ -227,6 +230,22 @@ async def paced(producer: AIOKafkaProducer, topic: str, rate: float, seconds: fl
             i += 1
         await asyncio.sleep(0.005)
     return i
+
+
+T = TypeVar("T")
+
+
+async def at_rate(producer: AIOKafkaProducer, topic: str, rate: int, seconds: float, sent: int,
+                  outcomes: Outcomes, window: Callable[[], Awaitable[T]]) -> tuple[int, T]:  # fmt: skip
+    """`window()` measured while tasks go to `topic` at `rate`/s (from 2 s in, so the
+    window sees steady traffic), then every task answered; (tasks sent in all, what the
+    window measured)."""
+    pacer = asyncio.create_task(paced(producer, topic, rate, seconds + 4, sent))
+    await asyncio.sleep(2.0)
+    measured = await window()
+    sent += await pacer
+    await outcomes.until(sent, 120)
+    return sent, measured
 
 
 FLOORS = {  # name: the pass-through's script, and its environment
@@ -277,34 +296,33 @@ class Floor:
     async def measure(self, rate: int, seconds: float) -> tuple[int, float]:
         """Records written on and CPU seconds over `seconds` of traffic at `rate`/s."""
         assert self.proc is not None and self.producer is not None
-        pacer = asyncio.create_task(paced(self.producer, self.source, rate, seconds + 4,
-                                          self.sent))  # fmt: skip
-        await asyncio.sleep(2.0)
-        done, cpu = self.outcomes.count, cpu_seconds(self.proc.pid)
-        await asyncio.sleep(seconds)
-        row = (self.outcomes.count - done, cpu_seconds(self.proc.pid) - cpu)
-        self.sent += await pacer
-        await self.outcomes.until(self.sent, 120)
+        pid = self.proc.pid
+
+        async def window() -> tuple[int, float]:
+            done, cpu = self.outcomes.count, cpu_seconds(pid)
+            await asyncio.sleep(seconds)
+            return self.outcomes.count - done, cpu_seconds(pid) - cpu
+
+        self.sent, row = await at_rate(self.producer, self.source, rate, seconds, self.sent,
+                                       self.outcomes, window)  # fmt: skip
         return row
 
     async def close(self) -> None:
-        """Whatever of it started, stopped."""
-        if self.producer is not None:
-            await self.producer.stop()
-        self.stop_reading.set()
-        if self.reader is not None:
-            await self.reader
-        if self.proc is not None:
-            stop(self.proc)
+        await wind_down(self.producer, self.stop_reading, self.reader, self.proc)
 
 
-async def wind_down(producer: AIOKafkaProducer, stop_reading: asyncio.Event,
-                    reader: asyncio.Task[None], proc: subprocess.Popen[bytes]) -> None:  # fmt: skip
-    """The traffic's producer, the outcomes' reader and the process under test, stopped."""
-    await producer.stop()
+async def wind_down(producer: AIOKafkaProducer | None, stop_reading: asyncio.Event,
+                    reader: asyncio.Task[None] | None,
+                    proc: subprocess.Popen[bytes] | None) -> None:  # fmt: skip
+    """The traffic's producer, the outcomes' reader and the process under test, stopped:
+    whatever of them started."""
+    if producer is not None:
+        await producer.stop()
     stop_reading.set()
-    await reader
-    stop(proc)
+    if reader is not None:
+        await reader
+    if proc is not None:
+        stop(proc)
 
 
 REGIMES = ("idle", "saturation", "paced10", "paced50", "limited", "packed")
@@ -441,12 +459,10 @@ async def main() -> None:
                     floors[name] = Floor(kafka, script, extra, logdir)
                     await floors[name].start()
                 for rate in paced_rates(regimes):
-                    pacer = asyncio.create_task(paced(producer, settings.topics.tasks, rate,
-                                                      args.seconds + 4, sent))  # fmt: skip
-                    await asyncio.sleep(2.0)
-                    await measure(f"paced {rate}/s", args.seconds)
-                    sent += await pacer
-                    await outcomes.until(sent, 120)
+                    sent, _ = await at_rate(producer, settings.topics.tasks, rate, args.seconds,
+                                            sent, outcomes,
+                                            functools.partial(measure, f"paced {rate}/s",
+                                                              args.seconds))  # fmt: skip
                     for name, pass_through in floors.items():  # right after, the same rate
                         done, cpu = await pass_through.measure(rate, args.seconds)
                         rows.append((f"{name} {rate}/s", done, cpu, args.seconds))
