@@ -119,7 +119,7 @@ async def main() -> None:
                 app_id=f"batch-{suffix}",
                 kafka={"broker_url": kafka.url, "partitions": 4},
                 topics={t: f"{t}-{suffix}" for t in ("tasks", "replay", "results", "dead_letters", "review")},
-                llm={"base_url": f"{sim.base}/v1", "api_key": "bench-key", "model": "sim-1",
+                llm={"base_url": f"{sim.base}/v1", "api_key": sim.KEY, "model": "sim-1",
                      "max_attempts": 6, "task_deadline_s": 600},
                 batch={"size": 200, "window_s": 0.05, "concurrency": 64},
                 batch_api={"linger_s": 2.0, "poll_s": 1.0, "poll_max_s": 5.0},

@@ -50,13 +50,15 @@ LOGDIR: Path | None = None
 
 
 class Sim:
+    KEY = "bench-key"  # the API key the simulator takes
+
     def __init__(self, rpm: int, tpm: int, *, latency_ms: int = 300, jitter_ms: int = 100,
                  error_rate: float = 0.01) -> None:  # fmt: skip
         self.port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "streams.cli", "simulate-llm", "--port", str(self.port),
              "--latency-ms", str(latency_ms), "--jitter-ms", str(jitter_ms), "--rpm", str(rpm),
-             "--tpm", str(tpm), "--error-500-rate", str(error_rate), "--api-key", "bench-key"],
+             "--tpm", str(tpm), "--error-500-rate", str(error_rate), "--api-key", self.KEY],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         wait_for_port("127.0.0.1", self.port, 30)
@@ -104,7 +106,7 @@ async def run_workers(kafka: ApacheKafka, sim: Sim, n_tasks: int, workers: int, 
         app_id=f"util-{suffix}",
         kafka={"broker_url": kafka.url, "partitions": 4},
         topics={n: f"{n}-{suffix}" for n in ("tasks", "replay", "results", "dead_letters", "review")},
-        llm={"base_url": f"{sim.base}/v1", "api_key": "bench-key", "model": "sim-1",
+        llm={"base_url": f"{sim.base}/v1", "api_key": sim.KEY, "model": "sim-1",
              "max_attempts": 6, "task_deadline_s": 300},
         batch={"size": 200, "window_s": 0.05, "concurrency": 64},
         data_dir=logdir / f"w-{suffix}",
@@ -184,7 +186,7 @@ async def run_naive(sim: Sim, n_tasks: int, concurrency: int = 64) -> float:
         wait_random_exponential,
     )
 
-    client = openai.AsyncOpenAI(base_url=f"{sim.base}/v1", api_key="bench-key", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{sim.base}/v1", api_key=sim.KEY, max_retries=0)
     sem = asyncio.Semaphore(concurrency)
     schema = orjson.loads(
         (

@@ -148,7 +148,7 @@ async def one_style(kafka: ApacheKafka, sim: Sim, args: argparse.Namespace, wind
         app_id=f"iso-{suffix}",
         kafka={"broker_url": kafka.url, "partitions": 4},
         topics={n: f"{n}-{suffix}" for n in ("tasks", "replay", "results", "dead_letters", "review")},
-        llm={"base_url": f"{sim.base}/v1", "api_key": "bench-key", "model": "sim-1",
+        llm={"base_url": f"{sim.base}/v1", "api_key": sim.KEY, "model": "sim-1",
              "max_attempts": 6, "task_deadline_s": 600},
         batch={"size": 200, "window_s": 0.05, "concurrency": 64, "buffer": args.buffer},
         data_dir=logdir / f"worker-{suffix}",

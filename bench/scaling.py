@@ -49,7 +49,7 @@ async def run(kafka: ApacheKafka, sim: Sim, workers: int, tasks: int, concurrenc
         app_id=f"scale-{suffix}",
         kafka={"broker_url": kafka.url, "partitions": PARTITIONS, "session_timeout_s": 6},
         topics={n: f"{n}-{suffix}" for n in ("tasks", "replay", "results", "dead_letters", "review")},
-        llm={"base_url": f"{sim.base}/v1", "api_key": "bench-key", "model": "sim-1",
+        llm={"base_url": f"{sim.base}/v1", "api_key": sim.KEY, "model": "sim-1",
              "max_attempts": 6, "task_deadline_s": 300},
         batch={"size": 100, "window_s": 0.05, "concurrency": concurrency},
         log_level="warning",

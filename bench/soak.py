@@ -209,7 +209,7 @@ async def main(minutes: float, rate: float) -> None:
             app_id=f"soak-{suffix}",
             kafka={"broker_url": kafka.url, "partitions": 4, "session_timeout_s": 10},
             topics={n: f"{n}-{suffix}" for n in ("tasks", "replay", "results", "dead_letters", "review")},
-            llm={"base_url": f"{sim.base}/v1", "api_key": "bench-key", "model": "sim-1",
+            llm={"base_url": f"{sim.base}/v1", "api_key": sim.KEY, "model": "sim-1",
                  "read_timeout_s": 10, "task_deadline_s": 120, "context_window": 4_000_000},
             batch={"concurrency": 64},
             pipelines_dir=p, schemas_dir=s, log_level="info",

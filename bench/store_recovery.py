@@ -211,7 +211,7 @@ async def main(tasks: int) -> None:
             kafka={"broker_url": f"kafka://{kafka.bootstrap}", "partitions": 1},
             topics={name: f"{name}-{suffix}" for name in
                     ("tasks", "replay", "results", "dead_letters", "review")},
-            llm={"base_url": f"{sim.base}/v1", "api_key": "bench-key", "model": "sim-1"},
+            llm={"base_url": f"{sim.base}/v1", "api_key": sim.KEY, "model": "sim-1"},
         )  # fmt: skip
         await ensure_topics(base)
         await fill(base, tasks)
