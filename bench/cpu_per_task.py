@@ -20,10 +20,12 @@ records each window with py-spy (attached to the worker) and prints the top
 entries by own time and by total time; `--strace` counts the worker's system
 calls per task (strace slows the worker: its CPU figures are then not the
 worker's own); `--floor` measures, right after the worker at each paced rate,
-three bare pass-throughs that write each record on (one acked write), started
-beside it: a Faust agent (Faust's consumer thread), the same agent with its
-consumer on the app's loop as the worker runs it, and aiokafka alone on one event
-loop — the floors under the worker's cost, minutes apart from it at most.
+floors started beside it: three bare pass-throughs that write each record on (one
+acked write) — a Faust agent (Faust's consumer thread), the same agent with its
+consumer on the app's loop as the worker runs it, aiokafka alone on one event loop
+— and the worker's stack doing a task's I/O and nothing else (Faust in-loop, one
+chat completion to the same simulator, then two acked writes: result, state). The
+floors under the worker's cost, minutes apart from it at most.
 
     python bench/cpu_per_task.py [--tasks 10000] [--seconds 30] [--regimes idle,paced2,paced10]
                                  [--profile DIR [--native]] [--strace] [--floor]
@@ -253,6 +255,12 @@ FLOORS = {  # name: the pass-through's script, and its environment
     # Faust with its consumer on the app's loop, as the worker runs it (InLoopTransport)
     "Faust in-loop pass-through": ("passthrough_app.py", {"BENCH_IN_LOOP": "1"}),
     "aiokafka pass-through": ("passthrough_aiokafka.py", {}),
+    # The worker's stack doing a task's I/O and nothing else: one chat completion, then
+    # two acked writes (result, state), Faust's consumer on the app's loop
+    "task's I/O on Faust in-loop": (
+        "passthrough_app.py",
+        {"BENCH_IN_LOOP": "1", "BENCH_TASK_IO": "1"},
+    ),
 }
 
 
@@ -260,12 +268,13 @@ class Floor:
     """A bare pass-through that writes each record on, awaiting the broker's ack: a
     Faust agent (bench/passthrough_app.py), or aiokafka alone on one loop
     (bench/passthrough_aiokafka.py) — what the framework costs per record before any
-    of the worker's own work. Started beside the worker and measured right after the
+    of the worker's own work; or that Faust agent doing a task's I/O (BENCH_TASK_IO). Started beside the worker and measured right after the
     worker at each paced rate, so the host's drift between them stays small."""
 
-    def __init__(self, kafka: ApacheKafka, script: str, extra: dict[str, str],
-                 logdir: Path) -> None:  # fmt: skip
+    def __init__(self, kafka: ApacheKafka, script: str, extra: dict[str, str], logdir: Path,
+                 llm_url: str) -> None:  # fmt: skip
         self.kafka, self.script, self.extra, self.logdir = kafka, script, extra, logdir
+        self.llm_url = llm_url
         self.sent = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.producer: AIOKafkaProducer | None = None
@@ -274,12 +283,14 @@ class Floor:
 
     async def start(self) -> None:
         kafka, suffix = self.kafka, uuid.uuid4().hex[:6]
-        self.source, sink = f"pt-in-{suffix}", f"pt-out-{suffix}"
-        await create_topic(kafka.bootstrap, self.source)
-        await create_topic(kafka.bootstrap, sink)
+        self.source, sink, state = f"pt-in-{suffix}", f"pt-out-{suffix}", f"pt-state-{suffix}"
+        for topic in (self.source, sink, state):
+            await create_topic(kafka.bootstrap, topic)
         env = {**os.environ, "BENCH_BROKER": kafka.url, "BENCH_BOOTSTRAP": kafka.bootstrap,
-               "BENCH_SOURCE": self.source, "BENCH_SINK": sink, "BENCH_APP_ID": f"pt-{suffix}",
-               "BENCH_WEB_PORT": str(free_port()), "BENCH_ACKED": "1", **self.extra}  # fmt: skip
+               "BENCH_SOURCE": self.source, "BENCH_SINK": sink, "BENCH_STATE": state,
+               "BENCH_APP_ID": f"pt-{suffix}", "BENCH_WEB_PORT": str(free_port()),
+               "BENCH_ACKED": "1", "BENCH_LLM_URL": self.llm_url, "BENCH_LLM_KEY": Sim.KEY,
+               **self.extra}  # fmt: skip
         with open(self.logdir / f"{self.script}-{suffix}.log", "wb") as log:
             self.proc = subprocess.Popen([sys.executable, str(HERE / self.script)], env=env,
                                          stdout=log, stderr=subprocess.STDOUT,
@@ -375,7 +386,7 @@ async def main() -> None:
     parser.add_argument(
         "--floor",
         action="store_true",
-        help="then bare Faust and aiokafka pass-throughs (one acked write per record), paced",
+        help="floors right after the worker at each paced rate: bare pass-throughs, a task's I/O",
     )
     parser.add_argument(
         "--strace", action="store_true", help="count the worker's system calls (strace -c)"
@@ -406,7 +417,7 @@ async def main() -> None:
                 app_id=f"cpu-{suffix}",
                 kafka={"broker_url": kafka.url, "partitions": 4},
                 topics={n: f"{n}-{suffix}" for n in ("tasks", "replay", "results", "dead_letters", "review")},
-                llm={"base_url": f"{sim.base}/v1", "api_key": "bench-key", "model": "sim-1"},
+                llm={"base_url": f"{sim.base}/v1", "api_key": sim.KEY, "model": "sim-1"},
                 batch={"size": 200, "window_s": 0.05, "concurrency": 64},
                 data_dir=logdir / "worker",
                 pipelines_dir=pipelines_with_packing(logdir / "pipelines"),
@@ -456,7 +467,8 @@ async def main() -> None:
                     await outcomes.until(sent, 600)
                 sim.call("/sim/config", {"latency_ms": 300, "latency_jitter_ms": 100})
                 for name, (script, extra) in FLOORS.items() if args.floor else ():
-                    floors[name] = Floor(kafka, script, extra, logdir)
+                    floors[name] = Floor(kafka, script, extra, logdir,
+                                         f"{sim.base}/v1/chat/completions")  # fmt: skip
                     await floors[name].start()
                 for rate in paced_rates(regimes):
                     sent, _ = await at_rate(producer, settings.topics.tasks, rate, args.seconds,
