@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import click
 
+from streams.contract.evaluation import PromotionGuard
 from streams.errors import REDRIVABLE, ConfigError
 from streams.settings import Settings, load_settings
 
@@ -491,12 +492,29 @@ def ab_report(pipeline: str, as_json: bool) -> None:
 )
 @click.option("--reason", required=True, help="Why: recorded with the decision.")
 @click.option("--by", default=None, help="Who decides (default: the user running this).")
+@click.option(
+    "--min-judged",
+    type=click.IntRange(1),
+    default=PromotionGuard.min_judged,
+    show_default=True,
+    help="Judged tasks the version needs before it can be promoted.",
+)
+@click.option(
+    "--max-cost-increase",
+    type=click.FloatRange(0.0),
+    default=PromotionGuard.max_cost_increase,
+    show_default=True,
+    help="Refused when its cost per answered task is significantly more than (1 + this) "
+    "times a rival's (inf: cost not checked).",
+)
 @click.option("--force", is_flag=True, help="Promote even if the guard refuses (recorded).")
 def ab_promote(pipeline: str, version: str, share: float, reason: str, by: str | None,
-               force: bool) -> None:  # fmt: skip
+               min_judged: int, max_cost_increase: float, force: bool) -> None:  # fmt: skip
     """Give a version (all or a share of) the traffic in the pipeline file, after a guard:
-    refused when its pass rate is significantly worse than a version it takes traffic
-    from. The decision is recorded on the decisions topic first."""
+    refused when it has too few judged tasks, or when its pass rate is significantly
+    worse, or its cost per answered task significantly higher (see --max-cost-increase),
+    than a version it takes traffic from. The decision is recorded on the decisions
+    topic first, with the guard's limits."""
     from streams.ops.ab import (
         PromotionRefused,
         decision,
@@ -515,8 +533,9 @@ def ab_promote(pipeline: str, version: str, share: float, reason: str, by: str |
                    f"(known: {', '.join(sorted(found.versions))})", err=True)  # fmt: skip
         sys.exit(2)
     evidence = on_kafka(settings, gather(settings, pipeline))
+    rules = PromotionGuard(min_judged=min_judged, max_cost_increase=max_cost_increase)
     try:
-        guard(evidence, version, rivals_of(found.spec, version))
+        guard(evidence, version, rivals_of(found.spec, version), rules)
     except PromotionRefused as exc:
         if not force:
             click.echo(f"ab promote: refused: {exc}", err=True)
@@ -525,7 +544,7 @@ def ab_promote(pipeline: str, version: str, share: float, reason: str, by: str |
     path = pipeline_file(settings.pipelines_dir, pipeline)
     before, after = rewrite(path, version, share, write=False)  # checked, not yet written
     record = decision(pipeline, version, share, reason, evidence, by=by, forced=force,
-                      before=before, after=after)  # fmt: skip
+                      before=before, after=after, rules=rules)  # fmt: skip
     on_kafka(settings, record_decision(settings, record))
     rewrite(path, version, share)
     split = " / ".join(f"{v} {w:g}" for v, w in after["traffic"].items())

@@ -5,7 +5,9 @@ and `ab report` (from the topics) share.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # A task's content verdict, for the per-version evaluation (metrics, `ab report`): its
 # first answer passed the output checks, or passed after a repair, or it was answered from
@@ -80,4 +82,20 @@ class Evaluation:
         return self.reviews / self.accepted if self.accepted else None
 
 
-__all__ = ["VERDICTS", "Evaluation", "verdict"]
+@dataclass(frozen=True)
+class PromotionGuard:
+    """What `ab promote` asks of a version before it takes traffic: enough judged tasks,
+    a pass rate not significantly worse than a rival's, and a cost per answered task
+    not significantly more than `1 + max_cost_increase` times a rival's (95% intervals;
+    `inf`: cost not checked). Checked by `ops.ab.guard`, recorded with the decision."""
+
+    min_judged: int = 30
+    max_cost_increase: float = 0.25
+
+    def as_record(self) -> dict[str, Any]:
+        return {"min_judged": self.min_judged,
+                "max_cost_increase": None if math.isinf(self.max_cost_increase)
+                else self.max_cost_increase}  # fmt: skip
+
+
+__all__ = ["VERDICTS", "Evaluation", "PromotionGuard", "verdict"]

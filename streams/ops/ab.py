@@ -32,7 +32,7 @@ from typing import Any
 import orjson
 from ruamel.yaml import YAML
 
-from streams.contract.evaluation import Evaluation, verdict
+from streams.contract.evaluation import Evaluation, PromotionGuard, verdict
 from streams.contract.records import json_object, now_iso
 from streams.kafka import clients
 from streams.kafka.scan import scan
@@ -218,22 +218,47 @@ def report(evidence: dict[str, VersionEvidence], schema: dict[str, Any]) -> dict
     return {"versions": versions, "pairs": pairs}
 
 
+DEFAULT_GUARD = PromotionGuard()
+
+
 class PromotionRefused(Exception):
     """The guard said no: the message says why."""
 
 
-def guard(evidence: dict[str, VersionEvidence], version: str, rivals: list[str]) -> None:
-    """Refuse a version with no judged tasks, or whose pass rate is significantly worse
-    (95%) than a rival's (the versions now in the split, or the default)."""
+def guard(evidence: dict[str, VersionEvidence], version: str, rivals: list[str],
+          rules: PromotionGuard = DEFAULT_GUARD) -> None:  # fmt: skip
+    """Refuse `version` unless it passes `rules` against every rival (the versions now in
+    the split, or the default). Few judged tasks make wide intervals that show nothing
+    significant, so a minimum comes first."""
     ev = evidence.get(version)
     if ev is None or not ev.evaluation.judged:
         raise PromotionRefused(f"{version} has no answered tasks to judge it by")
+    if ev.evaluation.judged < rules.min_judged:
+        raise PromotionRefused(
+            f"{version} has {ev.evaluation.judged} judged task(s), "
+            f"fewer than the {rules.min_judged} needed to judge it"
+        )
     for c in compare({v: e for v, e in evidence.items() if v in rivals or v == version},
                      version):  # fmt: skip
         if c.significantly_worse:
             raise PromotionRefused(
                 f"{version}'s pass rate is significantly worse than {c.other}'s: "
                 f"{c.difference:+.1%} (95% CI {c.low:+.1%} to {c.high:+.1%})"
+            )
+    mine = ev.cost_interval()
+    if mine is None or math.isinf(rules.max_cost_increase):
+        return
+    for rival in rivals:
+        theirs = evidence[rival].cost_interval() if rival in evidence else None
+        # An unpriced rival (cost 0) says nothing about what more is too much.
+        if theirs is None or theirs[0] <= 0:
+            continue
+        if mine[1] > theirs[2] * (1.0 + rules.max_cost_increase):
+            raise PromotionRefused(
+                f"{version} costs significantly more per answered task than {rival}: "
+                f"${mine[0]:.6f} (95% CI ${mine[1]:.6f} to ${mine[2]:.6f}) against "
+                f"${theirs[0]:.6f} (up to ${theirs[2]:.6f}), over the "
+                f"{rules.max_cost_increase:.0%} allowed"
             )
 
 
@@ -332,17 +357,20 @@ def decision(
     forced: bool,
     before: dict[str, Any],
     after: dict[str, Any],
+    rules: PromotionGuard = DEFAULT_GUARD,
 ) -> dict[str, Any]:
-    """The record of a promotion: who, when, why, the split before and after, and the
-    evidence it was taken on."""
+    """The record of a promotion: who, when, why, the split before and after, the guard
+    it was checked against and the evidence it was taken on."""
     return {
         "pipeline": pipeline, "version": version, "share": share, "reason": reason,
         "by": by or getpass.getuser(), "at": now_iso(), "forced": forced,
-        "before": before, "after": after,
+        "before": before, "after": after, "guard": rules.as_record(),
         "evidence": {
             v: {"judged": ev.evaluation.judged, "pass_rate": ev.evaluation.pass_rate,
                 "pass_rate_ci": list(ev.pass_interval()),
-                "cost_per_accepted_usd": ev.evaluation.cost_per_accepted}
+                "cost_per_accepted_usd": ev.evaluation.cost_per_accepted,
+                "cost_per_accepted_ci": None if (c := ev.cost_interval()) is None
+                else [c[1], c[2]]}
             for v, ev in sorted(evidence.items())
         },
     }  # fmt: skip

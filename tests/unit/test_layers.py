@@ -38,8 +38,8 @@ ALLOWED = {
                     "streams.pipelines", "streams.core", "streams.kafka"},
     "streams.dev": {"streams.errors", "streams.settings", "streams.llm", "streams.kafka",
                     "streams.ops"},
-    "streams.cli": {"streams.errors", "streams.settings", "streams.kafka", "streams.ops",
-                    "streams.pipelines", "streams.dev"},
+    "streams.cli": {"streams.errors", "streams.settings", "streams.contract", "streams.kafka",
+                    "streams.ops", "streams.pipelines", "streams.dev"},
     "streams.__main__": {"streams.kafka"},
 }  # fmt: skip
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from streams.contract.evaluation import Evaluation, verdict
+from streams.contract.evaluation import Evaluation, PromotionGuard, verdict
 from streams.observability.metrics import Metrics
 from streams.observability.page import render_html
 from streams.observability.status import StatusView
@@ -16,6 +16,7 @@ from streams.ops.ab import (
     PromotionRefused,
     VersionEvidence,
     agreements,
+    decision,
     guard,
     new_split,
     rate_difference,
@@ -91,6 +92,52 @@ def test_the_guard_refuses_a_worse_version_and_accepts_a_better_one() -> None:
     guard({"v1": evidence("v1", 95, 5), "v2": evidence("v2", 93, 7)}, "v2", ["v1"])
     with pytest.raises(PromotionRefused, match="no answered tasks"):
         guard(found, "v3", ["v1"])
+
+
+def priced(version: str, n: int, cost: float) -> VersionEvidence:
+    """`n` tasks answered at about `cost` each (+-10%, so the interval has a spread)."""
+    ev = VersionEvidence(version)
+    for i in range(n):
+        ev.add({"task_id": f"t{i}", "cost_usd": cost * (0.9 + 0.05 * (i % 5)),
+                "output": {"sentiment": "positive"}}, "result")  # fmt: skip
+    return ev
+
+
+def test_the_guard_wants_enough_judged_tasks() -> None:
+    found = {"v1": evidence("v1", 190, 10), "v2": evidence("v2", 20, 0)}
+    with pytest.raises(PromotionRefused, match=r"20 judged task\(s\), fewer than the 30"):
+        guard(found, "v2", ["v1"])
+    guard(found, "v2", ["v1"], PromotionGuard(min_judged=20))
+
+
+def test_the_guard_refuses_a_version_that_costs_significantly_more() -> None:
+    found = {"v1": priced("v1", 200, 0.001), "v2": priced("v2", 200, 0.002)}
+    with pytest.raises(PromotionRefused, match=r"costs significantly more .* than v1"):
+        guard(found, "v2", ["v1"])
+    guard(found, "v1", ["v2"])  # the cheaper one
+    guard(found, "v2", ["v1"], PromotionGuard(max_cost_increase=1.5))  # 2x is within 2.5x
+    guard(found, "v2", ["v1"], PromotionGuard(max_cost_increase=float("inf")))
+    # 10% dearer is within the default 25%; a rival with no price says nothing.
+    guard({"v1": priced("v1", 200, 0.001), "v2": priced("v2", 200, 0.0011)}, "v2", ["v1"])
+    guard({"v1": priced("v1", 200, 0.0), "v2": priced("v2", 200, 0.002)}, "v2", ["v1"])
+    # Few tasks, wide intervals: 2x dearer is not shown, so not refused on cost.
+    few = {"v1": priced("v1", 30, 0.001), "v2": VersionEvidence("v2")}
+    for i in range(30):
+        few["v2"].add({"task_id": f"t{i}", "cost_usd": 0.006 if i % 3 == 0 else 0.0,
+                       "output": {}}, "result")  # fmt: skip
+    guard(few, "v2", ["v1"])
+
+
+def test_the_decision_records_the_guard_and_the_cost_intervals() -> None:
+    found = {"v1": priced("v1", 200, 0.001), "v2": priced("v2", 200, 0.002)}
+    record = decision("comment-analysis", "v2", 1.0, "why", found, by="me", forced=True,
+                      before={}, after={},
+                      rules=PromotionGuard(min_judged=50, max_cost_increase=float("inf")))  # fmt: skip
+    assert record["guard"] == {"min_judged": 50, "max_cost_increase": None}
+    low, high = record["evidence"]["v2"]["cost_per_accepted_ci"]
+    assert low < record["evidence"]["v2"]["cost_per_accepted_usd"] < high
+    assert decision("p", "v1", 1.0, "why", found, by="me", forced=False, before={},
+                    after={})["guard"] == {"min_judged": 30, "max_cost_increase": 0.25}  # fmt: skip
 
 
 def test_the_report_shows_rates_intervals_and_agreement() -> None:
