@@ -11,10 +11,13 @@
 
 An `Analyzer` holds what the worker holds per process: the pipelines, one rate
 limiter and breaker per endpoint and model, retries, fallbacks, the deadline,
-validation and the metrics. It never raises for a task: bad input and provider
-failures come back as dead letters, as in the worker. It writes nothing: what
-to do with the outcome (a topic, a table) is the caller's. `examples/faust_app.py`
-uses it inside a Faust agent.
+validation and the metrics. A task of a session (a version with `session:`) gets
+the session's earlier turns in its prompt, as in the worker: the analyzer keeps
+them in memory (`SessionTurns`: the least recently used sessions go first beyond
+`max_sessions`) and runs one turn of a session at a time, in the order asked. It
+never raises for a task: bad input and provider failures come back as dead letters,
+as in the worker. It writes nothing: what to do with the outcome (a topic, a table)
+is the caller's. `examples/faust_app.py` uses it inside a Faust agent.
 
 The worker builds its processor here (`processor_factory`), so the two cannot
 drift: the same task gives the same result key and the same output.
@@ -22,7 +25,11 @@ drift: the same task gives the same result key and the same output.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import asyncio
+import itertools
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
@@ -185,6 +192,49 @@ def processor_factory(
     return make
 
 
+class SessionTurns:
+    """The turns of an `Analyzer`'s sessions, in memory: what the worker keeps in its
+    task store's sessions map. At most `max_sessions` sessions, the least recently used
+    dropped first (a dropped session's next turn starts without history). Subclass it
+    (`get`, `put`) to keep them elsewhere."""
+
+    def __init__(self, max_sessions: int = 10_000) -> None:
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")
+        self.max_sessions = max_sessions
+        self._turns: OrderedDict[str, bytes] = OrderedDict()
+        # One turn of a session at a time: a lock per session while a turn holds or
+        # awaits it, dropped with the last (so locks never outnumber turns in flight).
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    def get(self, session: str) -> bytes | None:
+        found = self._turns.get(session)
+        if found is not None:
+            self._turns.move_to_end(session)
+        return found
+
+    def put(self, session: str, turns: bytes) -> None:
+        self._turns[session] = turns
+        self._turns.move_to_end(session)
+        while len(self._turns) > self.max_sessions:
+            self._turns.popitem(last=False)
+
+    @asynccontextmanager
+    async def turn(self, session: str) -> AsyncIterator[None]:
+        """Held while one turn of `session` runs."""
+        lock, users = self._locks.get(session, (asyncio.Lock(), 0))
+        self._locks[session] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[session]
+            if users == 1:
+                del self._locks[session]
+            else:
+                self._locks[session] = (lock, users - 1)
+
+
 class Analyzer:
     """The worker's processing for tasks you hand it (see the module's docstring)."""
 
@@ -194,6 +244,7 @@ class Analyzer:
         *,
         registry: PipelineRegistry | None = None,
         metrics: Metrics | None = None,
+        sessions: SessionTurns | None = None,
     ) -> None:
         self.settings = settings or load_settings()
         self.registry = registry or PipelineRegistry.load(
@@ -202,6 +253,8 @@ class Analyzer:
         self.metrics = metrics or Metrics()
         self._make = processor_factory(self.settings, self.registry, self.metrics)
         self.reader = SourceReader(self.settings, self.metrics)
+        self.sessions = sessions or SessionTurns()
+        self._positions = itertools.count(1)  # a session's turns, in the order asked
         self._processor: TaskProcessor | None = None
 
     @property
@@ -222,7 +275,24 @@ class Analyzer:
         its result or its dead letter. `key`: the record's key, if it had one; `source`:
         where it came from (it goes in the result, and into nothing else)."""
         raw = task if isinstance(task, bytes) else orjson.dumps(dict(task))
-        return await self.processor.process(raw, key, source or API_SOURCE, lane)
+        return await self._answer(raw, key, source or API_SOURCE, lane)
+
+    async def _answer(self, raw: bytes, key: bytes | None, source: Source, lane: Lane) -> Outcome:
+        processor = self.processor
+        session = processor.session_hint(raw)
+        if session is None:
+            return await processor.process(raw, key, source, lane)
+        async with self.sessions.turn(session):
+            prep = processor.prepare(raw, key, source, history=self.sessions.get,
+                                     position=next(self._positions))  # fmt: skip
+            if isinstance(prep, Outcome):
+                return prep
+            outcome = await processor.answer(prep, lane)
+            if outcome.output is not None and prep.session is not None:
+                turns = prep.session_turns(self.sessions.get(prep.session), outcome.output)
+                if turns is not None:
+                    self.sessions.put(prep.session, turns)
+            return outcome
 
     async def analyze_record(
         self,
@@ -248,7 +318,7 @@ class Analyzer:
         if isinstance(task, Skipped):
             return task
         task_key = str(task["task_id"]).encode()
-        return await self.processor.process(orjson.dumps(task), task_key, source, lane)
+        return await self._answer(orjson.dumps(task), task_key, source, lane)
 
     async def close(self) -> None:
         await self.reader.close()
@@ -263,4 +333,7 @@ class Analyzer:
         await self.close()
 
 
-__all__ = ["API_SOURCE", "Analyzer", "SourceReader", "processor_factory", "uses_registry"]
+__all__ = [
+    "API_SOURCE", "Analyzer", "SessionTurns", "SourceReader", "processor_factory",
+    "uses_registry",
+]  # fmt: skip

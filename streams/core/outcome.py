@@ -31,7 +31,7 @@ from streams.contract.records import (
     task_id_hint,
 )
 from streams.core.sessions import NONE as NO_CONTEXT
-from streams.core.sessions import Context
+from streams.core.sessions import Context, add_turn, turn_of
 from streams.core.stages import MAIN
 from streams.errors import OutputTooLarge, StreamsError
 from streams.observability.metrics import Metrics
@@ -122,6 +122,17 @@ class Prepared:
     session: str | None = None
     position: int = 0
     context: Context = NO_CONTEXT
+
+    def session_turns(
+        self, stored: bytes | None, output: dict[str, Any], room: int = 1_000_000
+    ) -> bytes | None:
+        """Its session's turns (`stored`) with this task's answer `output` in, within
+        `room` bytes; None when the task is no turn of a version that keeps sessions."""
+        spec = self.version.spec.session
+        if self.session is None or spec is None:
+            return None
+        turn = turn_of(self.task.task_id, self.position, self.prompt.variables, output, spec)
+        return add_turn(stored, turn, spec, room)
 
 
 @dataclass(frozen=True)

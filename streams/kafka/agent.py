@@ -38,7 +38,7 @@ from streams.core.dispatch import Dispatcher, LaneSlots
 from streams.core.drift import DriftMonitor
 from streams.core.offsets import InOrderAcks, Ticket
 from streams.core.processor import Outcome, TaskProcessor
-from streams.core.sessions import add_turn, has_turn, turn_of
+from streams.core.sessions import has_turn
 from streams.errors import InternalError
 from streams.kafka import faust_private
 from streams.kafka.eos import Transactions
@@ -564,8 +564,7 @@ class TaskAgent:
         """A session task's answered turn into its session, written after its result. No
         `output`: the task was answered before; its turn is added from its stored result
         if a run was killed between the two."""
-        spec = prep.version.spec.session
-        if prep.session is None or spec is None:
+        if prep.session is None or prep.version.spec.session is None:
             return
         key = str(prep.session).encode()
         stored = self.store.get(Kind.SESSIONS, partition, key)
@@ -576,8 +575,9 @@ class TaskAgent:
             output = earlier.get("output")
             if not isinstance(output, dict):
                 return
-        turn = turn_of(prep.task.task_id, prep.position, prep.prompt.variables, output, spec)
-        value = add_turn(stored, turn, spec, self.limits.room(sessions_topic(self.settings)))
+        value = prep.session_turns(stored, output, self.limits.room(sessions_topic(self.settings)))
+        if value is None:
+            return
 
         def write() -> Awaitable[None]:
             return self.store.put(Kind.SESSIONS, partition, key, value)

@@ -3,14 +3,16 @@ Faust example builds."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import shutil
 from pathlib import Path
 
 import faust
 import orjson
+import yaml
 
-from streams.api import Analyzer
+from streams.api import Analyzer, SessionTurns
 from streams.core.outcome import Outcome
 from streams.dev.simulator import SimulatorServer
 from streams.pipelines.sources import Skipped
@@ -51,6 +53,68 @@ async def test_the_analyzer_answers_a_task_and_dead_letters_bad_input(
     assert bad.kind == "dead_letter"
     assert bad.record()["error"]["category"] == "invalid_input"
     assert simulator.sim.snapshot()["requests"] == 2  # no call for the bad one
+
+
+def session_pipelines(directory: Path) -> Path:
+    """comment-analysis whose version keeps sessions (the earlier turns' text and label)."""
+    data = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
+    data["versions"]["v1"]["session"] = {"budget_tokens": 2000,
+                                         "keep": {"slots": ["text"], "fields": ["sentiment"]}}  # fmt: skip
+    data.pop("chunking", None)
+    directory.mkdir()
+    (directory / "comment-analysis.yaml").write_text(yaml.safe_dump(data, allow_unicode=True))
+    return directory
+
+
+def earlier_users(messages: list[dict[str, str]]) -> list[str]:
+    """The user messages a request carried before its own (the session's earlier turns)."""
+    return [str(m["content"]) for m in messages if m["role"] == "user"][:-1]
+
+
+async def test_the_analyzer_gives_a_session_turn_its_earlier_turns(
+    simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    settings = load_settings(
+        llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
+        pipelines_dir=session_pipelines(tmp_path / "pipelines"), schemas_dir=ROOT / "schemas",
+    )  # fmt: skip
+
+    def turn(session: str, i: int) -> dict[str, object]:
+        return {"task_id": f"{session}-{i}", "pipeline": "comment-analysis",
+                "session_id": session, "input": {"text": f"Turn {i} of {session}: it broke."}}  # fmt: skip
+
+    async with Analyzer(settings) as analyzer:
+        # Asked together, a session's turns still run one after another, in order.
+        first = await asyncio.gather(*(analyzer.analyze(turn("s-1", i)) for i in range(3)))
+        alone = await analyzer.analyze(turn("s-2", 0))
+        unrelated = await analyzer.analyze({"task_id": "u-1", "pipeline": "comment-analysis",
+                                            "input": {"text": "Turn 0 of s-1: it broke."}})  # fmt: skip
+        assert analyzer.sessions._locks == {}  # none left behind
+    assert all(o.kind == "result" for o in [*first, alone, unrelated])
+    asked = [earlier_users(m) for m in simulator.sim.chats]
+    assert asked[:3] == [[], ["Turn 0 of s-1: it broke."],
+                         ["Turn 0 of s-1: it broke.", "Turn 1 of s-1: it broke."]]  # fmt: skip
+    assert asked[3:] == [[], []]  # another session's first turn, a task of no session
+    # A turn with history is another answer: its key is not the one without.
+    assert first[1].key != unrelated.key and len({o.key for o in first}) == 3
+
+
+async def test_the_analyzers_sessions_are_bounded(
+    simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    settings = load_settings(
+        llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
+        pipelines_dir=session_pipelines(tmp_path / "pipelines"), schemas_dir=ROOT / "schemas",
+    )  # fmt: skip
+    sessions = SessionTurns(max_sessions=1)
+    async with Analyzer(settings, sessions=sessions) as analyzer:
+        for session, i in [("s-1", 0), ("s-2", 0), ("s-1", 1), ("s-1", 2)]:
+            await analyzer.analyze({"task_id": f"{session}-{i}", "pipeline": "comment-analysis",
+                                    "session_id": session, "input": {"text": f"{session} {i}"}})  # fmt: skip
+    asked = [earlier_users(m) for m in simulator.sim.chats]
+    # s-2 pushed s-1 out: its second turn starts again; its third has the second.
+    assert asked == [[], [], [], ["s-1 1"]]
+    assert list(sessions._turns) == ["s-1"]
 
 
 def test_the_faust_example_builds_its_agent_on_the_api() -> None:
