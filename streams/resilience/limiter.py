@@ -219,6 +219,7 @@ class RateLimiter:
         self.floor = floor
         self.group = group or GroupShare()
         self._epoch = self.group.epoch
+        self._group_since = float("-inf")  # when this limiter last saw the group change
         self.paused_until = now
         self._last_recover = now
         self._queue: list[_Waiter] = []
@@ -334,7 +335,22 @@ class RateLimiter:
             self._wake()
 
     # -- learning ------------------------------------------------------------
+    def _follow_group(self, now: float) -> None:
+        """After a rebalance (a member joined or left), what the others took says nothing
+        of what they will take: measure again from `now` — reports of calls granted
+        before it are no samples of the new group —, claiming our part meanwhile."""
+        if self.group.epoch == self._epoch:
+            return
+        self._epoch = self.group.epoch
+        self._group_since = now
+        others = 1.0 - self.group.fraction if self.group.fraction is not None else 0.0
+        for b in (self.requests, self.tokens):
+            if b is not None:
+                b.others_mean, b.sampled, b.last_report = 0.0, False, None
+                b.others_due = others
+
     def _recover(self, now: float) -> None:
+        self._follow_group(now)
         elapsed = now - self._last_recover
         self._last_recover = now
         if elapsed <= 0 or now < self.paused_until:
@@ -360,15 +376,6 @@ class RateLimiter:
     def share(self, bucket: Bucket, ceiling: float) -> float:
         """Our share of a limit, per minute: what other clients of the key leave, and at
         least our part of the group's work (see `GroupShare`)."""
-        if self.group.epoch != self._epoch:
-            # A rebalance: a member joined or left, and what the others took says
-            # nothing of what they will take. Measure again, claiming our part meanwhile.
-            self._epoch = self.group.epoch
-            others = 1.0 - self.group.fraction if self.group.fraction is not None else 0.0
-            for b in (self.requests, self.tokens):
-                if b is not None:
-                    b.others_mean, b.sampled, b.last_report = 0.0, False, None
-                    b.others_due = others
         due = ceiling * max(self.floor, self.group.fraction or 0.0)
         if self.group.fraction is not None and not bucket.sampled:
             return due  # the other members are about to take theirs: no more until seen
@@ -411,6 +418,7 @@ class RateLimiter:
         """Steer the buckets by the provider's `x-ratelimit-*` headers, when it sends them.
         `permit`: the call they answer (its report is as old as the call)."""
         now = self.clock.now()
+        self._follow_group(now)
         since = (permit.granted_at, permit.taken) if permit is not None else None
         self._steer(self.requests, headers, "requests", now, ceiling_attr="rpm_ceiling",
                     since=(since[0], since[1][0]) if since else None)  # fmt: skip
@@ -466,7 +474,8 @@ class RateLimiter:
             scale = min(bucket.burst_s, window) / window if window > 0 else 1.0
             left = remaining * scale
             if since is not None:
-                self._others(bucket, ceiling, since, left, reset)
+                if since[0] >= self._group_since:  # else granted before the group changed
+                    self._others(bucket, ceiling, since, left, reset)
                 # The report is as old as the call it answers: since then the provider
                 # refilled, and took what we and (at their pace) others let go since.
                 granted_at, taken = since

@@ -329,6 +329,7 @@ async def test_a_group_member_claims_its_part_of_the_group_whatever_the_trend_sa
     group = GroupShare()
     limiter = exact(rpm=3000, clock=clock, recover_per_s=0.0, group=group)
     group.assigned(2, 8)
+    limiter._follow_group(clock.now())  # (seen at the limiter's next grant or report)
     # Before the trend is measured, the other members are due theirs: no burst of all
     # four at the whole limit when a phase starts.
     assert limiter.share(limiter.requests, 3000) == pytest.approx(750)
@@ -338,6 +339,7 @@ async def test_a_group_member_claims_its_part_of_the_group_whatever_the_trend_sa
     limiter.requests.others_mean = 10.0  # they take little: more than our part is ours
     assert limiter.share(limiter.requests, 3000) == pytest.approx(2400)
     group.assigned(8, 8)  # alone in the group: the trend alone tells the others
+    limiter._follow_group(clock.now())
     assert group.fraction is None
     assert limiter.share(limiter.requests, 3000) == 3000  # not measured since
     limiter.requests.sampled, limiter.requests.others_mean = True, 45.0
@@ -362,12 +364,15 @@ async def test_after_a_rebalance_the_others_are_measured_again() -> None:
     group = GroupShare()
     limiter = exact(rpm=3000, clock=clock, group=group)
     group.assigned(8, 8)
+    limiter._follow_group(clock.now())
     limiter.requests.sampled = True
     assert limiter.share(limiter.requests, 3000) == 3000
     group.assigned(4, 8)
+    limiter._follow_group(clock.now())
     assert limiter.share(limiter.requests, 3000) == pytest.approx(1500)
     limiter.requests.sampled, limiter.requests.others_mean = True, 25.0
     group.assigned(8, 8)
+    limiter._follow_group(clock.now())
     assert limiter.share(limiter.requests, 3000) == 3000
 
 
@@ -379,6 +384,7 @@ async def test_after_a_rebalance_the_first_sample_does_not_read_the_others_as_go
     group = GroupShare()
     limiter = exact(rpm=3000, clock=clock, group=group)
     group.assigned(4, 8)
+    limiter._follow_group(clock.now())
     bucket = limiter.requests
     assert limiter.share(bucket, 3000) == pytest.approx(1500)  # the rebalance is seen
     # Two reports 0.1 s apart: the provider refilled 5, we took 2.5, the others 2.5.
@@ -387,7 +393,32 @@ async def test_after_a_rebalance_the_first_sample_does_not_read_the_others_as_go
     assert bucket.sampled
     assert limiter.share(bucket, 3000) == pytest.approx(1500)
     group.assigned(8, 8)  # alone again: nobody else is due anything
+    limiter._follow_group(clock.now())
     assert limiter.share(bucket, 3000) == 3000 and bucket.others_mean == 0.0
+
+
+async def test_a_report_of_a_call_granted_before_a_rebalance_is_no_sample_of_the_new_group() -> (
+    None
+):
+    """A call let go before a member joined is answered after: its report still steers
+    the level, but the new group's trend starts from the first call granted since (else
+    the old group's pace would be read as the new one's)."""
+    clock = FakeClock()
+    group = GroupShare()
+    limiter = exact(rpm=3000, clock=clock, group=group)
+    report = {"x-ratelimit-limit-requests": "3000", "x-ratelimit-remaining-requests": "20",
+              "x-ratelimit-reset-requests": "600ms"}  # fmt: skip
+    before = await limiter.acquire()
+    clock.advance(0.5)
+    group.assigned(4, 8)  # a member joins while the call is out
+    limiter.observe(report, before)
+    bucket = limiter.requests
+    assert bucket.last_report is None and not bucket.sampled
+    assert limiter.informed  # the report itself was read
+    assert limiter.share(bucket, 3000) == pytest.approx(1500)  # our half meanwhile
+    after = await limiter.acquire()
+    limiter.observe(report, after)
+    assert bucket.last_report is not None and bucket.last_report[0] == after.granted_at
 
 
 async def test_a_member_joining_brings_the_rate_down_before_the_next_grant() -> None:
