@@ -7,16 +7,19 @@ import asyncio
 import importlib.util
 import shutil
 from pathlib import Path
+from typing import Any
 
 import faust
 import orjson
+import pytest
 import yaml
 
 from streams.api import Analyzer, SessionTurns
+from streams.contract.records import result_key
 from streams.core.outcome import Outcome
 from streams.dev.simulator import SimulatorServer
 from streams.pipelines.sources import Skipped
-from streams.settings import load_settings
+from streams.settings import Settings, load_settings
 from tests.fakes import FakeRegistry
 from tests.unit.test_schema_registry import avro_body, framed
 
@@ -55,15 +58,18 @@ async def test_the_analyzer_answers_a_task_and_dead_letters_bad_input(
     assert simulator.sim.snapshot()["requests"] == 2  # no call for the bad one
 
 
-def session_pipelines(directory: Path) -> Path:
+@pytest.fixture
+def session_settings(simulator: SimulatorServer, tmp_path: Path) -> Settings:
     """comment-analysis whose version keeps sessions (the earlier turns' text and label)."""
     data = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
     data["versions"]["v1"]["session"] = {"budget_tokens": 2000,
                                          "keep": {"slots": ["text"], "fields": ["sentiment"]}}  # fmt: skip
     data.pop("chunking", None)
+    directory = tmp_path / "pipelines"
     directory.mkdir()
     (directory / "comment-analysis.yaml").write_text(yaml.safe_dump(data, allow_unicode=True))
-    return directory
+    return load_settings(llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
+                         pipelines_dir=directory, schemas_dir=ROOT / "schemas")  # fmt: skip
 
 
 def earlier_users(messages: list[dict[str, str]]) -> list[str]:
@@ -72,18 +78,13 @@ def earlier_users(messages: list[dict[str, str]]) -> list[str]:
 
 
 async def test_the_analyzer_gives_a_session_turn_its_earlier_turns(
-    simulator: SimulatorServer, tmp_path: Path
+    simulator: SimulatorServer, session_settings: Settings
 ) -> None:
-    settings = load_settings(
-        llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
-        pipelines_dir=session_pipelines(tmp_path / "pipelines"), schemas_dir=ROOT / "schemas",
-    )  # fmt: skip
-
-    def turn(session: str, i: int) -> dict[str, object]:
+    def turn(session: str, i: int) -> dict[str, Any]:
         return {"task_id": f"{session}-{i}", "pipeline": "comment-analysis",
                 "session_id": session, "input": {"text": f"Turn {i} of {session}: it broke."}}  # fmt: skip
 
-    async with Analyzer(settings) as analyzer:
+    async with Analyzer(session_settings) as analyzer:
         # Asked together, a session's turns still run one after another, in order.
         first = await asyncio.gather(*(analyzer.analyze(turn("s-1", i)) for i in range(3)))
         alone = await analyzer.analyze(turn("s-2", 0))
@@ -96,18 +97,19 @@ async def test_the_analyzer_gives_a_session_turn_its_earlier_turns(
                          ["Turn 0 of s-1: it broke.", "Turn 1 of s-1: it broke."]]  # fmt: skip
     assert asked[3:] == [[], []]  # another session's first turn, a task of no session
     # A turn with history is another answer: its key is not the one without.
-    assert first[1].key != unrelated.key and len({o.key for o in first}) == 3
+    second = turn("s-1", 1)
+    without = result_key("comment-analysis", "v1", "s-1-1", second["input"], None)
+    assert first[1].record()["prompt_version"] == "v1" and first[1].key != without
+    assert first[0].key == result_key(
+        "comment-analysis", "v1", "s-1-0", turn("s-1", 0)["input"], None
+    )
 
 
 async def test_the_analyzers_sessions_are_bounded(
-    simulator: SimulatorServer, tmp_path: Path
+    simulator: SimulatorServer, session_settings: Settings
 ) -> None:
-    settings = load_settings(
-        llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
-        pipelines_dir=session_pipelines(tmp_path / "pipelines"), schemas_dir=ROOT / "schemas",
-    )  # fmt: skip
     sessions = SessionTurns(max_sessions=1)
-    async with Analyzer(settings, sessions=sessions) as analyzer:
+    async with Analyzer(session_settings, sessions=sessions) as analyzer:
         for session, i in [("s-1", 0), ("s-2", 0), ("s-1", 1), ("s-1", 2)]:
             await analyzer.analyze({"task_id": f"{session}-{i}", "pipeline": "comment-analysis",
                                     "session_id": session, "input": {"text": f"{session} {i}"}})  # fmt: skip
