@@ -119,6 +119,34 @@ async def test_the_analyzers_sessions_are_bounded(
     assert list(sessions._turns) == ["s-1"]
 
 
+async def test_a_session_turn_cancelled_while_it_waits_leaves_no_lock_behind() -> None:
+    sessions = SessionTurns()
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def first() -> None:
+        async with sessions.turn("s"):
+            entered.set()
+            await release.wait()
+
+    async def second() -> None:
+        async with sessions.turn("s"):
+            raise AssertionError("ran while the first turn held the session")
+
+    running = asyncio.create_task(first())
+    await entered.wait()
+    waiting = asyncio.create_task(second())
+    await asyncio.sleep(0)  # it waits for the session now
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert set(sessions._locks) == {"s"}  # the first turn still holds it
+    release.set()
+    await running
+    assert sessions._locks == {}
+    async with sessions.turn("s"):  # and the session can be taken again
+        pass
+
+
 def test_the_faust_example_builds_its_agent_on_the_api() -> None:
     spec = importlib.util.spec_from_file_location("faust_example", ROOT / "examples" /
                                                   "faust_app.py")  # fmt: skip
