@@ -268,8 +268,9 @@ class Floor:
     """A bare pass-through that writes each record on, awaiting the broker's ack: a
     Faust agent (bench/passthrough_app.py), or aiokafka alone on one loop
     (bench/passthrough_aiokafka.py) — what the framework costs per record before any
-    of the worker's own work; or that Faust agent doing a task's I/O (BENCH_TASK_IO). Started beside the worker and measured right after the
-    worker at each paced rate, so the host's drift between them stays small."""
+    of the worker's own work; or that Faust agent doing a task's I/O (BENCH_TASK_IO).
+    Started beside the worker and measured right after the worker at each paced rate,
+    so the host's drift between them stays small."""
 
     def __init__(self, kafka: ApacheKafka, script: str, extra: dict[str, str], logdir: Path,
                  llm_url: str) -> None:  # fmt: skip

@@ -80,9 +80,7 @@ class TaskIO:
         await self.write(self.state, key, b'{"status": "succeeded"}')
 
     async def write(self, topic: str, key: bytes | None, value: bytes) -> None:
-        producer = kafka_producer(app.producer)
-        if producer is None:  # not started yet
-            producer = kafka_producer(await app.maybe_start_producer())
+        producer = await kafka_producer(app)  # as the worker writes (TaskAgent._topic_send)
         await (await producer.send(topic, value, key=key))
 
 

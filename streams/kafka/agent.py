@@ -259,9 +259,7 @@ class TaskAgent:
         """One write through the aiokafka producer under Faust's, returned with its offset
         once acked. Not through Faust's `Topic.send`: its start check, buffer and sensors
         cost ~10 event-loop steps per write, and a thin stream pays them per task."""
-        producer = faust_private.kafka_producer(self.app.producer)
-        if producer is None:  # not started yet
-            producer = faust_private.kafka_producer(await self.app.maybe_start_producer())
+        producer = await faust_private.kafka_producer(self.app)
         pending = await producer.send(topic, value, key=key, partition=partition, headers=headers)
         metadata = await pending
         return int(metadata.offset)

@@ -52,9 +52,13 @@ def request_rejoin(consumer: Any) -> None:
     thread.thread_loop.call_soon_threadsafe(coordinator.request_rejoin)
 
 
-def kafka_producer(producer: Any) -> Any:
-    """The aiokafka producer under Faust's producer, or None before Faust started it."""
-    return producer._producer
+async def kafka_producer(app: Any) -> Any:
+    """The aiokafka producer under the app's Faust producer (Faust's started first when
+    it is not yet)."""
+    producer = app.producer._producer
+    if producer is None:
+        producer = (await app.maybe_start_producer())._producer
+    return producer
 
 
 def drain_passively(stream: Any) -> None:
