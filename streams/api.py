@@ -194,15 +194,17 @@ def processor_factory(
 
 class SessionTurns:
     """The turns of an `Analyzer`'s sessions, in memory: what the worker keeps in its
-    task store's sessions map. At most `max_sessions` sessions, the least recently used
-    dropped first (a dropped session's next turn starts without history). Subclass it
-    (`get`, `put`) to keep them elsewhere."""
+    task store's sessions map. At most `max_sessions` sessions and `max_bytes` of turns
+    (a session's turns are bounded by its version's `max_turns` alone), the least
+    recently used dropped first (a dropped session's next turn starts without history).
+    Subclass it (`get`, `put`) to keep them elsewhere."""
 
-    def __init__(self, max_sessions: int = 10_000) -> None:
-        if max_sessions < 1:
-            raise ValueError("max_sessions must be at least 1")
-        self.max_sessions = max_sessions
+    def __init__(self, max_sessions: int = 10_000, max_bytes: int = 64 * 1024 * 1024) -> None:
+        if max_sessions < 1 or max_bytes < 1:
+            raise ValueError("max_sessions and max_bytes must be at least 1")
+        self.max_sessions, self.max_bytes = max_sessions, max_bytes
         self._turns: OrderedDict[str, bytes] = OrderedDict()
+        self._bytes = 0
         # One turn of a session at a time: a lock per session while a turn holds or
         # awaits it, dropped with the last (so locks never outnumber turns in flight).
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
@@ -214,10 +216,11 @@ class SessionTurns:
         return found
 
     def put(self, session: str, turns: bytes) -> None:
+        self._bytes += len(turns) - len(self._turns.get(session, b""))
         self._turns[session] = turns
         self._turns.move_to_end(session)
-        while len(self._turns) > self.max_sessions:
-            self._turns.popitem(last=False)
+        while len(self._turns) > self.max_sessions or self._bytes > self.max_bytes:
+            self._bytes -= len(self._turns.popitem(last=False)[1])
 
     @asynccontextmanager
     async def turn(self, session: str) -> AsyncIterator[None]:

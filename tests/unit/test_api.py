@@ -113,10 +113,23 @@ async def test_the_analyzers_sessions_are_bounded(
         for session, i in [("s-1", 0), ("s-2", 0), ("s-1", 1), ("s-1", 2)]:
             await analyzer.analyze({"task_id": f"{session}-{i}", "pipeline": "comment-analysis",
                                     "session_id": session, "input": {"text": f"{session} {i}"}})  # fmt: skip
+        # A turn that ends as a dead letter (no text) adds nothing to its session.
+        bad = await analyzer.analyze({"task_id": "s-1-3", "pipeline": "comment-analysis",
+                                      "session_id": "s-1", "input": {}})  # fmt: skip
+    assert bad.kind == "dead_letter" and bad.record()["error"]["category"] == "invalid_input"
     asked = [earlier_users(m) for m in simulator.sim.chats]
     # s-2 pushed s-1 out: its second turn starts again; its third has the second.
     assert asked == [[], [], [], ["s-1 1"]]
     assert list(sessions._turns) == ["s-1"]
+    kept = orjson.loads(sessions._turns["s-1"])["turns"]
+    assert [t["task_id"] for t in kept] == ["s-1-1", "s-1-2"]
+    # Bounded by bytes too: two sessions' turns do not fit in the room of one and a half.
+    small = SessionTurns(max_bytes=len(sessions._turns["s-1"]) * 3 // 2)
+    small.put("a", sessions._turns["s-1"])
+    small.put("b", sessions._turns["s-1"])
+    assert list(small._turns) == ["b"] and small._bytes == len(sessions._turns["s-1"])
+    small.put("b", b"{}")  # a session's turns written again: counted once
+    assert small._bytes == 2
 
 
 async def test_a_session_turn_cancelled_while_it_waits_leaves_no_lock_behind() -> None:
