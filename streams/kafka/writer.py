@@ -215,12 +215,15 @@ class Writer:
             self.metrics.reviews.labels(pipeline, reason).inc()
 
     async def put_state(self, partition: int, state: TaskState) -> None:
-        """A task state alone (one an earlier run missed); dropped when the partition is
-        not this worker's any more (its new owner writes it)."""
-        try:
-            await self.store.put_state(partition, state)
-        except PartitionLost as exc:
-            log.info("not writing the state of %s: %s", state.task_id, exc)
+        """A task state alone (one an earlier run missed), as every write: again while the
+        broker may take it later, dropped when the partition is not this worker's any
+        more (its new owner writes it), the worker stopped when it cannot be written —
+        never an error of the task, whose answer is written already."""
+
+        def write() -> Awaitable[None]:
+            return self.store.put_state(partition, state)
+
+        await self._or_stop(write, f"the state of {state.task_id}")
 
     def _topic_of(self, name: str, outcome: Outcome) -> str:
         t = self.settings.topics

@@ -238,3 +238,28 @@ async def test_the_state_is_written_only_once_the_outcome_is(owned: Any, prepare
     await writer.deliver(result, SOURCE.partition, prep=prep, state_for=_state_for(prep))
     t = writer.settings.topics
     assert broker.topics() == [t.results] * 3 + [state_topic(writer.settings)]
+
+
+async def test_a_state_written_alone_is_written_again_when_the_broker_hiccups(
+    owned: Any,
+) -> None:
+    """The state an earlier run missed (its answer written already): a timeout is written
+    again, not raised into the record's run — where it became an internal_error dead
+    letter beside the task's result."""
+    broker = Broker(lambda t, n: KafkaTimeoutError("broker away") if n <= 2 else None)
+    writer, store, stops = owned(broker)
+    await store.ready(SOURCE.partition)
+    state = TaskState(task_id="t1", status=Status.SUCCEEDED, updated_at="")
+    await writer.put_state(SOURCE.partition, state)
+    assert broker.topics() == [state_topic(writer.settings)] * 3
+    assert store.get(Kind.TASKS, SOURCE.partition, b"t1") is not None and not stops.crashed
+
+
+async def test_a_state_written_alone_that_cannot_be_written_stops_the_worker(owned: Any) -> None:
+    broker = Broker(lambda t, n: KafkaTimeoutError("broker away"))
+    writer, store, stops = owned(broker)
+    await store.ready(SOURCE.partition)
+    state = TaskState(task_id="t1", status=Status.SUCCEEDED, updated_at="")
+    with pytest.raises(CannotWrite):
+        await writer.put_state(SOURCE.partition, state)
+    assert len(stops.crashed) == 1
