@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -34,11 +35,12 @@ from typing import Any
 
 import orjson
 
+from streams.contract.headers import Headers
 from streams.contract.lanes import Lane
 from streams.contract.records import RecordRoom, Source
 from streams.core.outcome import Outcome
 from streams.core.processor import ProcessorConfig, TaskProcessor
-from streams.errors import ConfigError, InvalidInput
+from streams.errors import ConfigError, InternalError, InvalidInput, TaskError
 from streams.llm.openai_client import OpenAIClient
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
@@ -48,6 +50,8 @@ from streams.resilience.limiter import GroupShare, RateLimiter
 from streams.resilience.pool import ClientPool
 from streams.schema_registry import RecordDecoder, RegistryClient
 from streams.settings import Settings, load_settings
+
+log = logging.getLogger(__name__)
 
 # Where a task given to the API comes from, when the caller does not say.
 API_SOURCE = Source(topic="api", partition=0, offset=0)
@@ -73,12 +77,14 @@ class SourceReader:
         mappers: list[SourceMapper],
         value: bytes | None,
         key: bytes | None,
-        headers: list[tuple[str, bytes]] | None = None,
+        headers: Headers | None = None,
         timestamp: float | None = None,
-    ) -> list[tuple[SourceMapper, dict[str, Any] | Skipped | InvalidInput]]:
-        """Per mapper: the task, why the record is skipped, or why it cannot be mapped."""
+    ) -> list[tuple[SourceMapper, dict[str, Any] | Skipped | TaskError]]:
+        """Per mapper: the task, why the record is skipped, or why it cannot be mapped
+        (`InvalidInput`; a bug of the mapping is an `InternalError`: either way the
+        record's dead letter, never the caller's crash)."""
         decoded: dict[str, Any] = {}  # "value" / "key" -> decoded, or the InvalidInput
-        out: list[tuple[SourceMapper, dict[str, Any] | Skipped | InvalidInput]] = []
+        out: list[tuple[SourceMapper, dict[str, Any] | Skipped | TaskError]] = []
         for mapper in mappers:
             try:
                 if value is None:
@@ -91,6 +97,11 @@ class SourceReader:
             except InvalidInput as exc:
                 out.append((mapper, exc))
                 continue
+            except Exception as exc:  # a bug must not stop the agent nor lose the record
+                log.exception("unexpected error mapping a record for %s", mapper.pipeline)
+                out.append((mapper, InternalError(f"internal error mapping the record: {exc!r}",
+                                                  code="internal_error")))  # fmt: skip
+                continue
             out.append((mapper, task))
         return out
 
@@ -99,7 +110,7 @@ class SourceReader:
         mapper: SourceMapper,
         value: bytes,
         key: bytes | None,
-        headers: list[tuple[str, bytes]] | None,
+        headers: Headers | None,
         timestamp: float | None,
         decoded: dict[str, Any],
     ) -> dict[str, Any] | Skipped:
@@ -303,7 +314,7 @@ class Analyzer:
         value: bytes | None,
         *,
         key: bytes | None = None,
-        headers: list[tuple[str, bytes]] | None = None,
+        headers: Headers | None = None,
         timestamp: float | None = None,
         source: Source | None = None,
         lane: Lane = Lane.LIVE,
@@ -316,7 +327,7 @@ class Analyzer:
             raise ConfigError(f"pipeline {pipeline} declares no `source:` mapping")
         source = source or API_SOURCE
         [(_, task)] = await self.reader.tasks([mapper], value, key, headers, timestamp)
-        if isinstance(task, InvalidInput):
+        if isinstance(task, TaskError):
             return self.processor.dead_letter(task, value, key, source)
         if isinstance(task, Skipped):
             return task

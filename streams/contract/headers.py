@@ -14,9 +14,14 @@ REROUTED_FROM_HEADER = "llm-streams-rerouted-from"  # where a misrouted record c
 SOURCE_OF_HEADER = "llm-streams-source-of"  # topic/partition/offset a mapped task came from
 
 
-def header_items(headers: Any) -> list[tuple[str, bytes]]:
+# A record's headers as read: a value may be None (a header without a value).
+Headers = list[tuple[str, bytes | None]]
+
+
+def header_items(headers: Any) -> Headers:
     """A record's headers as (name, value) pairs, whether a client gives a mapping or a
-    sequence of pairs (Faust, aiokafka)."""
+    sequence of pairs (Faust, aiokafka). A value may be None: Kafka allows a header
+    without a value, and aiokafka gives it as None."""
     if not headers:
         return []
     if isinstance(headers, dict):

@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from jinja2 import TemplateError
-
 from streams.errors import Category, Permanent, TaskError
 from streams.observability.tracing import stage_span
+from streams.pipelines.jinja import over_record
 from streams.pipelines.registry import Pipeline, PipelineVersion, RenderedPrompt, Stage
 
 MAIN = "main"  # the first stage's name in task states
@@ -58,15 +57,14 @@ async def run_stages(
             answers[stage.name] = done[stage.name]
             continue
         try:
-            if not stage.applies(context):
-                answers[stage.name] = done[stage.name] = None
-                continue
-            stage_input = stage.build_input(context)
-        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise StageFailed(
-                stage.name,
-                StageInputError(f"cannot evaluate its when/input: {exc}", code="stage_input"),
-            ) from exc
+            with over_record("cannot evaluate its when/input", "stage_input", StageInputError):
+                applies = stage.applies(context)
+                stage_input = stage.build_input(context) if applies else None
+        except StageInputError as exc:
+            raise StageFailed(stage.name, exc) from exc
+        if stage_input is None:
+            answers[stage.name] = done[stage.name] = None
+            continue
         version = stage.pipeline.version(stage.version, task_id)
         try:
             prompt = version.render(stage_input, default_model)

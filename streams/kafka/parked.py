@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from streams.contract.headers import header_items
+from streams.contract.headers import Headers, header_items
 from streams.contract.lanes import Lane
 from streams.core.batches import BatchLane, job_key
 from streams.core.dispatch import Dispatcher, LaneSlots
@@ -39,7 +39,7 @@ class StoredRecord:
     offset: int
     key: bytes | None
     value: bytes
-    headers: list[tuple[str, bytes]]
+    headers: Headers
     timestamp: float | None
 
     @classmethod
@@ -52,22 +52,26 @@ class StoredRecord:
         """A JSON object (the ledger's readers take only those); bytes in base64."""
         return orjson.dumps({
             "topic": self.topic, "partition": self.partition, "offset": self.offset,
-            "key": _b64(self.key) if self.key is not None else None,
-            "value": _b64(self.value), "headers": [[k, _b64(v)] for k, v in self.headers],
+            "key": _b64(self.key), "value": _b64(self.value),
+            "headers": [[k, _b64(v)] for k, v in self.headers],
             "timestamp": self.timestamp,
         })  # fmt: skip
 
     @classmethod
     def unpack(cls, raw: bytes) -> StoredRecord:
         data = orjson.loads(raw)
-        key = base64.b64decode(data["key"]) if data["key"] is not None else None
-        headers = [(k, base64.b64decode(v)) for k, v in data["headers"]]
-        return cls(data["topic"], data["partition"], data["offset"], key,
+        headers = [(k, _unb64(v)) for k, v in data["headers"]]
+        return cls(data["topic"], data["partition"], data["offset"], _unb64(data["key"]),
                    base64.b64decode(data["value"]), headers, data["timestamp"])  # fmt: skip
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
+def _b64(data: bytes | None) -> str | None:
+    """Bytes in base64; None (a record without a key, a header without a value) as null."""
+    return base64.b64encode(data).decode() if data is not None else None
+
+
+def _unb64(text: str | None) -> bytes | None:
+    return base64.b64decode(text) if text is not None else None
 
 
 class Resumer:

@@ -25,7 +25,7 @@ from streams.api import SourceReader, uses_registry
 from streams.contract.headers import SOURCE_OF_HEADER, header_items
 from streams.contract.records import Source
 from streams.core.processor import TaskProcessor
-from streams.errors import ConfigError, InvalidInput
+from streams.errors import ConfigError, InvalidInput, TaskError
 from streams.kafka import clients
 from streams.kafka.limits import WriteLimits
 from streams.kafka.routing import partition_for
@@ -73,7 +73,7 @@ class SourceIngest:
         for mapper, task in mapped:
             count = self.metrics.source_records.labels(mapper.pipeline, "forwarded")
             try:
-                if isinstance(task, InvalidInput):
+                if isinstance(task, TaskError):
                     raise task
                 if isinstance(task, Skipped):
                     self.metrics.source_records.labels(mapper.pipeline, "skipped").inc()
@@ -83,7 +83,7 @@ class SourceIngest:
                 if len(value) > room:
                     why = f"the mapped task takes {len(value)} bytes, over the {room} it may"
                     raise InvalidInput(why, code="source_too_large")
-            except InvalidInput as exc:
+            except TaskError as exc:
                 await self._dead_letter(exc, message, source, processor)
                 self.metrics.source_records.labels(mapper.pipeline, "dead_letter").inc()
                 continue
@@ -100,7 +100,7 @@ class SourceIngest:
 
     async def _dead_letter(
         self,
-        exc: InvalidInput,
+        exc: TaskError,
         message: Any,
         source: Source,
         processor: TaskProcessor,

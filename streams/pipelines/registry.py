@@ -27,7 +27,7 @@ from pydantic import (
 from streams.errors import ConfigError, InvalidInput
 from streams.llm.client import SCHEMA_IN_PROMPT, budget_key
 from streams.pipelines.defaults import has_defaults
-from streams.pipelines.jinja import ENV
+from streams.pipelines.jinja import ENV, over_record
 from streams.pipelines.sources import SourceMapper, SourceSpec
 from streams.preprocess import Redactor, clean
 
@@ -557,11 +557,9 @@ class PipelineVersion:
     def render(self, task_input: dict[str, Any], default_model: str) -> RenderedPrompt:
         redactions: Counter[str] = Counter()
         variables = self.bind(task_input, redactions)
-        try:
+        with over_record("prompt does not render", "render_error"):
             system = self._system.render(**variables).strip()
             user = self._user.render(**variables).strip()
-        except TemplateError as exc:
-            raise InvalidInput(f"prompt does not render: {exc}", code="render_error") from exc
         response_format, tool, more = structured_output(
             self.spec.response_format, self.pipeline.name, self.pipeline.output_schema
         )
@@ -626,8 +624,8 @@ class Pipeline:
         for name, rule in self._review_rules.items():
             try:
                 hit = bool(rule(input=variables, output=output))
-            except (TemplateError, TypeError, ValueError):
-                hit = False  # a rule that cannot judge this answer does not flag it
+            except Exception:  # whatever the answer leads it to: a rule that cannot
+                hit = False  # judge this answer does not flag it
             if hit:
                 reasons.append(name)
         return reasons

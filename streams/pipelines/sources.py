@@ -41,8 +41,9 @@ import orjson
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from streams.contract.headers import Headers
 from streams.errors import ConfigError, InvalidInput
-from streams.pipelines.jinja import ENV
+from streams.pipelines.jinja import ENV, over_record
 
 
 class SourceSpec(BaseModel):
@@ -90,6 +91,10 @@ def pointer_get(document: Any, pointer: str) -> Any:
     return node
 
 
+def _text(value: bytes | None) -> str | None:
+    return value.decode(errors="replace") if value is not None else None
+
+
 def _key_text(key: bytes | Any) -> str:
     """A record key as a task id: raw bytes as text, a decoded scalar as text, a decoded
     structure as its canonical JSON."""
@@ -124,7 +129,7 @@ class SourceMapper:
         self,
         value: bytes | None,
         key: bytes | None,
-        headers: list[tuple[str, bytes]] | None = None,
+        headers: Headers | None = None,
         timestamp: float | None = None,
     ) -> dict[str, Any] | Skipped:
         """The task (record contract v1) a record maps to, or why it is skipped. Raises
@@ -141,7 +146,7 @@ class SourceMapper:
         self,
         document: Any,
         key: bytes | Any,
-        headers: list[tuple[str, bytes]] | None = None,
+        headers: Headers | None = None,
         timestamp: float | None = None,
     ) -> dict[str, Any] | Skipped:
         """The task a decoded record maps to (`task` after its JSON parse; the sources'
@@ -149,14 +154,13 @@ class SourceMapper:
         scope = {
             "value": document,
             "key": key.decode(errors="replace") if isinstance(key, bytes) else key,
-            "headers": {k: v.decode(errors="replace") for k, v in headers or ()},
+            # A header's value may be null (Kafka allows it; aiokafka gives None): null here.
+            "headers": {k: _text(v) for k, v in headers or ()},
             "timestamp": timestamp,
         }
         if self._filter is not None:
-            try:
-                wanted = self._filter(**scope)
-            except TemplateError as exc:
-                raise InvalidInput(f"source filter: {exc}", code="source_filter") from exc
+            with over_record("source filter", "source_filter"):
+                wanted = bool(self._filter(**scope))
             if not wanted:
                 return Skipped("filter")
         slots = {name: self._slot(name, how, document, scope) for name, how in self._slots.items()}
@@ -172,10 +176,8 @@ class SourceMapper:
     def _task_id(self, document: Any, key: bytes | Any, scope: dict[str, Any]) -> str:
         how = self.spec.task_id
         if self._id_template is not None:
-            try:
+            with over_record("source task_id", "source_task_id"):
                 task_id = self._id_template.render(**scope).strip()
-            except TemplateError as exc:
-                raise InvalidInput(f"source task_id: {exc}", code="source_task_id") from exc
             if not task_id:
                 raise InvalidInput("source task_id is empty", code="source_task_id")
             return task_id
@@ -198,10 +200,8 @@ class SourceMapper:
     def _slot(self, name: str, how: Any, document: Any, scope: dict[str, Any]) -> Any:
         if isinstance(how, str):
             return self._pointed(document, how, f"slot {name}")
-        try:
+        with over_record(f"source slot {name}", "source_slot"):
             return how.render(**scope)
-        except TemplateError as exc:
-            raise InvalidInput(f"source slot {name}: {exc}", code="source_slot") from exc
 
     @staticmethod
     def _pointed(document: Any, pointer: str, what: str) -> Any:

@@ -104,10 +104,14 @@ async def test_a_failed_stage_keeps_the_answers_before_it_and_resumes_from_itsel
     jsonschema.validate(output["stages"]["reply"], REPLY_SCHEMA)
 
 
+@pytest.mark.parametrize("when", ["output.no_such_field.deeper == 1",
+                                  "output.sentiment > 1"])  # fmt: skip
 async def test_a_stage_input_that_cannot_be_built_is_a_dead_letter(
-    simulator: SimulatorServer, tmp_path: Path, processor: TaskProcessor
+    simulator: SimulatorServer, tmp_path: Path, processor: TaskProcessor, when: str
 ) -> None:
-    folder = _pipelines(tmp_path, when="output.no_such_field.deeper == 1")
+    """Jinja's own errors and what Python raises on the answer's values alike (here a
+    TypeError: the sentiment is text)."""
+    folder = _pipelines(tmp_path, when=when)
     registry = PipelineRegistry.load(folder, ROOT / "schemas")
     processor.registry = registry
     out = await processor.answer(prepared(processor, UNHAPPY))

@@ -86,10 +86,12 @@ def test_headers_say_how_a_record_is_answered(
 
 def test_a_parked_record_comes_back_from_the_ledger_as_it_came_in() -> None:
     """What the ledger keeps of a parked record (JSON, as its readers require) is the
-    record, byte for byte: key, value (any bytes), headers, position."""
+    record, byte for byte: key, value (any bytes), headers (one without a value too),
+    position."""
     message = StoredRecord(topic="replay", partition=3, offset=41, key=b"task-\xff",
                            value=b'{"task_id": "t"}\x00\xfe', timestamp=1764500000.5,
-                           headers=[("llm-streams-tier", b"batch"), ("x", b"\x00")])  # fmt: skip
+                           headers=[("llm-streams-tier", b"batch"), ("x", b"\x00"),
+                                    ("no-value", None)])  # fmt: skip
     packed = message.pack()
     assert store_module.readable(Kind.LEDGER, packed)
     assert StoredRecord.unpack(packed) == message

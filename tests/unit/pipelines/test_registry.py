@@ -81,6 +81,20 @@ def test_template_sandbox_blocks_attribute_escapes(tmp_path: Path) -> None:
     assert info.value.code == "render_error"
 
 
+def test_a_template_that_python_refuses_on_the_task_is_a_render_error(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text(
+        "name: p\ndefault_version: v1\noutput_schema: comment-analysis.output.schema.json\n"
+        "versions:\n  v1:\n    system: s\n    template: '{{ 100 // (text | length - 2) }}'\n"
+        "    slots: {text: {type: string}}\n"
+    )
+    version = PipelineRegistry.load(tmp_path, ROOT / "schemas").get("p").version(None)
+    assert version.render({"text": "abcd"}, "m").messages[1]["content"] == "50"
+    with pytest.raises(InvalidInput) as info:
+        version.render({"text": "ab"}, "m")
+    assert info.value.code == "render_error"
+    assert "ZeroDivisionError" in info.value.message
+
+
 @pytest.mark.parametrize(
     ("body", "words"),
     [

@@ -127,3 +127,34 @@ def test_a_source_that_leaves_a_required_slot_unmapped_stops_the_start(tmp_path:
                                                   "    title: /comment/title\n"))  # fmt: skip
     with pytest.raises(ConfigError, match=r"does not map the slots \['text'\]"):
         PipelineRegistry.load(tmp_path, ROOT / "schemas")
+
+
+@pytest.mark.parametrize(
+    ("spec", "value", "code", "reason"),
+    [
+        # a loosely typed upstream table: text where the filter compares a number
+        ({"filter": "value.stars >= 1", "slots": {"text": "/t"}},
+         b'{"stars": "4 stars", "t": "x"}', "source_filter", "TypeError: '>=' not supported"),
+        ({"task_id": "r-{{ 10 // value.n }}", "slots": {"text": "/t"}},
+         b'{"n": 0, "t": "x"}', "source_task_id", "ZeroDivisionError"),
+        ({"slots": {"text": "{{ value.n | int * 10.0 ** 400 }}"}},
+         b'{"n": 1}', "source_slot", "OverflowError"),
+        ({"slots": {"text": "{{ value.t.upper() }}"}},
+         b'{"t": 5}', "source_slot", "has no attribute"),  # Jinja's own message, as it is
+    ],
+)  # fmt: skip
+def test_any_error_an_expression_meets_on_the_record_is_its_invalid_input(
+    spec: dict[str, object], value: bytes, code: str, reason: str
+) -> None:
+    mapper = SourceMapper("p", SourceSpec(topics=["t"], **spec))  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput) as caught:
+        mapper.task(value, b"k")
+    assert caught.value.code == code
+    assert reason in caught.value.message, caught.value.message
+
+
+def test_a_header_without_a_value_is_null_in_the_templates() -> None:
+    mapper = SourceMapper("p", SourceSpec(topics=["t"], slots={
+        "text": "{{ value.body }} {{ headers['trace'] is none }} {{ headers['shop'] }}"}))  # fmt: skip
+    task = mapper.task(b'{"body": "ok"}', b"k", [("trace", None), ("shop", b"eu")])
+    assert task["input"] == {"text": "ok True eu"}  # type: ignore[index]
