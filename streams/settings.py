@@ -233,8 +233,15 @@ class BatchApiSettings(_Section):
     max_pending: int = Field(
         50_000,
         ge=1,
-        description="Requests a worker holds at once for batches (being "
-        "taken in, or waiting unparked: a record too big for the ledger).",
+        description="Requests a worker holds at once for batches (being taken in, or "
+        "waiting for their batch where no record is parked: the Python API, tools).",
+    )
+    files_cache_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Bytes of finished batches' output and error files a worker keeps "
+        "(least recently used out first; the newest file is kept even when it alone is "
+        "larger): a resumed job reads its answer without downloading its file again.",
     )
     deadline_s: float = Field(
         93_600.0, gt=0, description="Total time a batch-lane task may take (26 h)."

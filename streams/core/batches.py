@@ -47,16 +47,18 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from functools import cached_property
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from aiolimiter import AsyncLimiter
 
+from streams.core.batch_files import NO_LINES, BatchFiles, BatchLines
 from streams.core.dispatch import parked
-from streams.errors import BadRequest, RateLimited, TaskError, UpstreamError
+from streams.errors import BadRequest, Permanent, RateLimited, TaskError, Transient, UpstreamError
 from streams.llm.client import (
     LLMRequest,
     LLMResponse,
@@ -67,10 +69,12 @@ from streams.llm.client import (
 )
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
+from streams.resilience.clock import Clock, MonotonicClock
 from streams.resilience.retry import retry_transient
 from streams.settings import BatchApiSettings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 METADATA_KEY = "llm_streams_batch"
 # A batch recorded as being created is taken for never created only this long after:
@@ -107,6 +111,11 @@ class Parking:
     key: str  # one per task answer: its result key
     record: Callable[[], bytes]
 
+    @cached_property
+    def packed(self) -> bytes:
+        """The record as the ledger keeps it, made once."""
+        return self.record()
+
 
 # Set by the edge for the job it runs; unset (tests, tools): a job waits for its batch.
 PARKING: ContextVar[Parking | None] = ContextVar("llm_streams_parking", default=None)
@@ -120,6 +129,10 @@ class Parked(BaseException):  # a way out, like CancelledError, not an error
 
 # resume(partition, job key, record): run a parked job again, once it may find its answer.
 Resume = Callable[[int, str, bytes], None]
+
+
+class _MaybeCreated(Exception):  # a state, not an error of ours
+    """A create whose answer was lost: the provider may hold the batch (the cause kept)."""
 
 
 class BatchOps(Protocol):
@@ -236,8 +249,11 @@ class BatchLane:
         metrics: Metrics | None = None,
         *,
         ledger_room: int = 1_044_000,
+        clock: Clock | None = None,
     ) -> None:
         self.ops = ops
+        # Its waits (polls, backoff); its stamps are wall-clock time, as the provider's.
+        self.clock = clock or MonotonicClock()
         self.ledger = ledger
         self.settings = settings
         # A batch's ledger record lists its requests and must fit the ledger topic.
@@ -258,8 +274,8 @@ class BatchLane:
         self._capacity = asyncio.Semaphore(settings.max_pending)
         self._enqueued = 0  # tokens in this worker's unfinished batches
         self._room = asyncio.Condition()
-        self._files: OrderedDict[str, dict[str, dict[str, Any]]] = OrderedDict()
-        self._reading: dict[str, asyncio.Task[dict[str, dict[str, Any]]]] = {}
+        # Finished batches' files, read once and kept within a byte budget.
+        self.files = BatchFiles(ops.file_content, settings.files_cache_bytes, self._spawn)
         self._settled: OrderedDict[str, None] = OrderedDict()  # batches that handed out
         # Answers go out at a pace: each wakes a task that writes its result.
         self._deliveries: asyncio.Queue[tuple[asyncio.Future[Answer], Answer]] = asyncio.Queue()
@@ -355,11 +371,11 @@ class BatchLane:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if answer.done() or not durable.result():
                 return False
-        record = parking.record()
-        if len(record) + 1024 > self.ledger_room:  # the ledger topic would refuse it
+        if not self._fits(parking):
             return False
         key = job_key(parking.key)
         try:
+            record = parking.packed
             if self.ledger.get(partition, key) != record:
                 await self.ledger.put(partition, key, record)
             await self.ledger.durable(partition)
@@ -368,6 +384,22 @@ class BatchLane:
             return False
         self._count_request("parked")
         return True
+
+    def takes_current(self) -> bool:
+        """Whether the running job's record may go into a batch: one the edge runs with a
+        `Parking` whose record the ledger cannot take would wait for its batch unacked —
+        up to its 24-h window, holding every rebalance of the group that long — so it is
+        answered by a call instead (at the full price, counted)."""
+        parking = PARKING.get()
+        return parking is None or self._fits(parking)  # None: tests, tools wait as they may
+
+    def _fits(self, parking: Parking) -> bool:
+        """The ledger topic takes the record."""
+        try:
+            return len(parking.packed) + 1024 <= self.ledger_room
+        except Exception:  # a record that cannot be packed cannot be parked
+            log.exception("cannot pack the record of %s for the ledger", parking.key)
+            return False
 
     def _prompt_tokens(self, request: LLMRequest) -> int:
         """Counted for an enqueued-token limit; otherwise bytes / 4 will do."""
@@ -432,8 +464,8 @@ class BatchLane:
             )
             self._enqueued += batch.tokens
         self._creating.add(batch.local_id)
+        p = batch.partition
         try:
-            p = batch.partition
             # The ledger first: a worker that dies from here on finds the batch by its id.
             await self.ledger.put(p, batch_key(batch.local_id), batch.dumps())
             await asyncio.gather(*(
@@ -445,29 +477,49 @@ class BatchLane:
             await self.ledger.durable(p)
             self._durably_in(batch, True)
             remote = await self._create(batch)
-            batch.state, batch.remote_id = "submitted", str(remote["id"])
-            await self.ledger.put(p, batch_key(batch.local_id), batch.dumps())
-            self._count_batch("submitted")
-            log.info("batch %s (%s): %d requests of partition %d submitted", batch.local_id,
-                     batch.remote_id, len(batch.items), p)  # fmt: skip
-        except Exception as exc:
-            self._durably_in(batch, False)
-            self._release(batch)
-            error = (
-                exc
-                if isinstance(exc, TaskError)
-                else UpstreamError(f"batch not submitted: {exc!r}", code="batch_not_submitted")
-            )
-            log.warning("batch %s not submitted: %r", batch.local_id, exc)
-            batch.state, batch.status = "done", "not_submitted"
-            with contextlib.suppress(Exception):
-                await self.ledger.put(batch.partition, batch_key(batch.local_id),
-                                     batch.dumps())  # fmt: skip
+        except _MaybeCreated as exc:
+            # The provider may have made it and its answer was lost: followed as a batch
+            # whose creator died — found by its metadata, or abandoned after the grace and
+            # its requests sent anew — never created a second time meanwhile.
+            log.warning("batch %s: not known whether it was created (%r); following it",
+                        batch.local_id, exc.__cause__)  # fmt: skip
             self._creating.discard(batch.local_id)
-            self._settle(batch, {}, error)
+            self._follow(batch, own=True)
             return
+        except Exception as exc:  # not created: its requests' tasks try again
+            self._not_submitted(batch, exc)
+            return
+        batch.state, batch.remote_id = "submitted", str(remote["id"])
         self._creating.discard(batch.local_id)
+        self._count_batch("submitted")
+        log.info("batch %s (%s): %d requests of partition %d submitted", batch.local_id,
+                 batch.remote_id, len(batch.items), p)  # fmt: skip
+        try:  # a ledger that misses it finds it by its metadata, as after a crash
+            await self.ledger.put(p, batch_key(batch.local_id), batch.dumps())
+        except Exception as exc:
+            log.warning("batch %s: its submission not in the ledger (%r); it is followed "
+                        "all the same", batch.local_id, exc)  # fmt: skip
         self._follow(batch, own=True)
+
+    def _not_submitted(self, batch: _Batch, exc: Exception) -> None:
+        """The batch was not created: the ledger says so (a re-run sends its requests in
+        a new batch), and its waiting requests get the error."""
+        self._durably_in(batch, False)
+        self._release(batch)
+        error = (
+            exc
+            if isinstance(exc, TaskError)
+            else UpstreamError(f"batch not submitted: {exc!r}", code="batch_not_submitted")
+        )
+        log.warning("batch %s not submitted: %r", batch.local_id, exc)
+        batch.state, batch.status = "done", "not_submitted"
+        self._spawn(self._record_not_submitted(batch))
+        self._creating.discard(batch.local_id)
+        self._settle(batch, NO_LINES, error)
+
+    async def _record_not_submitted(self, batch: _Batch) -> None:
+        with contextlib.suppress(Exception):
+            await self.ledger.put(batch.partition, batch_key(batch.local_id), batch.dumps())
 
     def _durably_in(self, batch: _Batch, durable: bool) -> None:
         """The batch's requests are (or failed to be) durably in the ledger: no longer
@@ -480,18 +532,43 @@ class BatchLane:
                 w.durable.set_result(durable)
 
     async def _create(self, batch: _Batch) -> dict[str, Any]:
-        """Upload the file and create the batch, retrying transient errors a few times."""
+        """Upload the file once and create the batch, retrying transient errors a few
+        times — asking the provider first, before each retry, whether an earlier try made
+        the batch (it carries our id in its metadata): a 5xx, a timeout or a dropped
+        connection after the provider created it must not make it pay for a second one.
+        Raises `_MaybeCreated` when a create may have succeeded unseen and the provider
+        does not list it; any other failure means it was not created."""
         data = b"".join(w.line for w in batch.lines)
+        file_id: str | None = None
+        unknown = False  # a create whose answer was lost: the batch may exist
 
         async def create() -> dict[str, Any]:
-            file_id = await self.ops.upload_batch_file(data, f"{batch.local_id}.jsonl")
-            return await self.ops.create_batch(file_id, {METADATA_KEY: batch.local_id})
+            nonlocal file_id, unknown
+            if unknown:
+                found = await self._find(batch.local_id, batch.created_at)
+                if found is not None:
+                    log.info("batch %s: created by an earlier try (%s)", batch.local_id,
+                             found.get("id"))  # fmt: skip
+                    return found
+            if file_id is None:
+                file_id = await self.ops.upload_batch_file(data, f"{batch.local_id}.jsonl")
+            try:
+                return await self.ops.create_batch(file_id, {METADATA_KEY: batch.local_id})
+            except Exception as exc:
+                # A refusal (4xx, 429) made nothing; anything else may have.
+                unknown = unknown or not isinstance(exc, RateLimited | Permanent)
+                raise
 
-        return await retry_transient(
-            create, what=f"creating batch {batch.local_id}",
-            transient=lambda exc: isinstance(exc, UpstreamError | RateLimited),
-            attempts=5, first_s=1.0, max_s=16.0, sleep=asyncio.sleep,
-        )  # fmt: skip
+        try:
+            return await retry_transient(
+                create, what=f"creating batch {batch.local_id}",
+                transient=lambda exc: isinstance(exc, Transient),
+                attempts=5, first_s=1.0, max_s=16.0, sleep=self.clock.sleep,
+            )  # fmt: skip
+        except Exception as exc:
+            if unknown:
+                raise _MaybeCreated() from exc
+            raise
 
     def _release(self, batch: _Batch) -> None:
         """The batch's tokens are no longer enqueued. Synchronous, so that a watcher
@@ -535,8 +612,10 @@ class BatchLane:
         except Exception as exc:  # never leave a job waiting on a batch forever
             log.exception("following batch %s failed", batch.local_id)
             # Not at once: a parked job resumed now would follow the batch again at once.
-            await asyncio.sleep(self.settings.poll_max_s)
-            self._settle(batch, {}, UpstreamError(f"batch lane: {exc!r}", code="batch_lane_error"))
+            await self.clock.sleep(self.settings.poll_max_s)
+            self._settle(
+                batch, NO_LINES, UpstreamError(f"batch lane: {exc!r}", code="batch_lane_error")
+            )
         finally:
             if own:
                 self._release(batch)
@@ -547,7 +626,7 @@ class BatchLane:
             while found is None and time.time() - batch.created_at < CREATE_GRACE_S:
                 # Its creator may still be creating it (a worker that lost the partition
                 # a moment ago): wait for the provider or the ledger to say more.
-                await asyncio.sleep(self.settings.poll_s)
+                await self.clock.sleep(self.settings.poll_s)
                 raw = self.ledger.get(batch.partition, batch_key(batch.local_id))
                 latest = _Batch.loads(raw) if raw is not None else batch
                 if latest.state != "creating":
@@ -559,7 +638,7 @@ class BatchLane:
                 batch.state = "abandoned"
                 await self.ledger.put(batch.partition,
                                      batch_key(batch.local_id), batch.dumps())  # fmt: skip
-                self._settle(batch, {}, RESUBMIT)
+                self._settle(batch, NO_LINES, RESUBMIT)
                 return
             batch.state, batch.remote_id = "submitted", str(found["id"])
             await self.ledger.put(batch.partition, batch_key(batch.local_id),
@@ -578,7 +657,7 @@ class BatchLane:
             await self.ledger.put(batch.partition, batch_key(batch.local_id),
                                  batch.dumps())  # fmt: skip
             if batch.status == "failed":
-                self._settle(batch, {}, self._failure(batch, self._enqueued - (
+                self._settle(batch, NO_LINES, self._failure(batch, self._enqueued - (
                     batch.tokens if own else 0)))  # fmt: skip
                 return
         lines = await self._lines(batch)
@@ -630,7 +709,13 @@ class BatchLane:
         return answer
 
     async def _find(self, local_id: str, created_at: float) -> dict[str, Any] | None:
-        """The provider's batch carrying our id in its metadata, if it was created."""
+        """The provider's batch carrying our id in its metadata, if it was created (asked
+        again while the provider fails: a batch that may exist is never taken for one
+        that does not)."""
+        return await self._patiently(lambda: self._find_once(local_id, created_at),
+                                     f"looking for batch {local_id}")  # fmt: skip
+
+    async def _find_once(self, local_id: str, created_at: float) -> dict[str, Any] | None:
         after: str | None = None
         while True:
             page = await self.ops.list_batches(after=after, limit=100)
@@ -650,38 +735,30 @@ class BatchLane:
                 remote = await self.ops.retrieve_batch(remote_id)
                 if remote.get("status") in TERMINAL:
                     return remote
-            except (UpstreamError, RateLimited) as exc:  # the provider will be back
+            except Transient as exc:  # the provider will be back
                 log.warning("polling batch %s: %s", remote_id, exc.message)
-            await asyncio.sleep(delay)
+            await self.clock.sleep(delay)
             delay = min(delay * 1.5, self.settings.poll_max_s)
 
-    async def _lines(self, batch: _Batch) -> dict[str, dict[str, Any]]:
-        """The batch's output and error lines by custom_id (files read once, then cached)."""
-        lines: dict[str, dict[str, Any]] = {}
-        for file_id in (batch.error_file_id, batch.output_file_id):  # output wins
-            if not file_id:
-                continue
-            if file_id not in self._files:
-                reading = self._reading.get(file_id)
-                if reading is None:  # one download, however many jobs ask meanwhile
-                    reading = self._reading[file_id] = self._spawn(self._read(file_id))
-                self._files[file_id] = await asyncio.shield(reading)
-                while len(self._files) > 64:
-                    self._files.popitem(last=False)
-            lines.update(self._files[file_id])
-        return lines
+    async def _lines(self, batch: _Batch) -> BatchLines:
+        """The batch's output and error lines by custom_id (see `core.batch_files`), read
+        again while the provider fails: its answers were paid for, and a request given an
+        error here would be asked again in a new batch."""
+        return await self._patiently(
+            lambda: self.files.lines(batch.output_file_id, batch.error_file_id),
+            f"reading the files of batch {batch.local_id}",
+        )
 
-    async def _read(self, file_id: str) -> dict[str, dict[str, Any]]:
-        try:
-            raw = await self.ops.file_content(file_id)
-            return {
-                str(line["custom_id"]): line
-                for line in (orjson.loads(x) for x in raw.splitlines() if x.strip())
-            }
-        finally:
-            self._reading.pop(file_id, None)
+    async def _patiently(self, ask: Callable[[], Awaitable[T]], what: str) -> T:
+        """`ask()` of a batch that exists or may exist, again after each transient failure
+        (backoff up to `poll_max_s`) until it answers: its requests' jobs wait meanwhile,
+        bounded by their deadline."""
+        return await retry_transient(
+            ask, what=what, transient=lambda exc: isinstance(exc, Transient), attempts=None,
+            first_s=self.settings.poll_s, max_s=self.settings.poll_max_s, sleep=self.clock.sleep,
+        )  # fmt: skip
 
-    def _settle(self, batch: _Batch, lines: dict[str, dict[str, Any]], missing: Answer) -> None:
+    def _settle(self, batch: _Batch, lines: BatchLines, missing: Answer) -> None:
         """Hand every waiting request of the batch its answer."""
         for custom_id, attempt in batch.items:
             futures = self._waiters.get((custom_id, attempt), [])

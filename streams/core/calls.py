@@ -220,6 +220,15 @@ class Calls:
     ) -> LLMResponse:
         """One attempt's request: a call (flex tier: at the flex price, falling back to a
         plain call when flex has no capacity), or a line in a batch (batch tier)."""
+        if (
+            spend.tier is Tier.BATCH
+            and self.batches is not None
+            and not self.batches.takes_current()
+        ):
+            log.info("a batch-tier record too large to park in the batch ledger: answered "
+                     "by a call, at the sync price")  # fmt: skip
+            spend.tier = Tier.SYNC
+            self.metrics.mitigations.labels("*", "batch_unparkable").inc()
         if spend.tier is Tier.BATCH and spend.route is not None and self.batches is not None:
             partition, custom_id = spend.route
             response = await self.batches.complete(partition, custom_id, attempts.count, request)

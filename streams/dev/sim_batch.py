@@ -11,7 +11,8 @@ would (no latency, no rate limit), into the output file; a share
 `batch_expire_next` batches expire instead, after answering only
 `batch_expire_fraction` of their lines (the rest go to the error file as
 `batch_expired`). `batch_token_limit` caps the tokens enqueued in unfinished
-batches: a batch over it fails with `token_limit_exceeded`.
+batches: a batch over it fails with `token_limit_exceeded`. The next
+`batch_create_lost_next` creations make their batch and answer 502 (the answer lost).
 
 `submissions` counts, per custom_id, the batches it was sent in, and
 `outcomes` how each of those ended for it (ok, error, expired), so tests can
@@ -237,6 +238,10 @@ class BatchAPI:
         self.batches[batch.id] = batch
         self.order.append(batch.id)
         self.sim.by_outcome[f"batch_{batch.status}"] += 1
+        if cfg.batch_create_lost_next > 0:  # made, and the answer lost on the way
+            cfg.batch_create_lost_next -= 1
+            return web.json_response({"error": {"message": "Bad gateway", "type": "server_error",
+                                                "code": None}}, status=502)  # fmt: skip
         return web.json_response(batch.view())
 
     async def _finish(self, batch: _Batch) -> None:

@@ -69,6 +69,10 @@ class SimConfig:
     batch_expire_next: int = 0  # this many next batches expire instead of completing
     batch_expire_fraction: float = 0.5  # share of an expiring batch's lines answered
     batch_token_limit: int = 0  # enqueued-token limit over unfinished batches (0: none)
+    # This many next batch creations make the batch and answer 502 (the answer lost on
+    # the way, as a gateway or a dropped connection does): a client that retries blindly
+    # makes a second batch and pays twice.
+    batch_create_lost_next: int = 0
     packed_invalid_items: int = 0  # and break the schema for this many
     # Answer prose whatever `response_format` asks (as endpoints that ignore it do); a
     # forced function call and a schema in the prompt are still followed.

@@ -175,8 +175,10 @@ class Metrics:
             ["model"], registry=r)  # fmt: skip
         self.mitigations = Counter(
             "llm_streams_mitigations",
-            "Inputs over the context window, by what was done: truncate (cut to fit) or "
-            "chunk (split, each chunk answered, answers merged).",
+            "What was done instead of the plain way: an input over the context window "
+            "truncated (cut to fit) or chunked (split, each chunk answered, answers merged); "
+            "a flex call with no capacity answered at the sync price (flex_fallback); a "
+            "batch-tier record too large to park answered by a call (batch_unparkable).",
             ["pipeline", "kind"], registry=r)  # fmt: skip
         self.packed = Counter(
             "llm_streams_packed_tasks",

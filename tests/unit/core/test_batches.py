@@ -24,11 +24,12 @@ from streams.core.batches import (
 )
 from streams.core.processor import Prices
 from streams.dev.simulator import SimulatorServer
-from streams.errors import BadRequest, UpstreamError
+from streams.errors import BadRequest, Timeout, UpstreamError
 from streams.llm.client import LLMRequest
 from streams.llm.openai_client import OpenAIClient
 from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.breaker import CircuitBreaker
+from streams.resilience.clock import MonotonicClock
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
 from streams.settings import BatchApiSettings
@@ -62,6 +63,13 @@ class LedgerStore:
 
     def owns(self, partition: int) -> bool:
         return True
+
+
+class QuickClock(MonotonicClock):
+    """The lane's waits (backoff, polls) cut to a few milliseconds."""
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(min(seconds, 0.01))
 
 
 SETTINGS = BatchApiSettings(
@@ -307,16 +315,12 @@ async def test_a_batch_over_the_providers_token_limit_alone_fails_its_requests_c
 async def test_a_batch_that_cannot_be_created_fails_its_requests(
     client: OpenAIClient, simulator: SimulatorServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def no_wait(_: float) -> None:
-        return None
-
     async def refused(data: bytes, name: str) -> str:
         raise UpstreamError("HTTP 503: files API down", code="http_503")
 
-    monkeypatch.setattr("streams.core.batches.asyncio.sleep", no_wait)
     monkeypatch.setattr(client, "upload_batch_file", refused)
     store = LedgerStore()
-    lane = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
+    lane = BatchLane(client, store, SETTINGS, clock=QuickClock())  # type: ignore[arg-type]
     with pytest.raises(UpstreamError, match="files API down"):
         await lane.complete(0, "rk-1", 1, _request("Fine."))
     # The ledger says the batch was never submitted, so a re-run sends it anew.
@@ -473,3 +477,125 @@ async def test_a_record_too_big_for_the_ledger_is_not_parked_its_job_waits_for_t
     assert job_key("rk-1") not in store.maps[0]  # nothing written the topic would refuse
     assert simulator.sim.snapshot()["batches"] == 1
     await lane.close()
+
+
+async def test_a_create_answered_502_after_the_provider_made_the_batch_makes_no_second_one(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    """The provider made the batch and its answer was lost (a gateway's 502): the retry
+    asks for the batch by its metadata first, finds it and follows it."""
+    simulator.sim.config.batch_create_lost_next = 1
+    store = LedgerStore()
+    lane = BatchLane(client, store, SETTINGS, clock=QuickClock())  # type: ignore[arg-type]
+    answers = await asyncio.gather(*(
+        lane.complete(0, f"rk-{i}", 1, _request(f"Fine {i}.")) for i in range(3)
+    ))  # fmt: skip
+    assert all(orjson.loads(a.content)["sentiment"] for a in answers)
+    assert simulator.sim.snapshot()["batches"] == 1  # exactly one batch at the provider
+    assert all(n == 1 for n in simulator.sim.batch.submissions.values())
+    (record,) = [orjson.loads(v) for k, v in store.maps[0].items() if k.startswith(b"batch/")]
+    assert (record["state"], record["status"]) == ("done", "completed")
+    await lane.close()
+
+
+async def test_a_create_that_timed_out_after_the_provider_made_the_batch_makes_no_second_one(
+    client: OpenAIClient, simulator: SimulatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every try times out after the provider made its batch: the lane does not take
+    that for "not created" (before, the next attempt went into a second batch while the
+    first ran, unfollowed and paid for); it finds the first and follows it."""
+    real = client.create_batch
+
+    async def made_then_timed_out(file_id: str, metadata: dict[str, str]) -> dict[str, object]:
+        await real(file_id, metadata)
+        raise Timeout("LLM call timed out", code="timeout")
+
+    monkeypatch.setattr(client, "create_batch", made_then_timed_out)
+    lane = BatchLane(client, LedgerStore(), SETTINGS, clock=QuickClock())  # type: ignore[arg-type]
+    answer = await lane.complete(0, "rk-1", 1, _request("Fine."))
+    assert orjson.loads(answer.content)["sentiment"]
+    assert simulator.sim.snapshot()["batches"] == 1
+    await lane.close()
+
+
+async def test_a_create_lost_before_the_provider_made_anything_is_sent_anew_after_the_grace(
+    client: OpenAIClient, simulator: SimulatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every try of the create was lost on its way (the provider made nothing): the
+    batch is followed as one whose creator died, not found within the grace, abandoned,
+    and its request sent in a new batch — one batch at the provider in all."""
+    real, lost = client.create_batch, [0]
+
+    async def lost_on_the_way(file_id: str, metadata: dict[str, str]) -> dict[str, object]:
+        if lost[0] < 5:  # every try of the first batch
+            lost[0] += 1
+            raise UpstreamError("cannot reach the LLM endpoint", code="connection_error")
+        return await real(file_id, metadata)
+
+    monkeypatch.setattr(client, "create_batch", lost_on_the_way)
+    monkeypatch.setattr("streams.core.batches.CREATE_GRACE_S", 0.3)
+    store = LedgerStore()
+    lane = BatchLane(client, store, SETTINGS, clock=QuickClock())  # type: ignore[arg-type]
+    answer = await lane.complete(0, "rk-1", 1, _request("Fine."))
+    assert orjson.loads(answer.content)["sentiment"]
+    states = sorted(orjson.loads(v)["state"] for k, v in store.maps[0].items()
+                    if k.startswith(b"batch/"))  # fmt: skip
+    assert states == ["abandoned", "done"]
+    assert simulator.sim.snapshot()["batches"] == 1
+    await lane.close()
+
+
+async def test_a_provider_failing_while_a_batch_runs_gives_its_requests_no_error(
+    client: OpenAIClient, simulator: SimulatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Polls and file reads that fail for a while are asked again: the batch was paid
+    for, and a request given an error would be asked again in a second batch."""
+    failures = {"retrieve_batch": 3, "file_content": 2}
+    for name in failures:
+        real = getattr(client, name)
+
+        async def flaky(*args: object, _real: object = real, _name: str = name) -> object:
+            if failures[_name] > 0:
+                failures[_name] -= 1
+                raise Timeout(f"{_name} timed out", code="timeout")
+            return await _real(*args)  # type: ignore[operator]
+
+        monkeypatch.setattr(client, name, flaky)
+    lane = BatchLane(client, LedgerStore(), SETTINGS, clock=QuickClock())  # type: ignore[arg-type]
+    answers = await asyncio.gather(*(
+        lane.complete(0, f"rk-{i}", 1, _request(f"Fine {i}.")) for i in range(3)
+    ))  # fmt: skip
+    assert len(answers) == 3 and failures == {"retrieve_batch": 0, "file_content": 0}
+    assert simulator.sim.snapshot()["batches"] == 1
+    await lane.close()
+
+
+async def test_a_batch_tier_record_too_large_to_park_is_answered_by_a_call(
+    client: OpenAIClient, simulator: SimulatorServer, make_processor: MakeProcessor
+) -> None:
+    """Parked, a record waits in the ledger and is acked; one the ledger cannot take
+    would wait for its batch unacked — up to its 24-h window, holding every rebalance
+    that long. It is answered by a call instead, at the full price, and counted."""
+    registry = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
+    processor = make_processor(
+        client, registry=registry, limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("s"),
+        prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0), batch_deadline_s=60,
+    )  # fmt: skip
+    processor.batches = BatchLane(client, LedgerStore(), SETTINGS, ledger_room=4096)  # type: ignore[arg-type]
+    raw = orjson.dumps({"task_id": "b1", "pipeline": "comment-analysis",
+                        "input": {"text": "Arrived late, works great."}})  # fmt: skip
+    prep = processor.prepare(raw, None, Source(topic="r", partition=0, offset=1))
+    token = PARKING.set(Parking(prep.result_key, lambda: b"x" * 5000))  # type: ignore[union-attr]
+    try:
+        out = await processor.answer(prep, Lane.REPLAY, None, Tier.BATCH)  # type: ignore[arg-type]
+    finally:
+        PARKING.reset(token)
+    result = orjson.loads(out.value)
+    assert out.kind == "result"
+    assert simulator.sim.snapshot()["batches"] == 0 and simulator.sim.snapshot()["requests"] == 1
+    full = Prices(1.0, 2.0).cost(
+        result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"]
+    )
+    assert result["cost_usd"] == pytest.approx(full)
+    assert processor.metrics.mitigations.labels("*", "batch_unparkable")._value.get() == 1
+    await processor.batches.close()
