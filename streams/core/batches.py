@@ -127,6 +127,13 @@ class Parked(BaseException):  # a way out, like CancelledError, not an error
     BaseException, so that no `except Exception` on the way takes it for a failure."""
 
 
+class Released(Parked):
+    """The job's partition is no longer this worker's: the job ends without an outcome and
+    without asking the provider (the ledger it would read is the new owner's now; read
+    here it is empty, and a request taken for never sent would be paid again). The
+    partition's new owner runs the record: its offset, or its parked entry, is there."""
+
+
 # resume(partition, job key, record): run a parked job again, once it may find its answer.
 Resume = Callable[[int, str, bytes], None]
 
@@ -157,7 +164,7 @@ class _Resubmit:
 
 
 RESUBMIT = _Resubmit()
-Answer = LLMResponse | TaskError | _Resubmit
+Answer = LLMResponse | TaskError | _Resubmit | Released
 
 
 def item_key(custom_id: str, attempt: int) -> bytes:
@@ -312,6 +319,8 @@ class BatchLane:
                     if answer.batch is not None:
                         gave_none.add(answer.batch)
                     continue
+                if isinstance(answer, Released):
+                    raise Released  # one of its own for each job
                 if isinstance(answer, TaskError):
                     raise answer
                 return answer
@@ -328,6 +337,8 @@ class BatchLane:
         """One try at an answer: from a finished batch of the ledger, by following the
         batch the ledger has the request in, or in a new batch. None: try again."""
         custom_id, attempt = key
+        if not self.ledger.owns(partition):
+            raise Released
         known = self._ledger_batch(partition, custom_id, attempt)
         if known is not None and known.local_id in gave_none:
             known = None
@@ -475,6 +486,8 @@ class BatchLane:
             ))  # fmt: skip
             # Created only once the ledger cannot lose it: a crash before sends nothing.
             await self.ledger.durable(p)
+            if not self.ledger.owns(p):  # lost meanwhile: its new owner sends the requests
+                raise Released
             self._durably_in(batch, True)
             remote = await self._create(batch)
         except _MaybeCreated as exc:
@@ -486,7 +499,7 @@ class BatchLane:
             self._creating.discard(batch.local_id)
             self._follow(batch, own=True)
             return
-        except Exception as exc:  # not created: its requests' tasks try again
+        except (Exception, Released) as exc:  # not created: its requests' tasks try again
             self._not_submitted(batch, exc)
             return
         batch.state, batch.remote_id = "submitted", str(remote["id"])
@@ -501,14 +514,14 @@ class BatchLane:
                         "all the same", batch.local_id, exc)  # fmt: skip
         self._follow(batch, own=True)
 
-    def _not_submitted(self, batch: _Batch, exc: Exception) -> None:
+    def _not_submitted(self, batch: _Batch, exc: BaseException) -> None:
         """The batch was not created: the ledger says so (a re-run sends its requests in
         a new batch), and its waiting requests get the error."""
         self._durably_in(batch, False)
         self._release(batch)
-        error = (
+        error: Answer = (
             exc
-            if isinstance(exc, TaskError)
+            if isinstance(exc, TaskError | Released)
             else UpstreamError(f"batch not submitted: {exc!r}", code="batch_not_submitted")
         )
         log.warning("batch %s not submitted: %r", batch.local_id, exc)
@@ -851,6 +864,7 @@ __all__ = [
     "BatchOps",
     "Parked",
     "Parking",
+    "Released",
     "batch_key",
     "error_of",
     "item_key",

@@ -17,6 +17,7 @@ from streams.core.batches import (
     BatchLane,
     Parked,
     Parking,
+    Released,
     batch_key,
     error_of,
     item_key,
@@ -599,3 +600,53 @@ async def test_a_batch_tier_record_too_large_to_park_is_answered_by_a_call(
     assert result["cost_usd"] == pytest.approx(full)
     assert processor.metrics.mitigations.labels("*", "batch_unparkable")._value.get() == 1
     await processor.batches.close()
+
+
+class LostLedger(LedgerStore):
+    """A ledger whose partition 0 is given away when `lose()` is called: reads of it then
+    answer nothing, as the task store's do for a partition it released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owned = True
+
+    def lose(self) -> None:
+        self.owned = False
+        self.maps.pop(0, None)
+
+    def get(self, partition: int, key: bytes) -> bytes | None:
+        return super().get(partition, key) if self.owned else None
+
+    def owns(self, partition: int) -> bool:
+        return self.owned
+
+
+async def test_a_job_whose_partition_was_given_away_asks_the_provider_nothing(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    """A resumed parked job run on after its partition was revoked: the store answers
+    nothing for it, which read as "never sent" made a second batch (paid twice) for a
+    partition the worker no longer owns. It ends as Released instead: the new owner runs
+    the record."""
+    store = LostLedger()
+    lane = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
+    await lane.complete(0, "rk-0", 1, _request("Fine."))  # one batch, answered
+    store.lose()
+    with pytest.raises(Released):
+        await lane.complete(0, "rk-0", 1, _request("Fine."))
+    assert simulator.sim.snapshot()["batches"] == 1
+    await lane.close()
+
+
+async def test_requests_of_a_partition_lost_before_their_batch_is_created_are_not_sent(
+    client: OpenAIClient, simulator: SimulatorServer
+) -> None:
+    store = LostLedger()
+    lane = BatchLane(client, store, SETTINGS.model_copy(update={"linger_s": 0.3}))  # type: ignore[arg-type]
+    waiting = asyncio.create_task(lane.complete(0, "rk-1", 1, _request("Fine.")))
+    await asyncio.sleep(0.05)  # queued, its batch not flushed yet
+    store.lose()
+    with pytest.raises(Released):
+        await waiting
+    assert simulator.sim.snapshot()["batches"] == 0
+    await lane.close()
