@@ -46,6 +46,15 @@ class InOrderAcks(Generic[T]):
             del self._pending[ticket.partition]
         return released
 
+    def forget(self, partition: Hashable) -> list[T]:
+        """Drop every ticket of `partition` (given away, or new to this worker again): none
+        of them is released any more, whether finished or not — their records run again
+        from the committed offset, by the partition's owner. Returns their items."""
+        return [ticket.item for ticket in self._pending.pop(partition, ())]
+
+    def partitions(self) -> list[Hashable]:
+        return list(self._pending)
+
     def outstanding(self, partition: Hashable) -> int:
         return len(self._pending.get(partition, ()))
 

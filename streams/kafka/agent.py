@@ -12,6 +12,7 @@ flight, however many run concurrently.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -41,7 +42,7 @@ from streams.core.processor import Outcome, TaskProcessor
 from streams.core.sessions import has_turn
 from streams.errors import InternalError
 from streams.kafka import faust_private
-from streams.kafka.eos import Transactions
+from streams.kafka.eos import PartitionLost, Transactions
 from streams.kafka.limits import WriteLimits
 from streams.kafka.parked import Resumer, StoredRecord
 from streams.kafka.routing import partition_for
@@ -207,6 +208,11 @@ class TaskAgent:
     async def _on_assigned(self, sender: Any, assigned: set[Any], **kwargs: Any) -> None:
         """Faust's rebalance signal: own the store partitions of the task partitions."""
         partitions = {tp.partition for tp in assigned if tp.topic in self._inputs}
+        # Records of a partition given away, or new to the store (dropped after a fence),
+        # are not acked by their earlier runs: they run again from the committed offset.
+        fresh = partitions - self.store.owned()
+        self._forget({tp for tp in self.acks.partitions()
+                      if getattr(tp, "partition", None) not in partitions - fresh})  # fmt: skip
         # The limiters claim this worker's part of the group's work (see GroupShare).
         consumer = self.app.consumer
         total = sum(consumer.topic_partitions(t) or self.settings.kafka.partitions
@@ -236,9 +242,24 @@ class TaskAgent:
                     "out?): starting it again from its committed offsets", partition)  # fmt: skip
         self.metrics.partitions_restarted.inc()
         self.store.drop(partition)
+        self._forget({tp for tp in self.acks.partitions()
+                      if getattr(tp, "partition", None) == partition})  # fmt: skip
         if self.eos is not None:
             await self.eos.forget(partition)
         faust_private.request_rejoin(self.app.consumer)
+
+    def _forget(self, tps: set[Any]) -> None:
+        """The records taken from `tps` are acked by none of their runs (see
+        `core.offsets.InOrderAcks.forget`), nor waited for by Faust's rebalance."""
+        for tp in tps:
+            events = self.acks.forget(tp)
+            if events:
+                self.metrics.unfinished.dec(len(events))
+                with contextlib.suppress(Exception):  # no consumer (stopping): nothing waits
+                    faust_private.forget_unacked(self.app.consumer,
+                                                 [e.message for e in events])  # fmt: skip
+                log.info("%s: %d record(s) taken are left to run again from the committed "
+                         "offset", tp, len(events))  # fmt: skip
 
     async def _send(
         self,
@@ -421,7 +442,11 @@ class TaskAgent:
         taken_at: float,
     ) -> Callable[[], Any]:
         async def job() -> None:
-            await self._process(ticket.item.message, processor, taken_at)
+            kind = await self._process(ticket.item.message, processor, taken_at)
+            if kind == "released":  # not acked, nor waited for: its partition's owner runs it
+                with contextlib.suppress(Exception):  # no consumer (stopping)
+                    faust_private.forget_unacked(self.app.consumer, [ticket.item.message])
+                return
             for done in self.acks.finished(ticket):  # parked too: the ledger holds it
                 await stream.ack(done)
                 self.metrics.unfinished.dec()
@@ -462,6 +487,12 @@ class TaskAgent:
             m.in_flight.inc()
             try:
                 await self.store.ready(message.partition)  # its answers loaded
+            except PartitionLost as exc:  # given away: its owner runs it (again)
+                log.info("record %s/%d/%d not run: %s", source.topic, source.partition,
+                         source.offset, exc)  # fmt: skip
+                m.in_flight.dec()
+                return "released"
+            try:
                 kind, outcome = await self._handle(message, source, processor, span)
             except (CannotWrite, asyncio.CancelledError):
                 raise  # unacked: the record runs again after the restart

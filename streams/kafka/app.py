@@ -23,7 +23,11 @@ from streams.resilience.limiter import GroupShare
 from streams.settings import Settings, load_settings
 
 
-class InLoopApp(faust.App):
+class ThreadedApp(faust_private.BoundedWaitEmpty, faust.App):
+    """Faust's app, its rebalances' wait for records bounded (`faust_private`)."""
+
+
+class InLoopApp(ThreadedApp):
     """Faust's app with its consumer on the app's own loop (`faust_private.InLoopConsumer`)."""
 
     def _new_transport(self) -> Any:
@@ -39,7 +43,7 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
     room = (limits or WriteLimits(settings.kafka.max_request_bytes)).record_room(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # Faust makes only the last level
     buffer = max(settings.batch.buffer, settings.batch.size)
-    app = (faust.App if settings.kafka.consumer_thread else InLoopApp)(
+    app = (ThreadedApp if settings.kafka.consumer_thread else InLoopApp)(
         settings.app_id,
         broker=settings.kafka.broker_url,
         broker_credentials=faust_credentials(settings),  # the clients' own security
@@ -72,6 +76,7 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
         web_bind=settings.web_bind,
         autodiscover=False,
     )
+    app.wait_empty_s = settings.shutdown_grace_s  # no record holds a rebalance longer
     app.llm_streams_settings = settings  # type: ignore[attr-defined]  # for CLI helpers
     metrics = Metrics()
     app.llm_streams_metrics = metrics  # type: ignore[attr-defined]

@@ -84,6 +84,35 @@ def forget_unacked(consumer: Any, messages: Iterable[Any] | None = None) -> int:
     return len(gone)
 
 
+class BoundedWaitEmpty:
+    """A Faust app whose rebalances wait a bounded time for the records taken to be acked.
+
+    Faust's revocation waits, with no bound, for every record taken from the streams to
+    be acked (`App._consumer_wait_empty` -> `consumer.wait_empty`, when
+    `stream_wait_empty` is on, its default): one LLM call held by a slow provider, or a
+    task waiting for its batch, holds every rebalance of the group that long. Here the
+    wait ends after `wait_empty_s` (the worker's stop bound): the records still unacked
+    are left — their offsets stay uncommitted and the partitions' owners run them
+    again; no run here acks them (the agent forgets their tickets at the assignment).
+    Pinned by tests/unit/kafka/test_faust_private.py, which fails if Faust's method goes.
+    """
+
+    wait_empty_s: float = 20.0
+
+    async def _consumer_wait_empty(self, consumer: Any, logger: Any) -> None:
+        def leave() -> None:
+            left = forget_unacked(consumer)
+            if left:
+                logger.warning("rebalance: %d record(s) still running after %.0fs are left "
+                               "unacknowledged to run again", left, self.wait_empty_s)  # fmt: skip
+
+        timer = asyncio.get_running_loop().call_later(self.wait_empty_s, leave)
+        try:
+            await super()._consumer_wait_empty(consumer, logger)  # type: ignore[misc]  # faust.App's, next in the MRO
+        finally:
+            timer.cancel()
+
+
 # Faust's aiokafka consumer on the worker's own event loop, not in a thread of its own.
 #
 # faust-streaming runs its aiokafka consumer in a dedicated thread with a second event

@@ -137,6 +137,8 @@ class Resumer:
                     kind = await self.run(StoredRecord.unpack(raw))
                     if kind is None:
                         return  # stopping: run at the next start
+                    if kind == "released":
+                        return  # its partition's new owner resumes it from the ledger
                     if kind != "parked":  # answered: the ledger forgets the record
                         try:
                             await self.store.put(Kind.LEDGER, partition, job_key(key), None)

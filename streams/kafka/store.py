@@ -35,6 +35,7 @@ from pydantic import ValidationError
 
 from streams.core.taskstate import TaskState
 from streams.kafka.clients import reader
+from streams.kafka.eos import PartitionLost
 from streams.kafka.local import Kind, LocalStore, Maps, now_ms
 from streams.kafka.scan import end_offsets, read_range
 from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
@@ -105,6 +106,7 @@ class _Partition:
         self.positions = {kind: Position(0) for kind in Kind}
         self.ready = asyncio.Event()
         self.loading: asyncio.Task[None] | None = None
+        self.gone = False  # released: its waiters are woken and told
 
     def checkpoint(self) -> dict[Kind, int]:
         return {kind: position.safe() for kind, position in self.positions.items()}
@@ -185,6 +187,8 @@ class TaskStore:
         part.maps.discard()
         part.maps.close()
         self.local.release(p)
+        part.gone = True
+        part.ready.set()  # jobs waiting for it hear it is gone
 
     def drop(self, partition: int) -> None:
         """Forget a partition's writes since its last checkpoint (they may hold writes that
@@ -211,12 +215,17 @@ class TaskStore:
             self.metrics.store_flush_errors.inc()
 
     async def ready(self, partition: int) -> None:
-        """Wait until partition's entries are loaded (at once when they are)."""
+        """Wait until partition's entries are loaded (at once when they are). Raises
+        PartitionLost when the partition is not this worker's, or is given away (revoked,
+        or dropped after a fence) while it loads: a record answered without its answers
+        would be answered blind, and one answered for a dropped partition would have its
+        writes thrown away. Its new owner (or this worker, assigned it again) runs it."""
         part = self._parts.get(partition)
-        if part is None:  # not assigned (yet): load it now rather than answer blind
-            self.assign(set(self._parts) | {partition})
-            part = self._parts[partition]
+        if part is None:
+            raise PartitionLost(f"partition {partition} is not this worker's")
         await part.ready.wait()
+        if part.gone:
+            raise PartitionLost(f"partition {partition} was given away while it loaded")
 
     def loaded(self, partition: int) -> bool:
         part = self._parts.get(partition)

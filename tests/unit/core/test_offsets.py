@@ -43,3 +43,17 @@ def test_released_items_are_always_a_prefix_of_each_partitions_arrivals(
             assert items == [t.item for t in arrivals[: len(items)]]  # prefix, in order
             assert all(id(t) in finished for t in arrivals[: len(items)])  # only finished ones
     assert sum(len(v) for v in released.values()) == len(records)
+
+
+def test_a_forgotten_partitions_tickets_are_never_released() -> None:
+    """Given away (or dropped after a fence): its records run again from the committed
+    offset, so no earlier run may ack them — not even one that finishes later, and not
+    by releasing the records taken after it when the partition comes back."""
+    acks: InOrderAcks[str] = InOrderAcks()
+    old = [acks.started(0, f"old{i}") for i in range(3)]
+    assert acks.finished(old[1]) == []
+    assert acks.forget(0) == ["old0", "old1", "old2"]
+    again = acks.started(0, "again0")  # the partition back, its records taken again
+    assert acks.finished(old[0]) == [] and acks.finished(old[2]) == []
+    assert acks.finished(again) == ["again0"]
+    assert acks.forget(0) == [] and acks.partitions() == []

@@ -166,3 +166,59 @@ async def test_a_worker_that_cannot_write_begins_the_same_stop_as_a_signal(
         assert agent.watchdog.started_at is not None
     finally:
         agent.watchdog.cancel()
+
+
+async def test_records_of_a_partition_given_away_are_acked_by_no_earlier_run(
+    agent: TaskAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rebalance gives partition 1 away and takes back partition 2, which the store
+    had dropped (a fence): their records' earlier runs ack nothing (they run again from
+    the committed offset) and Faust's rebalance does not wait for them; partition 0,
+    kept, goes on as it was. A job that finds its partition gone acks nothing either."""
+
+    class TP:
+        def __init__(self, topic: str, partition: int) -> None:
+            self.topic, self.partition = topic, partition
+
+    class Event:
+        def __init__(self, tp: TP, offset: int) -> None:
+            self.message = type("M", (), {"tp": tp, "offset": offset, "partition": tp.partition})()
+
+    async def empty(*_: Any) -> dict[Kind, int]:
+        return dict.fromkeys(Kind, 0)
+
+    forgotten: list[Any] = []
+
+    def forget(consumer: Any, messages: list[Any]) -> int:
+        forgotten.extend(messages)
+        return len(messages)
+
+    monkeypatch.setattr(store_module, "load_partition", empty)
+    monkeypatch.setattr(faust_private, "forget_unacked", forget)
+    monkeypatch.setattr(agent.app, "consumer", type("C", (), {
+        "topic_partitions": lambda self, t: 4})(), raising=False)  # fmt: skip
+    tasks = agent.settings.topics.tasks
+    tps = {p: TP(tasks, p) for p in range(3)}
+    agent.store.assign({0, 1, 2})
+    events = {p: Event(tps[p], 10) for p in range(3)}
+    for p in range(3):
+        agent.acks.started(tps[p], events[p])
+    agent.store.drop(2)  # fenced: its writes since the last checkpoint are gone
+    await agent._on_assigned(None, {tps[0], tps[2]})
+    assert {m.partition for m in forgotten} == {1, 2}
+    assert agent.acks.partitions() == [tps[0]]
+
+    class Stream:
+        acked: list[Any] = []
+
+        async def ack(self, event: Any) -> None:
+            self.acked.append(event)
+
+    async def released(*_: Any) -> str:
+        return "released"
+
+    monkeypatch.setattr(agent, "_process", released)
+    ticket = agent.acks.started(tps[0], Event(tps[0], 11))
+    await agent._job(Stream(), ticket, None, 0.0)()  # type: ignore[arg-type]
+    assert Stream.acked == [] and forgotten[-1] is ticket.item.message
+    await agent.store.close()

@@ -135,3 +135,44 @@ async def test_entries_past_their_retention_go_with_a_tombstone_unless_written_a
     await writing
     assert store_.get(Kind.RESULTS, 0, b"rk-1") == b"again"  # its rewrite was not expired
     await store_.close()
+
+
+async def test_jobs_waiting_on_a_partition_given_away_while_it_loads_are_told(
+    monkeypatch: Any,
+) -> None:
+    """Dropped (exactly-once, after a fence) or revoked while it loads: its waiters hear
+    PartitionLost at once — before, they waited forever, holding their in-order tickets
+    and the next rebalance — and a partition not this worker's is not loaded for them
+    (its writes would be thrown away): they are told the same."""
+    from streams.kafka import store as state_module
+    from streams.kafka.eos import PartitionLost
+    from streams.kafka.store import TaskStore
+    from streams.settings import load_settings
+
+    loading = asyncio.Event()
+
+    async def slow_load(*_: Any) -> Any:
+        loading.set()
+        await asyncio.Event().wait()  # the broker slow to answer
+
+    monkeypatch.setattr(state_module, "load_partition", slow_load)
+
+    async def send(*args: Any) -> None:
+        return None
+
+    store = TaskStore(load_settings(store="memory://"), send)
+    store.assign({1, 2})
+    waiting = [asyncio.create_task(store.ready(p)) for p in (1, 1, 2)]
+    await loading.wait()
+    store.drop(1)  # a fence, while partition 1 loads
+    store.assign({2})
+    for task in waiting[:2]:
+        with pytest.raises(PartitionLost):
+            await asyncio.wait_for(task, 5)
+    assert not waiting[2].done()
+    with pytest.raises(PartitionLost):
+        await store.ready(1)  # queued after the fence: not loaded again for it
+    assert store.owned() == {2}
+    await store.close()
+    with pytest.raises(PartitionLost):
+        await asyncio.wait_for(waiting[2], 5)  # closed: told, not left waiting
