@@ -36,7 +36,7 @@ from streams.core.chunking import reduce_outputs
 from streams.core.outcome import Outcome, Outcomes, Prepared, Prices, Spend
 from streams.core.packs import Packs
 from streams.core.sessions import NONE as NO_CONTEXT
-from streams.core.sessions import context_of, with_context
+from streams.core.sessions import context_of, turn_position, with_context
 from streams.core.stages import MAIN, StageFailed, run_stages
 from streams.core.window import chunk_plan, shorten
 from streams.errors import (
@@ -185,7 +185,10 @@ class TaskProcessor:
             at = source.offset if position is None else position
             spec = version.spec.session
             if session is not None and spec is not None and history is not None:
-                context = context_of(history(session), task.task_id, at, spec, _turn_tokens)
+                turns = history(session)
+                known = turn_position(turns, task.task_id)  # answered before: its place
+                at = at if known is None else known
+                context = context_of(turns, task.task_id, at, spec, _turn_tokens)
                 prompt = replace(prompt, messages=with_context(prompt.messages, context))
             chosen_by = ("pinned" if task.prompt_version else
                          "split" if pipeline.spec.traffic else "default")  # fmt: skip

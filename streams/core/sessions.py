@@ -4,7 +4,7 @@ A pipeline version with `session:` keeps, per session, the turns answered so far
 user's kept slots and the answer's kept fields; `Turns`, stored by the worker in the
 task store's sessions map on the session's partition). A turn's prompt gets the turns
 *before* it (by position: the record's offset on the session's partition, the original
-one for a replayed record) as earlier user / assistant messages, trimmed to the
+one for a replayed record; for a task the session holds already, its turn's position) as earlier user / assistant messages, trimmed to the
 version's token budget by priority: the last turn first, then the turns marked as
 carrying intent or filled slots (`mark` fields non-empty in their answer), then the rest
 newest first — so the oldest unmarked turns go first — in the order they happened.
@@ -76,7 +76,19 @@ def add_turn(
 
 
 def has_turn(stored: bytes | None, task_id: str) -> bool:
-    return any(t.get("task_id") == task_id for t in _turns(stored))
+    return turn_position(stored, task_id) is not None
+
+
+def turn_position(stored: bytes | None, task_id: str) -> int | None:
+    """Where the task's turn stands in its session, if the session holds it. A task run
+    again — a duplicate of the record arriving after later turns, a restart, a replay —
+    takes its context from there: the turns before it when it was first answered, so
+    it gets the same prompt and result key (the stored answer, no second call), and its
+    turn keeps its place."""
+    for t in _turns(stored):
+        if t.get("task_id") == task_id:
+            return int(t.get("position", 0))
+    return None
 
 
 def _turns(stored: bytes | None) -> list[dict[str, Any]]:
@@ -141,5 +153,5 @@ def with_context(messages: list[Message], context: Context) -> list[Message]:
 
 __all__ = [
     "NONE", "Context", "add_turn", "context_of", "has_turn", "messages_of", "turn_of",
-    "with_context",
+    "turn_position", "with_context",
 ]  # fmt: skip

@@ -166,3 +166,31 @@ def test_a_session_key_must_name_a_place() -> None:
     spec = SessionSpec(key="metadata.thread")
     assert spec.session_of({"metadata": {"thread": "th-1"}}) == "th-1"
     assert spec.session_of({"metadata": None}) is None
+
+
+def test_a_duplicate_of_an_earlier_turn_after_later_ones_gets_its_first_prompt_and_key(
+    make_processor: MakeProcessor, tmp_path: Path
+) -> None:
+    """Turn `a` (offset 3) was answered, then `b` (offset 9); a duplicate of `a` arrives at
+    offset 12 (a producer's retry, a replay). Before, its history was "everything before
+    offset 12" — `b` included — so it got another prompt, another result key, a second
+    call, and its turn moved after `b`. It gets its first answer's context and key."""
+    registry = session_registry(tmp_path)
+    processor = make_processor(FakeLLM(), registry=registry)
+    spec = registry.get("comment-analysis").versions["v1"].spec.session
+    assert spec is not None
+    before_a = stored(turn_of("z", 1, {"text": "Hello."}, {"summary": "greets"}, spec), spec=spec)
+    first = processor.prepare(record("a", "s-1", "Where is my order?"), b"s-1",
+                              Source(topic="tasks", partition=0, offset=3),
+                              history=lambda s: before_a)  # fmt: skip
+    assert isinstance(first, Prepared)
+    history = add_turn(before_a, turn_of("a", 3, {"text": "Where is my order?"},
+                                         {"summary": "asks"}, spec), spec)  # fmt: skip
+    history = add_turn(history, turn_of("b", 9, {"text": "It is late."}, {"summary": "late"},
+                                        spec), spec)  # fmt: skip
+    again = processor.prepare(record("a", "s-1", "Where is my order?"), b"s-1",
+                              Source(topic="tasks", partition=0, offset=12),
+                              history=lambda s: history)  # fmt: skip
+    assert isinstance(again, Prepared)
+    assert again.result_key == first.result_key and again.position == 3
+    assert again.prompt.messages == first.prompt.messages  # `b` is not in its context
