@@ -4,10 +4,11 @@ A pipeline version with `session:` keeps, per session, the turns answered so far
 user's kept slots and the answer's kept fields; `Turns`, stored by the worker in the
 task store's sessions map on the session's partition). A turn's prompt gets the turns
 *before* it (by position: the record's offset on the session's partition, the original
-one for a replayed record; for a task the session holds already, its turn's position) as earlier user / assistant messages, trimmed to the
-version's token budget by priority: the last turn first, then the turns marked as
-carrying intent or filled slots (`mark` fields non-empty in their answer), then the rest
-newest first — so the oldest unmarked turns go first — in the order they happened.
+one for a replayed record; for a task the session holds already, its turn's position)
+as earlier user / assistant messages, trimmed to the version's token budget by
+priority: the last turn first, then the turns marked as carrying intent or filled
+slots (`mark` fields non-empty in their answer), then the rest newest first — so the
+oldest unmarked turns go first — in the order they happened.
 
 The context chosen is digested into the task's result and content keys (`context_of`),
 so an answer given with another history is another answer.

@@ -22,6 +22,7 @@ atomically with the data, an age order and counts per map.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import struct
 import time
@@ -297,6 +298,10 @@ def _int(raw: bytes | None) -> int:
     return _U64.unpack(raw)[0] if raw is not None else 0
 
 
+# How often an owned partition's last-used mark moves (far below store_cleanup_after_s).
+MARK_EVERY_S = 60.0
+
+
 class LocalStore:
     """Opens the partitions' maps: in memory, or RocksDB files under `base` sharing one
     cache of `cache_bytes` (blocks and memtables)."""
@@ -305,6 +310,7 @@ class LocalStore:
         self.base = base
         self.cache_bytes = cache_bytes
         self._options: tuple[Any, dict[str, Any]] | None = None
+        self._marked: dict[int, float] = {}  # partition -> when its mark last moved
 
     def open(self, partition: int) -> Maps:
         if self.base is None:
@@ -348,6 +354,18 @@ class LocalStore:
     def release(self, partition: int) -> None:
         """The partition left this worker: its idle time counts from now."""
         if self.base is not None and self.path(partition).exists():
+            (self.path(partition) / "last-used").touch()
+        self._marked.pop(partition, None)
+
+    def in_use(self, partition: int) -> None:
+        """The partition is this worker's still (told at each flush): its mark moves, at
+        most once a minute, so that after a SIGKILL — no release — a partition held for
+        hours does not look idle since it was opened and get its warm copy deleted."""
+        now = time.monotonic()
+        if self.base is None or now - self._marked.get(partition, -MARK_EVERY_S) < MARK_EVERY_S:
+            return
+        self._marked[partition] = now
+        with contextlib.suppress(OSError):  # gone meanwhile: the next open makes it again
             (self.path(partition) / "last-used").touch()
 
     def _rocks_options(self) -> tuple[Any, dict[str, Any]]:

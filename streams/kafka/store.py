@@ -210,6 +210,7 @@ class TaskStore:
             return  # loading: the loader flushes its own progress
         try:
             part.maps.flush(part.checkpoint())
+            self.local.in_use(partition)
         except Exception:
             log.exception("could not write the local store of partition %d", partition)
             self.metrics.store_flush_errors.inc()

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+from urllib.parse import urlsplit
 
 import faust
 
@@ -70,12 +71,18 @@ class BoundedWorker(faust.Worker):
 
 def secrets(settings: Settings) -> list[str]:
     """Secrets the logs must never show: the LLM key, every fallback endpoint's key, the
-    Kafka SASL password and client key password."""
+    Kafka SASL password and client key password, the schema registry's password (set,
+    or in its URL)."""
     from streams.kafka.security import secrets as kafka_secrets
 
     found = kafka_secrets(settings)
     if settings.llm.api_key is not None:
         found.append(settings.llm.api_key.get_secret_value())
+    schema_registry = settings.schema_registry
+    if schema_registry.password is not None:
+        found.append(schema_registry.password.get_secret_value())
+    if schema_registry.url and (in_url := urlsplit(schema_registry.url).password):
+        found.append(in_url)
     try:
         from streams.pipelines.registry import PipelineRegistry
 

@@ -11,6 +11,7 @@ written for, when there is one), `exc` (a traceback, scrubbed too).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import Counter
 from contextvars import ContextVar
@@ -23,6 +24,10 @@ from streams.preprocess import Redactor
 current_task_id: ContextVar[str | None] = ContextVar("llm_streams_task_id", default=None)
 
 
+# A password in a URL's user part (`https://user:secret@registry:8081`), whoever wrote it.
+URL_PASSWORD = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]*:)[^@\s/]+@")
+
+
 class Scrubber:
     def __init__(self, secrets: list[str]) -> None:
         # Longest first, so a key that contains another is replaced whole.
@@ -33,6 +38,8 @@ class Scrubber:
         for secret in self.secrets:
             if secret in text:
                 text = text.replace(secret, "[SECRET]")
+        if "@" in text:
+            text = URL_PASSWORD.sub(r"\1[SECRET]@", text)
         return self.redactor.redact(text, Counter())
 
 

@@ -131,6 +131,24 @@ def test_partitions_not_owned_for_long_are_stale(tmp_path: Path) -> None:
     assert LocalStore(None).stale(owned=set(), idle_s=0) == []
 
 
+def test_a_partition_held_for_long_does_not_look_idle_after_its_worker_is_killed(
+    tmp_path: Path,
+) -> None:
+    """Its mark moves while it is held (at each flush, at most once a minute): a worker
+    SIGKILLed after holding it an hour — no release — leaves a mark from just before the
+    kill, not from the open, and the next worker keeps the warm copy."""
+    store = LocalStore(tmp_path, 16 << 20)
+    maps = store.open(3)
+    old = time.time() - 3_600  # opened an hour ago
+    os.utime(store.path(3) / "last-used", (old, old))
+    store.in_use(3)  # a flush
+    maps.close()  # SIGKILL: no release
+    assert LocalStore(tmp_path, 16 << 20).stale(owned=set(), idle_s=600) == []
+    os.utime(store.path(3) / "last-used", (old, old))
+    store.in_use(3)  # a minute has not passed: the mark is not written again
+    assert LocalStore(tmp_path, 16 << 20).stale(owned=set(), idle_s=600) == [3]
+
+
 def test_the_checkpoint_never_passes_a_write_that_may_land_below_it() -> None:
     position = Position(10)  # loaded to offset 10
     first, second = position.begin(b"k1"), position.begin(b"k2")

@@ -42,3 +42,23 @@ async def test_json_lines_carry_the_task_and_hide_keys_and_pii() -> None:
 def test_text_lines_are_scrubbed_too() -> None:
     line = ScrubbedText([KEY]).format(record("key %s, mail a.b@c.io", KEY))
     assert KEY not in line and "a.b@c.io" not in line and "[SECRET]" in line
+
+
+def test_a_password_in_a_url_is_scrubbed_whoever_logs_it() -> None:
+    """The schema registry's URL with `user:pass@` appeared whole in retry warnings and
+    start errors; any URL's password goes, the rest of the line stays readable."""
+    line = ScrubbedText([]).format(record(
+        "registry https://svc-user:s3cr3t-Pa55@registry.example:8081/subjects failed; "
+        "kafka://broker:9092 fine"))  # fmt: skip
+    assert "s3cr3t-Pa55" not in line
+    assert "https://svc-user:[SECRET]@registry.example:8081/subjects" in line
+    assert "kafka://broker:9092 fine" in line
+
+
+def test_the_worker_hides_the_schema_registry_password_set_or_in_its_url() -> None:
+    from streams.kafka.worker import secrets
+    from streams.settings import load_settings
+
+    settings = load_settings(schema_registry={"url": "https://u:pw-in-url-123@r:8081",
+                                              "username": "u", "password": "pw-set-4567"})  # fmt: skip
+    assert {"pw-in-url-123", "pw-set-4567"} <= set(secrets(settings))
