@@ -137,6 +137,14 @@ class KafkaSettings(_Section):
     idempotent_producer: bool = Field(
         False, description="Kafka idempotent producer; Tansu cannot do it, keep off there."
     )
+    startup_wait_s: float = Field(
+        300.0,
+        ge=0,
+        description="How long a worker that starts while Kafka is away (connections refused "
+        "or unanswered: a broker restarting, a failover) waits for it, trying again with "
+        "backoff and a log line per try, before it gives up. A wrong address, a refused "
+        "credential or an untrusted certificate fails at once.",
+    )
     max_request_bytes: int = Field(
         1_048_576,
         ge=65_536,

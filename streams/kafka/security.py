@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import socket
 import ssl
 import time
 from functools import lru_cache
@@ -20,7 +21,7 @@ from typing import Any
 
 from aiokafka.abc import AbstractTokenProvider
 from aiokafka.conn import create_conn
-from aiokafka.errors import KafkaError, SaslAuthenticationFailed
+from aiokafka.errors import KafkaError, KafkaTimeoutError, SaslAuthenticationFailed
 
 from streams.errors import ConfigError
 from streams.settings import KafkaSecurity, Settings, bootstrap_servers
@@ -202,6 +203,7 @@ async def preflight(settings: Settings, timeout_s: float = PREFLIGHT_TIMEOUT_S) 
     sec = settings.kafka.security
     options = client_auth(settings)
     problems = []
+    away = True  # every server failed for a reason waiting may mend
     for server in bootstrap_servers(settings.kafka.broker_url).split(","):
         host, _, port = server.rpartition(":")
         try:
@@ -223,10 +225,32 @@ async def preflight(settings: Settings, timeout_s: float = PREFLIGHT_TIMEOUT_S) 
             ) from None
         except (KafkaError, OSError, TimeoutError) as exc:
             problems.append(f"{server}: {_why(exc, sec)}")
+            away = away and broker_away(exc)
             continue
         conn.close()
         return
-    raise ConfigError("cannot reach Kafka: " + "; ".join(problems))
+    message = "cannot reach Kafka: " + "; ".join(problems)
+    raise BrokerAway(message) if away else ConfigError(message)
+
+
+class BrokerAway(ConfigError):
+    """No bootstrap server answered, each for a reason that may heal by waiting (refused,
+    no answer, reset: a broker restarting, a failover); not a wrong name or credential."""
+
+
+def broker_away(exc: BaseException) -> bool:
+    """An error of reaching Kafka that waiting may mend: a refused, reset or timed-out
+    connection, a broker not ready — not an unknown host (a DNS outage is), a refused
+    credential or certificate."""
+    if isinstance(exc, BrokerAway):
+        return True
+    if isinstance(exc, socket.gaierror):
+        return exc.errno == socket.EAI_AGAIN  # the resolver is away, not the name wrong
+    if isinstance(exc, ssl.SSLError):
+        return False
+    if isinstance(exc, KafkaError):  # aiokafka says which of its errors a retry may mend
+        return bool(exc.retriable) or isinstance(exc, KafkaTimeoutError)
+    return isinstance(exc, ConnectionError | TimeoutError)
 
 
 def _why(exc: BaseException, sec: KafkaSecurity) -> str:
@@ -242,6 +266,8 @@ def _why(exc: BaseException, sec: KafkaSecurity) -> str:
 
 
 __all__ = [
+    "BrokerAway",
+    "broker_away",
     "client_auth",
     "faust_credentials",
     "preflight",

@@ -6,40 +6,49 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import faust
 
 from streams.errors import ConfigError
+from streams.kafka.limits import WriteLimits
 from streams.kafka.shutdown import Watchdog
 from streams.observability.logs import logging_config
+from streams.resilience.retry import retry_transient
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def run_worker(settings: Settings) -> None:
     from streams.kafka.app import create_app
     from streams.kafka.limits import read_limits
     from streams.kafka.security import preflight
+    from streams.kafka.sources import check_sources
     from streams.kafka.topics import ensure_topics, written_topics
+    from streams.pipelines.registry import PipelineRegistry
 
     loop = _new_loop()
     asyncio.set_event_loop(loop)
-    # Before Faust starts: Kafka is reachable with these credentials (or a clear word
-    # why not), the topics exist, co-partitioned with the task store.
-    loop.run_until_complete(preflight(settings))
-    loop.run_until_complete(ensure_topics(settings, written_topics(settings)))
-    if settings.processing_guarantee == "exactly_once":
-        from streams.kafka.eos import check_transactions
-
-        loop.run_until_complete(check_transactions(settings))  # or a clear ConfigError
-    limits = loop.run_until_complete(read_limits(settings, written_topics(settings)))
-    from streams.kafka.sources import check_sources
-    from streams.pipelines.registry import PipelineRegistry
-
     registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
-    loop.run_until_complete(check_sources(settings, registry.sources()))
+
+    async def checks() -> WriteLimits:
+        # Before Faust starts: Kafka is reachable with these credentials (or a clear word
+        # why not), the topics exist, co-partitioned with the task store.
+        await preflight(settings)
+        await ensure_topics(settings, written_topics(settings))
+        if settings.processing_guarantee == "exactly_once":
+            from streams.kafka.eos import check_transactions
+
+            await check_transactions(settings)  # or a clear ConfigError
+        limits = await read_limits(settings, written_topics(settings))
+        await check_sources(settings, registry.sources())
+        return limits
+
+    limits = loop.run_until_complete(while_kafka_away(checks, settings.kafka.startup_wait_s))
     from streams.observability.genai import setup_metrics
     from streams.observability.tracing import setup_tracing
 
@@ -67,6 +76,20 @@ class BoundedWorker(faust.Worker):
     def _schedule_shutdown(self, signal: signal.Signals) -> None:
         self.watchdog.start(f"signal {signal.name}")
         super()._schedule_shutdown(signal)
+
+
+async def while_kafka_away(start: Callable[[], Awaitable[T]], wait_s: float) -> T:
+    """`start()` again while Kafka is away (refused, unanswered: a broker restarting, a
+    failover — routine on managed Kafka), with backoff and a line per try, for up to
+    `wait_s`; what waiting cannot mend (a wrong address, credential or certificate, a
+    missing topic) is raised at once. Before, a worker started during a broker outage
+    exited at once, and every pod restarted then went into Kubernetes' back-off."""
+    from streams.kafka.security import broker_away
+
+    return await retry_transient(
+        start, what="Kafka at start (LLM_STREAMS_KAFKA__STARTUP_WAIT_S bounds the wait)",
+        transient=broker_away, within_s=wait_s, first_s=1.0, max_s=15.0, sleep=asyncio.sleep,
+    )  # fmt: skip
 
 
 def secrets(settings: Settings) -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -119,17 +120,22 @@ async def retry_transient(
     what: str,
     transient: Callable[[BaseException], bool],
     attempts: int | None = None,
+    within_s: float | None = None,
     first_s: float = 0.1,
     max_s: float = 5.0,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> T:
     """`fn()` again after each failure `transient` accepts, waiting `first_s` doubling up to
-    `max_s`, at most `attempts` calls (None: until the caller is cancelled); what is not
-    transient, or the last failure, is raised as it is.
+    `max_s`, at most `attempts` calls and no new call `within_s` seconds after the first
+    (None: until the caller is cancelled); what is not transient, or the last failure,
+    is raised as it is.
 
     Every write goes through here and nearly all succeed at once (`_plain_first`)."""
+    started = time.monotonic()
 
     def spent(number: int) -> bool:
+        if within_s is not None and time.monotonic() - started >= within_s:
+            return True
         return attempts is not None and attempts > 0 and number >= attempts
 
     def wait(number: int, exc: BaseException | None) -> float:

@@ -208,6 +208,32 @@ async def test_a_broker_restart_mid_run_loses_no_task(
     assert_one_outcome_each(got, _ids(records))
 
 
+async def test_a_worker_started_while_the_broker_is_down_joins_once_it_is_back(
+    group_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    """A pod that starts during a broker failover waits for Kafka (a line per try) instead
+    of exiting at once — before, every pod restarted during an outage exited with rc=2
+    and the group was gone although the broker was back seconds later."""
+    with ApacheKafka(heap_mb=512) as kafka:
+        settings = group_settings(kafka={"broker_url": kafka.url})
+        records = _tasks(40, "w")
+        await produce(settings, records)
+        await asyncio.to_thread(kafka.stop_node, 0)
+        worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+        try:
+            await asyncio.sleep(10)  # the broker down for 10 s while the worker starts
+            assert worker.alive(), worker.log_tail()
+            await asyncio.to_thread(kafka.start_node, 0)
+            got = await collect_all(settings, records, timeout_s=180)
+            assert worker.alive(), worker.log_tail()
+            log = worker.log_tail(400)
+        finally:
+            worker.stop()
+    assert "Kafka at start" in log and "retry" in log, log
+    assert not got.dead_letters, got.dead_letters[:3]
+    assert_one_outcome_each(got, _ids(records))
+
+
 async def test_llm_unreachable_for_thirty_seconds_every_task_still_ends_once(
     group_settings: Any, simulator: SimulatorServer, tmp_path: Path
 ) -> None:

@@ -266,3 +266,65 @@ async def test_avro_and_json_schema_topics_are_read_through_a_real_schema_regist
                  outcome="dead_letter") == 3  # fmt: skip
     assert count("llm_streams_schema_lookups_total", outcome="fetched") == 3
     assert count("llm_streams_schema_lookups_total", outcome="unknown") == 1
+
+
+async def test_records_whose_data_the_mapping_refuses_end_as_dead_letters_and_the_agent_goes_on(
+    make_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    """A loosely typed upstream table: text where the filter compares a number, a zero
+    the rating template divides by, headers without a value, 5% poison. Before, the
+    first such record crashed the sources agent, which Faust restarted on the same record
+    every few seconds: everything behind it on its partition waited. Every record ends
+    as one result or one dead letter, and the agent never crashes."""
+    pipelines = tmp_path / "pipelines"
+    pipelines.mkdir()
+    shutil.copy(ROOT / "pipelines" / "comment-analysis.yaml", pipelines)
+    topic = f"shop.reviews-{uuid.uuid4().hex[:8]}"
+    text = (ROOT / "examples" / "sources" / "reviews-cdc.yaml").read_text()
+    text = text.replace("[shop.public.reviews]", f"[{topic}]").replace(
+        '''filter: "value.payload is not none and value.payload.op in ['c', 'u', 'r']"''',
+        '''filter: "value.payload.op != 'd' and value.payload.after.stars >= 1"''',
+    ).replace('rating: "{{ value.payload.after.stars }}"',
+              'rating: "{{ 10 // (value.payload.after.stars - 3) }} {{ headers.origin }}"')  # fmt: skip
+    assert "stars >= 1" in text and "// (value" in text
+    (pipelines / "reviews-cdc.yaml").write_text(text)
+    settings = make_settings(llm={"base_url": simulator.base_url, "api_key": "k",
+                                  "model": "sim-1"}, pipelines_dir=pipelines)  # fmt: skip
+    await ensure_topics(settings)
+    rows: list[tuple[int, object]] = [(i, 1 + i % 5) for i in range(1, 41)]
+    rows += [(100 + i, "4 stars") for i in range(2)]  # text where a number is expected
+    admin = clients.admin(settings)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])
+    finally:
+        await admin.close()
+    producer = clients.producer(settings, acks="all")
+    await producer.start()
+    try:
+        for i, stars in rows:
+            row = {"id": i, "body": f"Review {i}: the strap broke.", "product_name": "Bag",
+                   "stars": stars}  # fmt: skip
+            headers = [("origin", None if i % 7 == 0 else b"eu")]  # some without a value
+            await producer.send_and_wait(topic, key=orjson.dumps({"id": i}),
+                                         value=_change("c", row), headers=headers)  # fmt: skip
+    finally:
+        await producer.stop()
+    # stars 3: 10 // 0 in the template; "4 stars" >= 1 in the filter.
+    divides_by_zero = {f"review-{i}" for i, stars in rows if stars == 3}
+    answered = {f"review-{i}" for i, stars in rows if isinstance(stars, int) and stars != 3}
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    try:
+        got = await collect(settings, set(), timeout_s=120, worker=worker, settle_s=2.0,
+                            until=lambda g: answered <= {r["task_id"] for r in g.results}
+                            and len(g.dead_letters) >= len(divides_by_zero) + 2)  # fmt: skip
+        log = worker.log_tail(2000)
+    finally:
+        worker.stop()
+    assert {r["task_id"] for r in got.results} == answered
+    assert len(got.results) == len(answered)  # once each
+    codes = sorted(d["error"]["code"] for d in got.dead_letters)
+    assert codes == ["source_filter"] * 2 + ["source_slot"] * len(divides_by_zero), codes
+    reasons = " ".join(d["error"]["message"] for d in got.dead_letters)
+    assert "TypeError" in reasons and "ZeroDivisionError" in reasons
+    assert "Crashed" not in log, log[-3000:]

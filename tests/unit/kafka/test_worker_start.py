@@ -1,4 +1,4 @@
-"""What the worker refuses before it starts."""
+"""What the worker refuses before it starts, and what it waits for."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from streams.dev.brokers.tansu import TansuBroker
+from streams.errors import ConfigError
 
 
 def test_exactly_once_on_a_broker_without_transactions_is_refused_clearly(
@@ -23,3 +26,60 @@ def test_exactly_once_on_a_broker_without_transactions_is_refused_clearly(
     assert done.returncode == 2, done.stderr[-2000:]
     assert "exactly_once needs a Kafka broker with transactions" in done.stderr
     assert "at_least_once" in done.stderr
+
+
+def test_what_waiting_may_mend_is_told_apart_from_what_it_cannot() -> None:
+    import socket
+    import ssl
+
+    from aiokafka.errors import (
+        KafkaConnectionError,
+        KafkaTimeoutError,
+        SaslAuthenticationFailed,
+        TopicAuthorizationFailedError,
+    )
+
+    from streams.errors import ConfigError
+    from streams.kafka.security import BrokerAway, broker_away
+
+    away = [ConnectionRefusedError(111, "refused"), ConnectionResetError(), TimeoutError(),
+            KafkaConnectionError("closed"), KafkaTimeoutError(), BrokerAway("all refused"),
+            socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")]  # fmt: skip
+    not_away = [socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+                SaslAuthenticationFailed("bad password"), ssl.SSLCertVerificationError(),
+                TopicAuthorizationFailedError(), ConfigError("source topics do not exist"),
+                ValueError("a bug")]  # fmt: skip
+    assert [broker_away(e) for e in away] == [True] * len(away)
+    assert [broker_away(e) for e in not_away] == [False] * len(not_away)
+
+
+async def test_a_worker_starting_while_kafka_is_away_waits_for_it_then_gives_up() -> None:
+    from streams.kafka.security import BrokerAway
+    from streams.kafka.worker import while_kafka_away
+
+    tries: list[int] = []
+
+    async def start() -> str:
+        tries.append(1)
+        if len(tries) < 3:
+            raise BrokerAway("cannot reach Kafka: 127.0.0.1:9092: [Errno 111] refused")
+        return "started"
+
+    assert await while_kafka_away(start, wait_s=30) == "started"  # back after two tries
+    assert len(tries) == 3
+
+    async def never() -> str:
+        raise BrokerAway("cannot reach Kafka")
+
+    import time
+
+    began = time.monotonic()
+    with pytest.raises(BrokerAway):
+        await while_kafka_away(never, wait_s=1.5)
+    assert time.monotonic() - began < 10  # the bound, plus one wait at most
+
+    async def wrong_host() -> str:
+        raise ConfigError("cannot reach Kafka: no-such-host:9092: Name or service not known")
+
+    with pytest.raises(ConfigError):
+        await while_kafka_away(wrong_host, wait_s=300)  # at once: waiting cannot mend it
