@@ -194,6 +194,9 @@ def processor_factory(
             ),
             metrics=metrics,
             slow_call_s=res.breaker_slow_call_s,
+            context_window=llm.context_window,
+            read_timeout_s=llm.read_timeout_s,
+            max_concurrency=settings.batch.concurrency,
         )
         return TaskProcessor(
             registry, pool.primary(llm.model), config, clients=pool.for_model,

@@ -85,7 +85,22 @@ class InvalidInput(Permanent):
 
 
 class ContextOverflow(Permanent):
+    """The prompt is over the model's window; `window` and `prompt_tokens` are the
+    server's own numbers when it said them (in its tokens, not ours)."""
+
     category = Category.CONTEXT_OVERFLOW
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        window: int | None = None,
+        prompt_tokens: int | None = None,
+    ) -> None:
+        super().__init__(message, code=code)
+        self.window = window
+        self.prompt_tokens = prompt_tokens
 
 
 class BadRequest(Permanent):

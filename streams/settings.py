@@ -211,8 +211,12 @@ class LLMSettings(_Section):
     tpm: float | None = Field(
         None, gt=0, description="Tokens/min to start from; x-ratelimit headers then steer it."
     )
-    context_window: int = Field(
-        128_000, ge=256, description="Model context window: bounds a truncation retry's budget."
+    context_window: int | None = Field(
+        None,
+        ge=256,
+        description="The model's context window, in its tokens. Unset: as the endpoint says "
+        "(llama.cpp, vLLM, model lists that carry it), else learned from its first overflow "
+        "error (128,000 until then). Set it for an endpoint that cuts prompts silently (Ollama).",
     )
     burst_s: float = Field(
         1.0, gt=0, le=60, description="Seconds of the limit one burst may use (sub-minute)."

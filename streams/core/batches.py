@@ -202,7 +202,7 @@ def error_of(line: dict[str, Any]) -> TaskError | _Resubmit:
             if code in ("batch_expired", "batch_cancelled")
             else UpstreamError(f"batch: {message}", code=code)
         )
-    return error_for_status(status, code, f"batch: HTTP {status}: {message}")
+    return error_for_status(status, code, f"batch: HTTP {status}: {message}", body=body)
 
 
 @dataclass

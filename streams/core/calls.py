@@ -53,7 +53,6 @@ class Calls:
         client: GuardedClient,
         *,
         policy: RetryPolicy,
-        context_window: int,
         metrics: Metrics,
         clients: ClientFor | None = None,
         genai: GenAIMetrics = GENAI,
@@ -61,7 +60,6 @@ class Calls:
         self.client = client
         self.genai = genai
         self.policy = policy
-        self.context_window = context_window
         self.metrics = metrics
         self.clients = clients
         self.batches: BatchLane | None = None  # the batch tier, when the worker has one
@@ -133,7 +131,7 @@ class Calls:
         if isinstance(last, InvalidOutput) and last.code == "truncated":
             # Cut at the budget: the same prompt with 1.5x the budget, within the window.
             budget = completion_budget(params, spend.completion_tokens or 256)
-            room = self.context_window - spend.last_prompt_tokens
+            room = client.window.server_tokens - spend.last_prompt_tokens
             params = with_budget(params, max(1, min(int(budget * 1.5), room)))
         repair = isinstance(last, InvalidOutput) and last.code != "truncated" and bool(spend.calls)
         try:
@@ -146,7 +144,7 @@ class Calls:
                 ]  # fmt: skip
                 check_repair_cap(pipeline.spec.repair_token_cap, messages, params,
                                  spend.repair_tokens, last)  # fmt: skip
-            params = fit_window(messages, params, prompt.params, self.context_window)
+            params = fit_window(messages, params, prompt.params, client.window.tokens())
         except (OutputRejected, ContextOverflow):
             attempts.count -= 1  # refused before any call
             raise

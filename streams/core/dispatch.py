@@ -29,13 +29,19 @@ log = logging.getLogger(__name__)
 
 
 class LaneSlots:
-    """`limit` slots shared by two lanes: live first; replay at most `limit - reserve`."""
+    """`limit` slots shared by two lanes: live first; replay at most `limit - reserve`.
+
+    `cap(n)` holds the slots to `n` for a while (the endpoint takes only so many calls at
+    once: records then wait in Kafka, not as started tasks whose deadlines run out in a
+    queue); the live reserve shrinks with it, in proportion."""
 
     def __init__(self, limit: int, reserve: int = 0) -> None:
         if limit < 1:
             raise ValueError("limit must be >= 1")
         if not 0 <= reserve < limit:
             raise ValueError("reserve must be >= 0 and below the limit")
+        self.configured = limit
+        self.configured_reserve = reserve
         self.limit = limit
         self.reserve = reserve
         self.in_use = {Lane.LIVE: 0, Lane.REPLAY: 0}
@@ -66,6 +72,17 @@ class LaneSlots:
 
     def release(self, lane: Lane) -> None:
         self.in_use[lane] -= 1
+        self._wake()
+
+    def cap(self, n: int | None) -> None:
+        """At most `n` slots from now on (None: the configured limit again). Slots in use
+        beyond it are not taken back; no new one is given until under it."""
+        limit = self.configured if n is None else max(1, min(self.configured, n))
+        share = self.configured_reserve / self.configured
+        reserve = min(self.configured_reserve, round(limit * share))
+        if self.configured_reserve and limit > 1:
+            reserve = max(1, reserve)
+        self.limit, self.reserve = limit, min(reserve, limit - 1)
         self._wake()
 
     def _wake(self) -> None:

@@ -83,7 +83,8 @@ class Packs:
         attempts = Attempts()
         try:
             asked = {**first.params, budget_key(first.params): per_item * len(items)}
-            params = fit_window(messages, asked, first.params, self.calls.context_window)
+            window = self.calls.client.window.tokens()
+            params = fit_window(messages, asked, first.params, window)
             request = LLMRequest(messages=messages, model=first.model, params=params,
                                  response_format=response_format, tool=tool)  # fmt: skip
             deadline_at = min(i.deadline_at for i in items)

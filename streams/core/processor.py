@@ -73,7 +73,8 @@ class ProcessorConfig:
     batch_deadline_s: float = 93_600.0  # the batch tier: a batch may take a day
     max_task_bytes: int = 65_536
     prices: Prices = field(default_factory=Prices)
-    context_window: int = 128_000
+    # The model's window when a setting says it (None: told by the endpoint or learned).
+    context_window: int | None = None
     room: RecordRoom = field(default_factory=RecordRoom)
 
     @classmethod
@@ -111,8 +112,9 @@ class TaskProcessor:
         self.registry = registry
         self.config = config
         self.metrics = metrics or Metrics()
-        self.calls = Calls(client, policy=config.policy, context_window=config.context_window,
-                           metrics=self.metrics, clients=clients)  # fmt: skip
+        if config.context_window is not None:
+            client.window.configured = config.context_window
+        self.calls = Calls(client, policy=config.policy, metrics=self.metrics, clients=clients)
         self.packs = Packs(self.calls, registry)
         self.outcomes = Outcomes(config.room, config.prices, self.metrics, config.default_model)
         self._sessions = registry.keeps_sessions
@@ -337,7 +339,8 @@ class TaskProcessor:
         input is over the budget and the pipeline chunks; shortened when the prompt is
         over the window and the version truncates."""
         pipeline, version, task = prep.pipeline, prep.version, prep.task
-        chunks = chunk_plan(pipeline, prompt, self.config.context_window)
+        window = await self.client.context_window(prompt.model)
+        chunks = chunk_plan(pipeline, prompt, window)
         if chunks is not None:
             output = await self._answer_chunks(
                 prep, prompt, chunks, attempts, spend, lane, deadline_at
@@ -372,9 +375,18 @@ class TaskProcessor:
                 pipeline, version, prompt, attempts, spend, lane, deadline_at
             ), prompt
         except ContextOverflow as exc:
-            # The pipeline's mitigation, if any: shorten, try once more.
-            prompt = shorten(version, task.input, prompt, exc,
-                             context_window=self.config.context_window,
+            # The refusal may have told a smaller window than assumed: the input in chunks
+            # of it when the pipeline chunks; else the pipeline's mitigation, if any:
+            # shorten, try once more.
+            learned = self.client.window.tokens()
+            chunks = chunk_plan(pipeline, prompt, learned) if learned < window else None
+            if chunks is not None:
+                attempts.previous, attempts.last_error = attempts.count, None
+                output = await self._answer_chunks(
+                    prep, prompt, chunks, attempts, spend, lane, deadline_at
+                )
+                return output, prompt
+            prompt = shorten(version, task.input, prompt, exc, context_window=learned,
                              default_model=self.config.default_model)  # fmt: skip
             self.metrics.mitigations.labels(pipeline.name, "truncate").inc()
             attempts.previous, attempts.last_error = attempts.count, None

@@ -11,7 +11,7 @@ most prompts need no token count at all.
 from __future__ import annotations
 
 import logging
-import re
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -27,10 +27,6 @@ log = logging.getLogger(__name__)
 # smallest answer budget worth a call.
 WINDOW_SHARE = 0.85
 MIN_COMPLETION_TOKENS = 64
-# OpenAI's context_length_exceeded message: "This model's maximum context length is N
-# tokens. However, you requested M tokens (P in the messages, C in the completion)."
-_WINDOW_RE = re.compile(r"maximum context length is (\d+)")
-_REQUESTED_RE = re.compile(r"\((\d+) in the messages, (\d+) in the completion\)")
 
 
 def _bytes(messages: list[dict[str, str]]) -> int:
@@ -111,21 +107,25 @@ def shorten(
     context_window: int,
     default_model: str,
 ) -> RenderedPrompt:
-    """The prompt with the version's truncation slot cut to fit the context window (the
-    provider's numbers from its error message when it gave them), or `exc`."""
+    """The prompt with the version's truncation slot cut to fit the context window, or
+    `exc`. The server's numbers from its refusal (`exc.window`, `exc.prompt_tokens`, in
+    its tokens) when it said them, else ours (`context_window`, in our tokens)."""
     policy = version.spec.on_context_overflow
     if policy is None:
         raise exc
-    window_match = _WINDOW_RE.search(exc.message)
-    window = int(window_match.group(1)) if window_match else context_window
     budget = completion_budget(prompt.params)
-    asked = _REQUESTED_RE.search(exc.message)
-    prompt_tokens = int(asked.group(1)) if asked else count_messages(prompt.messages)
+    ours = count_messages(prompt.messages)
+    if exc.window and exc.prompt_tokens:  # its excess, in our tokens
+        over = (exc.prompt_tokens + budget - exc.window) * ours / exc.prompt_tokens
+        window = int(exc.window * ours / exc.prompt_tokens)
+    else:
+        window = context_window
+        over = ours + budget - window
     text = str(prompt.variables.get(policy.slot) or "")
     text_tokens = counter()(text)
     # Cut the excess plus a margin for tokenizer differences; at least a quarter when
-    # the provider's numbers say it fits (they count differently from us).
-    excess = max(prompt_tokens + budget - window, text_tokens // 4)
+    # the numbers say it fits (the server counts differently from us).
+    excess = max(math.ceil(over), text_tokens // 4)
     keep = text_tokens - excess - (32 + window // 100)
     if keep < 1:
         raise ContextOverflow(

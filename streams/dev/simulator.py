@@ -83,6 +83,13 @@ class SimConfig:
     api_key: str | None = None
     models: list[str] = field(default_factory=lambda: ["sim-1", "gpt-4o-mini"])
     seed: int = 0
+    # Whose server it plays: `openai`, or `llama.cpp` — its own HTTP server's shapes, as
+    # measured against a real one (KNOWLEDGE.md): no x-ratelimit headers, `Server:
+    # llama.cpp`, `/props` (`n_ctx` = context_window, `total_slots` = max_concurrency,
+    # whose requests beyond queue), `meta.n_ctx` in `/v1/models`, its overflow and auth
+    # error bodies, `timings` in every answer, `service_tier` ignored and never echoed,
+    # a forced tool call in the object form refused (the answer comes as content).
+    server: str = "openai"
 
     def update(self, changes: dict[str, Any]) -> None:
         names = {f.name for f in dataclasses.fields(self)}
@@ -215,6 +222,7 @@ class Simulator:
         self.app = web.Application(client_max_size=32 * 1024 * 1024)
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/props", self.props)
         self.app.router.add_get("/sim/stats", self.stats)
         self.app.router.add_post("/sim/config", self.set_config)
         self.app.router.add_get("/sim/config", self.get_config)
@@ -268,20 +276,45 @@ class Simulator:
         self._shape_now = None  # the next request makes them (`_shape`), full
         return web.json_response(self.snapshot())
 
+    @property
+    def llama(self) -> bool:
+        return self.config.server == "llama.cpp"
+
     async def models(self, request: web.Request) -> web.Response:
-        if (denied := self.auth(request)) is not None:
+        if (denied := self.auth(request, count=False)) is not None:  # not a chat request
             return denied
-        data = [
+        data: list[dict[str, Any]] = [
             {"id": m, "object": "model", "created": 0, "owned_by": "llm-streams-sim"}
             for m in self.config.models
         ]
-        return web.json_response({"object": "list", "data": data})
+        if self.llama:
+            data = [{**d, "owned_by": "llamacpp", "meta": {"n_ctx": self.config.context_window}}
+                    for d in data[:1]]  # fmt: skip
+        return web.json_response({"object": "list", "data": data}, headers=self._server())
+
+    async def props(self, request: web.Request) -> web.Response:
+        """llama.cpp's `/props`: the window of one slot and the slots."""
+        if not self.llama:
+            raise web.HTTPNotFound()
+        cfg = self.config
+        body = {"default_generation_settings": {"n_ctx": cfg.context_window},
+                "total_slots": max(1, cfg.max_concurrency),
+                "model_alias": cfg.models[0]}  # fmt: skip
+        return web.json_response(body, headers=self._server())
+
+    def _server(self) -> dict[str, str]:
+        return {"Server": "llama.cpp"} if self.llama else {}
 
     # -- chat ----------------------------------------------------------------
-    def auth(self, request: web.Request) -> web.Response | None:
+    def auth(self, request: web.Request, *, count: bool = True) -> web.Response | None:
         key = self.config.api_key
         if key and request.headers.get("Authorization") != f"Bearer {key}":
-            self._count(401, "auth")
+            if count:
+                self._count(401, "auth")
+            if self.llama:
+                body = {"error": {"message": "Invalid API Key", "type": "authentication_error",
+                                  "code": 401}}  # fmt: skip
+                return web.json_response(body, status=401, headers=self._server())
             return _error(
                 401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key", {}
             )
@@ -297,7 +330,9 @@ class Simulator:
 
     def _limit_headers(self) -> dict[str, str]:
         cfg = self.config
-        headers: dict[str, str] = {}
+        headers: dict[str, str] = self._server()
+        if self.llama:
+            return headers  # it sends no rate-limit headers
         window = cfg.remaining_window_s
         if cfg.rpm:
             left = self.requests.remaining(cfg.burst_s, window)
@@ -416,18 +451,10 @@ class Simulator:
                     headers,
                 )
             headers = self._limit_headers()
-            if prompt_tokens + max_tokens > cfg.context_window:
-                self._count(400, "context_overflow")
-                return _error(
-                    400,
-                    f"This model's maximum context length is {cfg.context_window} tokens. However, "
-                    f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
-                    f"messages, {max_tokens} in the completion).",
-                    "invalid_request_error",
-                    "context_length_exceeded",
-                    headers,
-                )
-            flex = body.get("service_tier") == "flex"
+            refused = self._over_window(prompt_tokens, max_tokens, headers)
+            if refused is not None:
+                return refused
+            flex = body.get("service_tier") == "flex" and not self.llama  # llama.cpp: ignored
             if flex and self.rng.random() < cfg.flex_unavailable_rate:
                 self._count(429, "flex_unavailable")
                 return _error(
@@ -437,7 +464,9 @@ class Simulator:
                     "resource_unavailable",
                     headers,
                 )
+            began = time.monotonic()
             await self._sleep_latency(cfg.flex_latency_factor if flex else 1.0)
+            worked_ms = (time.monotonic() - began) * 1000
             roll = self.rng.random()
             if roll < cfg.hang_rate:
                 self.by_outcome["hang"] += 1
@@ -479,38 +508,85 @@ class Simulator:
             self.prompt_tokens += prompt_tokens
             self.completion_tokens += completion_tokens
             self._count(200, "ok_flex" if flex else "ok")
-            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-            tool = forced_tool(body)
-            if tool is not None:  # the answer as the function's arguments
-                call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                        "function": {"name": tool.get("name"), "arguments": content}}  # fmt: skip
-                message.update(content=None, tool_calls=[call])
-                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-            payload = {
-                "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": model,
-                "service_tier": "flex" if flex else "default",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": message,
-                        "finish_reason": finish_reason,
-                        "logprobs": None,
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens,
-                },
-            }
+            payload = self._completion(body, model, content, finish_reason, flex,
+                                       (prompt_tokens, completion_tokens), worked_ms)  # fmt: skip
             return web.Response(
                 body=orjson.dumps(payload), content_type="application/json", headers=headers
             )
         finally:
             self.in_flight -= 1
+
+    def _completion(
+        self,
+        body: dict[str, Any],
+        model: str,
+        content: str,
+        finish_reason: str,
+        flex: bool,
+        usage: tuple[int, int],
+        worked_ms: float,
+    ) -> dict[str, Any]:
+        """The chat completion body, as the server played answers it."""
+        prompt_tokens, completion_tokens = usage
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        tool = forced_tool(body) if not self.llama else None  # llama.cpp: as content
+        if tool is not None:  # the answer as the function's arguments
+            call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    "function": {"name": tool.get("name"), "arguments": content}}  # fmt: skip
+            message.update(content=None, tool_calls=[call])
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        payload = {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "service_tier": "flex" if flex else "default",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": finish_reason,
+                    "logprobs": None,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+        if self.llama:
+            del payload["service_tier"]  # never echoed
+            share = prompt_tokens / 8 / (prompt_tokens / 8 + completion_tokens + 1)
+            payload["timings"] = {"prompt_n": prompt_tokens, "predicted_n": completion_tokens,
+                                  "prompt_ms": worked_ms * share,
+                                  "predicted_ms": worked_ms * (1 - share)}  # fmt: skip
+        return payload
+
+    def _over_window(
+        self, prompt_tokens: int, max_tokens: int, headers: dict[str, str]
+    ) -> web.Response | None:
+        """The refusal of a prompt over the window, in the shape of the server played."""
+        cfg = self.config
+        if self.llama and prompt_tokens > cfg.context_window:
+            self._count(400, "context_overflow")
+            error = {"code": 400, "message": f"request ({prompt_tokens} tokens) exceeds the "
+                     f"available context size ({cfg.context_window} tokens), try increasing "
+                     "it", "type": "exceed_context_size_error",
+                     "n_prompt_tokens": prompt_tokens, "n_ctx": cfg.context_window}  # fmt: skip
+            return web.json_response({"error": error}, status=400, headers=headers)
+        if not self.llama and prompt_tokens + max_tokens > cfg.context_window:
+            self._count(400, "context_overflow")
+            return _error(
+                400,
+                f"This model's maximum context length is {cfg.context_window} tokens. However, "
+                f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+                f"messages, {max_tokens} in the completion).",
+                "invalid_request_error",
+                "context_length_exceeded",
+                headers,
+            )
+        return None
 
     def _malformed_rate(self, messages: list[dict[str, Any]]) -> float:
         """`malformed_rate`, or the rate of a `malformed_if_prompt_has` marker the
@@ -529,7 +605,7 @@ class Simulator:
         if packed is not None:
             return packed
         text = sim_content.comment_text(messages)
-        tool = forced_tool(body)
+        tool = forced_tool(body) if not self.llama else None  # llama.cpp: the object refused
         asked = tool.get("parameters") if tool is not None else schema_in_prompt(messages)
         if isinstance(asked, dict):
             return orjson.dumps(sim_content.instance(asked, text)).decode()

@@ -303,6 +303,11 @@ class TaskAgent:
         settings = self.settings
         if self._processor is None:
             self._processor = self.make_processor()
+            # Tasks in flight follow what the endpoint takes at once (backpressure: the
+            # rest wait in Kafka, their deadlines not yet running).
+            gate = self._processor.client.concurrency
+            gate.on_change = self._follow_endpoint
+            self._follow_endpoint(gate.current)
             ops = self._processor.client.client
             if isinstance(ops, OpenAIClient):  # the provider's Batch API, for the batch tier
                 durable = self.eos.durable if self.eos is not None else None
@@ -316,6 +321,12 @@ class TaskAgent:
                                     settings.topics.results)  # fmt: skip
         self._running_lanes += 1
         return self._processor
+
+    def _follow_endpoint(self, limit: int | None) -> None:
+        """The primary endpoint takes `limit` calls at once (None: no limit there): hold
+        the tasks in flight to twice that and two more, so that the next calls are ready
+        to go when one ends and no task waits long for its turn."""
+        self.slots.cap(None if limit is None else 2 * limit + 2)
 
     async def _lane_stopped(self, processor: TaskProcessor) -> None:
         self._running_lanes -= 1

@@ -10,12 +10,12 @@ import orjson
 from streams.errors import (
     AuthError,
     BadRequest,
-    ContextOverflow,
     RateLimited,
     TaskError,
     Timeout,
     UpstreamError,
 )
+from streams.llm.overflow import overflow_of
 
 # The answer's budget when a pipeline sets none.
 DEFAULT_MAX_TOKENS = 1024
@@ -38,11 +38,18 @@ def with_budget(params: dict[str, Any], tokens: int) -> dict[str, Any]:
 
 
 def error_for_status(
-    status: int, code: str | None, message: str, *, retry_after: float | None = None
+    status: int,
+    code: str | None,
+    message: str,
+    *,
+    retry_after: float | None = None,
+    body: Any = None,
 ) -> TaskError:
     """An HTTP error answer in the project's taxonomy, one map for the synchronous calls
-    and the Batch API's error lines: 429 rate_limited, 401/403 auth, 408 timeout, 409 and
-    5xx upstream_error, a context-length 400 context_overflow, other 4xx bad_request."""
+    and the Batch API's error lines: 429 rate_limited, 401/403 auth, 408 timeout, a
+    prompt over the window context_overflow in any server's words (`llm.overflow`; its
+    error `body` carries some servers' numbers), 409 and 5xx upstream_error, other 4xx
+    bad_request."""
     code = code or f"http_{status}"
     if status == 429:
         return RateLimited(message, retry_after=retry_after, code=code)
@@ -50,10 +57,11 @@ def error_for_status(
         return AuthError(message, code=code)
     if status == 408:
         return Timeout(message, code=code)
+    overflow = overflow_of(status, code, message, body)
+    if overflow is not None:
+        return overflow
     if status >= 500 or status == 409:
         return UpstreamError(message, code=code)
-    if code == "context_length_exceeded" or "maximum context length" in message:
-        return ContextOverflow(message, code="context_length_exceeded")
     return BadRequest(message, code=code)
 
 
@@ -66,6 +74,9 @@ class LLMRequest:
     # A function the answer must call (its `parameters`: the output schema), for
     # endpoints that ignore `response_format`; its arguments are the answer.
     tool: dict[str, Any] | None = None
+    # This attempt's read timeout, when the endpoint's pace asks for more than the
+    # client's own (not sent).
+    timeout_s: float | None = None
 
 
 # Ends a system message that carries the output schema itself (`schema_in_prompt`: for
@@ -99,6 +110,8 @@ class LLMResponse:
     #: seconds from the request sent to the answer (set by the guarded client: its
     #: limiter's wait excluded)
     duration_s: float | None = None
+    #: the server's own time on the request, when it says (llama.cpp's `timings`)
+    server_s: float | None = None
 
 
 class LLMClient(Protocol):
@@ -134,6 +147,7 @@ def parse_completion(
             completion_tokens=int(usage.get("completion_tokens") or 0),
             finish_reason=str(choice.get("finish_reason") or "stop"),
             rate_headers=headers or {},
+            server_s=_server_seconds(data.get("timings")),
         )
     except (
         orjson.JSONDecodeError,
@@ -147,3 +161,15 @@ def parse_completion(
             f"endpoint answered with something that is not a chat completion: {exc!r}",
             code="malformed_response",
         ) from exc
+
+
+def _server_seconds(timings: Any) -> float | None:
+    """llama.cpp's own time on a request (prompt and generation), in seconds."""
+    if not isinstance(timings, dict):
+        return None
+    total = 0.0
+    for key in ("prompt_ms", "predicted_ms"):
+        value = timings.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+            total += float(value)
+    return total / 1000.0 if total > 0 else None

@@ -33,6 +33,7 @@ from streams.llm.client import (
     parse_completion,
     request_body,
 )
+from streams.llm.endpoint import EndpointFacts, facts_from
 
 
 def retry_after_seconds(headers: Any) -> float | None:
@@ -95,7 +96,7 @@ def map_error(exc: Exception) -> TaskError:
         status = exc.status_code
         return error_for_status(
             status, _error_code(exc), f"HTTP {status}: {exc.message}",
-            retry_after=retry_after_seconds(exc.response.headers),
+            retry_after=retry_after_seconds(exc.response.headers), body=exc.body,
         )  # fmt: skip
     return UpstreamError(f"unexpected LLM client error: {exc!r}", code="client_error")
 
@@ -151,8 +152,15 @@ class OpenAIClient:
     async def complete(self, request: LLMRequest) -> LLMResponse:
         body = orjson.dumps(request_body(request))
         session = self._session if self._session is not None else self._open()
+        # A longer read timeout for this attempt when the endpoint's pace asks for one.
+        timeout = self._timeout
+        if request.timeout_s is not None:
+            timeout = aiohttp.ClientTimeout(
+                total=None, sock_connect=timeout.sock_connect, sock_read=request.timeout_s
+            )
         try:
-            async with session.post(self._url, data=body, proxy=self._proxy) as response:
+            async with session.post(self._url, data=body, proxy=self._proxy,
+                                    timeout=timeout) as response:  # fmt: skip
                 content = await response.read()
                 status, headers = response.status, response.headers
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
@@ -164,6 +172,40 @@ class OpenAIClient:
         if status >= 400:
             raise map_error(self._status_error(status, headers, content))
         return parse_completion(content, request.model, rate_headers(headers))
+
+    async def describe(self, model: str, timeout_s: float = 5.0) -> EndpointFacts:
+        """What the endpoint says of itself and of `model` (`llm.endpoint`): its model
+        list, llama.cpp's `/props`, Ollama's `/api/show`; a route it lacks says nothing."""
+        base = str(self._client.base_url).rstrip("/")
+        root = base.removesuffix("/v1")
+        server: list[str] = []
+        models = await self._get_json("GET", f"{base}/models", timeout_s, server)
+        props = await self._get_json("GET", f"{root}/props", timeout_s, server)
+        show = None
+        if props is None:  # llama.cpp has no /api/show; Ollama answers it
+            show = await self._get_json("POST", f"{root}/api/show", timeout_s, server,
+                                        {"model": model})  # fmt: skip
+        said = server[0].lower() if server else ""
+        name = "llama.cpp" if "llama.cpp" in said else None
+        return facts_from(model, models, props, show, server=name)
+
+    async def _get_json(
+        self, method: str, url: str, timeout_s: float, server: list[str], body: Any = None
+    ) -> Any:
+        """A JSON body, or None (no such route, refused, unreachable, not JSON)."""
+        session = self._session if self._session is not None else self._open()
+        try:
+            async with session.request(
+                method, url, data=orjson.dumps(body) if body is not None else None,
+                timeout=aiohttp.ClientTimeout(total=timeout_s), proxy=self._proxy,
+            ) as response:  # fmt: skip
+                if "Server" in response.headers and not server:
+                    server.append(response.headers["Server"])
+                if response.status != 200:
+                    return None
+                return orjson.loads(await response.read())
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+            return None
 
     def _status_error(self, status: int, headers: Any, content: bytes) -> openai.APIStatusError:
         """The SDK's exception for an error answer, as its own calls would raise it."""

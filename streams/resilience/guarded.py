@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from streams.contract.lanes import Lane
 from streams.errors import (
     CircuitOpen,
+    ContextOverflow,
     DeadlineExceeded,
     RateLimited,
     StreamsError,
@@ -21,11 +22,13 @@ from streams.errors import (
     UpstreamError,
 )
 from streams.llm.client import LLMClient, LLMRequest, LLMResponse, completion_budget
+from streams.llm.endpoint import ContextWindow, EndpointFacts
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
 from streams.resilience.breaker import Admission, CircuitBreaker, State
 from streams.resilience.clock import Clock, MonotonicClock
-from streams.resilience.limiter import RateLimiter
+from streams.resilience.concurrency import ConcurrencyLimit, Served
+from streams.resilience.limiter import Permit, RateLimiter
 
 # An attempt still waiting for its answer this close to the task's deadline is cut
 # short here (code CUT_SHORT), so the client sees a timeout rather than a cancellation.
@@ -33,6 +36,21 @@ DEADLINE_MARGIN_S = 0.05
 CUT_SHORT = "cut_at_deadline"
 # 429 codes that say a service tier (flex) has no capacity now: not a rate limit.
 CAPACITY_CODES = frozenset({"resource_unavailable", "flex_capacity"})
+# Answers that say the server cannot keep up (overloaded, not down).
+OVERLOAD_CODES = frozenset({"http_503", "http_529", "overloaded_error", "server_overloaded"})
+
+
+@dataclass
+class _Call:
+    """What one attempt said: of the endpoint's health (`verdict`; None: nothing), and of
+    its capacity (`served`; None: nothing)."""
+
+    verdict: bool | None = None
+    served: Served | None = None
+
+
+def _bytes(messages: list[dict[str, str]]) -> int:
+    return sum(len(m["content"].encode()) for m in messages)
 
 
 class GuardedClient:
@@ -46,8 +64,19 @@ class GuardedClient:
         count_prompt: Callable[[list[dict[str, str]]], int] = count_messages,
         metrics: Metrics | None = None,
         slow_call_s: float = 10.0,
+        window: ContextWindow | None = None,
+        concurrency: ConcurrencyLimit | None = None,
+        read_timeout_s: float | None = None,
     ) -> None:
         self.client = client
+        # Calls at once to the endpoint, learned when it sends no rate limits (none given:
+        # no limit; the worker's pool gives every endpoint one that learns).
+        self.concurrency = concurrency or ConcurrencyLimit.open_gate(client.endpoint)
+        self.read_timeout_s = read_timeout_s  # the setting: a call's read timeout at least
+        # The model's context window on this endpoint, told or learned (`llm.endpoint`).
+        self.window = window or ContextWindow(name=client.endpoint)
+        self.facts: EndpointFacts | None = None  # what the endpoint said of itself
+        self._describing: asyncio.Task[EndpointFacts] | None = None
         self.limiter = limiter
         self.breaker = breaker
         self.clock = clock or MonotonicClock()
@@ -56,6 +85,27 @@ class GuardedClient:
         # An attempt cut at its task's deadline counts against the endpoint once it had
         # waited this long for an answer (a hung endpoint); a shorter one says nothing.
         self.slow_call_s = slow_call_s
+
+    async def describe(self, model: str) -> EndpointFacts:
+        """What the endpoint says of itself, asked once (however many tasks ask at once);
+        it tells the window. An endpoint that says nothing leaves the defaults."""
+        if self._describing is None:
+            self._describing = asyncio.ensure_future(self._ask_facts(model))
+        return await asyncio.shield(self._describing)
+
+    async def _ask_facts(self, model: str) -> EndpointFacts:
+        describe = getattr(self.client, "describe", None)
+        facts = await describe(model) if describe is not None else EndpointFacts()
+        self.facts = facts
+        self.window.tell(facts.context_window)
+        self.concurrency.tell_slots(facts.slots)
+        return facts
+
+    async def context_window(self, model: str) -> int:
+        """The window a prompt for `model` is fitted to, in the project's tokens."""
+        if self.facts is None:
+            await self.describe(model)
+        return self.window.tokens()
 
     def estimate(self, request: LLMRequest) -> int:
         """Tokens a call may use: prompt (offline tokenizer) + its completion budget."""
@@ -72,11 +122,12 @@ class GuardedClient:
         """One attempt. With `wait_for_circuit=False` (a fallback is ready) an open
         circuit raises CircuitOpen at once instead of waiting for it to close.
 
-        The breaker's admission and the limiter's permit are settled on every way out,
-        cancellation included: a call cancelled by shutdown, a rebalance or its task's
-        deadline gives its probe slot back instead of holding it for ever."""
+        The breaker's admission, the limiter's permit and the concurrency turn are
+        settled on every way out, cancellation included: a call cancelled by shutdown, a
+        rebalance or its task's deadline gives its probe slot and its turn back instead
+        of holding them for ever."""
         admission = await self._admit(deadline_at, wait_for_circuit)
-        verdict: bool | None = None  # on the endpoint; None: this call says nothing
+        call = _Call()
         try:
             if deadline_at is not None and deadline_at - self.clock.now() <= DEADLINE_MARGIN_S:
                 raise DeadlineExceeded(  # no call, no verdict, no capacity taken
@@ -89,46 +140,104 @@ class GuardedClient:
             counted = limiter.tokens is not None or limiter.probing
             estimate = self.estimate(request) if counted else 0
             permit = await self.limiter.acquire(estimate, lane)
-            started = self.clock.now()
-            try:
-                response = await self._call(request, deadline_at, started)
-            except RateLimited as exc:
-                if exc.headers:
-                    self.limiter.observe(exc.headers, permit)
-                if exc.code not in CAPACITY_CODES:  # a tier without capacity is no rate limit
-                    self.limiter.throttled(exc.retry_after, permit)
-                permit.reconcile(0)  # refused before any token was used
-                self._count(request.model, lane, permit.waited_s, started, exc)
-                self.metrics.limiter_throttled.labels(request.model).inc()
-                raise  # throttling says nothing about the endpoint's health
-            except (Timeout, UpstreamError) as exc:
-                # A call cut at its task's deadline soon after it began says nothing.
-                if exc.code != CUT_SHORT or self.clock.now() - started >= self.slow_call_s:
-                    verdict = False
-                    self.breaker.settle(admission, False)
-                # Down for everyone: its circuit is open now, or it cannot be reached at all.
-                exc.endpoint_down = (
-                    self.breaker.state is State.OPEN or exc.code == "connection_error"
-                )
-                permit.reconcile(estimate)
-                self._count(request.model, lane, permit.waited_s, started, exc)
-                raise exc
-            except StreamsError as exc:
-                verdict = True  # our request was wrong; the endpoint is fine
-                permit.reconcile(0)
-                self._count(request.model, lane, permit.waited_s, started, exc)
-                raise
-            except BaseException:  # cancelled mid-call (or a bug): no answer to learn from
+            try:  # a turn among the calls the endpoint takes at once (time not charged)
+                await self.concurrency.acquire(lane)
+            except BaseException:
                 permit.abandon()
                 raise
-            verdict = True
-            if response.rate_headers:
-                self.limiter.observe(response.rate_headers, permit)
-            permit.reconcile(response.prompt_tokens + response.completion_tokens)
-            self._count(request.model, lane, permit.waited_s, started, None, response)
-            return replace(response, duration_s=self.clock.now() - started)
+            try:
+                return await self._attempt(request, lane, deadline_at, permit, estimate, call,
+                                           admission)  # fmt: skip
+            finally:
+                self.concurrency.release(call.served)
         finally:
-            self.breaker.settle(admission, verdict)
+            self.breaker.settle(admission, call.verdict)
+
+    async def _attempt(
+        self,
+        request: LLMRequest,
+        lane: Lane,
+        deadline_at: float | None,
+        permit: Permit,
+        estimate: int,
+        call: _Call,
+        admission: Admission,
+    ) -> LLMResponse:
+        """The call itself, and what its answer (or its error) teaches the limiter, the
+        concurrency limit, the window and the breaker (`call`)."""
+        started = self.clock.now()
+        try:
+            response = await self._call(self._timed(request, estimate), deadline_at, started)
+        except RateLimited as exc:
+            if exc.headers:
+                self.limiter.observe(exc.headers, permit)
+                self.concurrency.open()
+            if exc.code not in CAPACITY_CODES:  # a tier without capacity is no rate limit
+                self.limiter.throttled(exc.retry_after, permit)
+            permit.reconcile(0)  # refused before any token was used
+            self._count(request.model, lane, permit.waited_s, started, exc)
+            self.metrics.limiter_throttled.labels(request.model).inc()
+            raise  # throttling says nothing about the endpoint's health
+        except (Timeout, UpstreamError) as exc:
+            # A call cut at its task's deadline soon after it began says nothing.
+            if exc.code != CUT_SHORT or self.clock.now() - started >= self.slow_call_s:
+                call.verdict = False
+                self.breaker.settle(admission, False)  # now: the state below is the new one
+            if isinstance(exc, Timeout) or exc.code in OVERLOAD_CODES:
+                call.served = Served(self.clock.now() - started, overloaded=True)
+            # Down for everyone: its circuit is open now, or it cannot be reached at all.
+            exc.endpoint_down = (
+                self.breaker.state is State.OPEN or exc.code == "connection_error"
+            )  # fmt: skip
+            permit.reconcile(estimate)
+            self._count(request.model, lane, permit.waited_s, started, exc)
+            raise exc
+        except ContextOverflow as exc:
+            call.verdict = True  # our prompt was too long; the endpoint is fine
+            self.window.overflowed(exc.window, exc.prompt_tokens,
+                                   self.count_prompt(request.messages))  # fmt: skip
+            permit.reconcile(0)
+            self._count(request.model, lane, permit.waited_s, started, exc)
+            raise
+        except StreamsError as exc:
+            call.verdict = True  # our request was wrong; the endpoint is fine
+            permit.reconcile(0)
+            self._count(request.model, lane, permit.waited_s, started, exc)
+            raise
+        except BaseException:  # cancelled mid-call (or a bug): no answer to learn from
+            permit.abandon()
+            raise
+        took = self.clock.now() - started
+        call.verdict = True
+        call.served = Served(took, response.prompt_tokens, response.completion_tokens,
+                             response.server_s)  # fmt: skip
+        self._learn(request, response, permit, estimate)
+        self._count(request.model, lane, permit.waited_s, started, None, response)
+        return replace(response, duration_s=took)
+
+    def _learn(
+        self, request: LLMRequest, response: LLMResponse, permit: Permit, estimate: int
+    ) -> None:
+        """What an answer teaches: the provider's limits (and that it has some), and how
+        its server counts tokens against ours."""
+        if response.rate_headers:
+            self.limiter.observe(response.rate_headers, permit)
+            self.concurrency.open()
+        if response.prompt_tokens and self.window.wants_sample():
+            ours = estimate - completion_budget(request.params) if estimate else 0
+            self.window.count(response.prompt_tokens,
+                              ours or self.count_prompt(request.messages))  # fmt: skip
+        permit.reconcile(response.prompt_tokens + response.completion_tokens)
+
+    def _timed(self, request: LLMRequest, estimate: int) -> LLMRequest:
+        """The request with its read timeout, when the endpoint's pace asks for a longer
+        one than the setting (a long prompt on a slow self-hosted server)."""
+        if self.read_timeout_s is None or self.concurrency.unlimited:
+            return request
+        budget = completion_budget(request.params)
+        prompt = estimate - budget if estimate else _bytes(request.messages) // 3
+        timeout = self.concurrency.timeout_for(self.read_timeout_s, prompt, budget)
+        return request if timeout <= self.read_timeout_s else replace(request, timeout_s=timeout)
 
     async def _call(
         self, request: LLMRequest, deadline_at: float | None, started: float

@@ -11,8 +11,10 @@ import os
 from collections.abc import Callable
 
 from streams.llm.client import LLMClient
+from streams.llm.endpoint import ContextWindow
 from streams.observability.metrics import Metrics
 from streams.resilience.breaker import CircuitBreaker
+from streams.resilience.concurrency import ConcurrencyLimit
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
 
@@ -28,6 +30,9 @@ class ClientPool:
         make_breaker: Callable[[str], CircuitBreaker],
         metrics: Metrics | None = None,
         slow_call_s: float = 10.0,
+        context_window: int | None = None,
+        read_timeout_s: float | None = None,
+        max_concurrency: int = 10_000,
     ) -> None:
         self.base_url = base_url
         self.api_key = api_key
@@ -36,6 +41,10 @@ class ClientPool:
         self.make_breaker = make_breaker
         self.metrics = metrics or Metrics()  # none given: one nobody scrapes
         self.slow_call_s = slow_call_s
+        self.context_window = context_window  # the setting: wins over what is learned
+        self.read_timeout_s = read_timeout_s
+        self.max_concurrency = max_concurrency
+        self._concurrency: dict[str, ConcurrencyLimit] = {}
         self._http: dict[tuple[str | None, str | None], LLMClient] = {}
         self._breakers: dict[str, CircuitBreaker] = {}
         self._guarded: dict[tuple[str | None, str | None, str], GuardedClient] = {}
@@ -53,11 +62,19 @@ class ClientPool:
                 metrics = self.metrics
                 breaker.on_change = lambda n, _old, new: metrics.breaker_changed(n, new.value)
                 metrics.breaker_changed(name, breaker.state.value)
+            # Calls at once, like the breaker, per endpoint: a server's slots serve every model.
+            gate = self._concurrency.get(name)
+            if gate is None:
+                gate = self._concurrency[name] = ConcurrencyLimit(
+                    max_limit=self.max_concurrency, name=name
+                )
             limiter = self.make_limiter()
             self.metrics.watch_limiter(model, limiter.rates)
             self._guarded[key] = GuardedClient(
                 http, limiter=limiter, breaker=breaker, metrics=self.metrics,
-                slow_call_s=self.slow_call_s,
+                slow_call_s=self.slow_call_s, concurrency=gate,
+                window=ContextWindow(self.context_window, name=f"{name} {model}"),
+                read_timeout_s=self.read_timeout_s,
             )  # fmt: skip
         return self._guarded[key]
 

@@ -241,8 +241,9 @@ async def test_a_truncated_answer_is_retried_once_with_a_larger_budget(
 
 
 async def test_context_overflow_truncates_the_slot_and_retries_once(
-    processor: TaskProcessor, simulator: SimulatorServer
+    processor: TaskProcessor, simulator: SimulatorServer, tmp_path: Path
 ) -> None:
+    processor.registry = _without_chunking(tmp_path)  # the version's truncation, alone
     simulator.sim.config.context_window = 1000  # system prompt + 400 completion leave ~400
     words = " ".join(f"The blender part {i} was fine." for i in range(220))  # ~1,800 tokens
     text = "Arrived late. " + words
@@ -258,8 +259,9 @@ async def test_context_overflow_truncates_the_slot_and_retries_once(
 
 
 async def test_context_overflow_that_no_cut_can_fix_is_dead_lettered(
-    processor: TaskProcessor, simulator: SimulatorServer
+    processor: TaskProcessor, simulator: SimulatorServer, tmp_path: Path
 ) -> None:
+    processor.registry = _without_chunking(tmp_path)
     simulator.sim.config.context_window = 300  # smaller than the system prompt + budget
     out = await processor.process(_task("Fine. " * 100), b"t1", SRC)
     assert out.kind == "dead_letter"
@@ -276,6 +278,7 @@ async def test_context_overflow_without_a_policy_is_dead_lettered_at_once(
     spec = (ROOT / "pipelines" / "comment-analysis.yaml").read_text()
     policy = "    on_context_overflow: {strategy: truncate, slot: text, keep: head}\n"
     assert policy in spec
+    spec = spec[: spec.index("chunking:")] + spec[spec.index("versions:") :]  # nor chunks
     (tmp_path / "comment-analysis.yaml").write_text(spec.replace(policy, ""))
     simulator.sim.config.context_window = 1000
     client = OpenAIClient(
@@ -394,3 +397,23 @@ async def test_the_repair_token_cap_stops_a_repair(
     assert "cap 300" in letter["error"]["message"] and "not JSON" in letter["error"]["message"]
     # The first answer was the only call: the repair (~700 tokens) would pass the cap.
     assert simulator.sim.snapshot()["requests"] == 1 and letter["attempts"] == 1
+
+
+async def test_a_window_an_overflow_says_is_learned_and_the_input_chunked_to_it(
+    processor: TaskProcessor, simulator: SimulatorServer
+) -> None:
+    """Nobody told the worker the model's window (the simulator plays a server that says
+    it only when it refuses): the first long comment is refused, its refusal's numbers
+    set the window, and the comment is answered in chunks of it, as it would have been
+    with the window known — not dead-lettered, not cut. The next one is chunked at once."""
+    simulator.sim.config.context_window = 1200
+    words = " ".join(f"The blender part {i} was fine." for i in range(220))  # ~1,800 tokens
+    out = await processor.process(_task("Arrived late. " + words), b"t1", SRC)
+    assert out.kind == "result", orjson.loads(out.value)
+    assert processor.client.window.source == "overflow"
+    assert processor.client.window.server_tokens == 1200
+    stats = simulator.sim.snapshot()
+    assert stats["by_outcome"]["context_overflow"] == 1 and stats["by_outcome"]["ok"] >= 2
+    again = await processor.process(_task("Late again. " + words), b"t2", SRC)
+    assert again.kind == "result"
+    assert simulator.sim.snapshot()["by_outcome"]["context_overflow"] == 1  # no second refusal

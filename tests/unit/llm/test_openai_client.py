@@ -98,3 +98,26 @@ async def test_a_refused_connection_is_an_upstream_error() -> None:
         port = s.getsockname()[1]
     error = await refused(f"http://127.0.0.1:{port}/v1", "k")
     assert isinstance(error, UpstreamError) and error.code == "connection_error"
+
+
+async def test_an_attempt_may_carry_a_longer_read_timeout_than_the_clients(
+    simulator: SimulatorServer,
+) -> None:
+    """A long prompt on a slow self-hosted server: the guarded client asks for a longer
+    read timeout for that attempt (`LLMRequest.timeout_s`), which the client honours."""
+    from dataclasses import replace
+
+    from streams.llm.client import LLMRequest
+
+    simulator.sim.config.latency_ms, simulator.sim.config.latency_dist = 800, "fixed"
+    client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
+                          read_timeout_s=0.3)  # fmt: skip
+    request = LLMRequest(messages=[{"role": "user", "content": "<comment>ok</comment>"}],
+                         model="sim-1", params={"max_tokens": 50})  # fmt: skip
+    try:
+        with pytest.raises(Timeout):
+            await client.complete(request)
+        answer = await client.complete(replace(request, timeout_s=5.0))
+        assert answer.content
+    finally:
+        await client.close()
