@@ -643,7 +643,11 @@ def pipelines() -> None:
 @click.option("--dir", "directory", type=click.Path(path_type=Path), default=None)
 def pipelines_validate(directory: Path | None) -> None:
     """Load every pipeline file, check slots, templates and output schemas."""
-    from streams.pipelines.registry import PipelineRegistry, strict_subset_issues
+    from streams.pipelines.registry import (
+        PipelineRegistry,
+        strict_dropped,
+        strict_subset_issues,
+    )
 
     settings = settings_or_exit()
     try:
@@ -665,8 +669,13 @@ def pipelines_validate(directory: Path | None) -> None:
         strict = sorted(v for v, spec in p.spec.versions.items()
                         if spec.response_format in ("json_schema", "tool_call"))  # fmt: skip
         for issue in strict_subset_issues(p.output_schema) if strict else []:
-            note = "OpenAI refuses or ignores it in strict mode; it is checked here all the same"
+            note = "OpenAI refuses it in strict mode"
             click.echo(f"warn {name} {', '.join(strict)}: output schema {issue} ({note})")
+        dropped = strict_dropped(p.output_schema) if strict else []
+        if dropped:
+            click.echo(f"note {name}: {len(dropped)} keyword(s) outside OpenAI's strict subset "
+                       "are checked here and left out of the request: "
+                       + ", ".join(dropped))  # fmt: skip
 
 
 @cli.command()

@@ -41,6 +41,8 @@ from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries
 
 log = logging.getLogger(__name__)
 
+# The least temperature of a repair turn (one that shows the model its rejected answer).
+REPAIR_TEMPERATURE = 0.7
 # The guarded client of a model on the primary endpoint, or on (base_url, key env).
 ClientFor = Callable[[str, str | None, str | None], GuardedClient]
 
@@ -123,33 +125,8 @@ class Calls:
         wait_for_circuit: bool = True,
         version: str = "",
     ) -> dict[str, Any]:
-        messages = list(prompt.messages)
-        params = prompt.params
-        last = attempts.last_error
-        if last is not None:
-            self.metrics.retries.labels(last.category.value).inc()
-        if isinstance(last, InvalidOutput) and last.code == "truncated":
-            # Cut at the budget: the same prompt with 1.5x the budget, within the window.
-            budget = completion_budget(params, spend.completion_tokens or 256)
-            room = client.window.server_tokens - spend.last_prompt_tokens
-            params = with_budget(params, max(1, min(int(budget * 1.5), room)))
-        repair = isinstance(last, InvalidOutput) and last.code != "truncated" and bool(spend.calls)
-        try:
-            if repair and last is not None:
-                # One repair: show the model its answer and what was wrong with it.
-                messages += [
-                    {"role": "assistant", "content": spend.calls[-1]},
-                    {"role": "user", "content": f"That answer was rejected: {last.message}. "
-                     "Reply with one corrected JSON object only."},
-                ]  # fmt: skip
-                check_repair_cap(pipeline.spec.repair_token_cap, messages, params,
-                                 spend.repair_tokens, last)  # fmt: skip
-            params = fit_window(messages, params, prompt.params, client.window.tokens())
-        except (OutputRejected, ContextOverflow):
-            attempts.count -= 1  # refused before any call
-            raise
-        request = LLMRequest(messages=messages, model=prompt.model, params=params,
-                             response_format=prompt.response_format, tool=prompt.tool)  # fmt: skip
+        request, repair = self._next_request(pipeline, prompt, attempts, spend, client)
+        params = request.params
         with child_span(
             f"chat {prompt.model}",
             kind=SpanKind.CLIENT,
@@ -189,6 +166,8 @@ class Calls:
                 "gen_ai.usage.input_tokens": response.prompt_tokens,
                 "gen_ai.usage.output_tokens": response.completion_tokens,
             })  # fmt: skip
+            if request.tool is not None and not response.tool_called:
+                self.degraded(client, response.model, "tool_call", "content")
             spend.last_prompt_tokens = response.prompt_tokens
             spend.prompt_tokens += response.prompt_tokens
             spend.completion_tokens += response.completion_tokens
@@ -197,7 +176,7 @@ class Calls:
             if repair:
                 spend.repair_tokens += response.prompt_tokens + response.completion_tokens
             try:
-                output = parse_output(response, pipeline, prompt.variables)
+                output = parse_output(response, pipeline, prompt.variables, prompt.originals)
             except InvalidOutput as exc:
                 spend.rejected += 1
                 self.count_output(response.model, ok=False)
@@ -205,6 +184,54 @@ class Calls:
                 raise
             self.count_output(response.model, ok=True)
             return output
+
+    def _next_request(
+        self,
+        pipeline: Pipeline,
+        prompt: RenderedPrompt,
+        attempts: Attempts,
+        spend: Spend,
+        client: GuardedClient,
+    ) -> tuple[LLMRequest, bool]:
+        """What this attempt asks, after what the last one met: the prompt as it is, with a
+        larger budget (truncated), or with a repair turn (an invalid answer); fitted to the
+        client's window. Whether it is a repair."""
+        messages = list(prompt.messages)
+        params = prompt.params
+        last = attempts.last_error
+        if last is not None:
+            self.metrics.retries.labels(last.category.value).inc()
+            log.info("attempt %d of %s after %s (%s): %s", attempts.count, prompt.model,
+                     last.category.value, last.code, last.message[:200])  # fmt: skip
+        if isinstance(last, InvalidOutput) and last.code == "truncated":
+            # Cut at the budget: the same prompt with 1.5x the budget, within the window.
+            budget = completion_budget(params, spend.completion_tokens or 256)
+            room = client.window.server_tokens - spend.last_prompt_tokens
+            params = with_budget(params, max(1, min(int(budget * 1.5), room)))
+        repair = isinstance(last, InvalidOutput) and last.code != "truncated" and bool(spend.calls)
+        if repair:
+            # At temperature 0 the model answers its rejected answer again, word for word
+            # (0 of 23 repairs helped a real server's run): a repair samples anew.
+            temperature = params.get("temperature")
+            if not isinstance(temperature, int | float) or temperature < REPAIR_TEMPERATURE:
+                params = {**params, "temperature": REPAIR_TEMPERATURE}
+        try:
+            if repair and last is not None:
+                # One repair: show the model its answer and what was wrong with it.
+                messages += [
+                    {"role": "assistant", "content": spend.calls[-1]},
+                    {"role": "user", "content": f"That answer was rejected: {last.message}. "
+                     "Reply with one corrected JSON object only."},
+                ]  # fmt: skip
+                check_repair_cap(pipeline.spec.repair_token_cap, messages, params,
+                                 spend.repair_tokens, last)  # fmt: skip
+            params = fit_window(messages, params, prompt.params, client.window.tokens())
+        except (OutputRejected, ContextOverflow):
+            attempts.count -= 1  # refused before any call
+            raise
+        request = LLMRequest(messages=messages, model=prompt.model, params=params,
+                             response_format=prompt.response_format, tool=prompt.tool)  # fmt: skip
+        return request, repair
 
     async def send(
         self,
@@ -252,12 +279,36 @@ class Calls:
                 spend.tier = Tier.SYNC
                 self.metrics.mitigations.labels("*", "flex_fallback").inc()
                 raise
-            spend.discounted_prompt += response.prompt_tokens
-            spend.discounted_completion += response.completion_tokens
+            if response.service_tier == "flex":  # the discount only where it is confirmed
+                spend.discounted_prompt += response.prompt_tokens
+                spend.discounted_completion += response.completion_tokens
+            else:
+                self._unconfirmed(guarded, request.model, response.service_tier)
             return response
         return await guarded.complete(
             request, lane=lane, deadline_at=deadline_at, wait_for_circuit=wait_for_circuit
         )
+
+    def _unconfirmed(self, client: GuardedClient, model: str, tier: str | None) -> None:
+        """A flex call answered without saying it was served at flex: booked at the full
+        price (an endpoint that ignores `service_tier` — llama.cpp, vLLM, most gateways —
+        charges, or costs, what it does for any call), counted, said once."""
+        self.metrics.discount_unconfirmed.labels(model, "flex").inc()
+        if client.not_honoured("service_tier=flex", tier or "no tier"):
+            log.warning("%s (%s) answered a flex call without confirming the flex tier (it "
+                        "said %s): such calls are priced in full", client.client.endpoint,
+                        model, tier or "nothing")  # fmt: skip
+
+    def degraded(self, client: GuardedClient, model: str, mode: str, instead: str) -> None:
+        """The endpoint did not honour `mode`: counted, and said once per endpoint, model
+        and mode (a forced call answered as content is read, fenced or not, but a small
+        model's prose fails the contract more often: json_schema, where it is honoured,
+        makes its answers valid by grammar)."""
+        self.metrics.structured_degraded.labels(model, mode, instead).inc()
+        if client.not_honoured(mode, instead):
+            log.warning("%s (%s) does not honour %s: it answered as %s; those answers are "
+                        "read as such (json_schema, if the endpoint honours it, is surer)",
+                        client.client.endpoint, model, mode, instead)  # fmt: skip
 
     def count_output(self, model: str, *, ok: bool) -> None:
         self.metrics.outputs.labels(model, "pass" if ok else "fail").inc()

@@ -49,7 +49,7 @@ class Packs:
         key = (pipeline.name, version.version, prompt.model, lane.name, system)
 
         def check(data: Any) -> dict[str, Any]:
-            return check_output(data, pipeline, prompt.variables)
+            return check_output(data, pipeline, prompt.variables, prompt.originals)
 
         item = Item(prep.task.task_id, prompt, deadline_at, check)
         return await self.packer.submit(key, item, packing.max_items, packing.linger_s)

@@ -88,7 +88,8 @@ class SimConfig:
     # llama.cpp`, `/props` (`n_ctx` = context_window, `total_slots` = max_concurrency,
     # whose requests beyond queue), `meta.n_ctx` in `/v1/models`, its overflow and auth
     # error bodies, `timings` in every answer, `service_tier` ignored and never echoed,
-    # a forced tool call in the object form refused (the answer comes as content).
+    # a forced tool call in the object form refused (the answer comes as content: fenced
+    # JSON text).
     server: str = "openai"
 
     def update(self, changes: dict[str, Any]) -> None:
@@ -605,7 +606,10 @@ class Simulator:
         if packed is not None:
             return packed
         text = sim_content.comment_text(messages)
-        tool = forced_tool(body) if not self.llama else None  # llama.cpp: the object refused
+        tool = forced_tool(body)
+        if tool is not None and self.llama:  # the forced call refused: JSON text, fenced
+            answer = sim_content.instance(tool.get("parameters") or {}, text)
+            return "```json\n" + orjson.dumps(answer).decode() + "\n```"
         asked = tool.get("parameters") if tool is not None else schema_in_prompt(messages)
         if isinstance(asked, dict):
             return orjson.dumps(sim_content.instance(asked, text)).decode()

@@ -112,6 +112,10 @@ class LLMResponse:
     duration_s: float | None = None
     #: the server's own time on the request, when it says (llama.cpp's `timings`)
     server_s: float | None = None
+    #: the answer came as a tool call's arguments (not as content)
+    tool_called: bool = False
+    #: the service tier the provider says it answered in (OpenAI echoes it; None: unsaid)
+    service_tier: str | None = None
 
 
 class LLMClient(Protocol):
@@ -148,6 +152,8 @@ def parse_completion(
             finish_reason=str(choice.get("finish_reason") or "stop"),
             rate_headers=headers or {},
             server_s=_server_seconds(data.get("timings")),
+            tool_called=bool(calls) and not message.get("content"),
+            service_tier=str(data["service_tier"]) if data.get("service_tier") else None,
         )
     except (
         orjson.JSONDecodeError,

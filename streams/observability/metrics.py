@@ -155,6 +155,17 @@ class Metrics:
         self.outputs = Counter(
             "llm_streams_outputs", "Answers received, by content verdict (pass|fail).",
             ["model", "verdict"], registry=r)  # fmt: skip
+        self.discount_unconfirmed = Counter(
+            "llm_streams_discount_unconfirmed",
+            "Calls asked at a discounted tier (flex) whose answer did not confirm it: booked at "
+            "the full price.",
+            ["model", "tier"], registry=r)  # fmt: skip
+        self.structured_degraded = Counter(
+            "llm_streams_structured_output_degraded",
+            "Answers whose endpoint did not honour the structured-output mode asked for, by "
+            "mode and what came instead (a forced tool call answered as content; json_schema "
+            "refused, then asked as schema_in_prompt).",
+            ["model", "mode", "instead"], registry=r)  # fmt: skip
         self.batch_size = Histogram(
             "llm_streams_batch_size", "Records per micro-batch.", buckets=BATCH_BUCKETS,
             registry=r)  # fmt: skip

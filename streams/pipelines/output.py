@@ -1,8 +1,18 @@
-"""Output contract: parse the model's answer, validate it, check quoted evidence."""
+"""Output contract: parse the model's answer, validate it, check quoted evidence.
+
+An answer in a Markdown code fence (```json ... ```, as small models and endpoints that
+ignore `response_format` write it) is read as the JSON inside. Evidence is checked as
+people quote: against the text the model saw (cleaned) and the text as it came, both
+sides NFKC-normalised (full-width punctuation and letters as their plain forms) and
+case-folded, whitespace squashed — a quote that differs only in capitals or in a
+full-width comma passes; one that paraphrases or invents does not.
+"""
 
 from __future__ import annotations
 
 import re
+import unicodedata
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -15,8 +25,22 @@ from streams.pipelines.registry import Pipeline
 _SPACE = re.compile(r"\s+")
 
 
+_FENCE = re.compile(r"^\s*```[A-Za-z]*[ \t]*\n?(.*?)\n?```\s*$", re.DOTALL)
+
+
 def _squash(text: str) -> str:
     return _SPACE.sub(" ", text).strip()
+
+
+def _as_quoted(text: str) -> str:
+    """Text as quotes are compared: NFKC, case-folded, whitespace squashed."""
+    return _squash(unicodedata.normalize("NFKC", text).casefold())
+
+
+def unfenced(content: str) -> str:
+    """An answer without the Markdown code fence around it, if it has one."""
+    found = _FENCE.match(content)
+    return found.group(1) if found else content
 
 
 def _values_at(data: Any, path: list[str]) -> list[Any]:
@@ -36,19 +60,34 @@ def _values_at(data: Any, path: list[str]) -> list[Any]:
 
 
 def parse_output(
-    response: LLMResponse, pipeline: Pipeline, variables: dict[str, Any]
+    response: LLMResponse,
+    pipeline: Pipeline,
+    variables: dict[str, Any],
+    originals: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The validated output object, or InvalidOutput saying what is wrong with it."""
+    """The validated output object, or InvalidOutput saying what is wrong with it.
+    `variables`: the slots as the prompt had them; `originals`: as the task gave them."""
     if response.finish_reason == "length":
         raise InvalidOutput("answer was cut at max_tokens (finish_reason=length)", code="truncated")
     try:
         data = orjson.loads(response.content)
     except orjson.JSONDecodeError as exc:
-        raise InvalidOutput(f"answer is not JSON: {exc}", code="not_json") from exc
-    return check_output(data, pipeline, variables)
+        inner = unfenced(response.content)
+        try:
+            data = orjson.loads(inner) if inner is not response.content else None
+        except orjson.JSONDecodeError:
+            data = None
+        if data is None:
+            raise InvalidOutput(f"answer is not JSON: {exc}", code="not_json") from exc
+    return check_output(data, pipeline, variables, originals)
 
 
-def check_output(data: Any, pipeline: Pipeline, variables: dict[str, Any]) -> dict[str, Any]:
+def check_output(
+    data: Any,
+    pipeline: Pipeline,
+    variables: dict[str, Any],
+    originals: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """A decoded answer checked against the output contract (schema, quoted evidence),
     optional fields filled with their defaults; or InvalidOutput saying what is wrong."""
     if not isinstance(data, dict):
@@ -68,10 +107,12 @@ def check_output(data: Any, pipeline: Pipeline, variables: dict[str, Any]) -> di
         raise InvalidOutput(f"answer breaks the output schema: {detail}", code="schema")
     source_slot = pipeline.spec.quote_source
     if source_slot and pipeline.spec.quote_fields:
-        source = _squash(str(variables.get(source_slot) or ""))
+        sources = [_as_quoted(str(variables.get(source_slot) or ""))]
+        if originals is not None and originals.get(source_slot) is not None:
+            sources.append(_as_quoted(str(originals[source_slot])))
         for field in pipeline.spec.quote_fields:
             for quote in _values_at(data, field.split(".")):
-                if isinstance(quote, str) and _squash(quote) not in source:
+                if isinstance(quote, str) and not any(_as_quoted(quote) in s for s in sources):
                     raise InvalidOutput(
                         f"{field} {quote[:80]!r} is not a quote of input.{source_slot}",
                         code="evidence_not_quoted",

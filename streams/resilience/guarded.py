@@ -76,6 +76,8 @@ class GuardedClient:
         # The model's context window on this endpoint, told or learned (`llm.endpoint`).
         self.window = window or ContextWindow(name=client.endpoint)
         self.facts: EndpointFacts | None = None  # what the endpoint said of itself
+        # Structured-output modes this endpoint and model did not honour, and what it did.
+        self.unhonoured: dict[str, str] = {}
         self._describing: asyncio.Task[EndpointFacts] | None = None
         self.limiter = limiter
         self.breaker = breaker
@@ -100,6 +102,13 @@ class GuardedClient:
         self.window.tell(facts.context_window)
         self.concurrency.tell_slots(facts.slots)
         return facts
+
+    def not_honoured(self, mode: str, instead: str) -> bool:
+        """The endpoint answered `mode` otherwise (`instead`); True the first time, which
+        is worth a warning (later ones only count)."""
+        first = mode not in self.unhonoured
+        self.unhonoured[mode] = instead
+        return first
 
     async def context_window(self, model: str) -> int:
         """The window a prompt for `model` is fitted to, in the project's tokens."""

@@ -135,9 +135,13 @@ async def test_repair_prompt_recovers_a_malformed_answer(
     async def flaky(request):  # type: ignore[no-untyped-def]
         nonlocal calls
         calls += 1
+        if calls == 1:
+            assert request.params["temperature"] == 0  # the version's own
         if calls == 2:
             simulator.sim.config.malformed_rate = 0.0
             assert "rejected" in request.messages[-1]["content"]  # the repair turn
+            # sampled anew: at 0 it would say its rejected answer again
+            assert request.params["temperature"] >= 0.7
         return await original(request)
 
     processor.client.client.complete = flaky  # type: ignore[method-assign]

@@ -15,7 +15,12 @@ from streams.core.processor import TaskProcessor
 from streams.dev.simulator import SimulatorServer
 from streams.llm.client import SCHEMA_IN_PROMPT, LLMRequest, parse_completion, request_body
 from streams.llm.openai_client import OpenAIClient
-from streams.pipelines.registry import PipelineRegistry, strict_subset_issues
+from streams.pipelines.registry import (
+    PipelineRegistry,
+    strict_dropped,
+    strict_subset_issues,
+    strict_view,
+)
 from tests.conftest import MakeProcessor
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -46,11 +51,15 @@ def test_each_mode_asks_for_the_output_schema_its_own_way(tmp_path: Path) -> Non
         request = LLMRequest(prompt.messages, prompt.model, prompt.params,
                              prompt.response_format, prompt.tool)  # fmt: skip
         asked[mode] = (request_body(request), prompt.messages[0]["content"])
+    sent = strict_view(schema)  # what strict mode takes of it; the rest is checked here
+    assert "uniqueItems" in schema["properties"]["topics"]  # type: ignore[index]
+    assert "uniqueItems" not in sent["properties"]["topics"]
+    assert sent["properties"]["topics"]["maxItems"] == 7  # bounded: no endless repetition
     body, system = asked["json_schema"]
-    assert body["response_format"]["json_schema"]["schema"] == schema and "tools" not in body
+    assert body["response_format"]["json_schema"]["schema"] == sent and "tools" not in body
     body, system = asked["tool_call"]
     assert "response_format" not in body
-    assert body["tools"][0]["function"]["parameters"] == schema
+    assert body["tools"][0]["function"]["parameters"] == sent
     assert body["tool_choice"] == {
         "type": "function",
         "function": {"name": body["tools"][0]["function"]["name"]},
@@ -106,11 +115,13 @@ def test_validate_names_what_leaves_the_strict_mode_subset() -> None:
     issues = strict_subset_issues(loose)
     assert any("additionalProperties: false" in i for i in issues)
     assert any("every property required (['b'])" in i for i in issues)
-    assert any("#/properties/a: `minLength`" in i for i in issues)
-    assert any("#/properties/b: `oneOf`" in i for i in issues)
+    assert any("#/properties/b: `oneOf`" in i for i in issues)  # it shapes the answer
+    assert not any("minLength" in i for i in issues)  # it narrows: left out, checked here
+    assert strict_dropped(loose) == ["#/properties/a: `minLength`"]
+    assert strict_view(loose)["properties"] == {"a": {"type": "string"}, "b": {}}
 
 
-def test_pipelines_validate_warns_where_a_strict_schema_leaves_the_subset() -> None:
+def test_pipelines_validate_notes_what_a_strict_request_leaves_out_and_passes_the_shipped() -> None:
     from click.testing import CliRunner
 
     from streams.cli import cli
@@ -118,6 +129,7 @@ def test_pipelines_validate_warns_where_a_strict_schema_leaves_the_subset() -> N
     run = CliRunner().invoke(cli, ["pipelines", "validate", "--dir", str(ROOT / "pipelines")])
     assert run.exit_code == 0, run.output
     assert "ok  comment-analysis" in run.output
-    assert "warn comment-analysis v1: output schema #/properties/summary: `maxLength`" in (
+    assert "warn" not in run.output  # the shipped pipelines pass their own lint
+    assert "note comment-analysis" in run.output and "#/properties/summary: `maxLength`" in (
         run.output
     )

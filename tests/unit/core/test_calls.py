@@ -1,0 +1,73 @@
+"""One task's calls against a server that is not OpenAI's (the simulator playing
+llama.cpp's): a forced tool call it answers as content is read, counted and said once;
+a flex call it does not confirm is priced in full."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from streams.contract.lanes import Lane, Tier
+from streams.contract.records import Source
+from streams.core.outcome import Prepared
+from streams.core.processor import Prices
+from streams.dev.simulator import SimulatorServer
+from streams.llm.openai_client import OpenAIClient
+from streams.pipelines.registry import PipelineRegistry
+from tests.conftest import MakeProcessor
+
+ROOT = Path(__file__).resolve().parents[3]
+SRC = Source(topic="t", partition=0, offset=1)
+
+
+def _registry(tmp_path: Path, mode: str) -> PipelineRegistry:
+    spec = (ROOT / "pipelines" / "comment-analysis.yaml").read_text()
+    (tmp_path / "c.yaml").write_text(spec.replace("response_format: json_schema",
+                                                  f"response_format: {mode}"))  # fmt: skip
+    return PipelineRegistry.load(tmp_path, ROOT / "schemas")
+
+
+async def test_a_forced_tool_call_answered_as_content_is_read_counted_and_said_once(
+    simulator: SimulatorServer, make_processor: MakeProcessor, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    simulator.sim.config.server = "llama.cpp"  # refuses tool_choice objects
+    client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
+                          read_timeout_s=5)  # fmt: skip
+    processor = make_processor(client, registry=_registry(tmp_path, "tool_call"))
+    try:
+        for i in range(3):
+            raw = orjson.dumps({"task_id": f"t{i}", "pipeline": "comment-analysis",
+                                "input": {"text": f"Great kettle number {i}."}})  # fmt: skip
+            out = await processor.process(raw, None, SRC)
+            assert out.kind == "result", orjson.loads(out.value)
+    finally:
+        await client.close()
+    counted = processor.metrics.structured_degraded.labels("sim-1", "tool_call", "content")
+    assert counted._value.get() == 3
+    said = [r for r in caplog.records if "does not honour tool_call" in r.getMessage()]
+    assert len(said) == 1
+
+
+async def test_a_flex_call_the_server_does_not_confirm_is_priced_in_full(
+    simulator: SimulatorServer, make_processor: MakeProcessor
+) -> None:
+    simulator.sim.config.server = "llama.cpp"  # ignores service_tier, never echoes it
+    client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
+                          read_timeout_s=5)  # fmt: skip
+    processor = make_processor(client, prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0))
+    raw = orjson.dumps({"task_id": "f1", "pipeline": "comment-analysis",
+                        "input": {"text": "Works great."}})  # fmt: skip
+    try:
+        prep = processor.prepare(raw, None, SRC)
+        assert isinstance(prep, Prepared)
+        out = await processor.answer(prep, Lane.REPLAY, None, Tier.FLEX)
+    finally:
+        await client.close()
+    result = orjson.loads(out.value)
+    full = Prices(1.0, 2.0).cost(result["usage"]["prompt_tokens"],
+                                 result["usage"]["completion_tokens"])  # fmt: skip
+    assert result["cost_usd"] == pytest.approx(full)  # not halved: nothing confirmed it
+    assert processor.metrics.discount_unconfirmed.labels("sim-1", "flex")._value.get() == 1
