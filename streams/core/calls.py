@@ -41,6 +41,24 @@ from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries
 
 log = logging.getLogger(__name__)
 
+# Servers that turn a JSON Schema into a grammar and take all of it (a strict endpoint
+# refuses keywords such as maxLength; these bound the answer with them).
+GRAMMAR_SERVERS = frozenset({"llama.cpp", "vllm"})
+
+
+def whole_schema(
+    response_format: dict[str, Any], tool: dict[str, Any] | None, schema: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The request's structured output with the whole output schema in it (not its strict
+    view): for a server whose grammar takes every keyword."""
+    inner = response_format.get("json_schema")
+    if isinstance(inner, dict):
+        response_format = {**response_format, "json_schema": {**inner, "schema": schema}}
+    if tool is not None:
+        tool = {**tool, "parameters": schema}
+    return response_format, tool
+
+
 # The least temperature of a repair turn (one that shows the model its rejected answer).
 REPAIR_TEMPERATURE = 0.7
 # The guarded client of a model on the primary endpoint, or on (base_url, key env).
@@ -229,8 +247,11 @@ class Calls:
         except (OutputRejected, ContextOverflow):
             attempts.count -= 1  # refused before any call
             raise
+        response_format, tool = prompt.response_format, prompt.tool
+        if client.facts is not None and client.facts.server in GRAMMAR_SERVERS:
+            response_format, tool = whole_schema(response_format, tool, pipeline.output_schema)
         request = LLMRequest(messages=messages, model=prompt.model, params=params,
-                             response_format=prompt.response_format, tool=prompt.tool)  # fmt: skip
+                             response_format=response_format, tool=tool)  # fmt: skip
         return request, repair
 
     async def send(

@@ -155,6 +155,14 @@ class Metrics:
         self.outputs = Counter(
             "llm_streams_outputs", "Answers received, by content verdict (pass|fail).",
             ["model", "verdict"], registry=r)  # fmt: skip
+        self.endpoint_concurrency = Gauge(
+            "llm_streams_endpoint_concurrency",
+            "Calls an endpoint takes at once, learned when it sends no rate limits (0: none "
+            "learned: its rate limits it).", ["endpoint"], registry=r)  # fmt: skip
+        self.endpoint_waiting = Gauge(
+            "llm_streams_endpoint_waiting_calls",
+            "Calls waiting for a turn at an endpoint's concurrency limit.",
+            ["endpoint"], registry=r)  # fmt: skip
         self.discount_unconfirmed = Counter(
             "llm_streams_discount_unconfirmed",
             "Calls asked at a discounted tier (flex) whose answer did not confirm it: booked at "
@@ -279,6 +287,14 @@ class Metrics:
     def breaker_changed(self, endpoint: str, new_state: str) -> None:
         self.breaker_state.labels(endpoint).set(BREAKER_STATES[new_state])
         self.breaker_transitions.labels(endpoint, new_state).inc()
+
+    def watch_endpoint(
+        self, endpoint: str, limit: Callable[[], int | None], waiting: Callable[[], int]
+    ) -> None:
+        """An endpoint's learned concurrency (0: none, its rate limits it) and the calls
+        waiting for a turn, at every scrape."""
+        self.endpoint_concurrency.labels(endpoint).set_function(lambda: limit() or 0)
+        self.endpoint_waiting.labels(endpoint).set_function(waiting)
 
     def watch_limiter(self, model: str, rates: Callable[[], tuple[float, float | None]]) -> None:
         """Report a limiter's current requests/tokens per minute at every scrape."""

@@ -85,12 +85,14 @@ class ConcurrencyLimit:
         clock: Clock | None = None,
         name: str = "",
         on_change: Callable[[int | None], None] | None = None,
+        learn: bool = True,
     ) -> None:
         self.max_limit = max(1, max_limit)
         self.limit = float(min(self.max_limit, start or 1))
         self.clock = clock or MonotonicClock()
         self.name = name
         self.unlimited = False  # the endpoint sends rate limits: its rate limits it
+        self.learn = learn  # False: a fixed limit (benchmarks' sweeps)
         self.in_flight = 0
         self.on_change = on_change  # told the whole limit (None: unlimited) when it moves
         self._queue: list[_Waiter] = []
@@ -144,7 +146,7 @@ class ConcurrencyLimit:
     def release(self, served: Served | None) -> None:
         """The call is over; `served`: what it showed (None: cancelled, no answer)."""
         self.in_flight = max(0, self.in_flight - 1)
-        if served is not None and not self.unlimited:
+        if served is not None and not self.unlimited and self.learn:
             self._learn(served)
         self._wake()
 
@@ -157,7 +159,7 @@ class ConcurrencyLimit:
 
     def open(self) -> None:
         """The endpoint sends rate limits: no limit here from now on."""
-        if not self.unlimited:
+        if not self.unlimited and self.learn:
             self.unlimited = True
             log.info("%s sends rate limits: its rate limits it, not a concurrency limit",
                      self.name)  # fmt: skip
@@ -166,7 +168,13 @@ class ConcurrencyLimit:
 
     @property
     def waiting(self) -> int:
+        return self.waiting_calls()
+
+    def waiting_calls(self) -> int:
         return sum(1 for w in self._queue if not w.future.done())
+
+    def current_limit(self) -> int | None:
+        return self.current
 
     # -- learning ---------------------------------------------------------------------
 
@@ -234,7 +242,7 @@ class ConcurrencyLimit:
 
     def tell_slots(self, slots: int | None) -> None:
         """The server says how many requests it works on at once: start there."""
-        if slots and not self.unlimited:
+        if slots and not self.unlimited and self.learn:
             self._slow_start = False
             self._set(float(min(self.max_limit, slots)), f"the server has {slots} slots")
 

@@ -68,6 +68,7 @@ class ClientPool:
                 gate = self._concurrency[name] = ConcurrencyLimit(
                     max_limit=self.max_concurrency, name=name
                 )
+                self.metrics.watch_endpoint(name, gate.current_limit, gate.waiting_calls)
             limiter = self.make_limiter()
             self.metrics.watch_limiter(model, limiter.rates)
             self._guarded[key] = GuardedClient(
