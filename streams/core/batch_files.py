@@ -7,10 +7,12 @@ takes ~140 MB, and a replay follows dozens of batches. Kept as its bytes with th
 offset of each custom_id's line, a file costs its size plus ~100 bytes a line, a
 lookup parses one line (O(1), no copy of the file's index), and the budget bounds
 them all: memory is at most the budget (or the one largest file, kept even when it
-alone is over it) plus the downloads in flight, of which there are at most
-`DOWNLOADS` at a time. No library keeps a byte-bounded LRU of indexed files with
-single-flight reads (cachetools bounds by count or a size function, without the
-single flight or the asynchronous read), hence this module.
+alone is over it) plus the files of the `IN_USE` batches being read or answered from
+at a time (`in_use`: held from the download until the answers are out, so that files
+downloaded and not yet used never pile up, however slow the loop). No library keeps a
+byte-bounded LRU of indexed files with single-flight reads (cachetools bounds by count
+or a size function, without the single flight or the asynchronous read), hence this
+module.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import orjson
 
 log = logging.getLogger(__name__)
 
-# Files downloaded (and indexed) at once: each holds its bytes until it is kept.
-DOWNLOADS = 2
+# Batches whose files are read or answered from at once (each may hold two files).
+IN_USE = 2
 # What one indexed line costs beside its bytes: its custom_id, the offset and the slot.
 INDEX_BYTES_PER_LINE = 100
 # Lines indexed between two turns of the event loop (the consumer shares the loop).
@@ -106,7 +108,7 @@ class BatchFiles:
         self._kept: OrderedDict[str, BatchFile] = OrderedDict()
         self.kept_bytes = 0
         self._reading: dict[str, asyncio.Task[BatchFile]] = {}
-        self._downloads = asyncio.Semaphore(DOWNLOADS)
+        self._in_use = asyncio.Semaphore(IN_USE)
         self.downloads = 0  # files read from the provider, for the metrics and tests
 
     async def get(self, file_id: str) -> BatchFile:
@@ -125,12 +127,15 @@ class BatchFiles:
         errors = await self.get(error_file_id) if error_file_id else None
         return BatchLines(output, errors)
 
+    def in_use(self) -> asyncio.Semaphore:
+        """Held while a batch's files are read and answered from (`async with`)."""
+        return self._in_use
+
     async def _fetch(self, file_id: str) -> BatchFile:
         try:
-            async with self._downloads:
-                raw = await self._read(file_id)
-                self.downloads += 1
-                file = BatchFile(raw, await index_lines(raw, file_id))
+            raw = await self._read(file_id)
+            self.downloads += 1
+            file = BatchFile(raw, await index_lines(raw, file_id))
             self._keep(file_id, file)
             return file
         finally:

@@ -673,8 +673,7 @@ class BatchLane:
                 self._settle(batch, NO_LINES, self._failure(batch, self._enqueued - (
                     batch.tokens if own else 0)))  # fmt: skip
                 return
-        lines = await self._lines(batch)
-        self._settle(batch, lines, RESUBMIT)
+        await self._with_lines(batch, lambda lines: self._settle(batch, lines, RESUBMIT))
 
     def _failure(self, batch: _Batch, others: int) -> Answer:
         """What a failed batch means for its requests. Over the enqueued-token limit: sent
@@ -701,7 +700,7 @@ class BatchLane:
                 answer = UpstreamError(f"batch {batch.local_id} was not submitted",
                                        code="batch_not_submitted")  # fmt: skip
             else:
-                line = (await self._lines(batch)).get(custom_id)
+                line = await self._with_lines(batch, lambda lines: lines.get(custom_id))
                 answer = RESUBMIT if line is None else self._answer_of(line, count=False)
         except TaskError as exc:
             return exc
@@ -753,14 +752,17 @@ class BatchLane:
             await self.clock.sleep(delay)
             delay = min(delay * 1.5, self.settings.poll_max_s)
 
-    async def _lines(self, batch: _Batch) -> BatchLines:
-        """The batch's output and error lines by custom_id (see `core.batch_files`), read
-        again while the provider fails: its answers were paid for, and a request given an
-        error here would be asked again in a new batch."""
-        return await self._patiently(
-            lambda: self.files.lines(batch.output_file_id, batch.error_file_id),
-            f"reading the files of batch {batch.local_id}",
-        )
+    async def _with_lines(self, batch: _Batch, use: Callable[[BatchLines], T]) -> T:
+        """`use` of the batch's output and error lines by custom_id (`core.batch_files`),
+        read again while the provider fails (its answers were paid for, and a request
+        given an error here would be asked again in a new batch); only so many batches'
+        files in use at once, so that memory holds whatever the loop's pace."""
+        async with self.files.in_use():
+            lines = await self._patiently(
+                lambda: self.files.lines(batch.output_file_id, batch.error_file_id),
+                f"reading the files of batch {batch.local_id}",
+            )
+            return use(lines)
 
     async def _patiently(self, ask: Callable[[], Awaitable[T]], what: str) -> T:
         """`ask()` of a batch that exists or may exist, again after each transient failure

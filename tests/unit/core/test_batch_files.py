@@ -125,10 +125,11 @@ def test_a_replay_over_many_50000_line_files_holds_a_bounded_memory() -> None:
         f"{8 * file_bytes / 2**20:.0f} MiB in all): resident memory grew by "
         f"{grew / 2**20:.0f} MiB at its peak, with a {BUDGET / 2**20:.0f} MiB budget"
     )
-    # The budget, the downloads in flight (two: each its bytes and index), a file just
-    # evicted while its batch's answers go out, and the allocator's slack: ~90 MiB here.
-    # Every file kept parsed, as before, grew by 766 MiB on the same files.
-    assert grew < BUDGET + 6 * file_bytes, got
+    # The budget, the files of the two batches in use (each its bytes and index), and the
+    # allocator's slack: ~68 MiB here, the CPU loaded or not (with downloads alone bounded,
+    # files downloaded and not yet used piled up on a slow loop: 249 MiB once). Every
+    # file kept parsed, as before, grew by 766 MiB on the same files.
+    assert grew < BUDGET + 4 * file_bytes, got
     assert got["kept_bytes"] <= max(BUDGET, file_bytes * 1.5)
 
 
