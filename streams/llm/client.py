@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -179,3 +180,13 @@ def _server_seconds(timings: Any) -> float | None:
         if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
             total += float(value)
     return total / 1000.0 if total > 0 else None
+
+
+_FENCE = re.compile(r"^\s*```[A-Za-z]*[ \t]*\n?(.*?)\n?```\s*$", re.DOTALL)
+
+
+def unfenced(content: str) -> str:
+    """An answer without the Markdown code fence around it, if it has one (small models
+    and endpoints that ignore `response_format` write ```json ... ```)."""
+    found = _FENCE.match(content)
+    return found.group(1) if found else content

@@ -32,6 +32,7 @@ from streams.llm.client import (
     error_for_status,
     parse_completion,
     request_body,
+    unfenced,
 )
 from streams.llm.endpoint import EndpointFacts, facts_from
 
@@ -188,6 +189,56 @@ class OpenAIClient:
         said = server[0].lower() if server else ""
         name = "llama.cpp" if "llama.cpp" in said else None
         return facts_from(model, models, props, show, server=name)
+
+    async def structured_support(self, model: str, timeout_s: float = 60.0) -> dict[str, str]:
+        """Whether the endpoint honours each way of asking for structured output, tried
+        once with a one-field answer: `json_schema` (the answer valid against it), a forced
+        tool call in the object form and as `"required"` (a tool call comes back). Each is
+        "honoured", "answered as text", or "refused (<why>)"."""
+        schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
+                  "properties": {"ok": {"type": "boolean"}}}  # fmt: skip
+        ask = [{"role": "user", "content": 'Answer with JSON: {"ok": true}.'}]
+        base = {"model": model, "messages": ask, "max_tokens": 30, "temperature": 0}
+        tool = {"type": "function", "function": {"name": "answer", "parameters": schema}}
+        tries = {
+            "json_schema": {**base, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "probe", "schema": schema, "strict": True}}},
+            "tool_call (object)": {**base, "tools": [tool], "tool_choice": {
+                "type": "function", "function": {"name": "answer"}}},
+            "tool_call (required)": {**base, "tools": [tool], "tool_choice": "required"},
+        }  # fmt: skip
+        found: dict[str, str] = {}
+        for name, body in tries.items():
+            try:
+                answer = await self.complete_raw(body, timeout_s)
+            except TaskError as exc:
+                found[name] = f"refused ({exc.category.value}: {exc.message[:120]})"
+                continue
+            if name == "json_schema":
+                try:
+                    ok = isinstance(orjson.loads(unfenced(answer.content)).get("ok"), bool)
+                except (orjson.JSONDecodeError, AttributeError):
+                    ok = False
+                found[name] = "honoured" if ok else "answered as text"
+            else:
+                found[name] = "honoured" if answer.tool_called else "answered as text"
+        return found
+
+    async def complete_raw(self, body: dict[str, Any], timeout_s: float) -> LLMResponse:
+        """One chat completion of a body given whole (probes), errors mapped as any."""
+        session = self._session if self._session is not None else self._open()
+        try:
+            async with session.post(
+                self._url, data=orjson.dumps(body), proxy=self._proxy,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as response:  # fmt: skip
+                content, status, headers = await response.read(), response.status, response.headers
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise UpstreamError(f"cannot reach the LLM endpoint: {exc!r}",
+                                code="connection_error") from exc  # fmt: skip
+        if status >= 400:
+            raise map_error(self._status_error(status, headers, content))
+        return parse_completion(content, str(body.get("model") or ""))
 
     async def _get_json(
         self, method: str, url: str, timeout_s: float, server: list[str], body: Any = None

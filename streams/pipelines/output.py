@@ -18,14 +18,11 @@ from typing import Any
 import orjson
 
 from streams.errors import InvalidOutput
-from streams.llm.client import LLMResponse
+from streams.llm.client import LLMResponse, unfenced
 from streams.pipelines.defaults import fill_defaults
 from streams.pipelines.registry import Pipeline
 
 _SPACE = re.compile(r"\s+")
-
-
-_FENCE = re.compile(r"^\s*```[A-Za-z]*[ \t]*\n?(.*?)\n?```\s*$", re.DOTALL)
 
 
 def _squash(text: str) -> str:
@@ -35,12 +32,6 @@ def _squash(text: str) -> str:
 def _as_quoted(text: str) -> str:
     """Text as quotes are compared: NFKC, case-folded, whitespace squashed."""
     return _squash(unicodedata.normalize("NFKC", text).casefold())
-
-
-def unfenced(content: str) -> str:
-    """An answer without the Markdown code fence around it, if it has one."""
-    found = _FENCE.match(content)
-    return found.group(1) if found else content
 
 
 def _values_at(data: Any, path: list[str]) -> list[Any]:

@@ -133,3 +133,33 @@ def test_pipelines_validate_notes_what_a_strict_request_leaves_out_and_passes_th
     assert "note comment-analysis" in run.output and "#/properties/summary: `maxLength`" in (
         run.output
     )
+
+
+async def test_validate_endpoint_says_what_the_endpoint_is_and_honours() -> None:
+    """Against a server playing llama.cpp's: its window and slots, json_schema honoured,
+    a forced tool call (object or "required") answered as text."""
+    import asyncio
+    import os
+    import sys
+
+    from streams.dev.simulator import SimConfig
+
+    server = SimulatorServer(SimConfig(server="llama.cpp", max_concurrency=2,
+                                       context_window=2048, api_key="k"))  # fmt: skip
+    await server.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
+        env.update(OPENAI_BASE_URL=server.base_url, OPENAI_API_KEY="k",
+                   LLM_STREAMS_LLM__MODEL="sim-1")  # fmt: skip
+        run = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "streams.cli", "pipelines", "validate", "--endpoint", env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        out = (await asyncio.wait_for(run.communicate(), 120))[0].decode()
+    finally:
+        await server.stop()
+    assert run.returncode == 0, out
+    assert "server llama.cpp, window 2048, slots 2" in out
+    assert "json_schema: honoured" in out
+    assert "tool_call (object): answered as text" in out
+    assert "tool_call (required): answered as text" in out
