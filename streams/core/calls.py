@@ -29,13 +29,20 @@ from streams.errors import (
     RateLimited,
     StreamsError,
     TaskError,
+    UpstreamError,
 )
 from streams.llm.client import LLMRequest, LLMResponse, completion_budget, with_budget
 from streams.observability.genai import GENAI, GenAIMetrics
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import child_span, mark_error
 from streams.pipelines.output import parse_output
-from streams.pipelines.registry import Fallback, Pipeline, PipelineVersion, RenderedPrompt
+from streams.pipelines.registry import (
+    Fallback,
+    Pipeline,
+    PipelineVersion,
+    RenderedPrompt,
+    structured_output,
+)
 from streams.resilience.guarded import CAPACITY_CODES, GuardedClient
 from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries
 
@@ -57,6 +64,17 @@ def whole_schema(
     if tool is not None:
         tool = {**tool, "parameters": schema}
     return response_format, tool
+
+
+def refuses_json_schema(request: LLMRequest, exc: StreamsError) -> bool:
+    """A refusal of the json_schema response format itself (an endpoint without structured
+    outputs: llama-cpp-python's server answers 500, some gateways 400), not of the task."""
+    if (request.response_format or {}).get("type") != "json_schema":
+        return False
+    if not isinstance(exc, BadRequest | UpstreamError) or exc.code == "json_schema_refused":
+        return False
+    said = exc.message.lower()
+    return "json_schema" in said or "response_format" in said or "grammar" in said
 
 
 # The least temperature of a repair turn (one that shows the model its rejected answer).
@@ -171,6 +189,12 @@ class Calls:
                 self.genai.attempt(request_model=prompt.model, pipeline=pipeline.name,
                                    version=version, seconds=time.monotonic() - sent,
                                    error_type=exc.category.value)  # fmt: skip
+                if refuses_json_schema(request, exc):
+                    self.degraded(client, prompt.model, "json_schema", "schema_in_prompt")
+                    raise UpstreamError(
+                        f"the endpoint refuses json_schema ({exc.message[:160]}); asked again "
+                        "with the schema in the prompt", code="json_schema_refused",
+                    ) from exc  # fmt: skip
                 raise
             took = response.duration_s
             self.genai.attempt(
@@ -250,6 +274,13 @@ class Calls:
         response_format, tool = prompt.response_format, prompt.tool
         if client.facts is not None and client.facts.server in GRAMMAR_SERVERS:
             response_format, tool = whole_schema(response_format, tool, pipeline.output_schema)
+        if response_format.get("type") == "json_schema" and "json_schema" in client.unhonoured:
+            # This endpoint and model refused it before: the schema goes in the prompt.
+            response_format, _, more = structured_output("schema_in_prompt", pipeline.name,
+                                                         pipeline.output_schema)  # fmt: skip
+            if messages and messages[0].get("role") == "system":
+                messages = [{**messages[0], "content": messages[0]["content"] + more},
+                            *messages[1:]]  # fmt: skip
         request = LLMRequest(messages=messages, model=prompt.model, params=params,
                              response_format=response_format, tool=tool)  # fmt: skip
         return request, repair

@@ -74,6 +74,8 @@ class SimConfig:
     # makes a second batch and pays twice.
     batch_create_lost_next: int = 0
     packed_invalid_items: int = 0  # and break the schema for this many
+    # Refuse `response_format: json_schema` with a 500, as llama-cpp-python's server does.
+    refuses_json_schema: bool = False
     # Answer prose whatever `response_format` asks (as endpoints that ignore it do); a
     # forced function call and a schema in the prompt are still followed.
     ignores_response_format: bool = False
@@ -452,6 +454,11 @@ class Simulator:
                     headers,
                 )
             headers = self._limit_headers()
+            fmt = body.get("response_format") or {}
+            if cfg.refuses_json_schema and fmt.get("type") == "json_schema":
+                self._count(500, "json_schema_refused")
+                return _error(500, "Unsupported response_format type: json_schema",
+                              "server_error", None, headers)  # fmt: skip
             refused = self._over_window(prompt_tokens, max_tokens, headers)
             if refused is not None:
                 return refused

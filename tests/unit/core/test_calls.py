@@ -71,3 +71,28 @@ async def test_a_flex_call_the_server_does_not_confirm_is_priced_in_full(
                                  result["usage"]["completion_tokens"])  # fmt: skip
     assert result["cost_usd"] == pytest.approx(full)  # not halved: nothing confirmed it
     assert processor.metrics.discount_unconfirmed.labels("sim-1", "flex")._value.get() == 1
+
+
+async def test_an_endpoint_that_refuses_json_schema_is_asked_with_the_schema_in_the_prompt(
+    simulator: SimulatorServer, make_processor: MakeProcessor, caplog: pytest.LogCaptureFixture
+) -> None:
+    """llama-cpp-python's server answers json_schema with a 500: the first task's refused
+    attempt teaches it, the attempt is asked again with the schema in the prompt, and
+    every later task goes that way at once — not a dead letter each, not a breaker."""
+    simulator.sim.config.refuses_json_schema = True
+    client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
+                          read_timeout_s=5)  # fmt: skip
+    processor = make_processor(client)  # the shipped pipeline: json_schema
+    try:
+        for i in range(3):
+            raw = orjson.dumps({"task_id": f"j{i}", "pipeline": "comment-analysis",
+                                "input": {"text": f"Broke on day {i + 2}."}})  # fmt: skip
+            out = await processor.process(raw, None, SRC)
+            assert out.kind == "result", orjson.loads(out.value)
+    finally:
+        await client.close()
+    assert simulator.sim.snapshot()["by_outcome"]["json_schema_refused"] == 1
+    counted = processor.metrics.structured_degraded.labels("sim-1", "json_schema",
+                                                           "schema_in_prompt")  # fmt: skip
+    assert counted._value.get() == 1
+    assert sum("does not honour json_schema" in r.getMessage() for r in caplog.records) == 1
