@@ -680,34 +680,10 @@ def pipelines_validate(directory: Path | None, endpoint: bool) -> None:
                        "are checked here and left out of the request: "
                        + ", ".join(dropped))  # fmt: skip
     if endpoint:
-        asyncio.run(_endpoint_report(settings, registry))
+        from streams.ops.endpoint import endpoint_report
 
-
-async def _endpoint_report(settings: Settings, registry: Any) -> None:
-    """What the endpoint says of itself and honours, per model the versions use."""
-    from streams.llm.openai_client import OpenAIClient
-
-    llm = settings.llm
-    client = OpenAIClient(base_url=llm.base_url, api_key=llm.api_key.get_secret_value()
-                          if llm.api_key else None, connect_timeout_s=llm.connect_timeout_s,
-                          read_timeout_s=llm.read_timeout_s)  # fmt: skip
-    try:
-        uses: dict[str, list[str]] = {}
-        for name, p in sorted(registry.pipelines.items()):
-            for v, spec in sorted(p.spec.versions.items()):
-                model = spec.model or llm.model
-                uses.setdefault(model, []).append(f"{name} {v} ({spec.response_format})")
-        for model, versions in sorted(uses.items()):
-            facts = await client.describe(model)
-            window = facts.context_window or "not said (learned from an overflow)"
-            click.echo(f"endpoint {client.endpoint} model {model}: server "
-                       f"{facts.server or 'not said'}, window {window}, "
-                       f"slots {facts.slots or 'not said'}")  # fmt: skip
-            for mode, verdict in (await client.structured_support(model)).items():
-                click.echo(f"  {mode}: {verdict}")
-            click.echo("  used by " + "; ".join(versions))
-    finally:
-        await client.close()
+        for line in asyncio.run(endpoint_report(settings, registry)):
+            click.echo(line)
 
 
 @cli.command()

@@ -1,0 +1,39 @@
+"""What the configured LLM endpoint is and honours, for `llm-streams pipelines validate
+--endpoint`: per model the pipeline versions use, what the endpoint says of itself
+(server, window, slots) and each structured-output way tried once."""
+
+from __future__ import annotations
+
+from streams.llm.openai_client import OpenAIClient
+from streams.pipelines.registry import PipelineRegistry
+from streams.settings import Settings
+
+
+async def endpoint_report(settings: Settings, registry: PipelineRegistry) -> list[str]:
+    llm = settings.llm
+    key = llm.api_key.get_secret_value() if llm.api_key else None
+    client = OpenAIClient(base_url=llm.base_url, api_key=key,
+                          connect_timeout_s=llm.connect_timeout_s,
+                          read_timeout_s=llm.read_timeout_s)  # fmt: skip
+    lines: list[str] = []
+    try:
+        uses: dict[str, list[str]] = {}
+        for name, p in sorted(registry.pipelines.items()):
+            for v, spec in sorted(p.spec.versions.items()):
+                model = spec.model or llm.model
+                uses.setdefault(model, []).append(f"{name} {v} ({spec.response_format})")
+        for model, versions in sorted(uses.items()):
+            facts = await client.describe(model)
+            window = facts.context_window or "not said (learned from an overflow)"
+            lines.append(f"endpoint {client.endpoint} model {model}: server "
+                         f"{facts.server or 'not said'}, window {window}, "
+                         f"slots {facts.slots or 'not said'}")  # fmt: skip
+            for mode, verdict in (await client.structured_support(model)).items():
+                lines.append(f"  {mode}: {verdict}")
+            lines.append("  used by " + "; ".join(versions))
+    finally:
+        await client.close()
+    return lines
+
+
+__all__ = ["endpoint_report"]
