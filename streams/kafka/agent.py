@@ -208,6 +208,7 @@ class TaskAgent:
     async def _on_assigned(self, sender: Any, assigned: set[Any], **kwargs: Any) -> None:
         """Faust's rebalance signal: own the store partitions of the task partitions."""
         partitions = {tp.partition for tp in assigned if tp.topic in self._inputs}
+        self.store.arriving(partitions)  # their records may come before the store is told
         # Records of a partition given away, or new to the store (dropped after a fence),
         # are not acked by their earlier runs: they run again from the committed offset.
         fresh = partitions - self.store.owned()

@@ -154,15 +154,25 @@ class TaskStore:
         # Exactly-once: the local copy takes only what committed (`committed`).
         self.transactional = settings.processing_guarantee == "exactly_once"
         self._parts: dict[int, _Partition] = {}
+        # Given away (revoked, or dropped after a fence) and not assigned again since: a
+        # record of one is not this worker's to answer.
+        self._gone: set[int] = set()
         self._flusher: asyncio.Task[None] | None = None
         self._expirer: asyncio.Task[None] | None = None
 
     # -- ownership ---------------------------------------------------------------------
 
+    def arriving(self, partitions: set[int]) -> None:
+        """A rebalance gives the worker these partitions (its assignment is on its way, the
+        producers of exactly-once first): their records are this worker's to answer."""
+        self._gone -= partitions
+
     def assign(self, partitions: set[int]) -> None:
         """The worker now owns exactly these partitions: load new ones, let the rest go."""
+        self._gone -= partitions
         for p in set(self._parts) - partitions:
             self._release(p, keep=not self.transactional)
+            self._gone.add(p)
         for p in sorted(partitions - set(self._parts)):
             part = _Partition(self.local.open(p))
             self._parts[p] = part
@@ -195,6 +205,7 @@ class TaskStore:
         never committed); its next assignment reads them again from the topics."""
         if partition in self._parts:
             self._release(partition, keep=False)
+        self._gone.add(partition)
 
     def committed(self, partition: int) -> None:
         """Exactly-once: the partition's transaction committed; what it wrote is staged and
@@ -216,14 +227,18 @@ class TaskStore:
             self.metrics.store_flush_errors.inc()
 
     async def ready(self, partition: int) -> None:
-        """Wait until partition's entries are loaded (at once when they are). Raises
-        PartitionLost when the partition is not this worker's, or is given away (revoked,
-        or dropped after a fence) while it loads: a record answered without its answers
-        would be answered blind, and one answered for a dropped partition would have its
-        writes thrown away. Its new owner (or this worker, assigned it again) runs it."""
+        """Wait until partition's entries are loaded (at once when they are; a partition
+        whose assignment has not reached the store yet is loaded now). Raises
+        PartitionLost when the partition was given away (revoked, or dropped after a
+        fence) and not assigned again, or is given away while it loads: one answered for a
+        dropped partition would have its writes thrown away. Its new owner (or this
+        worker, assigned it again) runs it."""
         part = self._parts.get(partition)
-        if part is None:
+        if part is None and partition in self._gone:
             raise PartitionLost(f"partition {partition} is not this worker's")
+        if part is None:  # assigned, its signal not here yet: load it now, not answer blind
+            self.assign(set(self._parts) | {partition})
+            part = self._parts[partition]
         await part.ready.wait()
         if part.gone:
             raise PartitionLost(f"partition {partition} was given away while it loaded")

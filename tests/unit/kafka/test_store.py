@@ -176,3 +176,35 @@ async def test_jobs_waiting_on_a_partition_given_away_while_it_loads_are_told(
     await store.close()
     with pytest.raises(PartitionLost):
         await asyncio.wait_for(waiting[2], 5)  # closed: told, not left waiting
+
+
+async def test_a_record_ahead_of_its_partitions_assignment_is_loaded_for_not_refused(
+    monkeypatch: Any,
+) -> None:
+    """Exactly-once starts a partition's producer before the store hears of the partition:
+    its first records come first. They are this worker's (the rebalance said so): the
+    partition is loaded for them, not taken for given away — which left them unacked
+    and the partition stuck until the next rebalance."""
+    from streams.kafka import store as state_module
+    from streams.kafka.eos import PartitionLost
+    from streams.kafka.store import TaskStore
+    from streams.settings import load_settings
+
+    async def empty(*_: Any) -> dict[Kind, int]:
+        return dict.fromkeys(Kind, 0)
+
+    monkeypatch.setattr(state_module, "load_partition", empty)
+
+    async def send(*args: Any) -> None:
+        return None
+
+    store = TaskStore(load_settings(store="memory://"), send)
+    store.assign({0, 1})
+    store.assign({0})  # 1 given away
+    with pytest.raises(PartitionLost):
+        await store.ready(1)
+    store.arriving({1, 3})  # the next rebalance gives 1 back, and 3
+    await asyncio.wait_for(store.ready(1), 5)
+    await asyncio.wait_for(store.ready(3), 5)
+    assert store.owned() == {0, 1, 3}
+    await store.close()
