@@ -35,8 +35,8 @@ from pipeline_overhead import stop, task_record
 from rate_limit_utilisation import Sim
 
 from streams.api import Analyzer
-from streams.kafka.worker import _new_loop
 from streams.settings import load_settings
+from streams.worker.run import _new_loop
 
 GAPS = {  # turn: (seconds between tasks, spinning rather than asleep)
     "back to back": (0.0, False),

@@ -59,7 +59,7 @@ if __name__ == "__main__":
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from streams.kafka.worker import _new_loop
+    from streams.worker.run import _new_loop
 
     loop = _new_loop()
     asyncio.set_event_loop(loop)

@@ -26,8 +26,8 @@ import aiohttp
 import faust
 import orjson
 
-from streams.kafka.app import InLoopApp
-from streams.kafka.faust_private import kafka_producer
+from streams.worker.app import InLoopApp
+from streams.worker.faust_private import kafka_producer
 
 IN_LOOP = os.environ.get("BENCH_IN_LOOP") == "1"
 app = (InLoopApp if IN_LOOP else faust.App)(
@@ -99,7 +99,7 @@ async def passthrough(stream):  # type: ignore[no-untyped-def]
 if __name__ == "__main__":
     import asyncio
 
-    from streams.kafka.worker import _new_loop
+    from streams.worker.run import _new_loop
 
     loop = _new_loop()
     asyncio.set_event_loop(loop)

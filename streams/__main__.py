@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def main() -> None:
-    from streams.kafka.app import app
+    from streams.worker.app import app
 
     app.main()
 

@@ -19,8 +19,8 @@ never raises for a task: bad input and provider failures come back as dead lette
 as in the worker. It writes nothing: what to do with the outcome (a topic, a table)
 is the caller's. `examples/faust_app.py` uses it inside a Faust agent.
 
-The worker builds its processor here (`processor_factory`), so the two cannot
-drift: the same task gives the same result key and the same output.
+The worker builds its processor where the API does (`streams.assembly`), so the two
+cannot drift: the same task gives the same result key and the same output.
 """
 
 from __future__ import annotations
@@ -29,181 +29,28 @@ import asyncio
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
 
+from streams.assembly import SourceReader, processor_factory
 from streams.contract.headers import Headers
 from streams.contract.lanes import Lane
-from streams.contract.records import RecordRoom, Source
+from streams.contract.records import Source
 from streams.core.outcome import Outcome
-from streams.core.processor import ProcessorConfig, TaskProcessor
-from streams.errors import ConfigError, InternalError, InvalidInput, TaskError
-from streams.llm.openai_client import OpenAIClient
+from streams.core.processor import TaskProcessor
+from streams.errors import ConfigError, TaskError
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
-from streams.pipelines.sources import Skipped, SourceMapper
-from streams.resilience.breaker import CircuitBreaker
-from streams.resilience.limiter import GroupShare, RateLimiter
-from streams.resilience.pool import ClientPool
-from streams.schema_registry import RecordDecoder, RegistryClient
+from streams.pipelines.sources import Skipped
 from streams.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
 
 # Where a task given to the API comes from, when the caller does not say.
 API_SOURCE = Source(topic="api", partition=0, offset=0)
-
-
-def uses_registry(mapper: SourceMapper) -> bool:
-    return mapper.spec.format == "registry" or mapper.spec.key_format == "registry"
-
-
-class SourceReader:
-    """Records of source topics to tasks, by the pipelines' `source:` mappings: the
-    value (and key) decoded as each source says (JSON, or the schema registry's wire
-    format) once per record, whichever pipelines read it. The worker's source ingest
-    (`kafka.sources`) and `Analyzer.analyze_record` both read records here."""
-
-    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
-        self.settings = settings
-        self.metrics = metrics
-        self._decoder: RecordDecoder | None = None
-
-    async def tasks(
-        self,
-        mappers: list[SourceMapper],
-        value: bytes | None,
-        key: bytes | None,
-        headers: Headers | None = None,
-        timestamp: float | None = None,
-    ) -> list[tuple[SourceMapper, dict[str, Any] | Skipped | TaskError]]:
-        """Per mapper: the task, why the record is skipped, or why it cannot be mapped
-        (`InvalidInput`; a bug of the mapping is an `InternalError`: either way the
-        record's dead letter, never the caller's crash)."""
-        decoded: dict[str, Any] = {}  # "value" / "key" -> decoded, or the InvalidInput
-        out: list[tuple[SourceMapper, dict[str, Any] | Skipped | TaskError]] = []
-        for mapper in mappers:
-            try:
-                if value is None:
-                    task: dict[str, Any] | Skipped = Skipped("tombstone")
-                elif uses_registry(mapper):
-                    task = await self._map_decoded(mapper, value, key, headers, timestamp,
-                                                   decoded)  # fmt: skip
-                else:
-                    task = mapper.task(value, key, headers, timestamp)
-            except InvalidInput as exc:
-                out.append((mapper, exc))
-                continue
-            except Exception as exc:  # a bug must not stop the agent nor lose the record
-                log.exception("unexpected error mapping a record for %s", mapper.pipeline)
-                out.append((mapper, InternalError(f"internal error mapping the record: {exc!r}",
-                                                  code="internal_error")))  # fmt: skip
-                continue
-            out.append((mapper, task))
-        return out
-
-    async def _map_decoded(
-        self,
-        mapper: SourceMapper,
-        value: bytes,
-        key: bytes | None,
-        headers: Headers | None,
-        timestamp: float | None,
-        decoded: dict[str, Any],
-    ) -> dict[str, Any] | Skipped:
-        spec = mapper.spec
-        if spec.format == "registry":
-            document = await self._decoded(decoded, "value", value)
-        else:
-            try:
-                document = orjson.loads(value)
-            except orjson.JSONDecodeError as exc:
-                raise InvalidInput(f"source record is not JSON: {exc}",
-                                   code="source_not_json") from exc  # fmt: skip
-        the_key: Any = key
-        if key is not None and spec.key_format == "registry":
-            the_key = await self._decoded(decoded, "key", key)
-        return mapper.map(document, the_key, headers, timestamp)
-
-    async def _decoded(self, decoded: dict[str, Any], part: str, raw: bytes) -> Any:
-        if part not in decoded:
-            if self._decoder is None:
-                if self.settings.schema_registry.url is None:
-                    raise ConfigError("a source has format `registry`: set "
-                                      "LLM_STREAMS_SCHEMA_REGISTRY__URL")  # fmt: skip
-                client = RegistryClient(self.settings.schema_registry, self.metrics)
-                self._decoder = RecordDecoder(client)
-            try:
-                decoded[part] = await self._decoder.decode(raw)
-            except InvalidInput as exc:
-                if part == "key":
-                    exc = InvalidInput(f"source record's key: {exc.message}", code=exc.code)
-                decoded[part] = exc
-        found = decoded[part]
-        if isinstance(found, InvalidInput):
-            raise found
-        return found
-
-    async def close(self) -> None:
-        if self._decoder is not None:
-            await self._decoder.client.close()
-            self._decoder = None
-
-
-def processor_factory(
-    settings: Settings,
-    registry: PipelineRegistry,
-    metrics: Metrics | None = None,
-    room: RecordRoom | None = None,
-    group: GroupShare | None = None,
-) -> Callable[[], TaskProcessor]:
-    """What makes the processor of a worker or an `Analyzer`; call it inside the event
-    loop that will use it (the HTTP client binds to it). `room`: what a result and a
-    dead letter may take (the worker reads it from its topics); `group`: the worker's
-    part of its consumer group's partitions, which its rate limiters claim."""
-    llm = settings.llm
-    res = settings.resilience
-    config = ProcessorConfig.from_settings(settings, room)
-
-    def make() -> TaskProcessor:
-        pool = ClientPool(
-            base_url=llm.base_url,
-            api_key=llm.api_key.get_secret_value() if llm.api_key else None,
-            make_http=lambda url, key: OpenAIClient(
-                base_url=url,
-                api_key=key,
-                connect_timeout_s=llm.connect_timeout_s,
-                read_timeout_s=llm.read_timeout_s,
-                max_connections=settings.batch.concurrency,
-            ),
-            # Without a configured limit the first call goes alone and the provider's
-            # x-ratelimit headers set the ceiling (or none: unlimited).
-            make_limiter=lambda: RateLimiter(
-                rpm=llm.rpm, tpm=llm.tpm, burst_s=llm.burst_s, group=group
-            ),
-            make_breaker=lambda name: CircuitBreaker(
-                name,
-                window_s=res.breaker_window_s,
-                min_calls=res.breaker_min_calls,
-                failure_rate=res.breaker_failure_rate,
-                open_s=res.breaker_open_s,
-                probes=res.breaker_probes,
-            ),
-            metrics=metrics,
-            slow_call_s=res.breaker_slow_call_s,
-            context_window=llm.context_window,
-            read_timeout_s=llm.read_timeout_s,
-            max_concurrency=settings.batch.concurrency,
-        )
-        return TaskProcessor(
-            registry, pool.primary(llm.model), config, clients=pool.for_model,
-            metrics=metrics, close=pool.close,
-        )  # fmt: skip
-
-    return make
 
 
 class SessionTurns:
@@ -350,7 +197,4 @@ class Analyzer:
         await self.close()
 
 
-__all__ = [
-    "API_SOURCE", "Analyzer", "SessionTurns", "SourceReader", "processor_factory",
-    "uses_registry",
-]  # fmt: skip
+__all__ = ["API_SOURCE", "Analyzer", "SessionTurns"]

@@ -89,7 +89,7 @@ def cli() -> None:
 @cli.command()
 def worker() -> None:
     """Run a worker (Faust) with the settings from the environment."""
-    from streams.kafka.worker import run_worker
+    from streams.worker.run import run_worker
 
     try:
         run_worker(settings_or_exit())

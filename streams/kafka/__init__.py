@@ -1,4 +1,4 @@
-"""The Kafka edge: the app's composition root, the thin agent (headers -> core ->
-writes -> acks), the task store, exactly-once transactions, topics, clients, the
-read-to-end rule, write limits, routing, the bounded shutdown. All private Faust
-access lives in `faust_private`."""
+"""Kafka plumbing every command uses: clients built from one security configuration
+(`clients`, `security`), topics and what they take (`topics`, `limits`), reading to the
+real end (`scan`), a task's partition (`routing`), publishing tasks (`publisher`), and
+the least ACLs (`acls`)."""

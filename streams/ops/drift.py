@@ -13,9 +13,9 @@ from typing import Any
 
 from streams.contract.records import json_object
 from streams.core.drift import FieldDrift, Profile, compare, features, field_kinds
-from streams.kafka.drift import load_baselines, save_baseline
 from streams.kafka.scan import scan
 from streams.settings import Settings
+from streams.store.baselines import load_baselines, save_baseline
 
 Answers = dict[str, list[tuple[str, dict[str, Any]]]]  # version -> (processed_at, output)
 

@@ -27,7 +27,7 @@ JSON).
 A mapped record becomes a task; one that is not for this pipeline (the filter says
 no; a tombstone) is skipped; one that cannot be mapped (not JSON, a pointer that
 finds nothing, a slot of the wrong type) is invalid input, with the reason. The
-worker forwards each task to its task partition of `llm-tasks` (`kafka.sources`),
+worker forwards each task to its task partition of `llm-tasks` (`worker.sources`),
 from where it runs as any other.
 """
 

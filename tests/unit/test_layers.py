@@ -28,19 +28,31 @@ ALLOWED = {
                           "streams.contract"},
     "streams.core": {"streams.errors", "streams.settings", "streams.contract", "streams.llm",
                      "streams.observability", "streams.resilience", "streams.pipelines"},
+    # How the processor and the source reader are built: one place for worker and API.
+    "streams.assembly": {"streams.errors", "streams.settings", "streams.contract", "streams.llm",
+                         "streams.observability", "streams.resilience", "streams.pipelines",
+                         "streams.core", "streams.schema_registry"},
     "streams.api": {"streams.errors", "streams.settings", "streams.contract", "streams.llm",
                     "streams.observability", "streams.resilience", "streams.pipelines",
-                    "streams.core", "streams.schema_registry"},
-    "streams.kafka": {"streams.errors", "streams.settings", "streams.contract", "streams.llm",
-                      "streams.observability", "streams.resilience", "streams.pipelines",
-                      "streams.core", "streams.api", "streams.schema_registry"},
+                    "streams.core", "streams.assembly"},
+    # Kafka plumbing every command uses: nothing of the core, the LLM or the worker.
+    "streams.kafka": {"streams.errors", "streams.settings", "streams.contract",
+                      "streams.observability"},
+    "streams.store": {"streams.errors", "streams.settings", "streams.contract",
+                      "streams.observability", "streams.resilience", "streams.core",
+                      "streams.kafka"},
+    "streams.worker": {"streams.errors", "streams.settings", "streams.contract", "streams.llm",
+                       "streams.observability", "streams.resilience", "streams.pipelines",
+                       "streams.core", "streams.assembly", "streams.schema_registry",
+                       "streams.kafka", "streams.store"},
     "streams.ops": {"streams.errors", "streams.settings", "streams.contract", "streams.llm",
-                    "streams.pipelines", "streams.core", "streams.kafka"},
+                    "streams.pipelines", "streams.core", "streams.kafka", "streams.store"},
     "streams.dev": {"streams.errors", "streams.settings", "streams.llm", "streams.kafka",
-                    "streams.ops"},
+                    "streams.ops", "streams.worker"},
     "streams.cli": {"streams.errors", "streams.settings", "streams.contract", "streams.kafka",
-                    "streams.ops", "streams.pipelines", "streams.dev"},
-    "streams.__main__": {"streams.kafka"},
+                    "streams.store", "streams.worker", "streams.ops", "streams.pipelines",
+                    "streams.dev"},
+    "streams.__main__": {"streams.worker"},
 }  # fmt: skip
 
 
@@ -128,8 +140,8 @@ def test_the_core_imports_no_faust_kafka_client_or_http_library() -> None:
 
 
 def test_the_worker_never_imports_the_development_tooling() -> None:
-    loaded = _loaded_by("import streams.kafka.worker, streams.kafka.app, streams.__main__")
-    assert "streams.kafka.agent" in loaded
+    loaded = _loaded_by("import streams.worker.run, streams.worker.app, streams.__main__")
+    assert "streams.worker.agent" in loaded
     assert not {m for m in loaded if m.startswith("streams.dev")}
 
 
@@ -139,8 +151,8 @@ def test_the_code_map_names_every_part_and_only_modules_that_exist() -> None:
     parts = {_part(m).removeprefix("streams.") for m in modules if m.count(".") >= 1}
     for part in parts - {"__main__"}:
         assert f"`{part}/`" in text or f"`{part}.py`" in text, f"{part} is missing from the map"
-    named = set(re.findall(r"`((?:contract|llm|resilience|pipelines|core|kafka|ops|observability"
-                           r"|cli|dev)\.[a-z_]+)", text))  # fmt: skip
+    named = set(re.findall(r"`((?:contract|llm|resilience|pipelines|core|kafka|store|worker|ops"
+                           r"|observability|cli|dev)\.[a-z_]+)", text))  # fmt: skip
     assert named, "the map names no module"
     missing = sorted(n for n in named if f"streams.{n}" not in modules)
     assert not missing, f"the map names modules that do not exist: {missing}"

@@ -6,7 +6,7 @@ import orjson
 
 from streams.contract.records import Source
 from streams.core.taskstate import HISTORY_LIMIT, Status, TaskState
-from streams.kafka.store import Kind, readable
+from streams.store.taskstore import Kind, readable
 
 
 def test_state_round_trips_and_keeps_a_bounded_history() -> None:

@@ -56,8 +56,8 @@ def test_a_password_in_a_url_is_scrubbed_whoever_logs_it() -> None:
 
 
 def test_the_worker_hides_the_schema_registry_password_set_or_in_its_url() -> None:
-    from streams.kafka.worker import secrets
     from streams.settings import load_settings
+    from streams.worker.run import secrets
 
     settings = load_settings(schema_registry={"url": "https://u:pw-in-url-123@r:8081",
                                               "username": "u", "password": "pw-set-4567"})  # fmt: skip

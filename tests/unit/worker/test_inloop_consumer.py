@@ -1,4 +1,4 @@
-"""The worker's Kafka consumer runs on the app's loop (streams.kafka.faust_private.InLoopConsumer); the
+"""The worker's Kafka consumer runs on the app's loop (streams.worker.faust_private.InLoopConsumer); the
 integration suite consumes through it (rebalances, fences, stops), these pin its shape."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
 
-from streams.kafka import faust_private
-from streams.kafka.app import create_app
 from streams.settings import load_settings
+from streams.worker import faust_private
+from streams.worker.app import create_app
 
 
 def _app(**kafka: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The worker's take (`kafka.take`) on a Faust stream of an in-memory channel: batches as
+"""The worker's take (`worker.take`) on a Faust stream of an in-memory channel: batches as
 Faust's take makes them, no wake-up while nothing comes, events left for the caller
 to ack."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import faust
 import pytest
 
-from streams.kafka.take import take
+from streams.worker.take import take
 
 
 @pytest.fixture

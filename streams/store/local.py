@@ -16,7 +16,7 @@ Memory is bounded by the settings, not the history: every partition's blocks and
 memtables share one LRU cache (`store_cache_mb`, the memtables charged to it).
 
 Hand-written because neither Faust (its RocksDB tables keep no age index, and their
-recovery is what `kafka.store` avoids) nor rocksdict (a mapping) keeps a checkpoint
+recovery is what `store.taskstore` avoids) nor rocksdict (a mapping) keeps a checkpoint
 atomically with the data, an age order and counts per map.
 """
 

@@ -8,11 +8,8 @@ import faust
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from streams.api import processor_factory
+from streams.assembly import processor_factory
 from streams.core.drift import DriftMonitor
-from streams.kafka import faust_private
-from streams.kafka.agent import TaskAgent
-from streams.kafka.drift import refresh_baselines
 from streams.kafka.limits import WriteLimits
 from streams.kafka.security import faust_credentials
 from streams.observability.metrics import Metrics
@@ -21,6 +18,9 @@ from streams.observability.status import SAMPLE_EVERY_S, StatusView
 from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.limiter import GroupShare
 from streams.settings import Settings, load_settings
+from streams.store.baselines import refresh_baselines
+from streams.worker import faust_private
+from streams.worker.agent import TaskAgent
 
 
 class ThreadedApp(faust_private.BoundedWaitEmpty, faust.App):
@@ -47,8 +47,8 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
         settings.app_id,
         broker=settings.kafka.broker_url,
         broker_credentials=faust_credentials(settings),  # the clients' own security
-        store="memory://",  # no Faust tables: the task store (streams.kafka.store) keeps the state
-        # Exactly-once is the worker's own (streams.kafka.eos): Faust runs at-least-once and
+        store="memory://",  # no Faust tables: the task store (streams.store) keeps the state
+        # Exactly-once is the worker's own (streams.worker.eos): Faust runs at-least-once and
         # its offset commits go into the worker's transactions.
         processing_guarantee="at_least_once",
         topic_partitions=settings.kafka.partitions,
@@ -122,7 +122,7 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
 
 
 def __getattr__(name: str) -> Any:
-    # `faust -A streams.kafka.app` and `python -m streams` need a module-level app; build it
+    # `faust -A streams.worker.app` and `python -m streams` need a module-level app; build it
     # only when asked so importing this module reads no environment.
     if name == "app":
         value = create_app(load_settings())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streams.kafka.shutdown import Watchdog
+from streams.worker.shutdown import Watchdog
 
 
 def test_a_stop_is_told_once_however_often_it_is_asked() -> None:

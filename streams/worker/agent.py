@@ -1,8 +1,8 @@
 """The task agent: the thin Faust edge. Micro-batches in; per record the headers are
 read, the core decides (`core.decide`) and answers (`core.processor`), the writer
-writes (`kafka.writer`), and the record is acked.
+writes (`worker.writer`), and the record is acked.
 
-Offset safety: the stream runs without automatic acks (`kafka.take`). An
+Offset safety: the stream runs without automatic acks (`worker.take`). An
 event counts as finished once its result or dead letter is acknowledged by
 the broker, and finished events are acked to Faust in arrival order per
 partition (`InOrderAcks`), so Faust's commit never passes a record still in
@@ -41,17 +41,9 @@ from streams.core.offsets import InOrderAcks, Ticket
 from streams.core.processor import Outcome, TaskProcessor
 from streams.core.sessions import has_turn
 from streams.errors import InternalError
-from streams.kafka import faust_private
-from streams.kafka.eos import PartitionLost, Transactions
 from streams.kafka.limits import WriteLimits
-from streams.kafka.parked import Resumer, StoredRecord
 from streams.kafka.routing import partition_for
-from streams.kafka.shutdown import Watchdog
-from streams.kafka.sources import SourceIngest
-from streams.kafka.store import Kind, MapView, TaskStore
-from streams.kafka.take import take
 from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
-from streams.kafka.writer import CannotWrite, Headers, Writer
 from streams.llm.openai_client import OpenAIClient
 from streams.observability.logs import current_task_id
 from streams.observability.metrics import Metrics
@@ -59,6 +51,14 @@ from streams.observability.tracing import TRACER, context_from_headers
 from streams.pipelines.sources import SourceMapper
 from streams.resilience.limiter import GroupShare
 from streams.settings import Settings
+from streams.store.taskstore import Kind, MapView, PartitionLost, TaskStore
+from streams.worker import faust_private
+from streams.worker.eos import Transactions
+from streams.worker.parked import Resumer, StoredRecord
+from streams.worker.shutdown import Watchdog
+from streams.worker.sources import SourceIngest
+from streams.worker.take import take
+from streams.worker.writer import CannotWrite, Headers, Writer
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +341,7 @@ class TaskAgent:
             await self.store.close()
 
     async def run_sources(self, stream: faust.Stream[Any]) -> None:
-        """Records of the source topics: mapped and forwarded as tasks (kafka.sources)."""
+        """Records of the source topics: mapped and forwarded as tasks (worker.sources)."""
         assert self.sources is not None
         processor = self._processor_now()
         try:

@@ -14,22 +14,22 @@ import faust
 
 from streams.errors import ConfigError
 from streams.kafka.limits import WriteLimits
-from streams.kafka.shutdown import Watchdog
 from streams.observability.logs import logging_config
 from streams.resilience.retry import retry_transient
 from streams.settings import Settings
+from streams.worker.shutdown import Watchdog
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 def run_worker(settings: Settings) -> None:
-    from streams.kafka.app import create_app
     from streams.kafka.limits import read_limits
     from streams.kafka.security import preflight
-    from streams.kafka.sources import check_sources
     from streams.kafka.topics import ensure_topics, written_topics
     from streams.pipelines.registry import PipelineRegistry
+    from streams.worker.app import create_app
+    from streams.worker.sources import check_sources
 
     loop = _new_loop()
     asyncio.set_event_loop(loop)
@@ -41,7 +41,7 @@ def run_worker(settings: Settings) -> None:
         await preflight(settings)
         await ensure_topics(settings, written_topics(settings))
         if settings.processing_guarantee == "exactly_once":
-            from streams.kafka.eos import check_transactions
+            from streams.worker.eos import check_transactions
 
             await check_transactions(settings)  # or a clear ConfigError
         limits = await read_limits(settings, written_topics(settings))
@@ -69,7 +69,7 @@ def run_worker(settings: Settings) -> None:
 
 class BoundedWorker(faust.Worker):
     """Faust's worker whose stop on SIGTERM/SIGINT is bounded by the shutdown watchdog
-    (`streams.kafka.shutdown`): in-flight tasks get `shutdown_grace_s`, then it exits."""
+    (`streams.worker.shutdown`): in-flight tasks get `shutdown_grace_s`, then it exits."""
 
     watchdog: Watchdog
 

@@ -8,13 +8,13 @@ from typing import Any
 import faust
 import pytest
 
-from streams.kafka import faust_private
-from streams.kafka import store as store_module
-from streams.kafka.agent import TaskAgent, asked
-from streams.kafka.parked import StoredRecord
-from streams.kafka.store import Kind
 from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.settings import load_settings
+from streams.store import taskstore as store_module
+from streams.store.taskstore import Kind
+from streams.worker import faust_private
+from streams.worker.agent import TaskAgent, asked
+from streams.worker.parked import StoredRecord
 
 
 @pytest.fixture

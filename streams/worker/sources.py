@@ -8,7 +8,7 @@ for the pipeline is skipped. Each outcome is counted (`llm_streams_source_record
 The source record is acked once all this is written (at-least-once: a task forwarded
 twice is answered once, under one result key). Records of sources with `format:
 registry` (and keys with `key_format: registry`) are decoded first with the schema
-registry's schemas (`streams.api.SourceReader`): once per record, whichever pipelines
+registry's schemas (`streams.assembly.SourceReader`): once per record, whichever pipelines
 read it; a record that does not decode is a dead letter of each of them.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from streams.api import SourceReader, uses_registry
+from streams.assembly import SourceReader, uses_registry
 from streams.contract.headers import SOURCE_OF_HEADER, header_items
 from streams.contract.records import Source
 from streams.core.processor import TaskProcessor
@@ -29,11 +29,11 @@ from streams.errors import ConfigError, InvalidInput, TaskError
 from streams.kafka import clients
 from streams.kafka.limits import WriteLimits
 from streams.kafka.routing import partition_for
-from streams.kafka.writer import Writer
 from streams.observability.metrics import Metrics
 from streams.pipelines.sources import Skipped, SourceMapper
 from streams.schema_registry import RegistryClient, RegistryRefused
 from streams.settings import Settings
+from streams.worker.writer import Writer
 
 log = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ def test_what_waiting_may_mend_is_told_apart_from_what_it_cannot() -> None:
 
 async def test_a_worker_starting_while_kafka_is_away_waits_for_it_then_gives_up() -> None:
     from streams.kafka.security import BrokerAway
-    from streams.kafka.worker import while_kafka_away
+    from streams.worker.run import while_kafka_away
 
     tries: list[int] = []
 

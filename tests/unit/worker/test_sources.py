@@ -14,10 +14,10 @@ import pytest
 
 from streams.errors import Category, StreamsError
 from streams.kafka.limits import WriteLimits
-from streams.kafka.sources import SourceIngest
 from streams.observability.metrics import Metrics
 from streams.pipelines.sources import SourceMapper, SourceSpec
 from streams.settings import load_settings
+from streams.worker.sources import SourceIngest
 
 
 @dataclass

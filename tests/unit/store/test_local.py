@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from streams.errors import ConfigError
-from streams.kafka import local
-from streams.kafka.local import Kind, LocalStore, Maps
-from streams.kafka.store import Position
+from streams.store import local
+from streams.store.local import Kind, LocalStore, Maps
+from streams.store.taskstore import Position
 
 
 @pytest.fixture(params=["memory", "rocksdb"])

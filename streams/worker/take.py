@@ -21,7 +21,7 @@ from typing import Any
 
 import faust
 
-from streams.kafka import faust_private
+from streams.worker import faust_private
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 
-from streams.kafka.app import InLoopApp, ThreadedApp
+from streams.worker.app import InLoopApp, ThreadedApp
 
 
 class Message:

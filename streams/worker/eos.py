@@ -33,18 +33,15 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError, ProducerFenced
+from aiokafka.errors import ProducerFenced
 
 from streams.errors import ConfigError
-from streams.kafka import clients, faust_private
+from streams.kafka import clients
 from streams.settings import Settings
+from streams.store.taskstore import PartitionLost
+from streams.worker import faust_private
 
 log = logging.getLogger(__name__)
-
-
-class PartitionLost(KafkaError):  # type: ignore[misc]  # aiokafka is untyped here
-    """This worker no longer writes partition p (revoked, or fenced by its new owner):
-    the record's outcome is left to the worker that owns p now."""
 
 
 class _Partition:

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from streams.kafka.store import Kind, readable
+from streams.store.taskstore import Kind, readable
 
 
 def test_where_the_store_lives() -> None:
-    from streams.kafka.store import rocks_dir
     from streams.settings import load_settings
+    from streams.store.taskstore import rocks_dir
 
     settings = load_settings()
     assert rocks_dir(settings) == settings.data_dir / "store"  # on disk by default
@@ -24,9 +24,9 @@ def test_where_the_store_lives() -> None:
 async def test_a_failed_load_is_tried_again_and_records_wait_until_it_succeeds(
     monkeypatch: Any,
 ) -> None:
-    from streams.kafka import store as state_module
-    from streams.kafka.store import Kind, TaskStore
     from streams.settings import load_settings
+    from streams.store import taskstore as state_module
+    from streams.store.taskstore import Kind, TaskStore
 
     attempts: list[int] = []
 
@@ -79,10 +79,10 @@ def test_what_the_store_can_read(kind: Kind, value: bytes, ok: bool) -> None:
 async def test_entries_past_their_retention_go_with_a_tombstone_unless_written_again(
     monkeypatch: Any, store: str
 ) -> None:
-    from streams.kafka import store as state_module
-    from streams.kafka.local import now_ms
-    from streams.kafka.store import Kind, TaskStore
     from streams.settings import load_settings
+    from streams.store import taskstore as state_module
+    from streams.store.local import now_ms
+    from streams.store.taskstore import Kind, TaskStore
 
     async def empty(*_: Any) -> dict[Kind, int]:
         return dict.fromkeys(Kind, 0)
@@ -144,10 +144,9 @@ async def test_jobs_waiting_on_a_partition_given_away_while_it_loads_are_told(
     PartitionLost at once — before, they waited forever, holding their in-order tickets
     and the next rebalance — and a partition not this worker's is not loaded for them
     (its writes would be thrown away): they are told the same."""
-    from streams.kafka import store as state_module
-    from streams.kafka.eos import PartitionLost
-    from streams.kafka.store import TaskStore
     from streams.settings import load_settings
+    from streams.store import taskstore as state_module
+    from streams.store.taskstore import PartitionLost, TaskStore
 
     loading = asyncio.Event()
 
@@ -185,10 +184,9 @@ async def test_a_record_ahead_of_its_partitions_assignment_is_loaded_for_not_ref
     its first records come first. They are this worker's (the rebalance said so): the
     partition is loaded for them, not taken for given away — which left them unacked
     and the partition stuck until the next rebalance."""
-    from streams.kafka import store as state_module
-    from streams.kafka.eos import PartitionLost
-    from streams.kafka.store import TaskStore
     from streams.settings import load_settings
+    from streams.store import taskstore as state_module
+    from streams.store.taskstore import PartitionLost, TaskStore
 
     async def empty(*_: Any) -> dict[Kind, int]:
         return dict.fromkeys(Kind, 0)

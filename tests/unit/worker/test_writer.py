@@ -21,16 +21,15 @@ from aiokafka.errors import (
 from streams.contract.records import Source
 from streams.core.outcome import Outcome, Prepared
 from streams.core.taskstate import Status, TaskState
-from streams.kafka import store as store_module
-from streams.kafka import writer as writer_module
-from streams.kafka.eos import PartitionLost
 from streams.kafka.limits import WriteLimits
-from streams.kafka.shutdown import Watchdog
-from streams.kafka.store import Kind, TaskStore
 from streams.kafka.topics import state_topic
-from streams.kafka.writer import SEND_ATTEMPTS, CannotWrite, Writer
 from streams.observability.metrics import Metrics
 from streams.settings import Settings, load_settings
+from streams.store import taskstore as store_module
+from streams.store.taskstore import Kind, PartitionLost, TaskStore
+from streams.worker import writer as writer_module
+from streams.worker.shutdown import Watchdog
+from streams.worker.writer import SEND_ATTEMPTS, CannotWrite, Writer
 from tests.conftest import MakeProcessor
 from tests.fakes import FakeLLM
 

@@ -10,8 +10,8 @@ import pytest
 from aiokafka.errors import KafkaConnectionError
 
 from streams.core.drift import DriftMonitor, Profile
-from streams.kafka import drift as kafka_drift
 from streams.settings import load_settings
+from streams.store import baselines as kafka_drift
 
 
 async def test_a_refresh_with_the_broker_away_keeps_the_baselines_held(
@@ -30,7 +30,7 @@ async def test_a_refresh_with_the_broker_away_keeps_the_baselines_held(
     settings, drift = load_settings(), DriftMonitor({}, 100)
     await kafka_drift.refresh_baselines(settings, drift)
     assert drift.baselines == stored
-    with caplog.at_level(logging.WARNING, logger="streams.kafka.drift"):
+    with caplog.at_level(logging.WARNING, logger="streams.store.baselines"):
         await kafka_drift.refresh_baselines(settings, drift)  # the broker is away
     assert drift.baselines == stored  # kept, not emptied
     assert "could not read the drift baselines (keeping the 1 held)" in caplog.text

@@ -23,15 +23,15 @@ from aiokafka.errors import KafkaError
 from streams.core.outcome import Outcome, Prepared
 from streams.core.taskstate import TaskState
 from streams.errors import WriteRefused
-from streams.kafka.eos import PartitionLost, Transactions
 from streams.kafka.limits import WriteLimits, refused_for_good
-from streams.kafka.shutdown import Watchdog
-from streams.kafka.store import Kind, TaskStore
 from streams.kafka.topics import state_topic
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import headers_for
 from streams.resilience.retry import retry_transient
 from streams.settings import Settings
+from streams.store.taskstore import Kind, PartitionLost, TaskStore
+from streams.worker.eos import Transactions
+from streams.worker.shutdown import Watchdog
 
 log = logging.getLogger(__name__)
 

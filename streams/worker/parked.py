@@ -24,7 +24,7 @@ from streams.contract.headers import Headers, header_items
 from streams.contract.lanes import Lane
 from streams.core.batches import BatchLane, job_key
 from streams.core.dispatch import Dispatcher, LaneSlots
-from streams.kafka.store import Kind, TaskStore
+from streams.store.taskstore import Kind, TaskStore
 
 log = logging.getLogger(__name__)
 

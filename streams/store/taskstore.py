@@ -2,7 +2,7 @@
 
 `TaskStore` holds five maps per task partition, each backed by a topic and
 co-partitioned with the task topics (a task's entries live in the partition
-its record came from), with a local copy (`kafka.local`: on disk by default,
+its record came from), with a local copy (`store.local`: on disk by default,
 read again only from its checkpoint on):
 
 * results: result_key -> result record, backed by the results topic itself,
@@ -31,19 +31,24 @@ from typing import Any
 
 import orjson
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
 from streams.core.taskstate import TaskState
 from streams.kafka.clients import reader
-from streams.kafka.eos import PartitionLost
-from streams.kafka.local import Kind, LocalStore, Maps, now_ms
 from streams.kafka.scan import end_offsets, read_range
 from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.observability.metrics import Metrics
 from streams.resilience.retry import retry_transient
 from streams.settings import Settings
+from streams.store.local import Kind, LocalStore, Maps, now_ms
 
 log = logging.getLogger(__name__)
+
+
+class PartitionLost(KafkaError):  # type: ignore[misc]  # aiokafka is untyped here
+    """This worker no longer owns partition p (revoked, dropped after a fence, or fenced by
+    its new owner): the record's outcome is left to the worker that owns p now."""
 
 
 Send = Callable[
@@ -119,7 +124,7 @@ class TaskStore:
     the results topic (keyed by result_key, compacted), dead letters in the
     dead-letter topic, task states in the task-state topic, the batch ledger in its
     topic. When the worker is assigned the task partition `p`, it reads what those
-    topics gained since the checkpoint of its local copy (`kafka.local`: all of them
+    topics gained since the checkpoint of its local copy (`store.local`: all of them
     for a new partition or `memory://`), before any record of `p` is answered
     (`ready`). Writes go to the topic, then to the local copy, whose checkpoint moves
     when they are flushed: every commit interval (at-least-once) or when their
