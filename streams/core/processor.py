@@ -147,6 +147,24 @@ class TaskProcessor:
             return prepared
         return await self.answer(prepared, lane)
 
+    def route_of(self, raw: bytes | None) -> tuple[str, str] | None:
+        """A record's task id and what it is routed by (its session, else its task id),
+        read without validating it (a record is forwarded to its home before its prompt
+        is made there); None when it is no task to route (its dead letter is written
+        where it is)."""
+        if raw is None:
+            return None
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
+        task_id = data.get("task_id") if isinstance(data, dict) else None
+        if not isinstance(task_id, str) or not task_id:
+            return None
+        pipeline = self.registry.pipelines.get(str(data.get("pipeline")))
+        session = pipeline.session_of(data) if pipeline is not None and self._sessions else None
+        return task_id, session or task_id
+
     def session_hint(self, raw: bytes | None) -> str | None:
         """The session a record's task belongs to, read without validating it (to order
         a session's records one after another); None when it names none or is not a task."""

@@ -15,34 +15,24 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, cast
 
 import faust
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace import Status as SpanStatus
 
-from streams.contract.headers import (
-    BACKTRACK_HEADER,
-    FORCE_HEADER,
-    REPLAY_OF_HEADER,
-    REROUTED_FROM_HEADER,
-    TIER_HEADER,
-    header_items,
-)
-from streams.contract.lanes import Lane, Tier
-from streams.contract.records import Source, json_object
-from streams.core.batches import PARKING, BatchLane, Parked, Parking
+from streams.contract.lanes import Lane
+from streams.contract.records import Source
+from streams.core.batches import BatchLane, Parked
 from streams.core.cache import ContentCache
-from streams.core.decide import Asked, Decider
+from streams.core.decide import Decider
 from streams.core.dispatch import Dispatcher, LaneSlots
 from streams.core.drift import DriftMonitor
 from streams.core.offsets import InOrderAcks, Ticket
 from streams.core.processor import Outcome, TaskProcessor
-from streams.core.sessions import has_turn
 from streams.errors import InternalError
 from streams.kafka.limits import WriteLimits
-from streams.kafka.routing import partition_for
 from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.llm.openai_client import OpenAIClient
 from streams.observability.logs import current_task_id
@@ -54,6 +44,7 @@ from streams.settings import Settings
 from streams.store.taskstore import Kind, MapView, PartitionLost, TaskStore
 from streams.worker import faust_private
 from streams.worker.eos import Transactions
+from streams.worker.flow import RecordFlow
 from streams.worker.parked import Resumer, StoredRecord
 from streams.worker.shutdown import Watchdog
 from streams.worker.sources import SourceIngest
@@ -61,40 +52,6 @@ from streams.worker.take import take
 from streams.worker.writer import CannotWrite, Headers, Writer
 
 log = logging.getLogger(__name__)
-
-BACKTRACK_NOTES = {b"restore": "backtrack: restored", b"rerun": "backtrack: re-run"}
-TIERS = {tier.value.encode(): tier for tier in Tier}
-
-
-def original_offset(message: Any) -> int:
-    """Where a record stands in its partition: a replayed record, where it was first
-    (its `llm-streams-replay-of` header); otherwise its own offset."""
-    origin = header(message, REPLAY_OF_HEADER)
-    if origin:
-        try:
-            return int(origin.rsplit(b"/", 1)[1])
-        except (IndexError, ValueError):
-            pass
-    return int(message.offset)
-
-
-def header(message: Any, name: str) -> bytes | None:
-    """A record header's value (the last one of that name), or None."""
-    found = None
-    for key, value in header_items(message.headers):
-        if key == name:
-            found = value
-    return found
-
-
-def asked(message: Any) -> Asked:
-    """How a record asks to be answered, from its headers."""
-    backtrack = header(message, BACKTRACK_HEADER)
-    return Asked(
-        force=header(message, FORCE_HEADER) == b"1" or backtrack == b"rerun",
-        tier=TIERS.get(header(message, TIER_HEADER) or b""),
-        note=BACKTRACK_NOTES.get(backtrack or b""),
-    )
 
 
 class TaskAgent:
@@ -158,6 +115,7 @@ class TaskAgent:
         self.cache = ContentCache()
         self.acks: InOrderAcks[Any] = InOrderAcks()
         self._decider: Decider | None = None
+        self._flow: RecordFlow | None = None  # a record's way (worker.flow), made with them
         self._inputs = {settings.topics.tasks, settings.topics.replay}
         # Records parked in the batch lane's ledger, run again when their batch ends.
         self.parked = Resumer(self.store, self.slots, self._run_parked)
@@ -320,6 +278,12 @@ class TaskAgent:
                 self.parked.attach(lane_)
             self._decider = Decider(self._processor, self.store, self.cache, self.metrics,
                                     settings.topics.results)  # fmt: skip
+            self._flow = RecordFlow(
+                self._processor, self._decider, self.store, self.writer,
+                partitions=settings.kafka.partitions,
+                sessions_room=self.limits.room(sessions_topic(settings)),
+                lane_of=self.lane_of, metrics=self.metrics,
+            )  # fmt: skip
         self._running_lanes += 1
         return self._processor
 
@@ -334,7 +298,7 @@ class TaskAgent:
         if self._running_lanes == 0:  # the last agent out closes what they share
             log.info("task agents stopped; left unacknowledged: %s", self.left_behind())
             await self.parked.close()  # what is parked stays in the ledger
-            self._processor = self._decider = None
+            self._processor = self._decider = self._flow = None
             await processor.close()
             if self.eos is not None:  # its last commit goes to the store's disk too
                 await self.eos.close()
@@ -505,7 +469,8 @@ class TaskAgent:
                 m.in_flight.dec()
                 return "released"
             try:
-                kind, outcome = await self._handle(message, source, processor, span)
+                assert self._flow is not None  # made with the processor
+                kind, outcome = await self._flow.handle(message, source, span)
             except (CannotWrite, asyncio.CancelledError):
                 raise  # unacked: the record runs again after the restart
             except Parked:  # durably in the batch lane's ledger, which resumes it
@@ -544,103 +509,6 @@ class TaskAgent:
                     max(0.0, time.time() - message.timestamp)
                 )
             return kind
-
-    async def _handle(
-        self, message: Any, source: Source, processor: TaskProcessor, span: Any
-    ) -> tuple[str, Outcome | None]:
-        """Answer one record and write its outcome: what it ended as (result, dead_letter,
-        already_done: an earlier run wrote it, rerouted: forwarded to its task's partition)
-        and the outcome written (None when nothing was)."""
-        decider = self._decider
-        assert decider is not None  # made with the processor
-        prep = processor.prepare(
-            message.value, message.key, source,
-            history=lambda session: self.store.get(Kind.SESSIONS, source.partition,
-                                                   session.encode()),
-            position=original_offset(message),
-        )  # fmt: skip
-        if isinstance(prep, Outcome):  # bad input: a dead letter, unless written
-            if decider.dead_letter_written(prep.key, source):
-                return "already_done", None
-            await self.writer.deliver(prep, source.partition)
-            return prep.kind, prep
-        task_id = prep.task.task_id
-        # A task's home: its task id's partition, or its session's (a session's turns and
-        # tasks live on one partition).
-        routed_by = prep.session or task_id
-        home = partition_for(routed_by, self.settings.kafka.partitions)
-        lane = self.lane_of(message.topic)
-        if home != message.partition:  # keyed otherwise by its producer: answer it at home
-            await self._reroute(message, source, home, task_id)
-            return "rerouted", None
-        if message.key not in (task_id.encode(), routed_by.encode()):
-            # On its task's partition after all: answered here, where its answers live.
-            self.metrics.misrouted.labels(lane.name.lower(), "answered").inc()
-        span.set_attributes({
-            "llm_streams.pipeline": prep.pipeline.name,
-            "llm_streams.prompt_version": prep.version.version,
-            "llm_streams.result_key": prep.result_key,
-        })  # fmt: skip
-        how = asked(message)
-        if lane is Lane.REPLAY and processor.batches is not None:
-            # A request waiting in a batch parks the job (see core.batches) when the
-            # ledger can take the record; else the job waits for the batch, unacked.
-            PARKING.set(Parking(prep.result_key, StoredRecord.of(message).pack))
-        decision = await decider.decide(prep, lane, how)
-        if decision.outcome is None:
-            if decision.state is not None:
-                await self.writer.put_state(source.partition, decision.state)
-            await self._add_turn(source.partition, prep, None)  # if a run died before it
-            return decision.kind, None
-        written = await self.writer.deliver(
-            decision.outcome, source.partition, prep=prep,
-            state_for=lambda outcome: decider.state_after(outcome, prep, how.note),
-            failed=lambda outcome, error: processor.failed(prep, error, outcome),
-        )  # fmt: skip
-        if written.output is not None:
-            await self._add_turn(source.partition, prep, written.output)
-        return written.kind, written
-
-    async def _add_turn(self, partition: int, prep: Any, output: dict[str, Any] | None) -> None:
-        """A session task's answered turn into its session, written after its result. No
-        `output`: the task was answered before; its turn is added from its stored result
-        if a run was killed between the two."""
-        if prep.session is None or prep.version.spec.session is None:
-            return
-        key = str(prep.session).encode()
-        stored = self.store.get(Kind.SESSIONS, partition, key)
-        if output is None:
-            earlier = json_object(self.store.result(partition, prep.result_key))
-            if has_turn(stored, prep.task.task_id) or earlier is None:
-                return
-            output = earlier.get("output")
-            if not isinstance(output, dict):
-                return
-        value = prep.session_turns(stored, output, self.limits.room(sessions_topic(self.settings)))
-        if value is None:
-            return
-
-        def write() -> Awaitable[None]:
-            return self.store.put(Kind.SESSIONS, partition, key, value)
-
-        await self.writer.write_or_stop(write, what=f"session {prep.session}'s turn")
-
-    async def _reroute(self, message: Any, source: Source, home: int, task_id: str) -> None:
-        """Forward a record to the partition its task id maps to, keyed by the task id;
-        it is answered there. Counted, and the original position goes in a header."""
-        headers = [(k, v) for k, v in (message.headers or ()) if k != REROUTED_FROM_HEADER]
-        origin = f"{source.topic}/{source.partition}/{source.offset}".encode()
-        headers.append((REROUTED_FROM_HEADER, origin))
-        log.info("record %s/%d/%d of task %r belongs to partition %d: forwarded there",
-                 source.topic, source.partition, source.offset, task_id, home)  # fmt: skip
-
-        def forward() -> Awaitable[int]:
-            return self.writer.send(message.topic, task_id.encode(), message.value, home,
-                                    headers, via=source.partition)  # fmt: skip
-
-        await self.writer.write_or_stop(forward, what=f"the forward of {origin.decode()}")
-        self.metrics.misrouted.labels(self.lane_of(message.topic).name.lower(),
-                                      "rerouted").inc()  # fmt: skip
 
     async def _internal_error(
         self, message: Any, source: Source, processor: TaskProcessor, exc: Exception

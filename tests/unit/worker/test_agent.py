@@ -13,7 +13,8 @@ from streams.settings import load_settings
 from streams.store import taskstore as store_module
 from streams.store.taskstore import Kind
 from streams.worker import faust_private
-from streams.worker.agent import TaskAgent, asked
+from streams.worker.agent import TaskAgent
+from streams.worker.flow import asked
 from streams.worker.parked import StoredRecord
 
 

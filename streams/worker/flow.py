@@ -1,0 +1,209 @@
+"""A record's way through the worker, top to bottom, in one place.
+
+The agent runs it for each record it takes (and the parked-record resumer for each
+record it runs again); acking, in arrival order per partition, stays the agent's:
+
+1. **headers**: how the record asks to be answered (`asked`: forced, a tier, a
+   backtrack's note) and where it first stood (`original_offset`, for a replay);
+2. **route**: a record on another partition than its task's home (its session's, or
+   its task id's) is forwarded there and ends here — read from the record without
+   preparing its prompt, which its home does;
+3. **prepare** (`core.processor`): decode, validate, version, render, the session's
+   earlier turns; bad input is a dead letter (once);
+4. **decide** (`core.decide`): written already by this record, a stored answer, an
+   identical input's answer, or the LLM;
+5. **deliver** (`worker.writer`): the outcome, then the task state and a review copy;
+6. **turn**: a session task's answer joins its session, after its result.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from streams.contract.headers import (
+    BACKTRACK_HEADER,
+    FORCE_HEADER,
+    REPLAY_OF_HEADER,
+    REROUTED_FROM_HEADER,
+    TIER_HEADER,
+    header_items,
+)
+from streams.contract.lanes import Lane, Tier
+from streams.contract.records import Source, json_object
+from streams.core.batches import PARKING, Parking
+from streams.core.decide import Asked, Decider
+from streams.core.outcome import Outcome, Prepared
+from streams.core.processor import TaskProcessor
+from streams.core.sessions import has_turn
+from streams.kafka.routing import partition_for
+from streams.observability.metrics import Metrics
+from streams.store.taskstore import Kind, TaskStore
+from streams.worker.parked import StoredRecord
+from streams.worker.writer import Writer
+
+log = logging.getLogger(__name__)
+
+BACKTRACK_NOTES = {b"restore": "backtrack: restored", b"rerun": "backtrack: re-run"}
+TIERS = {tier.value.encode(): tier for tier in Tier}
+
+
+def header(message: Any, name: str) -> bytes | None:
+    """A record header's value (the last one of that name), or None."""
+    found = None
+    for key, value in header_items(message.headers):
+        if key == name:
+            found = value
+    return found
+
+
+def asked(message: Any) -> Asked:
+    """How a record asks to be answered, from its headers."""
+    backtrack = header(message, BACKTRACK_HEADER)
+    return Asked(
+        force=header(message, FORCE_HEADER) == b"1" or backtrack == b"rerun",
+        tier=TIERS.get(header(message, TIER_HEADER) or b""),
+        note=BACKTRACK_NOTES.get(backtrack or b""),
+    )
+
+
+def original_offset(message: Any) -> int:
+    """Where a record stands in its partition: a replayed record, where it was first
+    (its `llm-streams-replay-of` header); otherwise its own offset."""
+    origin = header(message, REPLAY_OF_HEADER)
+    if origin:
+        try:
+            return int(origin.rsplit(b"/", 1)[1])
+        except (IndexError, ValueError):
+            pass
+    return int(message.offset)
+
+
+class RecordFlow:
+    """The steps of one record (see the module's text), over the worker's processor, its
+    decider, its task store and its writer."""
+
+    def __init__(
+        self,
+        processor: TaskProcessor,
+        decider: Decider,
+        store: TaskStore,
+        writer: Writer,
+        *,
+        partitions: int,
+        sessions_room: int,
+        lane_of: Callable[[str], Lane],
+        metrics: Metrics,
+    ) -> None:
+        self.processor = processor
+        self.decider = decider
+        self.store = store
+        self.writer = writer
+        self.partitions = partitions  # of the task topics: a task's home is one of them
+        self.sessions_room = sessions_room  # bytes a session's turns may take
+        self.lane_of = lane_of
+        self.metrics = metrics
+
+    async def handle(self, message: Any, source: Source, span: Any) -> tuple[str, Outcome | None]:
+        """Answer one record and write its outcome: what it ended as (result, dead_letter,
+        already_done: an earlier run wrote it, rerouted: forwarded to its task's partition)
+        and the outcome written (None when nothing was)."""
+        processor, decider = self.processor, self.decider
+        # 2. route: its home, read from the record as it is (its prompt is its home's work)
+        route = processor.route_of(message.value)
+        if route is not None:
+            task_id, routed_by = route
+            home = partition_for(routed_by, self.partitions)
+            if home != message.partition:  # keyed otherwise by its producer: answer it there
+                await self._reroute(message, source, home, task_id)
+                return "rerouted", None
+        # 3. prepare
+        prep = processor.prepare(
+            message.value, message.key, source,
+            history=lambda session: self.store.get(Kind.SESSIONS, source.partition,
+                                                   session.encode()),
+            position=original_offset(message),
+        )  # fmt: skip
+        if isinstance(prep, Outcome):  # bad input: a dead letter, unless written
+            if decider.dead_letter_written(prep.key, source):
+                return "already_done", None
+            await self.writer.deliver(prep, source.partition)
+            return prep.kind, prep
+        lane = self.lane_of(message.topic)
+        if message.key not in (prep.task.task_id.encode(), (prep.session or "").encode()):
+            # On its task's partition after all: answered here, where its answers live.
+            self.metrics.misrouted.labels(lane.name.lower(), "answered").inc()
+        span.set_attributes({
+            "llm_streams.pipeline": prep.pipeline.name,
+            "llm_streams.prompt_version": prep.version.version,
+            "llm_streams.result_key": prep.result_key,
+        })  # fmt: skip
+        # 1. its headers; a batch-tier request parks the job once it waits in a batch
+        how = asked(message)
+        if lane is Lane.REPLAY and processor.batches is not None:
+            PARKING.set(Parking(prep.result_key, StoredRecord.of(message).pack))
+        # 4. decide
+        decision = await decider.decide(prep, lane, how)
+        if decision.outcome is None:
+            if decision.state is not None:
+                await self.writer.put_state(source.partition, decision.state)
+            await self._add_turn(source.partition, prep, None)  # if a run died before it
+            return decision.kind, None
+        # 5. deliver
+        written = await self.writer.deliver(
+            decision.outcome, source.partition, prep=prep,
+            state_for=lambda outcome: decider.state_after(outcome, prep, how.note),
+            failed=lambda outcome, error: processor.failed(prep, error, outcome),
+        )  # fmt: skip
+        # 6. the session's turn, after its result
+        if written.output is not None:
+            await self._add_turn(source.partition, prep, written.output)
+        return written.kind, written
+
+    async def _add_turn(
+        self, partition: int, prep: Prepared, output: dict[str, Any] | None
+    ) -> None:
+        """A session task's answered turn into its session, written after its result. No
+        `output`: the task was answered before; its turn is added from its stored result
+        if a run was killed between the two."""
+        if prep.session is None or prep.version.spec.session is None:
+            return
+        key = str(prep.session).encode()
+        stored = self.store.get(Kind.SESSIONS, partition, key)
+        if output is None:
+            earlier = json_object(self.store.result(partition, prep.result_key))
+            if has_turn(stored, prep.task.task_id) or earlier is None:
+                return
+            output = earlier.get("output")
+            if not isinstance(output, dict):
+                return
+        value = prep.session_turns(stored, output, self.sessions_room)
+        if value is None:
+            return
+
+        def write() -> Awaitable[None]:
+            return self.store.put(Kind.SESSIONS, partition, key, value)
+
+        await self.writer.write_or_stop(write, what=f"session {prep.session}'s turn")
+
+    async def _reroute(self, message: Any, source: Source, home: int, task_id: str) -> None:
+        """Forward a record to the partition its task (or its session) maps to, keyed by
+        its task id; it is answered there. Counted, and the original position goes in a
+        header."""
+        headers = [(k, v) for k, v in (message.headers or ()) if k != REROUTED_FROM_HEADER]
+        origin = f"{source.topic}/{source.partition}/{source.offset}".encode()
+        headers.append((REROUTED_FROM_HEADER, origin))
+        log.info("record %s/%d/%d of task %r belongs to partition %d: forwarded there",
+                 source.topic, source.partition, source.offset, task_id, home)  # fmt: skip
+
+        def forward() -> Awaitable[int]:
+            return self.writer.send(message.topic, task_id.encode(), message.value, home,
+                                    headers, via=source.partition)  # fmt: skip
+
+        await self.writer.write_or_stop(forward, what=f"the forward of {origin.decode()}")
+        self.metrics.misrouted.labels(self.lane_of(message.topic).name.lower(),
+                                      "rerouted").inc()  # fmt: skip
+
+
+__all__ = ["RecordFlow", "asked", "header", "original_offset"]

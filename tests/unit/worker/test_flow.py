@@ -1,0 +1,116 @@
+"""A record's way (worker.flow) without Faust or Kafka: a task store over a fake broker, the
+writer over it, the processor over a fake LLM. A record is routed to its home before its
+prompt is made, answered once, its bad input dead-lettered once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from streams.contract.headers import REROUTED_FROM_HEADER
+from streams.contract.lanes import Lane
+from streams.contract.records import Source
+from streams.core.cache import ContentCache
+from streams.core.decide import Decider
+from streams.kafka.limits import WriteLimits
+from streams.kafka.routing import partition_for
+from streams.observability.metrics import Metrics
+from streams.settings import load_settings
+from streams.store import taskstore
+from streams.store.taskstore import Kind, TaskStore
+from streams.worker.flow import RecordFlow
+from streams.worker.parked import StoredRecord
+from streams.worker.shutdown import Watchdog
+from streams.worker.writer import Writer
+from tests.conftest import MakeProcessor
+from tests.fakes import FakeLLM, answer
+
+GOOD = {"sentiment": "positive", "confidence": 0.9, "topics": ["quality"], "issues": [],
+        "summary": "good", "language": "en"}  # fmt: skip
+PARTITIONS = 4
+
+
+class Span:
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        self.attributes = attributes
+
+
+@pytest.fixture
+async def flow(make_processor: MakeProcessor, monkeypatch: pytest.MonkeyPatch) -> Any:
+    async def empty(*_: Any) -> dict[Kind, int]:
+        return dict.fromkeys(Kind, 0)
+
+    monkeypatch.setattr(taskstore, "load_partition", empty)
+    settings = load_settings(store="memory://", kafka={"partitions": PARTITIONS})
+    sent: list[tuple[str, bytes, bytes | None, int, Any]] = []
+
+    async def broker(topic: str, key: bytes, value: bytes | None, partition: int,
+                     headers: Any = None) -> int:  # fmt: skip
+        sent.append((topic, key, value, partition, headers))
+        return len(sent)
+
+    store = TaskStore(settings, broker)
+    writer = Writer(settings, send=broker, store=store, eos=None, limits=WriteLimits(),
+                    metrics=Metrics(), watchdog=Watchdog(3600, lambda: ""),
+                    crash=lambda exc: None)  # type: ignore[arg-type,return-value]  # fmt: skip
+    llm = FakeLLM(lambda _r: answer(GOOD))
+    processor = make_processor(llm)
+    decider = Decider(processor, store, ContentCache(), processor.metrics, settings.topics.results)
+    store.assign(set(range(PARTITIONS)))
+    flow = RecordFlow(processor, decider, store, writer, partitions=PARTITIONS,
+                      sessions_room=1_000_000, lane_of=lambda topic: Lane.LIVE,
+                      metrics=processor.metrics)  # fmt: skip
+    yield flow, sent, llm, settings
+    await store.close()
+
+
+def _record(task_id: str, partition: int, offset: int = 0, **extra: Any) -> StoredRecord:
+    task = {"task_id": task_id, "pipeline": "comment-analysis",
+            "input": {"text": "Great phone, works well."}, **extra}  # fmt: skip
+    return StoredRecord("tasks", partition, offset, task_id.encode(), orjson.dumps(task), [], None)
+
+
+def _home_of(task_id: str) -> int:
+    return partition_for(task_id, PARTITIONS)
+
+
+async def test_a_record_at_home_is_answered_and_its_result_written_once(flow: Any) -> None:
+    run, sent, llm, settings = flow
+    record = _record("t-1", _home_of("t-1"))
+    source = Source(topic="tasks", partition=record.partition, offset=0)
+    kind, outcome = await run.handle(record, source, Span())
+    assert kind == "result" and outcome is not None and len(llm.requests) == 1
+    assert [s[0] for s in sent][:1] == [settings.topics.results]
+    again, _ = await run.handle(record, source, Span())  # the same record run again
+    assert again == "already_done" and len(llm.requests) == 1
+
+
+async def test_a_record_away_from_home_is_forwarded_before_its_prompt_is_made(
+    flow: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run, sent, llm, _ = flow
+    home = _home_of("t-2")
+    away = (home + 1) % PARTITIONS
+    prepared: list[Any] = []
+    monkeypatch.setattr(run.processor, "prepare", lambda *a, **k: prepared.append(a))
+    kind, outcome = await run.handle(_record("t-2", away, 7), Source(topic="tasks",
+                                                                  partition=away, offset=7),
+                                     Span())  # fmt: skip
+    assert (kind, outcome) == ("rerouted", None)
+    assert prepared == [] and llm.requests == []  # no prompt made, no call: home does that
+    ((topic, key, _, partition, headers),) = sent
+    assert (topic, key, partition) == ("tasks", b"t-2", home)
+    assert (REROUTED_FROM_HEADER, f"tasks/{away}/7".encode()) in headers
+
+
+async def test_bad_input_is_one_dead_letter_however_often_the_record_runs(flow: Any) -> None:
+    run, sent, llm, settings = flow
+    bad = StoredRecord("tasks", 1, 3, b"k", b"{not json", [], None)
+    source = Source(topic="tasks", partition=1, offset=3)
+    kind, outcome = await run.handle(bad, source, Span())
+    assert kind == "dead_letter" and outcome is not None and outcome.category == "invalid_input"
+    again, _ = await run.handle(bad, source, Span())
+    assert again == "already_done"
+    assert [s[0] for s in sent] == [settings.topics.dead_letters] and llm.requests == []
