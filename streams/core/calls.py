@@ -17,7 +17,7 @@ from typing import Any
 from opentelemetry.trace import SpanKind
 
 from streams.contract.lanes import Lane, Tier
-from streams.core.batches import BatchLane
+from streams.core.batch import BatchLane
 from streams.core.outcome import Spend
 from streams.core.window import check_repair_cap, fit_window
 from streams.errors import (

@@ -30,7 +30,7 @@ from streams.contract.records import (
     decode_task,
     result_key,
 )
-from streams.core.batches import BatchLane
+from streams.core.batch import BatchLane
 from streams.core.calls import Calls, ClientFor
 from streams.core.chunking import reduce_outputs
 from streams.core.outcome import Outcome, Outcomes, Prepared, Prices, Spend

@@ -10,7 +10,7 @@ read again only from its checkpoint on):
 * dead letters: dead-letter key -> dead-letter record, on the dead-letter topic;
 * task state: task_id -> `TaskState` (status, keys, last error, history), on
   `<app_id>-task-state-changelog` (compacted);
-* batch ledger: the batch lane's batches and requests (streams.core.batches),
+* batch ledger: the batch lane's batches and requests (streams.core.batch),
   on `<app_id>-batch-ledger` (compacted);
 * sessions: session id -> its turns (streams.core.sessions), on
   `<app_id>-sessions-changelog` (compacted).
@@ -437,7 +437,7 @@ class TaskStore:
 
 
 class MapView:
-    """One map of the store, as the core sees it (`core.batches.Ledger`). `durable`: waits
+    """One map of the store, as the core sees it (`core.batch.Ledger`). `durable`: waits
     until what was written to a partition can no longer be undone (exactly-once: the
     partition's transaction committed); none: a write the broker acked is durable."""
 

@@ -24,7 +24,7 @@ from opentelemetry.trace import Status as SpanStatus
 
 from streams.contract.lanes import Lane
 from streams.contract.records import Source
-from streams.core.batches import BatchLane, Parked
+from streams.core.batch import BatchLane, Parked
 from streams.core.cache import ContentCache
 from streams.core.decide import Decider
 from streams.core.dispatch import Dispatcher, LaneSlots

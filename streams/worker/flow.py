@@ -32,7 +32,7 @@ from streams.contract.headers import (
 )
 from streams.contract.lanes import Lane, Tier
 from streams.contract.records import Source, json_object
-from streams.core.batches import PARKING, Parking
+from streams.core.batch import PARKING, Parking
 from streams.core.decide import Asked, Decider
 from streams.core.outcome import Outcome, Prepared
 from streams.core.processor import TaskProcessor

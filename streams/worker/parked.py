@@ -1,4 +1,4 @@
-"""Records parked in the batch lane's ledger (see `core.batches`): how the ledger keeps
+"""Records parked in the batch lane's ledger (see `core.batch`): how the ledger keeps
 one (`StoredRecord`), and how the owner of its partition runs it again (`Resumer`).
 
 A parked record is run again when the batch lane says its batch ended, and every
@@ -22,7 +22,7 @@ import orjson
 
 from streams.contract.headers import Headers, header_items
 from streams.contract.lanes import Lane
-from streams.core.batches import BatchLane, job_key
+from streams.core.batch import BatchLane, job_key
 from streams.core.dispatch import Dispatcher, LaneSlots
 from streams.store.taskstore import Kind, TaskStore
 

@@ -15,8 +15,8 @@ from typing import Any
 import orjson
 import pytest
 
-from streams.core.batch_files import BatchFiles, index_lines
-from streams.core.batches import BatchLane
+from streams.core.batch import BatchLane
+from streams.core.batch.files import BatchFiles, index_lines
 from streams.llm.client import LLMRequest
 from streams.settings import BatchApiSettings
 from tests.unit.core.test_batches import LedgerStore, QuickClock

@@ -1,43 +1,6 @@
-"""The batch lane: requests through the provider's Batch API at its batch price, with
-the same guarantees as the synchronous lane.
-
-A task of the batch tier runs its job as usual — decode, render, retries, the
-output contract, the result or dead letter written through the task store —
-except that each attempt's request, instead of a call, is one line of a batch
-file (`custom_id` = result key). The job gives its concurrency slot back while
-it waits (`parked`); its record stays unacknowledged, so the input offset
-commits only once the outcome is written, as in the synchronous lane.
-
-Per task partition, waiting requests are gathered until `max_items`,
-`max_bytes` or `linger_s`; the batch is written to the ledger (the store's
-ledger map, on the compacted `<app_id>-batch-ledger` topic, partition p) before
-it is uploaded and created, then marked submitted with the provider's id, then
-polled with backoff. Its requests' answers are matched back by custom_id.
-
-The ledger keeps a worker from sending a request twice: a record that runs again
-after a crash or a rebalance finds its request (`item/<custom_id>/<attempt>`)
-in a batch and waits for that batch — polling it, or reading its files if it
-already ended. A batch recorded as being created but unknown to the provider
-(the worker died before creating it; found by its metadata otherwise) is
-abandoned and its requests go in a new one.
-
-Parking: a job the edge runs with a `Parking` (the record it answers, see
-`PARKING`) does not wait for its batch. Once its request and the record
-(`job/<key>`) are durably in the ledger — broker-acked, or with exactly-once
-committed — the job ends with `Parked` and its record is acknowledged: a
-rebalance never waits for a batch, and the input offset moves on. The batch is
-created only then, so a crash before that sends nothing. When a batch ends, the
-owner of its partition resumes the jobs of its requests (`resume`); a new owner
-resumes every job of the partition's ledger (`resume_parked`) and so follows
-every batch in flight. A resumed job runs the record again: its requests are
-found in the ledger, answered from the batch's files, and its answer is written
-as usual; then the edge deletes its `job/` entry.
-
-Answers: a 200 line is the attempt's completion; an error line is the attempt's
-error in the usual taxonomy (so the usual retries and dead letters follow); a
-request the batch did not get to (expired, cancelled, a batch refused for the
-enqueued-token limit) is sent again in a new batch, not charged to the task.
-"""
+"""The batch lane's engine (see `core.batch`): requests gathered per partition into
+batches, the ledger written before the provider is asked, each batch followed to its
+end, and its answers handed to the requests waiting on them."""
 
 from __future__ import annotations
 
@@ -48,24 +11,39 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from contextvars import ContextVar
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import orjson
 from aiolimiter import AsyncLimiter
 
-from streams.core.batch_files import NO_LINES, BatchFiles, BatchLines
+from streams.core.batch.files import NO_LINES, BatchFiles, BatchLines
+from streams.core.batch.ledger import (
+    JOB_PREFIX,
+    LEDGER_ITEM_BYTES,
+    BatchRecord,
+    Ledger,
+    batch_key,
+    item_key,
+    job_key,
+)
+from streams.core.batch.parking import PARKING, Parked, Parking, Released, Resume
+from streams.core.batch.wire import (
+    RESUBMIT,
+    TERMINAL,
+    Answer,
+    BatchOps,
+    Resubmit,
+    error_of,
+    request_line,
+)
 from streams.core.dispatch import parked
 from streams.errors import BadRequest, Permanent, RateLimited, TaskError, Transient, UpstreamError
 from streams.llm.client import (
     LLMRequest,
     LLMResponse,
     completion_budget,
-    error_for_status,
     parse_completion,
-    request_body,
 )
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
@@ -80,129 +58,10 @@ METADATA_KEY = "llm_streams_batch"
 # A batch recorded as being created is taken for never created only this long after:
 # its creator may be between the ledger write and the provider's answer.
 CREATE_GRACE_S = 120.0
-TERMINAL = {"completed", "expired", "cancelled", "failed"}
-# Bytes one request takes in its batch's ledger record (`["rk1-<40 hex>", attempt],`).
-LEDGER_ITEM_BYTES = 64
-
-
-class Ledger(Protocol):
-    """The durable ledger of one worker's partitions (the task store's ledger map on
-    `<app_id>-batch-ledger`): what a worker must find again after a crash."""
-
-    def get(self, partition: int, key: bytes) -> bytes | None: ...
-
-    async def put(self, partition: int, key: bytes, value: bytes | None) -> None:
-        """Write (None: delete) once the broker has it."""
-
-    async def durable(self, partition: int) -> None:
-        """Return once what was put for `partition` can no longer be undone (exactly-once:
-        its transaction committed); raise if it never will be (the partition was lost)."""
-
-    def keys(self, partition: int, prefix: bytes) -> list[bytes]: ...
-
-    def owns(self, partition: int) -> bool: ...
-
-
-@dataclass(frozen=True)
-class Parking:
-    """The record a job answers, as the edge runs it again (opaque here): made only when
-    the job parks (`record()`), not for every record that might."""
-
-    key: str  # one per task answer: its result key
-    record: Callable[[], bytes]
-
-    @cached_property
-    def packed(self) -> bytes:
-        """The record as the ledger keeps it, made once."""
-        return self.record()
-
-
-# Set by the edge for the job it runs; unset (tests, tools): a job waits for its batch.
-PARKING: ContextVar[Parking | None] = ContextVar("llm_streams_parking", default=None)
-
-
-class Parked(BaseException):  # a way out, like CancelledError, not an error
-    """The job's requests wait in batches and its record is durably in the ledger: the job
-    ends here without an outcome; the ledger resumes it when its batch ends. A
-    BaseException, so that no `except Exception` on the way takes it for a failure."""
-
-
-class Released(Parked):
-    """The job's partition is no longer this worker's: the job ends without an outcome and
-    without asking the provider (the ledger it would read is the new owner's now; read
-    here it is empty, and a request taken for never sent would be paid again). The
-    partition's new owner runs the record: its offset, or its parked entry, is there."""
-
-
-# resume(partition, job key, record): run a parked job again, once it may find its answer.
-Resume = Callable[[int, str, bytes], None]
 
 
 class _MaybeCreated(Exception):  # a state, not an error of ours
     """A create whose answer was lost: the provider may hold the batch (the cause kept)."""
-
-
-class BatchOps(Protocol):
-    async def upload_batch_file(self, data: bytes, name: str) -> str: ...
-    async def create_batch(
-        self, input_file_id: str, metadata: dict[str, str]
-    ) -> dict[str, Any]: ...
-    async def retrieve_batch(self, batch_id: str) -> dict[str, Any]: ...
-    async def list_batches(
-        self, after: str | None = None, limit: int = 100
-    ) -> list[dict[str, Any]]: ...
-    async def file_content(self, file_id: str) -> bytes: ...
-
-
-class _Resubmit:
-    """Batch `batch` gave no answer for the request (expired, cancelled, refused): send it
-    again — unless the ledger already has it in a later batch (another run of the same
-    record sent it again first)."""
-
-    def __init__(self, batch: str | None = None) -> None:
-        self.batch = batch
-
-
-RESUBMIT = _Resubmit()
-Answer = LLMResponse | TaskError | _Resubmit | Released
-
-
-def item_key(custom_id: str, attempt: int) -> bytes:
-    return f"item/{custom_id}/{attempt}".encode()
-
-
-def batch_key(local_id: str) -> bytes:
-    return f"batch/{local_id}".encode()
-
-
-JOB_PREFIX = b"job/"
-
-
-def job_key(key: str) -> bytes:
-    return JOB_PREFIX + key.encode()
-
-
-def request_line(custom_id: str, request: LLMRequest) -> bytes:
-    body = request_body(request)
-    line = {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
-    return orjson.dumps(line) + b"\n"
-
-
-def error_of(line: dict[str, Any]) -> TaskError | _Resubmit:
-    """A batch error line in the usual taxonomy (or: send again)."""
-    response = line.get("response") or {}
-    status = int(response.get("status_code") or 0)
-    body = response.get("body") or {}
-    error = (body.get("error") if isinstance(body, dict) else None) or line.get("error") or {}
-    message = str(error.get("message") or f"batch request failed with status {status}")
-    code = str(error.get("code") or f"http_{status}")
-    if not status:  # no response: the batch did not get to it
-        return (
-            RESUBMIT
-            if code in ("batch_expired", "batch_cancelled")
-            else UpstreamError(f"batch: {message}", code=code)
-        )
-    return error_for_status(status, code, f"batch: HTTP {status}: {message}", body=body)
 
 
 @dataclass
@@ -214,35 +73,6 @@ class _Waiting:
     tokens: int
     # True once the request is durably in the ledger; False if it failed to be.
     durable: asyncio.Future[bool]
-
-
-@dataclass
-class _Batch:
-    """A ledger batch record."""
-
-    local_id: str
-    partition: int
-    items: list[list[Any]]  # [custom_id, attempt]
-    tokens: int
-    created_at: float
-    state: str = "creating"  # creating | submitted | done
-    remote_id: str | None = None
-    status: str | None = None  # the provider's final status
-    error_code: str | None = None  # why the provider failed it
-    output_file_id: str | None = None
-    error_file_id: str | None = None
-    lines: list[_Waiting] = field(default_factory=list, repr=False)  # in memory only
-    released: bool = field(default=False, repr=False)  # its tokens left the enqueued count
-
-    def dumps(self) -> bytes:
-        data = {k: v for k, v in self.__dict__.items() if k not in ("lines", "released")}
-        return orjson.dumps(data)
-
-    @classmethod
-    def loads(cls, raw: bytes) -> _Batch:
-        data = orjson.loads(raw)
-        known = {f for f in cls.__dataclass_fields__ if f not in ("lines", "released")}
-        return cls(**{k: v for k, v in data.items() if k in known})  # a newer version's extras
 
 
 class BatchLane:
@@ -314,7 +144,7 @@ class BatchLane:
                         waiting.remove(future)
                     if not waiting:
                         self._waiters.pop(key, None)
-                if isinstance(answer, _Resubmit):
+                if isinstance(answer, Resubmit):
                     self._count_request("resubmitted")
                     if answer.batch is not None:
                         gave_none.add(answer.batch)
@@ -364,7 +194,7 @@ class BatchLane:
                 return None  # it ended meanwhile (its resumes went out before): ask again
             return await future
 
-    def _ended(self, batch: _Batch) -> bool:
+    def _ended(self, batch: BatchRecord) -> bool:
         return batch.state in ("done", "abandoned") or batch.local_id in self._settled
 
     async def _park(
@@ -418,13 +248,13 @@ class BatchLane:
             return count_messages(request.messages)
         return sum(len(m["content"].encode()) for m in request.messages) // 4
 
-    def _ledger_batch(self, partition: int, custom_id: str, attempt: int) -> _Batch | None:
+    def _ledger_batch(self, partition: int, custom_id: str, attempt: int) -> BatchRecord | None:
         raw = self.ledger.get(partition, item_key(custom_id, attempt))
         if raw is None:
             return None
         local_id = orjson.loads(raw)["batch"]
         found = self.ledger.get(partition, batch_key(local_id))
-        return _Batch.loads(found) if found is not None else None
+        return BatchRecord.loads(found) if found is not None else None
 
     # -- gathering and sending ---------------------------------------------------------
 
@@ -454,7 +284,7 @@ class BatchLane:
                 take.append(w)
                 size += len(w.line)
             queue = queue[len(take) :]
-            batch = _Batch(
+            batch = BatchRecord(
                 local_id=uuid.uuid4().hex, partition=partition,
                 items=[[w.custom_id, w.attempt] for w in take],
                 tokens=sum(w.tokens for w in take), created_at=time.time(), lines=take,
@@ -467,7 +297,7 @@ class BatchLane:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _submit(self, batch: _Batch) -> None:
+    async def _submit(self, batch: BatchRecord) -> None:
         limit = self.settings.max_enqueued_tokens
         async with self._room:  # within the provider's enqueued-token limit
             await self._room.wait_for(
@@ -514,7 +344,7 @@ class BatchLane:
                         "all the same", batch.local_id, exc)  # fmt: skip
         self._follow(batch, own=True)
 
-    def _not_submitted(self, batch: _Batch, exc: BaseException) -> None:
+    def _not_submitted(self, batch: BatchRecord, exc: BaseException) -> None:
         """The batch was not created: the ledger says so (a re-run sends its requests in
         a new batch), and its waiting requests get the error."""
         self._durably_in(batch, False)
@@ -530,11 +360,11 @@ class BatchLane:
         self._creating.discard(batch.local_id)
         self._settle(batch, NO_LINES, error)
 
-    async def _record_not_submitted(self, batch: _Batch) -> None:
+    async def _record_not_submitted(self, batch: BatchRecord) -> None:
         with contextlib.suppress(Exception):
             await self.ledger.put(batch.partition, batch_key(batch.local_id), batch.dumps())
 
-    def _durably_in(self, batch: _Batch, durable: bool) -> None:
+    def _durably_in(self, batch: BatchRecord, durable: bool) -> None:
         """The batch's requests are (or failed to be) durably in the ledger: no longer
         queued here; jobs waiting to park hear of it."""
         for w in batch.lines:
@@ -544,7 +374,7 @@ class BatchLane:
             if not w.durable.done():
                 w.durable.set_result(durable)
 
-    async def _create(self, batch: _Batch) -> dict[str, Any]:
+    async def _create(self, batch: BatchRecord) -> dict[str, Any]:
         """Upload the file once and create the batch, retrying transient errors a few
         times — asking the provider first, before each retry, whether an earlier try made
         the batch (it carries our id in its metadata): a 5xx, a timeout or a dropped
@@ -583,7 +413,7 @@ class BatchLane:
                 raise _MaybeCreated() from exc
             raise
 
-    def _release(self, batch: _Batch) -> None:
+    def _release(self, batch: BatchRecord) -> None:
         """The batch's tokens are no longer enqueued. Synchronous, so that a watcher
         ends in the same step that hands out its batch's answers (a run that comes
         later then starts its own watcher instead of waiting on a finished one)."""
@@ -599,7 +429,7 @@ class BatchLane:
 
     # -- following a batch to its end ----------------------------------------------------
 
-    def _follow(self, batch: _Batch, *, own: bool = False) -> None:
+    def _follow(self, batch: BatchRecord, *, own: bool = False) -> None:
         if not own and batch.local_id in self._creating:
             return  # this worker is creating it: its own watcher starts once it exists
         running = self._followed.get(batch.local_id)
@@ -617,7 +447,7 @@ class BatchLane:
 
         task.add_done_callback(unfollowed)
 
-    async def _watch(self, batch: _Batch, own: bool) -> None:
+    async def _watch(self, batch: BatchRecord, own: bool) -> None:
         try:
             await self._watch_once(batch, own)
         except asyncio.CancelledError:
@@ -633,7 +463,7 @@ class BatchLane:
             if own:
                 self._release(batch)
 
-    async def _watch_once(self, batch: _Batch, own: bool) -> None:
+    async def _watch_once(self, batch: BatchRecord, own: bool) -> None:
         if batch.state == "creating":
             found = await self._find(batch.local_id, batch.created_at)
             while found is None and time.time() - batch.created_at < CREATE_GRACE_S:
@@ -641,7 +471,7 @@ class BatchLane:
                 # a moment ago): wait for the provider or the ledger to say more.
                 await self.clock.sleep(self.settings.poll_s)
                 raw = self.ledger.get(batch.partition, batch_key(batch.local_id))
-                latest = _Batch.loads(raw) if raw is not None else batch
+                latest = BatchRecord.loads(raw) if raw is not None else batch
                 if latest.state != "creating":
                     batch = latest
                     break
@@ -675,7 +505,7 @@ class BatchLane:
                 return
         await self._with_lines(batch, lambda lines: self._settle(batch, lines, RESUBMIT))
 
-    def _failure(self, batch: _Batch, others: int) -> Answer:
+    def _failure(self, batch: BatchRecord, others: int) -> Answer:
         """What a failed batch means for its requests. Over the enqueued-token limit: sent
         again once earlier batches are done (`others`: tokens of this worker's other
         batches) — unless none were running, then the batch alone is too big."""
@@ -691,7 +521,7 @@ class BatchLane:
             )
         return UpstreamError(f"batch {batch.remote_id} failed: {code}", code="batch_failed")
 
-    async def _answer_from(self, batch: _Batch, custom_id: str) -> Answer:
+    async def _answer_from(self, batch: BatchRecord, custom_id: str) -> Answer:
         """The answer a finished batch of the ledger holds for a request."""
         try:
             if batch.status == "failed":
@@ -706,7 +536,7 @@ class BatchLane:
             return exc
         except Exception as exc:  # its files unreadable
             return UpstreamError(f"batch lane: {exc!r}", code="batch_lane_error")
-        return _Resubmit(batch.local_id) if isinstance(answer, _Resubmit) else answer
+        return Resubmit(batch.local_id) if isinstance(answer, Resubmit) else answer
 
     def _answer_of(self, line: dict[str, Any], *, count: bool) -> Answer:
         """A batch line as the attempt's answer."""
@@ -752,8 +582,8 @@ class BatchLane:
             await self.clock.sleep(delay)
             delay = min(delay * 1.5, self.settings.poll_max_s)
 
-    async def _with_lines(self, batch: _Batch, use: Callable[[BatchLines], T]) -> T:
-        """`use` of the batch's output and error lines by custom_id (`core.batch_files`),
+    async def _with_lines(self, batch: BatchRecord, use: Callable[[BatchLines], T]) -> T:
+        """`use` of the batch's output and error lines by custom_id (`core.batch.files`),
         read again while the provider fails (its answers were paid for, and a request
         given an error here would be asked again in a new batch); only so many batches'
         files in use at once, so that memory holds whatever the loop's pace."""
@@ -773,14 +603,14 @@ class BatchLane:
             first_s=self.settings.poll_s, max_s=self.settings.poll_max_s, sleep=self.clock.sleep,
         )  # fmt: skip
 
-    def _settle(self, batch: _Batch, lines: BatchLines, missing: Answer) -> None:
+    def _settle(self, batch: BatchRecord, lines: BatchLines, missing: Answer) -> None:
         """Hand every waiting request of the batch its answer."""
         for custom_id, attempt in batch.items:
             futures = self._waiters.get((custom_id, attempt), [])
             line = lines.get(custom_id)
             answer = missing if line is None else self._answer_of(line, count=True)
-            if isinstance(answer, _Resubmit):  # say which batch had nothing for it
-                answer = _Resubmit(batch.local_id)
+            if isinstance(answer, Resubmit):  # say which batch had nothing for it
+                answer = Resubmit(batch.local_id)
             for future in futures:
                 if isinstance(answer, LLMResponse):
                     self._deliveries.put_nowait((future, answer))
@@ -792,7 +622,7 @@ class BatchLane:
 
     # -- parked jobs -----------------------------------------------------------------------
 
-    def _resume_jobs(self, batch: _Batch) -> None:
+    def _resume_jobs(self, batch: BatchRecord) -> None:
         """The batch ended: the jobs parked on its requests run again (if the partition is
         still this worker's; otherwise its new owner resumes them)."""
         self._settled[batch.local_id] = None  # a job parking from now on asks again
@@ -860,16 +690,4 @@ class BatchLane:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-__all__ = [
-    "PARKING",
-    "BatchLane",
-    "BatchOps",
-    "Parked",
-    "Parking",
-    "Released",
-    "batch_key",
-    "error_of",
-    "item_key",
-    "job_key",
-    "request_line",
-]
+__all__ = ["CREATE_GRACE_S", "METADATA_KEY", "BatchLane"]
