@@ -646,11 +646,8 @@ def pipelines() -> None:
               "structured-output modes it honours, for each version's model.")  # fmt: skip
 def pipelines_validate(directory: Path | None, endpoint: bool) -> None:
     """Load every pipeline file, check slots, templates and output schemas."""
-    from streams.pipelines.registry import (
-        PipelineRegistry,
-        strict_dropped,
-        strict_subset_issues,
-    )
+    from streams.pipelines.registry import PipelineRegistry
+    from streams.pipelines.structured import strict_dropped, strict_subset_issues
 
     settings = settings_or_exit()
     try:

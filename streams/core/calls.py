@@ -36,13 +36,10 @@ from streams.observability.genai import GENAI, GenAIMetrics
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import child_span, mark_error
 from streams.pipelines.output import parse_output
-from streams.pipelines.registry import (
-    Fallback,
-    Pipeline,
-    PipelineVersion,
-    RenderedPrompt,
-    structured_output,
-)
+from streams.pipelines.pipeline import Pipeline
+from streams.pipelines.render import PipelineVersion, RenderedPrompt
+from streams.pipelines.specs import Fallback
+from streams.pipelines.structured import structured_output
 from streams.resilience.guarded import CAPACITY_CODES, GuardedClient
 from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries
 

@@ -36,7 +36,8 @@ from streams.core.stages import MAIN
 from streams.errors import OutputTooLarge, StreamsError
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import current_trace_id
-from streams.pipelines.registry import Pipeline, PipelineVersion, RenderedPrompt
+from streams.pipelines.pipeline import Pipeline
+from streams.pipelines.render import PipelineVersion, RenderedPrompt
 from streams.resilience.retry import Attempts
 from streams.settings import Settings
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from streams.pipelines.registry import RenderedPrompt, delimiter_guard
+from streams.pipelines.render import RenderedPrompt, delimiter_guard
 
 log = logging.getLogger(__name__)
 

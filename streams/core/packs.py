@@ -28,7 +28,9 @@ from streams.errors import InvalidOutput, OutputRejected, TaskError
 from streams.llm.client import LLMRequest, LLMResponse, budget_key, completion_budget
 from streams.observability.tracing import child_span
 from streams.pipelines.output import check_output
-from streams.pipelines.registry import PipelineRegistry, RenderedPrompt, structured_output
+from streams.pipelines.registry import PipelineRegistry
+from streams.pipelines.render import RenderedPrompt
+from streams.pipelines.structured import structured_output
 from streams.resilience.retry import Attempts, call_with_retries
 
 

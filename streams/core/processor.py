@@ -50,7 +50,9 @@ from streams.errors import (
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import stage_span
-from streams.pipelines.registry import Pipeline, PipelineRegistry, PipelineVersion, RenderedPrompt
+from streams.pipelines.pipeline import Pipeline
+from streams.pipelines.registry import PipelineRegistry
+from streams.pipelines.render import PipelineVersion, RenderedPrompt
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.retry import Attempts, RetryPolicy
 from streams.settings import Settings

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from streams.pipelines.registry import SessionSpec
+from streams.pipelines.specs import SessionSpec
 
 Message = dict[str, str]
 

@@ -15,7 +15,8 @@ from typing import Any
 from streams.errors import Category, Permanent, TaskError
 from streams.observability.tracing import stage_span
 from streams.pipelines.jinja import over_record
-from streams.pipelines.registry import Pipeline, PipelineVersion, RenderedPrompt, Stage
+from streams.pipelines.pipeline import Pipeline, Stage
+from streams.pipelines.render import PipelineVersion, RenderedPrompt
 
 MAIN = "main"  # the first stage's name in task states
 

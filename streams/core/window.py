@@ -19,7 +19,8 @@ from streams.core.chunking import split_text
 from streams.errors import ContextOverflow, OutputRejected, StreamsError
 from streams.llm.client import DEFAULT_MAX_TOKENS, budget_key, completion_budget
 from streams.llm.tokens import count_messages, counter, truncate_tokens
-from streams.pipelines.registry import Pipeline, PipelineVersion, RenderedPrompt
+from streams.pipelines.pipeline import Pipeline
+from streams.pipelines.render import PipelineVersion, RenderedPrompt
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from streams.kafka import clients
 from streams.kafka.scan import scan
 from streams.kafka.topics import decisions_topic, ensure_topics
 from streams.ops.diff import Pairs, summarise
-from streams.pipelines.registry import PipelineSpec
+from streams.pipelines.specs import PipelineSpec
 from streams.settings import Settings
 
 Z95 = 1.959964

@@ -20,7 +20,7 @@ import orjson
 from streams.errors import InvalidOutput
 from streams.llm.client import LLMResponse, unfenced
 from streams.pipelines.defaults import fill_defaults
-from streams.pipelines.registry import Pipeline
+from streams.pipelines.pipeline import Pipeline
 
 _SPACE = re.compile(r"\s+")
 

@@ -207,6 +207,6 @@ def test_a_wrong_chunking_block_is_refused_when_the_pipeline_loads(
 
 def test_every_reducer_a_pipeline_may_name_exists() -> None:
     from streams.core.chunking import _REDUCE
-    from streams.pipelines.registry import REDUCERS
+    from streams.pipelines.specs import REDUCERS
 
     assert set(_REDUCE) == set(REDUCERS)

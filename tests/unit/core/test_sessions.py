@@ -13,7 +13,8 @@ import yaml
 from streams.contract.records import Source, result_key
 from streams.core.outcome import Prepared
 from streams.core.sessions import add_turn, context_of, has_turn, messages_of, turn_of
-from streams.pipelines.registry import PipelineRegistry, SessionSpec
+from streams.pipelines.registry import PipelineRegistry
+from streams.pipelines.specs import SessionSpec
 from tests.conftest import MakeProcessor
 from tests.fakes import FakeLLM
 

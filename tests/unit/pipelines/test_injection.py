@@ -13,7 +13,8 @@ from streams.core.processor import TaskProcessor
 from streams.dev.sim_content import comment_text
 from streams.dev.simulator import SimulatorServer
 from streams.llm.openai_client import OpenAIClient
-from streams.pipelines.registry import PipelineRegistry, delimiter_guard
+from streams.pipelines.registry import PipelineRegistry
+from streams.pipelines.render import delimiter_guard
 from streams.preprocess import clean
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.guarded import GuardedClient

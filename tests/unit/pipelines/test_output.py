@@ -8,7 +8,9 @@ import pytest
 from streams.errors import InvalidOutput
 from streams.llm.client import LLMResponse
 from streams.pipelines.output import parse_output
-from streams.pipelines.registry import Pipeline, PipelineRegistry, PipelineSpec
+from streams.pipelines.pipeline import Pipeline
+from streams.pipelines.registry import PipelineRegistry
+from streams.pipelines.specs import PipelineSpec
 
 ROOT = Path(__file__).resolve().parents[3]
 GOOD = {

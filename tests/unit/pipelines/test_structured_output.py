@@ -15,12 +15,8 @@ from streams.core.processor import TaskProcessor
 from streams.dev.simulator import SimulatorServer
 from streams.llm.client import SCHEMA_IN_PROMPT, LLMRequest, parse_completion, request_body
 from streams.llm.openai_client import OpenAIClient
-from streams.pipelines.registry import (
-    PipelineRegistry,
-    strict_dropped,
-    strict_subset_issues,
-    strict_view,
-)
+from streams.pipelines.registry import PipelineRegistry
+from streams.pipelines.structured import strict_dropped, strict_subset_issues, strict_view
 from tests.conftest import MakeProcessor
 
 ROOT = Path(__file__).resolve().parents[3]
