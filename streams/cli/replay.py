@@ -15,10 +15,10 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from streams.cli.base import load_pipelines
 from streams.errors import ConfigError, TaskError
 from streams.kafka.security import preflight
 from streams.ops.replay import Checkpoint, Replayer, ReplayRequest
-from streams.pipelines.registry import PipelineRegistry
 from streams.settings import Settings
 
 
@@ -41,8 +41,7 @@ def run_replay_command(
         pipeline=pipeline, prompt_version=prompt_version, force=force, tier=tier,
     )  # fmt: skip
     try:
-        registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
-        replayer = Replayer(settings, request, registry)
+        replayer = Replayer(settings, request, load_pipelines(settings))
     except (ConfigError, TaskError) as exc:
         console.print(f"replay: {exc}", highlight=False)
         return 2

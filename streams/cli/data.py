@@ -1,0 +1,264 @@
+"""Commands over the topics: publish, tail, a worker's or a task's status, redrive, replay,
+backtrack, diff."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+# Above this divergence (PSI or KS) a field is said to drift: the alert rule's threshold
+from streams.cli.base import (
+    cli,
+    iso_time_or_exit,
+    on_kafka,
+    pipeline_or_exit,
+    registry_or_exit,
+    settings_or_exit,
+)
+from streams.errors import REDRIVABLE, ConfigError
+
+
+@cli.command()
+@click.argument("source", type=click.File("rb"))
+@click.option(
+    "--pipeline",
+    default="comment-analysis",
+    show_default=True,
+    help="Pipeline for lines that do not name one.",
+)
+@click.option("--topic", default=None, help="Target topic (default: the tasks topic).")
+def publish(source: Any, pipeline: str, topic: str | None) -> None:
+    """Publish tasks from a JSON-lines FILE (or - for stdin).
+
+    A line is a task, or just its `input` object; task_id is generated when absent.
+    """
+    from streams.cli.commands import publish_lines
+
+    settings = settings_or_exit()
+    sent, bad = on_kafka(settings, publish_lines(settings, source, pipeline=pipeline, topic=topic))
+    click.echo(f"published {sent} task(s); {bad} invalid line(s) skipped", err=True)
+    if bad:
+        sys.exit(1)
+
+
+@cli.command()
+@click.argument("topic")
+@click.option("--from-beginning", is_flag=True, help="Start at the earliest offset.")
+@click.option("--max", "max_records", type=int, default=0, help="Stop after N records.")
+@click.option("--idle-timeout", type=float, default=0.0, help="Stop after N s without records.")
+def tail(topic: str, from_beginning: bool, max_records: int, idle_timeout: float) -> None:
+    """Pretty-print records of TOPIC as they arrive."""
+    from streams.cli.commands import tail_topic
+
+    settings = settings_or_exit()
+    on_kafka(settings, tail_topic(settings, topic, from_beginning, max_records, idle_timeout))
+
+
+@cli.command()
+@click.argument("task_id", required=False)
+@click.option("--url", default=None, help="A worker's status (default: this host's web port).")
+@click.option("--once", is_flag=True, help="Print the worker's status once and exit.")
+@click.option("--every", default=2.0, show_default=True, help="Refresh period (s).")
+def status(task_id: str | None, url: str | None, once: bool, every: float) -> None:
+    """A task's state and history (TASK_ID), or a worker's live status (no TASK_ID):
+    throughput, lag, breaker, limiter, p50/p95/p99, cost so far, top dead letters."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from streams.ops.redrive import task_state
+
+    settings = settings_or_exit()
+    if task_id is None:
+        from streams.cli.live import watch
+
+        target = url or f"http://127.0.0.1:{settings.web_port}/status.json"
+        sys.exit(watch(target, once=once, every_s=every))
+    state = on_kafka(settings, task_state(settings, task_id))
+    if state is None:
+        click.echo(f"no state for task {task_id!r}", err=True)
+        sys.exit(1)
+    console = Console()
+    if not console.is_terminal:  # piped: no 80-column wrap of keys and notes
+        console = Console(width=200)
+    history = state.pop("history", [])
+    for key, value in state.items():
+        console.print(f"[bold]{key:<17}[/bold] {value}", highlight=False)
+    table = Table("at", "status", "prompt version", "result key", "note")
+    for h in history:
+        table.add_row(h["at"], h["status"], h.get("prompt_version") or "",
+                      h.get("result_key") or "", h.get("note") or "")  # fmt: skip
+    console.print(table)
+
+
+@cli.command()
+@click.option(
+    "--category",
+    "categories",
+    multiple=True,
+    required=True,
+    type=click.Choice([category.value for category in REDRIVABLE]),
+    help="Retryable categories to re-queue (repeat the option for several).",
+)
+@click.option("--since", default=None, help="Only dead letters since this ISO time (UTC).")
+@click.option("--dry-run", is_flag=True, help="Print what would be re-queued.")
+def redrive(categories: tuple[str, ...], since: str | None, dry_run: bool) -> None:
+    """Re-queue dead letters of retryable categories once their cause is gone.
+
+    Each keeps its task_id and lands as a normal result; a task answered since, or
+    already re-queued, is skipped.
+    """
+    from streams.ops.redrive import redrive as run_redrive
+
+    settings = settings_or_exit()
+    when = iso_time_or_exit("--since", since)
+    plan = on_kafka(settings, run_redrive(settings, set(categories), when, dry_run))
+    verb = "would re-queue" if dry_run else "re-queued"
+    click.echo(
+        f"{verb} {len(plan.requeue)} task(s); skipped: {plan.skipped_category} other category, "
+        f"{plan.skipped_answered} answered or re-queued since, {plan.skipped_before} before "
+        f"--since, {plan.skipped_not_a_task} not a task"
+    )
+
+
+@cli.command()
+@click.option("--source", default=None, help="Topic to replay (default: the tasks topic).")
+@click.option("--from", "since", default=None, help="Replay records from this ISO time.")
+@click.option("--to", "until", default=None, help="... up to this ISO time (default: now).")
+@click.option(
+    "--from-offset", "from_offsets", multiple=True, metavar="P:O",
+    help="Start partition P at offset O (repeatable; other partitions start at --from).",
+)  # fmt: skip
+@click.option("--pipeline", default=None, help="Only tasks of this pipeline.")
+@click.option("--prompt-version", default=None, help="Answer under this version (new keys).")
+@click.option("--force", is_flag=True, help="Ask the LLM again even for answered tasks.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and cost estimate only.")
+@click.option(
+    "--lane", "tier", type=click.Choice(["sync", "flex", "batch"]), default=None,
+    help="How the worker answers: sync calls, flex (batch price, slower), or the Batch API "
+    "(batch price, within 24 h). Default: each pipeline's lane policy.",
+)  # fmt: skip
+def replay(
+    source: str | None, since: str | None, until: str | None, from_offsets: tuple[str, ...],
+    pipeline: str | None, prompt_version: str | None, force: bool, dry_run: bool,
+    tier: str | None,
+) -> None:  # fmt: skip
+    """Re-run a historical range of a task topic through the replay lane.
+
+    Tasks already answered under the same result key are skipped (a new prompt
+    version gives new keys). Run the same command again to resume a killed replay.
+    """
+    from streams.cli.replay import run_replay_command
+
+    settings = settings_or_exit()
+    offsets: dict[int, int] = {}
+    for spec in from_offsets:
+        p, _, o = spec.partition(":")
+        if not (p.isdigit() and o.isdigit()):
+            click.echo(f"--from-offset: expected PARTITION:OFFSET, got {spec!r}", err=True)
+            sys.exit(2)
+        offsets[int(p)] = int(o)
+    start = iso_time_or_exit("--from", since)
+    if start is None and not offsets:
+        click.echo("replay: give --from TIME or --from-offset P:O", err=True)
+        sys.exit(2)
+    sys.exit(run_replay_command(
+        settings, source=source or settings.topics.tasks, since=start,
+        until=iso_time_or_exit("--to", until), from_offsets=offsets, pipeline=pipeline,
+        prompt_version=prompt_version, force=force, dry_run=dry_run, tier=tier,
+    ))  # fmt: skip
+
+
+@cli.command()
+@click.argument("task_ids", nargs=-1)
+@click.option("--pipeline", default=None, help="Only tasks of this pipeline.")
+@click.option("--version", "current", default=None, help="Only tasks now answered under this.")
+@click.option("--since", default=None, help="Only tasks whose state changed since this ISO time.")
+@click.option("--until", default=None, help="... and before this ISO time.")
+@click.option(
+    "--restore",
+    "restore_version",
+    default=None,
+    metavar="VERSION",
+    help="Restore the result this prompt version gave (no LLM call).",
+)
+@click.option("--rerun", is_flag=True, help="Answer again with the LLM (under --as-version).")
+@click.option("--as-version", default=None, help="With --rerun: the version to answer under.")
+@click.option("--dry-run", is_flag=True, help="Print what would be sent.")
+def backtrack(
+    task_ids: tuple[str, ...], pipeline: str | None, current: str | None, since: str | None,
+    until: str | None, restore_version: str | None, rerun: bool, as_version: str | None,
+    dry_run: bool,
+) -> None:  # fmt: skip
+    """Put tasks back to an earlier prompt version's result, or answer them again.
+
+    Select by TASK_IDS and/or --pipeline/--version/--since/--until. The worker
+    applies it in order with the task's other records and notes it in the
+    task's history (`llm-streams status TASK_ID`).
+    """
+    from streams.ops.backtrack import Selection, plan_backtrack, send_backtrack
+
+    if bool(restore_version) == rerun:
+        click.echo("backtrack: give exactly one of --restore VERSION or --rerun", err=True)
+        sys.exit(2)
+    settings = settings_or_exit()
+    selection = Selection(task_ids=frozenset(task_ids), pipeline=pipeline, prompt_version=current,
+                          since=iso_time_or_exit("--since", since),
+                          until=iso_time_or_exit("--until", until))  # fmt: skip
+    action: Any = "restore" if restore_version else "rerun"
+    registry = registry_or_exit(settings, "backtrack", 2)
+    try:
+        plan = on_kafka(settings, plan_backtrack(settings, registry, selection, action,
+                                          restore_version or as_version))  # fmt: skip
+    except ConfigError as exc:
+        click.echo(f"backtrack: {exc}", err=True)
+        sys.exit(2)
+    sent = 0 if dry_run else on_kafka(settings, send_backtrack(settings, plan, action))
+    verb = "would send" if dry_run else "sent"
+    click.echo(f"{verb} {len(plan.send) if dry_run else sent} task(s) to {action}")
+    if plan.no_result:
+        click.echo(f"skipped {len(plan.no_result)} never answered under {restore_version}: "
+                   f"{', '.join(plan.no_result[:10])}")  # fmt: skip
+    if plan.no_source:
+        click.echo(f"skipped {len(plan.no_source)} whose last record is gone or unreadable: "
+                   f"{', '.join(plan.no_source[:10])}")  # fmt: skip
+    if plan.missing_ids:
+        click.echo(f"no state for {len(plan.missing_ids)}: {', '.join(plan.missing_ids[:10])}")
+
+
+@cli.command()
+@click.option("--pipeline", required=True, help="Pipeline whose results to compare.")
+@click.option("--from-version", required=True, help="The earlier prompt version.")
+@click.option("--to-version", required=True, help="The later prompt version.")
+def diff(pipeline: str, from_version: str, to_version: str) -> None:
+    """Summarise how outputs changed between two versions (tasks answered under both)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from streams.ops.diff import summarise, version_pairs
+
+    settings = settings_or_exit()
+    schema = pipeline_or_exit(settings, pipeline, "diff").output_schema
+    pairs, only_from, only_to = on_kafka(
+        settings, version_pairs(settings, pipeline, from_version, to_version)
+    )
+    console = Console(soft_wrap=True)
+    console.print(f"{pipeline}: {len(pairs)} task(s) answered under both {from_version} and "
+                  f"{to_version}; {only_from} only under {from_version}, {only_to} only under "
+                  f"{to_version}", highlight=False)  # fmt: skip
+    if not pairs:
+        return
+    table = Table("field", "changed", "details")
+    for d in summarise(pairs, schema):
+        if d.kind == "label":
+            flips = ", ".join(f"{a}→{b} {n}" for (a, b), n in d.flips.most_common(5))
+            detail = f"flips: {flips or 'none'}"
+        elif d.kind == "number":
+            detail = f"mean shift {d.mean_shift:+.3f}, mean |shift| {d.mean_abs_shift:.3f}"
+        elif d.kind == "list":
+            detail = f"mean Jaccard similarity {d.mean_jaccard:.2f}"
+        else:
+            detail = ""
+        table.add_row(d.name, f"{d.changed_share:.1%} of {d.compared}", detail)
+    console.print(table)

@@ -1,0 +1,83 @@
+"""Commands that run something: the worker, the LLM simulator, the demo."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+# Above this divergence (PSI or KS) a field is said to drift: the alert rule's threshold
+from streams.cli.base import cli, settings_or_exit
+from streams.errors import ConfigError
+
+
+@cli.command()
+def worker() -> None:
+    """Run a worker (Faust) with the settings from the environment."""
+    from streams.worker.run import run_worker
+
+    try:
+        run_worker(settings_or_exit())
+    except ConfigError as exc:  # the broker's topics or features do not fit the settings
+        click.echo(f"llm-streams: {exc}", err=True)
+        sys.exit(2)
+
+
+@cli.command("simulate-llm")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--latency-ms", type=float, default=0.0, show_default=True)
+@click.option("--jitter-ms", type=float, default=0.0, show_default=True)
+@click.option(
+    "--latency-dist",
+    type=click.Choice(["fixed", "uniform", "normal", "lognormal"]),
+    default="uniform",
+    show_default=True,
+)
+@click.option("--max-concurrency", type=int, default=0, help="0 = unlimited.")
+@click.option("--rpm", type=int, default=0, help="Requests per minute limit (0 = none).")
+@click.option("--tpm", type=int, default=0, help="Tokens per minute limit (0 = none).")
+@click.option(
+    "--burst-s",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Seconds of limit a burst may use (sub-minute enforcement).",
+)
+@click.option("--error-500-rate", type=float, default=0.0)
+@click.option("--error-503-rate", type=float, default=0.0)
+@click.option("--hang-rate", type=float, default=0.0)
+@click.option("--hang-s", type=float, default=600.0)
+@click.option("--malformed-rate", type=float, default=0.0)
+@click.option("--context-window", type=int, default=128_000)
+@click.option("--api-key", default=None, help="Require this bearer key.")
+@click.option("--seed", type=int, default=0)
+def simulate_llm(host: str, port: int, jitter_ms: float, **knobs: Any) -> None:
+    """Serve the OpenAI-compatible LLM simulator."""
+    from streams.dev.simulator import SimConfig, serve
+
+    config = SimConfig(latency_jitter_ms=jitter_ms, **knobs)
+    click.echo(f"LLM simulator on http://{host}:{port}/v1", err=True)
+    serve(config, host, port)
+
+
+@cli.command()
+@click.option("--count", type=int, default=0, help="Sample comments to publish (0 = all).")
+@click.option("--timeout", type=float, default=120.0, show_default=True)
+@click.option("--quiet", is_flag=True, help="Only the summary.")
+@click.option(
+    "--external",
+    is_flag=True,
+    help="Use the Kafka the settings name (LLM_STREAMS_KAFKA__BROKER_URL and its "
+    "__SECURITY__* settings) instead of the embedded broker; topics of its own.",
+)
+def demo(count: int, timeout: float, quiet: bool, external: bool) -> None:
+    """Embedded broker + simulator (or your endpoint) + worker + sample comments, live."""
+    from streams.dev.demo import run_demo
+
+    try:
+        sys.exit(run_demo(count=count, timeout_s=timeout, quiet=quiet, external=external))
+    except ConfigError as exc:
+        click.echo(f"llm-streams: {exc}", err=True)
+        sys.exit(2)
