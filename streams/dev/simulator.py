@@ -30,6 +30,10 @@ from streams.llm.client import SCHEMA_IN_PROMPT
 from streams.llm.tokens import count_messages, counter
 
 
+# The request limit said when none is configured (OpenAI always says one).
+UNLIMITED_RPM = 1_000_000  # as many as the worker takes for a limit nobody said
+
+
 @dataclass
 class SimConfig:
     """Behaviour knobs; rates are probabilities per request."""
@@ -337,6 +341,10 @@ class Simulator:
         if self.llama:
             return headers  # it sends no rate-limit headers
         window = cfg.remaining_window_s
+        if not cfg.rpm and not cfg.tpm:
+            # OpenAI sends its limits on every answer; with none configured here, a limit
+            # nobody reaches: an endpoint that has rate limits, not one to learn slots of.
+            headers["x-ratelimit-limit-requests"] = str(UNLIMITED_RPM)
         if cfg.rpm:
             left = self.requests.remaining(cfg.burst_s, window)
             headers["x-ratelimit-limit-requests"] = str(cfg.rpm)

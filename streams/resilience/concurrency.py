@@ -245,6 +245,7 @@ class ConcurrencyLimit:
         if slots and not self.unlimited and self.learn:
             self._slow_start = False
             self._set(float(min(self.max_limit, slots)), f"the server has {slots} slots")
+            self._changed()  # said, even when it is where the limit stood
 
     def _changed(self) -> None:
         if self.on_change is not None:

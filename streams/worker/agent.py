@@ -264,9 +264,8 @@ class TaskAgent:
             self._processor = self.make_processor()
             # Tasks in flight follow what the endpoint takes at once (backpressure: the
             # rest wait in Kafka, their deadlines not yet running).
-            gate = self._processor.client.concurrency
-            gate.on_change = self._follow_endpoint
-            self._follow_endpoint(gate.current)
+            # From the endpoint's first word on: until then, nothing is known to hold.
+            self._processor.client.concurrency.on_change = self._follow_endpoint
             ops = self._processor.client.client
             if isinstance(ops, OpenAIClient):  # the provider's Batch API, for the batch tier
                 durable = self.eos.durable if self.eos is not None else None
