@@ -29,7 +29,6 @@ from streams.dev import sim_batch, sim_content
 from streams.llm.client import SCHEMA_IN_PROMPT
 from streams.llm.tokens import count_messages, counter
 
-
 # The request limit said when none is configured (OpenAI always says one).
 UNLIMITED_RPM = 1_000_000  # as many as the worker takes for a limit nobody said
 
