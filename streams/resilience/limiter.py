@@ -1,8 +1,8 @@
 """RPM + TPM limits of one endpoint/model, with priority lanes, that learn the real limit.
 
-Both limits are token buckets refilling continuously at limit/60 per second and
-holding `burst_s` seconds of it, the way providers enforce them (60 RPM admits
-about one request per second, not 60 at once). Calls wait for capacity; they
+Both limits are token buckets (`resilience.bucket`) refilling continuously at limit/60
+per second and holding `burst_s` seconds of it, the way providers enforce them (60 RPM
+admits about one request per second, not 60 at once). Calls wait for capacity; they
 never fail for it. Waiters are served by lane (live before replay), then in
 arrival order, so a live call waits for about one slot however long the
 replay queue is.
@@ -30,88 +30,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from streams.contract.lanes import Lane
+from streams.resilience.bucket import EPSILON, Bucket, Report
 from streams.resilience.clock import Clock, MonotonicClock
 
 log = logging.getLogger(__name__)
 
-
-_EPSILON = 1e-9
 UNKNOWN_RPM = 1_000_000.0  # no limit known and none learned: effectively unlimited
 PROBE_POLL_S = 0.05
 CALM_S = 5.0  # this long without a 429: a rate held below our share goes straight to it
-
-
-class Bucket:
-    """A token bucket in units per minute; the level may go below zero (debt).
-
-    It runs a hair inside the provider's own bucket: one unit less of burst
-    (`headroom`) and `safety` of the rate, so calls that reach the provider a few
-    milliseconds apart from when we let them go still find capacity there.
-    """
-
-    def __init__(
-        self,
-        per_minute: float,
-        burst_s: float,
-        now: float,
-        *,
-        headroom: float = 1.0,
-        safety: float = 0.995,
-    ) -> None:
-        self.per_minute = per_minute
-        self.burst_s = burst_s
-        self.headroom = headroom
-        self.safety = safety
-        self.level = self.capacity
-        self.stamp = now
-        self.peak_remaining = 0.0  # the most the provider ever reported left (a full bucket)
-        self.taken = 0.0  # every unit ever granted: what was granted since a report
-        # Other clients of the key, seen in the trend of `remaining`: their units per
-        # second (a moving average), and the report that trend is measured from.
-        self.others_mean = 0.0  # moving average of the samples, noise both ways included
-        self.sampled = False  # a first sample is in: until then the others are unknown
-        # The part of the limit the other members of the group are due: where the moving
-        # average starts, not from nothing (its first sample would else read them as
-        # taking a fifth of what they take, and our share leap to most of the key just
-        # as they start).
-        self.others_due = 0.0
-        # granted_at, taken, left, and the reported reset (s) or None
-        self.last_report: tuple[float, float, float, float | None] | None = None
-        # A fixed window (its reset counts down with the clock): nothing refills until
-        # it ends, so the trend of `remaining` says nothing about other clients.
-        self.fixed_window = False
-
-    @property
-    def capacity(self) -> float:
-        full = self.per_minute * self.burst_s / 60.0
-        return max(1.0, full - self.headroom if full - self.headroom >= 1.0 else full)
-
-    @property
-    def others_per_s(self) -> float:
-        return max(0.0, self.others_mean)
-
-    @property
-    def _per_second(self) -> float:
-        return self.per_minute * self.safety / 60.0
-
-    def refill(self, now: float) -> None:
-        elapsed = max(0.0, now - self.stamp)
-        self.level = min(self.capacity, self.level + elapsed * self._per_second)
-        self.stamp = now
-
-    def wait_for(self, amount: float) -> float:
-        """Seconds until `amount` can be taken (a request larger than the bucket waits for
-        a full bucket, then takes it into debt)."""
-        need = min(amount, self.capacity)
-        missing = need - self.level
-        if missing <= _EPSILON:  # float dust must not turn into an endless 1e-17 s sleep
-            return 0.0
-        return missing / self._per_second
-
-    def set_rate(self, per_minute: float, now: float) -> None:
-        self.refill(now)
-        self.per_minute = per_minute
-        self.level = min(self.level, self.capacity)
 
 
 @dataclass(order=True)
@@ -232,7 +158,7 @@ class RateLimiter:
     # -- granting ------------------------------------------------------------
     async def acquire(self, tokens: int = 0, lane: Lane = Lane.LIVE) -> Permit:
         started = self.clock.now()
-        if not self._queue and self._wait_time(tokens, started) <= _EPSILON:
+        if not self._queue and self._wait_time(tokens, started) <= EPSILON:
             # Nobody waiting and capacity free: no queue round trip.
             return self._permit(tokens, 0.0, self._grant(tokens))
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -298,7 +224,7 @@ class RateLimiter:
                 continue
             now = self.clock.now()
             wait = self._wait_time(head.tokens, now)
-            if wait <= _EPSILON:
+            if wait <= EPSILON:
                 heapq.heappop(self._queue)
                 head.future.set_result(self._grant(head.tokens))
                 continue
@@ -498,24 +424,24 @@ class RateLimiter:
         down with the clock: a fixed window, which does not refill as time passes."""
         granted_at, taken = since
         last = bucket.last_report
-        if last is not None and granted_at - last[0] >= 0.05 and not bucket.fixed_window:
-            dt = granted_at - last[0]
+        if last is not None and granted_at - last.granted_at >= 0.05 and not bucket.fixed_window:
+            dt = granted_at - last.granted_at
             # A bucket's reset moves with what is taken; a window's only with the clock
             # (with two or more calls between the reports, a bucket's would differ).
             if (
                 reset is not None
-                and last[3] is not None
+                and last.reset is not None
                 and reset > 0.05
-                and taken - last[1] >= 2
-                and abs(last[3] - dt - reset) < 0.01 + 0.02 * dt
+                and taken - last.taken >= 2
+                and abs(last.reset - dt - reset) < 0.01 + 0.02 * dt
             ):
                 bucket.fixed_window = True
                 bucket.others_mean = 0.0
                 return
             refilled = dt * ceiling / 60.0
             full = ceiling * bucket.burst_s / 60.0  # the provider's bucket, in our units
-            if last[2] + refilled < full:
-                theirs = last[2] + refilled - (taken - last[1]) - left
+            if last.left + refilled < full:
+                theirs = last.left + refilled - (taken - last.taken) - left
                 sample = theirs / dt  # not clipped: noise both ways averages out
                 if not bucket.sampled:
                     bucket.others_mean = bucket.others_due * ceiling / 60.0
@@ -529,8 +455,8 @@ class RateLimiter:
                 # that has since gone idle would stay there for good (its own pace never
                 # drains the bucket enough to be measured again).
                 bucket.others_mean *= 0.95
-        if last is None or granted_at > last[0]:
-            bucket.last_report = (granted_at, taken, left, reset)
+        if last is None or granted_at > last.granted_at:
+            bucket.last_report = Report(granted_at, taken, left, reset)
 
     def rates(self) -> tuple[float, float | None]:
         """Current requests and tokens per minute (tokens None without a token limit)."""

@@ -418,7 +418,7 @@ async def test_a_report_of_a_call_granted_before_a_rebalance_is_no_sample_of_the
     assert limiter.share(bucket, 3000) == pytest.approx(1500)  # our half meanwhile
     after = await limiter.acquire()
     limiter.observe(report, after)
-    assert bucket.last_report is not None and bucket.last_report[0] == after.granted_at
+    assert bucket.last_report is not None and bucket.last_report.granted_at == after.granted_at
 
 
 async def test_a_member_joining_brings_the_rate_down_before_the_next_grant() -> None:

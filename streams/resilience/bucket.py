@@ -1,0 +1,95 @@
+"""A token bucket in units per minute, as a provider's limit is enforced, and the last
+report of the provider's own bucket about one of our calls (`Report`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EPSILON = 1e-9
+
+
+@dataclass(frozen=True)
+class Report:
+    """What the provider said of its bucket after one of our calls."""
+
+    granted_at: float  # when the call it answers was let go
+    taken: float  # units we had granted by then
+    left: float  # the provider's level, in our bucket's units
+    reset: float | None  # the reset it reported (s), if it did
+
+
+class Bucket:
+    """A token bucket in units per minute; the level may go below zero (debt).
+
+    It runs a hair inside the provider's own bucket: one unit less of burst
+    (`headroom`) and `safety` of the rate, so calls that reach the provider a few
+    milliseconds apart from when we let them go still find capacity there.
+    """
+
+    def __init__(
+        self,
+        per_minute: float,
+        burst_s: float,
+        now: float,
+        *,
+        headroom: float = 1.0,
+        safety: float = 0.995,
+    ) -> None:
+        self.per_minute = per_minute
+        self.burst_s = burst_s
+        self.headroom = headroom
+        self.safety = safety
+        self.level = self.capacity
+        self.stamp = now
+        self.peak_remaining = 0.0  # the most the provider ever reported left (a full bucket)
+        self.taken = 0.0  # every unit ever granted: what was granted since a report
+        # Other clients of the key, seen in the trend of `remaining`: their units per
+        # second (a moving average), and the report that trend is measured from.
+        self.others_mean = 0.0  # moving average of the samples, noise both ways included
+        self.sampled = False  # a first sample is in: until then the others are unknown
+        # The part of the limit the other members of the group are due: where the moving
+        # average starts, not from nothing (its first sample would else read them as
+        # taking a fifth of what they take, and our share leap to most of the key just
+        # as they start).
+        self.others_due = 0.0
+        # The last report about one of our calls (its trend against the next says what
+        # the key's other clients took meanwhile).
+        self.last_report: Report | None = None
+        # A fixed window (its reset counts down with the clock): nothing refills until
+        # it ends, so the trend of `remaining` says nothing about other clients.
+        self.fixed_window = False
+
+    @property
+    def capacity(self) -> float:
+        full = self.per_minute * self.burst_s / 60.0
+        return max(1.0, full - self.headroom if full - self.headroom >= 1.0 else full)
+
+    @property
+    def others_per_s(self) -> float:
+        return max(0.0, self.others_mean)
+
+    @property
+    def _per_second(self) -> float:
+        return self.per_minute * self.safety / 60.0
+
+    def refill(self, now: float) -> None:
+        elapsed = max(0.0, now - self.stamp)
+        self.level = min(self.capacity, self.level + elapsed * self._per_second)
+        self.stamp = now
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until `amount` can be taken (a request larger than the bucket waits for
+        a full bucket, then takes it into debt)."""
+        need = min(amount, self.capacity)
+        missing = need - self.level
+        if missing <= EPSILON:  # float dust must not turn into an endless 1e-17 s sleep
+            return 0.0
+        return missing / self._per_second
+
+    def set_rate(self, per_minute: float, now: float) -> None:
+        self.refill(now)
+        self.per_minute = per_minute
+        self.level = min(self.level, self.capacity)
+
+
+__all__ = ["EPSILON", "Bucket", "Report"]
