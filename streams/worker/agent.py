@@ -370,7 +370,7 @@ class TaskAgent:
     async def _finish(self, dispatchers: list[Dispatcher]) -> None:
         """Stopping: the started tasks finish and write within the shutdown grace (less a
         margin to close the clients); the rest are cancelled and stay unacked."""
-        budget = max(0.0, self.watchdog.remaining(self.settings.shutdown_grace_s) - 3.0)
+        budget = self.watchdog.for_tasks()
         drained = asyncio.gather(*(d.drain() for d in dispatchers))
         try:
             await asyncio.wait_for(asyncio.shield(drained), timeout=budget)

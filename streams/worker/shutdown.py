@@ -23,6 +23,10 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
+# Of the grace, what the stop keeps after its tasks to close the clients and commit: the
+# started tasks get the rest (`Watchdog.for_tasks`).
+CLOSE_MARGIN_S = 3.0
+
 
 class Watchdog:
     """Ends the process `grace_s` after `start()`, saying what `report()` says is left."""
@@ -50,11 +54,15 @@ class Watchdog:
         for begun in self.on_start:
             begun()
 
-    def remaining(self, default: float) -> float:
-        """Seconds left of the grace, or `default` when no stop has begun."""
+    def remaining(self) -> float:
+        """Seconds left of the grace (all of it when no stop has begun)."""
         if self.started_at is None:
-            return default
+            return self.grace_s
         return max(0.0, self.grace_s - (time.monotonic() - self.started_at))
+
+    def for_tasks(self) -> float:
+        """What the started tasks may still take: the grace left, less `CLOSE_MARGIN_S`."""
+        return max(0.0, self.remaining() - CLOSE_MARGIN_S)
 
     def cancel(self) -> None:
         with self._lock:

@@ -12,12 +12,13 @@ def test_a_stop_is_told_once_however_often_it_is_asked() -> None:
     watchdog = Watchdog(3600, lambda: "")
     watchdog.on_start.append(lambda: told.append("stop"))
     try:
-        assert watchdog.remaining(30.0) == 30.0  # no stop yet: the default
+        assert watchdog.remaining() == 3600  # no stop yet: all of the grace
+        assert watchdog.for_tasks() == 3600 - 3.0  # less the margin to close the clients
         watchdog.start("signal SIGTERM")
         first = watchdog.started_at
         watchdog.start("crash: cannot write")
         assert told == ["stop"]
         assert watchdog.started_at == first
-        assert 3590 < watchdog.remaining(30.0) <= 3600
+        assert 3590 < watchdog.remaining() <= 3600
     finally:
         watchdog.cancel()
