@@ -49,6 +49,10 @@ class LaneSlots:
             Lane.LIVE: deque(), Lane.REPLAY: deque()
         }  # fmt: skip
 
+    def free_for(self, lane: Lane) -> bool:
+        """Whether a record of `lane` would get a slot now (none waiting before it)."""
+        return not (self._waiters[Lane.LIVE] or self._waiters[lane]) and self._free_for(lane)
+
     def _free_for(self, lane: Lane) -> bool:
         if self.in_use[Lane.LIVE] + self.in_use[Lane.REPLAY] >= self.limit:
             return False

@@ -337,7 +337,9 @@ class TaskAgent:
         m = self.metrics
         try:
             waiting_since = time.monotonic()
-            async for events in take(stream, settings.batch.size, within=settings.batch.window_s):
+            # A record whose call can start starts: the window only while slots are full.
+            async for events in take(stream, settings.batch.size, within=settings.batch.window_s,
+                                     eager=lambda: self.slots.free_for(lane)):  # fmt: skip
                 m.batch_size.observe(len(events))
                 m.batch_fill.observe(time.monotonic() - waiting_since)
                 for i, event in enumerate(events):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import faust
@@ -88,9 +88,17 @@ class _Batch:
             self.consuming.set_result(None)
 
 
-async def take(stream: faust.Stream[Any], max_: int, within: float) -> AsyncIterator[list[Any]]:
+async def take(
+    stream: faust.Stream[Any],
+    max_: int,
+    within: float,
+    eager: Callable[[], bool] | None = None,
+) -> AsyncIterator[list[Any]]:
     """Lists of up to `max_` events of `stream` (not acked): each yielded once it is full,
-    or `within` seconds after its first event came."""
+    or `within` seconds after its first event came — or at once, what has come so far,
+    while `eager()` says its events can start now (the worker has free slots): the
+    window bounds how long a batch waits for company when there is no room for it
+    anyway, never how long a record waits while its call could start."""
     batch = _Batch(stream, max_)
     acks = stream.enable_acks
     stream.enable_acks = False  # acked by the caller, once each task is done
@@ -104,7 +112,10 @@ async def take(stream: faust.Stream[Any], max_: int, within: float) -> AsyncIter
             if not batch.events:
                 await batch.wait()  # until the batch's first event (or the end)
             if batch.events and len(batch.events) < max_ and not ended.done():
-                await batch.wait(within)  # until it is full or the window ends (or the end)
+                if eager is None or not eager():
+                    await batch.wait(within)  # until full or the window ends (or the end)
+                else:
+                    await asyncio.sleep(0)  # what came with it this turn goes along
             if not batch.events:
                 continue
             batch.consuming = batch.loop.create_future()

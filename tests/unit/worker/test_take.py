@@ -113,3 +113,32 @@ async def test_the_streams_end_ends_the_take_at_once(stream: Any) -> None:
     await asyncio.wait_for(ended.wait(), timeout=5)
     assert task.done() and task.exception() is None
     assert stream.enable_acks  # as it was before the take
+
+
+async def test_with_room_for_them_records_go_at_once_not_after_the_window(stream: Any) -> None:
+    """The window (here an hour) holds a batch for company only while nothing could start
+    it anyway: with free slots, a lone record is handed out as it comes; without, it
+    waits for its window as before."""
+    got: list[list[Any]] = []
+    room = [True]
+
+    async def consume() -> None:
+        async for events in take(stream, 10, 3600.0, eager=lambda: room[0]):
+            got.append([e.value for e in events])
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.05)
+    await stream.test_channel.send(value="alone")
+    await asyncio.wait_for(_until(lambda: got == [["alone"]]), 60)  # not in an hour
+    room[0] = False
+    await stream.test_channel.send(value="no room")
+    await asyncio.sleep(0.2)
+    assert got == [["alone"]]  # held for company: nothing could start it now
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def _until(check: Any) -> None:
+    while not check():  # noqa: ASYNC110  # polled with a deadline, as the tests' rule says
+        await asyncio.sleep(0.005)
