@@ -96,35 +96,48 @@ async def main() -> None:
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--tasks", type=int, default=64)
     parser.add_argument("--read-timeout", type=float, default=8.0)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds of every phase, in a rotated order; medians reported")  # fmt: skip
     args = parser.parse_args()
+    phases: list[tuple[str, str, int]] = [(f"fixed {n}", "fixed", n)
+                                          for n in range(1, 2 * args.slots + 1)]  # fmt: skip
+    phases += [("learned (slots said)", "learned", 0), ("learned (timings only)", "timings", 0),
+               ("no limit (before)", "none", 0)]  # fmt: skip
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in phases}
     with tempfile.TemporaryDirectory() as tmp:
         dirs = pipelines(Path(tmp))
         with LlamaServer(ctx=1024 * args.slots, parallel=args.slots, api_key="bench-key",
                          log_file=Path(tmp) / "server.log") as server:  # fmt: skip
             await phase(server, dirs, 4, args.read_timeout, "fixed", 1)  # warm the server
-            rows: list[tuple[str, dict[str, Any]]] = []
-            for n in range(1, 2 * args.slots + 1):
-                rows.append((f"fixed {n}", await phase(server, dirs, args.tasks,
-                                                       args.read_timeout, "fixed", n)))  # fmt: skip
-            best = max(r["per_s"] for _, r in rows)
-            rows.append(("learned (slots said)", await phase(server, dirs, args.tasks,
-                                                             args.read_timeout, "learned")))  # fmt: skip
-            rows.append(("learned (timings only)", await phase(server, dirs, args.tasks,
-                                                               args.read_timeout, "timings")))  # fmt: skip
-            rows.append(("no limit (before)", await phase(server, dirs, args.tasks,
-                                                          args.read_timeout, "none")))  # fmt: skip
+            for r in range(args.rounds):  # rotated, so no phase always runs first or warm
+                order = phases[r % len(phases) :] + phases[: r % len(phases)]
+                for name, gate, n in order:
+                    runs[name].append(await phase(server, dirs, args.tasks, args.read_timeout,
+                                                  gate, n))  # fmt: skip
+
+    def median(name: str, key: str) -> float:
+        values = sorted(float(r[key]) for r in runs[name])
+        return values[len(values) // 2] if len(values) % 2 else sum(values[len(values) // 2 - 1:
+                                                                             len(values) // 2 + 1]) / 2  # fmt: skip
+
+    best = max(median(name, "per_s") for name, gate, _ in phases if gate == "fixed")
     print(
         f"llama.cpp, {args.slots} slots, {args.tasks} tasks at once, read timeout "
-        f"{args.read_timeout:g} s; goodput ratio to the best fixed limit ({best:.2f}/s)"
+        f"{args.read_timeout:g} s, {args.rounds} rounds (medians); goodput ratio to the best "
+        f"fixed limit ({best:.2f}/s)"
     )
     print(
         f"{'phase':<24} {'answered':>8} {'per s':>7} {'ratio':>6} {'timeouts':>8} "
-        f"{'opened':>6} {'limit':>5}"
+        f"{'opened':>6} {'limits':>8}"
     )
-    for name, r in rows:
+    for name, _, _ in phases:
+        answered = min(int(r["answered"]) for r in runs[name])
+        per_s = median(name, "per_s")
+        limits = ",".join(str(r["limit"]) for r in runs[name])
         print(
-            f"{name:<24} {r['answered']:>8} {r['per_s']:>7.2f} {r['per_s'] / best:>6.2f} "
-            f"{r['timeouts']:>8} {r['opened']:>6} {r['limit']!s:>5}"
+            f"{name:<24} {answered:>8} {per_s:>7.2f} {per_s / best:>6.2f} "
+            f"{sum(r['timeouts'] for r in runs[name]):>8} "
+            f"{sum(r['opened'] for r in runs[name]):>6} {limits:>8}"
         )
 
 

@@ -14,11 +14,11 @@ measured, not guessed; for any other server the service time is estimated from t
 round's pace against the long-run pace (seconds per unit of work, a generated token
 being one unit and a prompt token `PROMPT_UNIT` of one), as Netflix's gradient limit
 does: a round `TOLERANCE` times slower queued. Per round of `limit` calls: calls that
-queued take the limit down by one; none did and the limit was in use, up by one (or
-doubled, until the first queue: slow start); a timeout or an overload (503) cuts it to
-`DECREASE` of itself. It starts at the server's own slots when it says them
-(llama.cpp's `/props`), else at `START`: one call alone shows the server's own pace,
-from which slow start doubles.
+queued (more than the one a server does best to hold ready) take the limit down; none
+did and the limit was in use, up by one (or doubled, until the first queue: slow start);
+a timeout or an overload (503) cuts it to `DECREASE` of itself. It starts at the
+server's own slots and one more when it says them (llama.cpp's `/props`), else at
+`START`: one call alone shows the server's own pace, from which slow start doubles.
 
 An endpoint that sends rate-limit headers (OpenAI, Azure, gateways) is limited by its
 rate, not here: from its first such answer, the gate is open (`unlimited`).
@@ -209,7 +209,9 @@ class ConcurrencyLimit:
         timed = [(s, w) for s, _, w in calls if w is not None]
         if timed:
             queued = sum(1 for s, w in timed if s - w > max(QUEUED_MIN_S, QUEUED_SHARE * w))
-            return len(calls) - queued + 1.0 if queued else None
+            # One call waiting is the server's next, ready when a slot frees (the best
+            # fixed limit of a real 2-slot server was 3): more than one is a queue.
+            return len(calls) - queued + 1.0 if queued > 1 else None
         paces = sorted(s / u for s, u, _ in calls)
         pace = paces[len(paces) // 2]
         units = sorted(u for _, u, _ in calls)[len(calls) // 2]
@@ -243,8 +245,8 @@ class ConcurrencyLimit:
     def tell_slots(self, slots: int | None) -> None:
         """The server says how many requests it works on at once: start there."""
         if slots and not self.unlimited and self.learn:
-            self._slow_start = False
-            self._set(float(min(self.max_limit, slots)), f"the server has {slots} slots")
+            self._slow_start = False  # its slots and one ready to take a freed slot
+            self._set(float(min(self.max_limit, slots + 1)), f"the server has {slots} slots")
             self._changed()  # said, even when it is where the limit stood
 
     def _changed(self) -> None:

@@ -131,7 +131,7 @@ async def test_a_saturated_real_server_is_not_taken_for_a_failing_one(
     assert {r["task_id"] for r in got.results} == task_ids, got.dead_letters[:3]
     assert scrape.value("llm_streams_llm_requests_total", status="error") == 0
     assert scrape.value("llm_streams_breaker_transitions_total", to="open") == 0
-    assert 2 <= scrape.value("llm_streams_endpoint_concurrency") <= 3
+    assert 2 <= scrape.value("llm_streams_endpoint_concurrency") <= 4  # its slots, one or two ready
 
 
 async def test_a_wrong_key_and_a_dead_endpoint_are_said_clearly(llama: LlamaServer) -> None:

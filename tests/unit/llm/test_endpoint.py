@@ -87,7 +87,7 @@ async def test_a_llama_cpp_server_is_described_and_its_window_learned_by_the_cli
         guarded = GuardedClient(client, limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("s"),
                                 concurrency=ConcurrencyLimit())  # fmt: skip
         assert await guarded.context_window("whatever") == 512
-        assert guarded.concurrency.current == 3
+        assert guarded.concurrency.current == 4  # its 3 slots and one ready
         long = LLMRequest(messages=[{"role": "user", "content": "word " * 800}], model="m",
                           params={"max_tokens": 10})  # fmt: skip
         try:

@@ -40,10 +40,12 @@ async def rounds(gate: ConcurrencyLimit, slots: int, n: int, *, timings: bool = 
 
 @pytest.mark.parametrize("slots", [1, 2, 6, 16])
 async def test_the_limit_finds_the_servers_slots_and_stays_there(slots: int) -> None:
-    """llama.cpp says its own time on each call: what was queueing is measured."""
+    """llama.cpp says its own time on each call: what was queueing is measured. The limit
+    holds the server's slots and one or two ready to take a freed slot (the best fixed
+    limit of a real 2-slot server was 3)."""
     gate = ConcurrencyLimit(max_limit=64)
     seen = await rounds(gate, slots, 40)
-    assert all(slots <= limit <= slots + 1 for limit in seen[-20:]), seen
+    assert all(slots + 1 <= limit <= slots + 2 for limit in seen[-20:]), seen
 
 
 @pytest.mark.parametrize("slots", [1, 2, 6, 16])
@@ -76,10 +78,10 @@ async def test_a_server_that_says_its_slots_starts_there_and_a_timeout_cuts_the_
     gate = ConcurrencyLimit(max_limit=64)
     assert gate.current == START
     gate.tell_slots(8)
-    assert gate.current == 8
+    assert gate.current == 9  # its slots and one ready
     await gate.acquire()
     gate.release(Served(30.0, overloaded=True))
-    assert gate.current == 5  # 8 x 0.7
+    assert gate.current == 6  # 9 x 0.7
     for _ in range(10):
         await gate.acquire()
         gate.release(Served(30.0, overloaded=True))
@@ -181,7 +183,7 @@ async def test_a_guarded_client_keeps_a_saturated_servers_queue_short() -> None:
     await guarded.describe("m")
     request = LLMRequest(messages=[{"role": "user", "content": "hi"}], model="m")
     await asyncio.gather(*(guarded.complete(request) for _ in range(64)))  # 64 at once
-    assert server.most_at_once <= 3  # its two slots and at most one waiting, not 64
+    assert server.most_at_once <= 4  # its two slots and at most two waiting, not 64
     assert gate.in_flight == 0 and gate.waiting == 0
 
 
