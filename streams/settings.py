@@ -211,6 +211,13 @@ class LLMSettings(_Section):
     tpm: float | None = Field(
         None, gt=0, description="Tokens/min to start from; x-ratelimit headers then steer it."
     )
+    startup_wait_s: float = Field(
+        300.0,
+        ge=0,
+        description="How long a worker that starts while the LLM endpoint cannot be reached "
+        "(refused, no answer) waits for it, trying again with backoff and a line per try, "
+        "before it gives up. A wrong host or a refused key fails at once.",
+    )
     context_window: int | None = Field(
         None,
         ge=256,

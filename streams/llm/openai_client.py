@@ -190,6 +190,23 @@ class OpenAIClient:
         name = "llama.cpp" if "llama.cpp" in said else None
         return facts_from(model, models, props, show, server=name)
 
+    async def models(self, timeout_s: float = 10.0) -> tuple[int, list[str]]:
+        """`GET /models`: its status and the model ids it lists. Raises OSError,
+        aiohttp.ClientError or TimeoutError when the endpoint cannot be reached."""
+        session = self._session if self._session is not None else self._open()
+        url = str(self._client.base_url).rstrip("/") + "/models"
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                               proxy=self._proxy) as response:  # fmt: skip
+            body = await response.read()
+        if response.status != 200:
+            return response.status, []
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return response.status, []
+        entries = data.get("data") if isinstance(data, dict) else None
+        return 200, [str(e["id"]) for e in entries or [] if isinstance(e, dict) and "id" in e]
+
     async def structured_support(self, model: str, timeout_s: float = 60.0) -> dict[str, str]:
         """Whether the endpoint honours each way of asking for structured output, tried
         once with a one-field answer: `json_schema` (the answer valid against it), a forced

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import faust
@@ -22,6 +23,8 @@ from streams.store.baselines import refresh_baselines
 from streams.worker import faust_private
 from streams.worker.agent import TaskAgent
 
+log = logging.getLogger(__name__)
+
 
 class ThreadedApp(faust_private.BoundedWaitEmpty, faust.App):
     """Faust's app, its rebalances' wait for records bounded (`faust_private`)."""
@@ -34,7 +37,9 @@ class InLoopApp(ThreadedApp):
         return faust_private.InLoopTransport(self.conf.broker_consumer, self)
 
 
-def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.App:
+def create_app(
+    settings: Settings, limits: WriteLimits | None = None, banner: list[str] | None = None
+) -> faust.App:
     """The worker's Faust app. `limits`: what each written topic takes (read from the
     broker at start by `run_worker`; without them, the producer's limit and Kafka's
     default topic limit)."""
@@ -92,6 +97,11 @@ def create_app(settings: Settings, limits: WriteLimits | None = None) -> faust.A
     async def read_baselines() -> None:
         await refresh_baselines(settings, drift)
 
+    async def say_what_it_is() -> None:  # once the worker's logging is set up
+        for line in banner or ():
+            log.info("%s", line)
+
+    app.task(say_what_it_is)
     # At start, then every `drift.refresh_s` (faust leaves both decorators untyped).
     app.task(read_baselines)
     app.timer(settings.drift.refresh_s)(read_baselines)

@@ -49,12 +49,15 @@ def run_worker(settings: Settings) -> None:
         return limits
 
     limits = loop.run_until_complete(while_kafka_away(checks, settings.kafka.startup_wait_s))
+    from streams.worker.preflight import banner, llm_preflight
+
+    seen = loop.run_until_complete(llm_preflight(settings))  # or a clear ConfigError
     from streams.observability.genai import setup_metrics
     from streams.observability.tracing import setup_tracing
 
     setup_tracing(settings)
     setup_metrics(settings)
-    app = create_app(settings, limits)
+    app = create_app(settings, limits, banner=banner(settings, registry, seen))
     worker = BoundedWorker(
         app, loop=loop, loglevel=settings.log_level,
         logging_config=logging_config(settings.log_level, settings.log_format, secrets(settings)),

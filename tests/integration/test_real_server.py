@@ -125,8 +125,10 @@ async def test_a_saturated_real_server_is_not_taken_for_a_failing_one(
                             until=lambda g: task_ids <= {r["task_id"] for r in
                                                          g.results + g.dead_letters})  # fmt: skip
         scrape = await worker.scrape()
+        log = worker.log_tail(400)
     finally:
         worker.stop()
+    assert "(llama.cpp), model smollm2, window 1024 (said), 2 slots" in log, log  # its banner
     assert_one_outcome_each(got, task_ids)
     assert {r["task_id"] for r in got.results} == task_ids, got.dead_letters[:3]
     assert scrape.value("llm_streams_llm_requests_total", status="error") == 0

@@ -1,0 +1,124 @@
+"""The LLM endpoint checked before the worker starts, as Kafka is (`kafka.security`):
+reachable, the key accepted, the model listed — a wrong host or a refused key one line
+naming the setting, within seconds, instead of every task's first call failing; an
+endpoint merely away (refused, unanswered: a server restarting) waited for, with
+backoff and a line per try, up to `llm.startup_wait_s`."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+
+import aiohttp
+
+from streams.errors import ConfigError, UpstreamError
+from streams.llm.endpoint import EndpointFacts
+from streams.llm.openai_client import OpenAIClient
+from streams.pipelines.registry import PipelineRegistry
+from streams.resilience.retry import retry_transient
+from streams.settings import Settings
+
+log = logging.getLogger(__name__)
+
+KEY_VARS = "OPENAI_API_KEY (or LLM_STREAMS_LLM__API_KEY)"
+URL_VARS = "OPENAI_BASE_URL (or LLM_STREAMS_LLM__BASE_URL)"
+
+
+class EndpointAway(UpstreamError):
+    """The endpoint could not be reached, for a reason waiting may mend."""
+
+
+async def llm_preflight(settings: Settings) -> Preflight:
+    """The endpoint's models and what it says of itself, once it answers with the key
+    accepted; raises ConfigError naming the setting when it never will."""
+    llm = settings.llm
+    key = llm.api_key.get_secret_value() if llm.api_key else None
+    if llm.base_url is None and not key:
+        raise ConfigError(f"no LLM key: set {KEY_VARS}, or {URL_VARS} for a server that "
+                          "needs none")  # fmt: skip
+    client = OpenAIClient(base_url=llm.base_url, api_key=key,
+                          connect_timeout_s=llm.connect_timeout_s,
+                          read_timeout_s=llm.read_timeout_s)  # fmt: skip
+    where = client.endpoint
+
+    async def ask() -> list[str]:
+        return await _ask(client, where)
+
+    try:
+        ids = await retry_transient(
+            ask, what="the LLM endpoint at start (LLM_STREAMS_LLM__STARTUP_WAIT_S bounds the "
+            "wait)", transient=lambda exc: isinstance(exc, EndpointAway),
+            within_s=llm.startup_wait_s, first_s=1.0, max_s=15.0,
+        )  # fmt: skip
+        facts = await client.describe(llm.model)
+    except EndpointAway as exc:
+        raise ConfigError(f"{exc.message}: still away after {llm.startup_wait_s:.0f}s — check "
+                          f"{URL_VARS}") from exc  # fmt: skip
+    finally:
+        await client.close()
+    if ids and llm.model not in ids and len(ids) > 1:
+        log.warning("the LLM endpoint %s lists no model %r (it lists %s): check "
+                    "LLM_STREAMS_LLM__MODEL", where, llm.model, ", ".join(ids[:8]))  # fmt: skip
+    return Preflight(endpoint=where, models=ids, facts=facts)
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the endpoint answered at start."""
+
+    endpoint: str
+    models: list[str]
+    facts: EndpointFacts
+
+
+def banner(settings: Settings, registry: PipelineRegistry, seen: Preflight) -> list[str]:
+    """What the worker says when it starts: where it reads and writes, what it answers
+    with, how, and where to look."""
+    llm, t, facts = settings.llm, settings.topics, seen.facts
+    window = (f"{llm.context_window} (set)" if llm.context_window else
+              f"{facts.context_window} (said)" if facts.context_window else
+              "learned from the first overflow")  # fmt: skip
+    slots = f", {facts.slots} slots" if facts.slots else ""
+    server = f" ({facts.server})" if facts.server else ""
+    pipelines = "; ".join(
+        f"{name} {'/'.join(sorted(p.versions))} (default {p.spec.default_version})"
+        for name, p in sorted(registry.pipelines.items())
+    )
+    host = "127.0.0.1" if settings.web_bind in ("0.0.0.0", "::") else settings.web_bind
+    return [
+        f"llm-streams worker {settings.app_id}: Kafka {settings.kafka.broker_url}, "
+        f"{settings.processing_guarantee}",
+        f"  LLM {seen.endpoint}{server}, model {llm.model}, window {window}{slots}",
+        f"  pipelines: {pipelines}",
+        f"  reads {t.tasks} (live), {t.replay} (replay); writes {t.results}, "
+        f"{t.dead_letters}, {t.review}",
+        f"  store {settings.store} in {settings.data_dir}",
+        f"  status http://{host}:{settings.web_port}/status (metrics /metrics)",
+    ]
+
+
+async def _ask(client: OpenAIClient, where: str) -> list[str]:
+    """One try: the models listed, or why not — `EndpointAway` when waiting may mend it."""
+    try:
+        status, ids = await client.models()
+    except socket.gaierror as exc:
+        if exc.errno == socket.EAI_AGAIN:  # the resolver is away, not the name wrong
+            raise EndpointAway(f"{where}: {exc}") from exc
+        raise ConfigError(f"the LLM endpoint {where} does not resolve ({exc}): check "
+                          f"{URL_VARS}") from exc  # fmt: skip
+    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, TimeoutError,
+            ConnectionError) as exc:  # fmt: skip
+        if isinstance(getattr(exc, "os_error", None), socket.gaierror):
+            raise ConfigError(f"the LLM endpoint {where} does not resolve: check "
+                              f"{URL_VARS}") from exc  # fmt: skip
+        raise EndpointAway(f"cannot reach the LLM endpoint {where}: {exc}") from exc
+    if status in (401, 403):
+        raise ConfigError(f"the LLM endpoint {where} refused the key (HTTP {status}): "
+                          f"check {KEY_VARS}")  # fmt: skip
+    if status >= 500:
+        raise EndpointAway(f"the LLM endpoint {where} answered HTTP {status}")
+    return ids  # 404 and the like: a server without a model list says nothing more
+
+
+__all__ = ["EndpointAway", "Preflight", "banner", "llm_preflight"]

@@ -1,0 +1,74 @@
+"""The LLM endpoint checked before the worker starts: a wrong host or key is one line
+naming the setting, at once; an endpoint merely away is waited for, then given up on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from streams.dev.brokers.common import free_port
+from streams.dev.simulator import SimConfig, SimulatorServer
+from streams.errors import ConfigError
+from streams.settings import load_settings
+from streams.worker.preflight import llm_preflight
+
+
+async def test_an_endpoint_that_answers_with_the_key_accepted_passes() -> None:
+    server = SimulatorServer(SimConfig(api_key="k"))
+    await server.start()
+    try:
+        seen = await llm_preflight(load_settings(llm={"base_url": server.base_url,
+                                                        "api_key": "k", "model": "sim-1"}))  # fmt: skip
+        assert "sim-1" in seen.models
+        with pytest.raises(ConfigError, match=r"refused the key \(HTTP 401\).*OPENAI_API_KEY"):
+            await llm_preflight(load_settings(llm={"base_url": server.base_url,
+                                                   "api_key": "wrong"}))  # fmt: skip
+    finally:
+        await server.stop()
+
+
+async def test_a_wrong_host_or_no_key_fails_at_once() -> None:
+    with pytest.raises(ConfigError, match=r"does not resolve.*OPENAI_BASE_URL"):
+        await asyncio.wait_for(llm_preflight(load_settings(llm={
+            "base_url": "http://no-such-host.invalid:8000/v1", "api_key": "k"})), 30)  # fmt: skip
+    with pytest.raises(ConfigError, match="no LLM key: set OPENAI_API_KEY"):
+        await llm_preflight(load_settings())  # OpenAI's own endpoint, no key
+
+
+async def test_an_endpoint_away_at_start_is_waited_for_then_given_up_on() -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1"
+    settings = load_settings(llm={"base_url": url, "api_key": "k", "startup_wait_s": 30})
+    server = SimulatorServer(SimConfig(api_key="k"), port=port)
+    checking = asyncio.create_task(llm_preflight(settings))
+    await asyncio.sleep(1.5)  # refused meanwhile: it waits
+    assert not checking.done()
+    await server.start()  # the endpoint comes back
+    try:
+        assert "sim-1" in (await asyncio.wait_for(checking, 60)).models
+    finally:
+        await server.stop()
+    gone = load_settings(llm={"base_url": url, "api_key": "k", "startup_wait_s": 1})
+    with pytest.raises(ConfigError, match="still away after 1s"):
+        await asyncio.wait_for(llm_preflight(gone), 60)
+
+
+def test_the_banner_says_what_the_worker_is_and_where_to_look() -> None:
+    from pathlib import Path
+
+    from streams.llm.endpoint import EndpointFacts
+    from streams.pipelines.registry import PipelineRegistry
+    from streams.worker.preflight import Preflight, banner
+
+    root = Path(__file__).resolve().parents[3]
+    settings = load_settings(llm={"base_url": "http://llm:8080/v1", "model": "local"},
+                             web_port=6070)  # fmt: skip
+    registry = PipelineRegistry.load(root / "pipelines", root / "schemas")
+    seen = Preflight("http://llm:8080/v1/", ["local"],
+                     EndpointFacts(server="llama.cpp", context_window=4096, slots=2))  # fmt: skip
+    text = "\n".join(banner(settings, registry, seen))
+    assert "LLM http://llm:8080/v1/ (llama.cpp), model local, window 4096 (said), 2 slots" in text
+    assert "comment-analysis v1 (default v1)" in text
+    assert "at_least_once" in text and "reads llm-tasks (live), llm-tasks-replay" in text
+    assert "status http://" in text and ":6070/status" in text
