@@ -2,12 +2,18 @@
 
 Every field is read from ``LLM_STREAMS_<SECTION>__<FIELD>`` (for example
 ``LLM_STREAMS_BATCH__SIZE``); the LLM key and URL also fall back to the OpenAI
-SDK's own ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL``.
+SDK's own ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL``, and the key may be read from a file
+(``LLM_STREAMS_LLM__API_KEY_FILE`` or ``OPENAI_API_KEY_FILE``), as every secret may. A
+variable that starts with ``LLM_STREAMS_`` and is no setting is refused with the nearest
+name (a typo would otherwise be ignored), except the few that tools outside the settings
+read (``TOOL_VARIABLES``).
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -198,6 +204,9 @@ class BatchSettings(_Section):
 class LLMSettings(_Section):
     base_url: str | None = Field(None, description="OpenAI-compatible endpoint; OPENAI_BASE_URL.")
     api_key: SecretStr | None = Field(None, description="API key; OPENAI_API_KEY.")
+    api_key_file: Path | None = Field(
+        None, description="A file holding the API key (wins over API_KEY); OPENAI_API_KEY_FILE."
+    )
     model: str = Field("gpt-4o-mini", min_length=1, description="Default model.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Per-attempt connect timeout.")
     read_timeout_s: float = Field(30.0, gt=0, description="Per-attempt read timeout.")
@@ -485,23 +494,88 @@ def env_name(loc: tuple[int | str, ...]) -> str:
 def load_settings(**overrides: Any) -> Settings:
     """Build settings from the process environment plus explicit overrides.
 
-    Raises ConfigError naming the environment variable of every invalid field.
+    Raises ConfigError naming the environment variable of every invalid field, and of
+    every `LLM_STREAMS_*` variable that is no setting.
     """
+    _refuse_unknown(os.environ)
     llm = dict(overrides.pop("llm", {}) or {})
-    if f"{ENV_PREFIX}LLM__API_KEY" not in os.environ and "OPENAI_API_KEY" in os.environ:
-        llm.setdefault("api_key", os.environ["OPENAI_API_KEY"])
-    if f"{ENV_PREFIX}LLM__BASE_URL" not in os.environ and "OPENAI_BASE_URL" in os.environ:
-        llm.setdefault("base_url", os.environ["OPENAI_BASE_URL"])
+    for ours, theirs, field in (
+        ("LLM__API_KEY", "OPENAI_API_KEY", "api_key"),
+        ("LLM__API_KEY_FILE", "OPENAI_API_KEY_FILE", "api_key_file"),
+        ("LLM__BASE_URL", "OPENAI_BASE_URL", "base_url"),
+    ):
+        if ENV_PREFIX + ours not in os.environ and theirs in os.environ:
+            llm.setdefault(field, os.environ[theirs])
     if llm:
         overrides["llm"] = llm
     try:
-        return Settings(**overrides)
+        settings = Settings(**overrides)
     except ValidationError as exc:
         problems = "; ".join(
             f"{env_name(e['loc'])}: {e['msg']}{_got(e['loc'], e.get('input'))}"
             for e in exc.errors()
         )
         raise ConfigError(f"invalid settings: {problems}") from exc
+    return _with_key_file(settings)
+
+
+def _with_key_file(settings: Settings) -> Settings:
+    path = settings.llm.api_key_file
+    if path is None:
+        return settings
+    try:
+        key = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"{ENV_PREFIX}LLM__API_KEY_FILE: cannot read {path}: {exc.strerror}"
+        ) from None
+    if not key:
+        raise ConfigError(f"{ENV_PREFIX}LLM__API_KEY_FILE: {path} is empty")
+    llm = settings.llm.model_copy(update={"api_key": SecretStr(key)})
+    return settings.model_copy(update={"llm": llm})
+
+
+# Read by tools beside the settings (the test suite's brokers and model, the dev registry),
+# never by a worker: the only `LLM_STREAMS_*` names that are no setting.
+TOOL_VARIABLES = frozenset(
+    ENV_PREFIX + name
+    for name in ("KAFKA_JARS", "SCHEMA_REGISTRY_BIN", "LLAMA_MODEL", "TEST_DOCKER")
+)
+
+
+def setting_variables() -> list[str]:
+    """Every variable that sets a field (sections by their fields, as the env source reads)."""
+    names: list[str] = []
+
+    def walk(loc: tuple[str, ...], model: type[BaseModel]) -> None:
+        for name, field in model.model_fields.items():
+            kind = field.annotation
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                walk((*loc, name), kind)
+            else:
+                names.append(env_name((*loc, name)))
+
+    walk((), Settings)
+    return names
+
+
+def _refuse_unknown(environ: Mapping[str, str]) -> None:
+    """A top-level typo (`LLM_STREAMS_BATCHSIZE`) is refused as a nested one is (the env
+    source drops names it cannot place, and the typo's setting would keep its default)."""
+    known = setting_variables()
+    sections = {n.split("__")[0] for n in known if "__" in n}
+    tops = {n for n in known if "__" not in n}
+    problems = []
+    for var in sorted(environ):
+        if not var.startswith(ENV_PREFIX) or var in TOOL_VARIABLES:
+            continue
+        head = var.split("__")[0] if "__" in var else var
+        if head in sections if "__" in var else var in tops:
+            continue  # a field, or a section's (its field is checked by the section)
+        near = difflib.get_close_matches(var, known, n=1, cutoff=0.6)
+        problems.append(f"{var} is no setting" + (f" (did you mean {near[0]}?)" if near else ""))
+    if problems:
+        raise ConfigError("; ".join(problems) + " — see README.md, Settings")
 
 
 _SECRET_PARTS = ("security", "api_key", "password", "token")

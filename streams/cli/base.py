@@ -4,6 +4,7 @@ after the connection check, the pipelines loaded once (or a one-line exit)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import Coroutine
 from datetime import UTC, datetime
@@ -16,6 +17,18 @@ from streams.errors import ConfigError
 from streams.settings import Settings, load_settings
 
 # Above this divergence (PSI or KS) a field is said to drift: the alert rule's threshold
+
+
+def read_env_file(path: Path) -> None:
+    """`NAME=value` lines of `path` into the environment, under what it already sets (as
+    Docker Compose and most tools read `.env`); no file, nothing read."""
+    if not path.is_file():
+        return
+    from dotenv import dotenv_values
+
+    for name, value in dotenv_values(path).items():
+        if value is not None:
+            os.environ.setdefault(name, value)
 
 
 def settings_or_exit(**overrides: Any) -> Settings:
@@ -111,4 +124,9 @@ def pipeline_or_exit(settings: Settings, name: str, command: str, status: int = 
 @click.group()
 @click.version_option(package_name="llm-streams")
 def cli() -> None:
-    """Run LLM work on every record of a Kafka topic."""
+    """Run LLM work on every record of a Kafka topic.
+
+    Settings come from the environment, and from a `.env` file in the current directory
+    for what the environment does not set (README.md, Settings).
+    """
+    read_env_file(Path(".env"))

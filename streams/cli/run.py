@@ -13,12 +13,41 @@ from streams.errors import ConfigError
 
 
 @cli.command()
-def worker() -> None:
-    """Run a worker (Faust) with the settings from the environment."""
+@click.option(
+    "-l",
+    "--loglevel",
+    "log_level",
+    default=None,
+    type=click.Choice(["debug", "info", "warning", "error", "critical"], case_sensitive=False),
+    help="Log level (else LLM_STREAMS_LOG_LEVEL).",
+)
+@click.option(
+    "--web-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Status and metrics port (else LLM_STREAMS_WEB_PORT).",
+)
+@click.option(
+    "--web-bind",
+    default=None,
+    help="Address of the web port, 0.0.0.0 in a container (else LLM_STREAMS_WEB_BIND).",
+)
+@click.option(
+    "--json-logs",
+    is_flag=True,
+    default=False,
+    help="Log lines as JSON objects (else LLM_STREAMS_LOG_FORMAT).",
+)
+def worker(log_level: str | None, web_port: int | None, web_bind: str | None,
+           json_logs: bool) -> None:  # fmt: skip
+    """Run a worker (Faust) with the settings from the environment; the options, in
+    Faust's style, win over their variables."""
     from streams.worker.run import run_worker
 
+    given = {"log_level": log_level, "web_port": web_port, "web_bind": web_bind,
+             "log_format": "json" if json_logs else None}  # fmt: skip
     try:
-        run_worker(settings_or_exit())
+        run_worker(settings_or_exit(**{k: v for k, v in given.items() if v is not None}))
     except ConfigError as exc:  # the broker's topics or features do not fit the settings
         click.echo(f"llm-streams: {exc}", err=True)
         sys.exit(2)
