@@ -23,6 +23,7 @@ from aiokafka.errors import (
     ClusterAuthorizationFailedError,
     CorruptRecordException,
     InvalidTopicError,
+    KafkaConnectionError,
     KafkaError,
     MessageSizeTooLargeError,
     RecordListTooLargeError,
@@ -72,10 +73,15 @@ async def read_limits(
     settings: Settings, topics: list[str], *, timeout_s: float = 15.0
 ) -> WriteLimits:
     """The limits of `topics` as the broker reports them. A topic it does not describe
-    keeps Kafka's default; a broker that describes no configs (the demo's Tansu) leaves
-    every topic at Kafka's default, with a warning."""
+    keeps Kafka's default; a broker that describes no configs (the demo's Tansu closes
+    the connection on DescribeConfigs) leaves every topic at Kafka's default, said once
+    at info; a broker that could not be asked, with a warning."""
     try:
         found = await asyncio.wait_for(_topic_limits(settings, topics), timeout_s)
+    except _NotDescribed:
+        log.info("the broker does not describe topic configs; assuming Kafka's default "
+                 "of %d bytes per record", KAFKA_DEFAULT_MAX_MESSAGE_BYTES)  # fmt: skip
+        found = {}
     except (KafkaError, OSError, TimeoutError) as exc:
         log.warning("the broker did not say what its topics take (%r); assuming Kafka's "
                     "default of %d bytes", exc, KAFKA_DEFAULT_MAX_MESSAGE_BYTES)  # fmt: skip
@@ -86,6 +92,10 @@ async def read_limits(
     return limits
 
 
+class _NotDescribed(Exception):
+    """The broker, reached, dropped the connection on DescribeConfigs: it does not serve it."""
+
+
 async def _topic_limits(settings: Settings, topics: list[str]) -> dict[str, int]:
     client = admin(settings)
     await client.start()
@@ -93,7 +103,11 @@ async def _topic_limits(settings: Settings, topics: list[str]) -> dict[str, int]
         found: dict[str, int] = {}
         wanted = [ConfigResource(ConfigResourceType.TOPIC, name, {"max.message.bytes": None})
                   for name in topics]  # fmt: skip
-        for response in await client.describe_configs(wanted):
+        try:
+            responses = await client.describe_configs(wanted)
+        except KafkaConnectionError as exc:
+            raise _NotDescribed from exc
+        for response in responses:
             for error_code, _msg, _type, name, entries in response.resources:
                 if error_code != 0:
                     continue
