@@ -101,12 +101,19 @@ def simulate_llm(host: str, port: int, jitter_ms: float, **knobs: Any) -> None:
     help="Use the Kafka the settings name (LLM_STREAMS_KAFKA__BROKER_URL and its "
     "__SECURITY__* settings) instead of the embedded broker; topics of its own.",
 )
-def demo(count: int, timeout: float, quiet: bool, external: bool) -> None:
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="Keep broker, LLM and worker up after the summary, until Ctrl-C: for the "
+    "dashboard, `status`, `tail` and `publish` from another shell.",
+)
+def demo(count: int, timeout: float, quiet: bool, external: bool, keep: bool) -> None:
     """Embedded broker + simulator (or your endpoint) + worker + sample comments, live."""
     from streams.dev.demo import run_demo
 
     try:
-        sys.exit(run_demo(count=count, timeout_s=timeout, quiet=quiet, external=external))
+        sys.exit(run_demo(count=count, timeout_s=timeout, quiet=quiet, external=external,
+                          keep=keep))  # fmt: skip
     except ConfigError as exc:
         click.echo(f"llm-streams: {exc}", err=True)
         sys.exit(2)

@@ -2,7 +2,9 @@
 
 Tansu (embedded broker) + the LLM simulator, unless OPENAI_API_KEY or
 OPENAI_BASE_URL points at a real endpoint + one worker process + the bundled
-sample comments; prints results as they land and a summary at the end.
+sample comments; prints results as they land, a summary, and where to look next. With
+`keep`, broker, simulator and worker stay up until Ctrl-C, for `status`, `tail` and the
+dashboard; its temporary folder goes at the end (kept, and named, when something failed).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib.resources
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -91,13 +94,43 @@ def _environment(broker: TansuBroker | None, workdir: Path, demo_id: str) -> dic
     return env
 
 
-def run_demo(*, count: int, timeout_s: float, quiet: bool, external: bool = False) -> int:
-    return asyncio.run(_demo(count=count, timeout_s=timeout_s, quiet=quiet, external=external))
+def run_demo(
+    *, count: int, timeout_s: float, quiet: bool, external: bool = False, keep: bool = False
+) -> int:
+    try:
+        return asyncio.run(_demo(count=count, timeout_s=timeout_s, quiet=quiet,
+                                 external=external, keep=keep))  # fmt: skip
+    except KeyboardInterrupt:  # Ctrl-C while kept up: everything was stopped on the way out
+        return 0
 
 
-async def _demo(*, count: int, timeout_s: float, quiet: bool, external: bool) -> int:
+def next_steps(env: dict[str, str], results_topic: str, keep: bool) -> list[str]:
+    """What to type next, in another shell, against this demo's worker and broker."""
+    port = env["LLM_STREAMS_WEB_PORT"]
+    shared = {k: v for k, v in env.items()
+              if k.startswith(("LLM_STREAMS_KAFKA__", "LLM_STREAMS_TOPICS__"))}  # fmt: skip
+    exports = " ".join(f"{k}={v}" for k, v in sorted(shared.items()))
+    if not keep:
+        return [
+            "run it again with --keep to keep broker, LLM and worker up and look around "
+            "(dashboard, status, tail); README.md: your own topic, your key"
+        ]
+    return [
+        f"dashboard   http://127.0.0.1:{port}/status   (metrics /metrics)",
+        "in another shell:",
+        f"  export {exports}" if exports else "  (the settings of this shell name the broker)",
+        f"  llm-streams status --url http://127.0.0.1:{port}/status.json",
+        f"  llm-streams tail {results_topic}",
+        "  llm-streams status demo-0001",
+        """  echo '{"text": "Arrived broken, nobody answers."}' | llm-streams publish -""",
+        "Ctrl-C stops broker, LLM and worker",
+    ]
+
+
+async def _demo(*, count: int, timeout_s: float, quiet: bool, external: bool, keep: bool) -> int:
     console = Console()
     workdir = Path(tempfile.mkdtemp(prefix="llm-streams-demo-"))
+    status = 1
     real_llm = bool(os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL"))
     broker = None if external else TansuBroker(log_file=workdir / "tansu.log").start()
     sim: SimulatorServer | None = None
@@ -131,7 +164,9 @@ async def _demo(*, count: int, timeout_s: float, quiet: bool, external: bool) ->
 
         log_path = workdir / "worker.log"
         worker = _spawn_worker(env, log_path)
-        console.print(f"[bold]Worker:[/bold] pid {worker.pid}, log {log_path}")
+        console.print(f"[bold]Worker:[/bold] pid {worker.pid}, status "
+                      f"http://127.0.0.1:{env['LLM_STREAMS_WEB_PORT']}/status, "
+                      f"log {log_path}")  # fmt: skip
 
         comments = sample_comments()
         if count:
@@ -152,21 +187,37 @@ async def _demo(*, count: int, timeout_s: float, quiet: bool, external: bool) ->
         console.print(
             f"published {len(comments)} sample comments and {len(POISON)} malformed records\n"
         )
-        return await _watch(
+        status = await _watch(
             console, settings, expected, worker, started, timeout_s, quiet, real_llm
         )
+        console.print()
+        for line in next_steps(env, settings.topics.results, keep and worker.poll() is None):
+            console.print(line, highlight=False, markup=False)
+        if keep and worker.poll() is None:
+            await asyncio.to_thread(worker.wait)  # Ctrl-C cancels; the worker is stopped below
+        return status
     finally:
-        if worker is not None and worker.poll() is None:
-            worker.send_signal(signal.SIGTERM)
-            try:
-                worker.wait(15)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
-        if sim is not None:
-            await sim.stop()
-        if broker is not None:
-            broker.stop()
+        await _stop(worker, sim, broker)
+        if status == 0:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            console.print(f"logs kept in {workdir}")
+
+
+async def _stop(
+    worker: subprocess.Popen[bytes] | None, sim: SimulatorServer | None, broker: TansuBroker | None
+) -> None:
+    if worker is not None and worker.poll() is None:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(15)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+    if sim is not None:
+        await sim.stop()
+    if broker is not None:
+        broker.stop()
 
 
 async def _watch(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import orjson
+from rich.markup import escape
 
 _SENTIMENT_STYLE = {"positive": "green", "negative": "red", "mixed": "yellow", "neutral": "white"}
 
@@ -19,17 +22,32 @@ def describe(topic: str, key: bytes | None, value: bytes | None) -> str:
         style = _SENTIMENT_STYLE.get(label, "white")
         topics = ",".join(out.get("topics", []))
         issues = "; ".join(
-            f'{i.get("category")}: "{i.get("evidence", "")[:40]}"' for i in out.get("issues", [])
+            f'{i.get("category")}: "{clip(str(i.get("evidence", "")), 40)}"'
+            for i in out.get("issues", [])
         )
         return (
-            f"[bold]{data['task_id'][:24]:<24}[/bold] [{style}]{label:<8}[/{style}] "
+            f"[bold]{escape(str(data['task_id'])[:24]):<24}[/bold] [{style}]{label:<8}[/{style}] "
             f"{out.get('language', '?'):<3}{out.get('confidence', 0):.2f} [cyan]{topics}[/cyan] "
-            f"{data.get('latency_ms', 0):>6.0f}ms {issues}"
+            f"{data.get('latency_ms', 0):>6.0f}ms {escape(issues)}"
         )
     if isinstance(data, dict) and "error" in data and "failed_at" in data:
         err = data["error"]
+        category, code = err.get("category"), err.get("code")
+        kind = category if code in (None, category) else f"{category}/{code}"
         return (
-            f"[bold]{str(data.get('task_id'))[:24]:<24}[/bold] [magenta]dead letter[/magenta] "
-            f"{err.get('category')}/{err.get('code')}: {str(err.get('message'))[:90]}"
+            f"[bold]{escape(str(data.get('task_id'))[:24]):<24}[/bold] "
+            f"[magenta]dead letter[/magenta] {kind}: {escape(clip(str(err.get('message')), 100))}"
         )
-    return f"[dim]{topic}[/dim] {key!r} {orjson.dumps(data).decode()[:160]}"
+    return (
+        f"[dim]{topic}[/dim] {escape(repr(key))} {escape(clip(orjson.dumps(data).decode(), 160))}"
+    )
+
+
+def clip(text: str, width: int) -> str:
+    """`text` on one line of at most `width` characters, cut between words (`…` marks the
+    cut); a single word longer than the line is cut inside it."""
+    line = " ".join(text.split())
+    if len(line) <= width:
+        return line
+    cut = textwrap.shorten(line, width=width, placeholder=" …")
+    return cut if cut != "…" else line[: width - 1] + "…"
