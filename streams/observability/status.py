@@ -15,12 +15,12 @@ from itertools import pairwise
 from typing import Any
 
 from streams.contract.evaluation import Evaluation
-from streams.observability.metrics import Metrics
+from streams.observability.metrics import BREAKER_STATES, Metrics
 
 QUANTILES = (0.5, 0.95, 0.99)
 HISTORY_S = 3600  # the page's charts: the last hour
 SAMPLE_EVERY_S = 10.0  # one history point per this (the app's timer calls `sample`)
-BREAKER_NAMES = {0: "closed", 1: "half_open", 2: "open"}
+BREAKER_NAMES = {number: name for name, number in BREAKER_STATES.items()}
 
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
@@ -52,6 +52,9 @@ class StatusView:
         self.history: deque[tuple[float, float, dict[float, float], float, float]] = deque(
             maxlen=int(HISTORY_S / SAMPLE_EVERY_S) + 1
         )
+
+    def uptime_s(self) -> float:
+        return float(self.clock() - self.started)
 
     def _samples_by_name(self) -> dict[str, list[tuple[dict[str, str], float]]]:
         found: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)

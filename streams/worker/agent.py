@@ -35,6 +35,7 @@ from streams.errors import InternalError
 from streams.kafka.limits import WriteLimits
 from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.llm.openai_client import OpenAIClient
+from streams.observability.health import Readiness, open_breakers
 from streams.observability.logs import current_task_id
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import TRACER, context_from_headers
@@ -117,6 +118,7 @@ class TaskAgent:
         self._decider: Decider | None = None
         self._flow: RecordFlow | None = None  # a record's way (worker.flow), made with them
         self._inputs = {settings.topics.tasks, settings.topics.replay}
+        self._joined = False  # a rebalance has given the worker its partitions (`readiness`)
         # Records parked in the batch lane's ledger, run again when their batch ends.
         self.parked = Resumer(self.store, self.slots, self._run_parked)
         app.on_partitions_assigned.connect(self._on_assigned)  # type: ignore[arg-type]  # faust types receivers as taking only keyword args after the sender
@@ -132,6 +134,15 @@ class TaskAgent:
             source_agent = app.agent(source_topic, name="llm-streams.sources")
             self.source_agent = source_agent(self.run_sources)  # type: ignore[arg-type]
         self.metrics.watch_stream(self.stream_state)
+
+    def readiness(self) -> Readiness:
+        """What `/readyz` says (observability.health)."""
+        owned = sorted(self.store.owned())
+        return Readiness(
+            joined=self._joined, partitions=tuple(owned),
+            loading=tuple(p for p in owned if not self.store.loaded(p)),
+            open_breakers=open_breakers(self.metrics),
+        )  # fmt: skip
 
     def left_behind(self) -> str:
         """Records taken and not finished, per partition (for the last log line)."""
@@ -182,6 +193,7 @@ class TaskAgent:
             await self.eos.assign(partitions)
         self.store.assign(partitions)
         self.parked.assigned(partitions)
+        self._joined = True
 
     async def _on_fenced(self, partition: int) -> None:
         """Partition's transaction was aborted under this worker. If the group still

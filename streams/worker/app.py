@@ -89,10 +89,11 @@ def create_app(
     schemas = {name: p.output_schema for name, p in registry.pipelines.items()}
     drift = DriftMonitor(schemas, settings.drift.window)
     metrics.watch_drift(drift.rows)
-    app.llm_streams_agent = TaskAgent(  # type: ignore[attr-defined]  # for the worker's stop
+    agent = TaskAgent(
         app, settings, processor_factory(settings, registry, metrics, room, group), metrics,
         limits, sources=registry.sources(), group=group, drift=drift,
     )  # fmt: skip
+    app.llm_streams_agent = agent  # type: ignore[attr-defined]  # for the worker's stop
 
     async def read_baselines() -> None:
         await refresh_baselines(settings, drift)
@@ -127,6 +128,15 @@ def create_app(
     @app.page("/status")
     async def status_page(web: Any, request: Any) -> Any:
         return web.html(render_html(status.snapshot()))
+
+    @app.page("/healthz")
+    async def alive(web: Any, request: Any) -> Any:  # the loop answers (observability.health)
+        return web.json({"alive": True, "uptime_s": round(status.uptime_s(), 1)})
+
+    @app.page("/readyz")
+    async def ready(web: Any, request: Any) -> Any:
+        readiness = agent.readiness()
+        return web.json(readiness.as_json(), status=200 if readiness.ready else 503)
 
     return app
 

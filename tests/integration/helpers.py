@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections import defaultdict
@@ -73,6 +74,19 @@ class WorkerProcess:
                 return str(response.read().decode())
 
         return Scrape(await asyncio.to_thread(get))
+
+    async def probe(self, path: str) -> tuple[int, Any]:
+        """A probe of the worker (`/healthz`, `/readyz`): its HTTP status and JSON body."""
+        url = f"http://127.0.0.1:{self.web_port}{path}"
+
+        def get() -> tuple[int, Any]:
+            try:
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    return response.status, orjson.loads(response.read())
+            except urllib.error.HTTPError as refused:
+                return refused.code, orjson.loads(refused.read())
+
+        return await asyncio.to_thread(get)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

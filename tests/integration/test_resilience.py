@@ -54,6 +54,18 @@ async def _wait_for(worker: WorkerProcess, check: Any, *, timeout_s: float, what
     raise AssertionError(f"timed out waiting for {what}:\n{last.text if last else ''}")
 
 
+async def _ready_within(worker: WorkerProcess, timeout_s: float) -> Any:
+    """`/readyz` once it answers 200 (its last answer in the failure otherwise)."""
+    deadline = time.monotonic() + timeout_s
+    code, body = 0, None
+    while time.monotonic() < deadline:
+        code, body = await worker.probe("/readyz")
+        if code == 200:
+            return body
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"not ready within {timeout_s}s: {code} {body}")
+
+
 def _each_task_ends_once(records: list[tuple[bytes | None, bytes | None]], got: Any) -> None:
     ended = Counter(r["task_id"] for r in got.results) + Counter(
         d["task_id"] for d in got.dead_letters
@@ -132,12 +144,15 @@ async def test_sixty_second_outage_opens_the_breaker_and_only_probes_reach_the_p
     worker = WorkerProcess(settings, tmp_path / "worker.log").start()
     try:
         await _wait_for(worker, lambda m: True, timeout_s=60, what="the worker's web port")
+        before = await _ready_within(worker, 60)  # joined, every store loaded
         simulator.sim.config.error_503_rate = 1.0  # the provider is down
         await produce(settings, records)
         await _wait_for(
             worker, lambda m: m.value("llm_streams_breaker_state") == 2, timeout_s=30,
             what="the breaker to open")  # fmt: skip
         opened_at = time.monotonic()
+        code, down = await worker.probe("/readyz")  # not ready: its calls are refused
+        alive_code, alive = await worker.probe("/healthz")  # but alive: no restart for it
         before_open = simulator.sim.snapshot()["requests"]
         await asyncio.sleep(60)
         during = simulator.sim.snapshot()["requests"] - before_open
@@ -145,8 +160,14 @@ async def test_sixty_second_outage_opens_the_breaker_and_only_probes_reach_the_p
         got = await collect(settings, set(), timeout_s=240, worker=worker,
                             until=lambda g: len(g.results) + len(g.dead_letters) >= len(records))  # fmt: skip
         metrics = await worker.scrape()
+        after = await _ready_within(worker, 30)
     finally:
         worker.stop()
+    assert sorted(before["partitions"]) == [0, 1, 2, 3] and before["loading"] == []
+    assert code == 503 and down["ready"] is False and down["open_breakers"], down
+    assert any("breaker open" in reason for reason in down["reasons"]), down
+    assert (alive_code, alive["alive"]) == (200, True)
+    assert after["ready"] is True and after["reasons"] == []
     # While open, only half-open probes went out: `probes` per open period, plus calls
     # that were already in flight when it opened.
     periods = int((time.monotonic() - opened_at) / open_s) + 1

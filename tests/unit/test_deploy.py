@@ -182,6 +182,10 @@ def test_k8s_pieces_agree_with_each_other_and_the_settings(monkeypatch: Any) -> 
     assert container["ports"][0]["containerPort"] == settings.web_port
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert str(settings.data_dir) in mounts and str(settings.pipelines_dir) in mounts
+    # The worker's own probes (observability.health), not a page that answers regardless.
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert "127.0.0.1:6066/healthz" in (DEPLOY / "Dockerfile").read_text()
 
 
 def test_the_pipelines_configmap_is_up_to_date() -> None:

@@ -1,0 +1,27 @@
+"""What `/readyz` says, from what the worker knows."""
+
+from __future__ import annotations
+
+from streams.observability.health import Readiness, open_breakers
+from streams.observability.metrics import Metrics
+
+
+def test_ready_only_when_joined_loaded_and_no_breaker_open() -> None:
+    assert Readiness(True, (0, 1), (), ()).ready
+    assert Readiness(True, (), (), ()).ready  # no partition: stands by
+    waiting = Readiness(False, (), (), ())
+    assert not waiting.ready and "rebalance" in waiting.reasons()[0]
+    loading = Readiness(True, (0, 1), (1,), ())
+    assert not loading.ready and loading.reasons() == ["loading the task store of partition(s) [1]"]
+    refused = Readiness(True, (0,), (), ("http://llm/v1",))
+    assert not refused.ready and "breaker open for http://llm/v1" in refused.reasons()[0]
+    assert refused.as_json()["ready"] is False and refused.as_json()["partitions"] == [0]
+
+
+def test_open_breakers_are_read_from_the_metrics() -> None:
+    metrics = Metrics()
+    assert open_breakers(metrics) == ()
+    metrics.breaker_state.labels("a").set(2)
+    metrics.breaker_state.labels("b").set(1)  # half-open: probes go through
+    metrics.breaker_state.labels("c").set(0)
+    assert open_breakers(metrics) == ("a",)
