@@ -237,6 +237,13 @@ class LLMSettings(_Section):
     burst_s: float = Field(
         1.0, gt=0, le=60, description="Seconds of the limit one burst may use (sub-minute)."
     )
+
+    @field_validator("base_url", "api_key", "api_key_file", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v: Any) -> Any:
+        # `OPENAI_BASE_URL: ${OPENAI_BASE_URL:-}` in compose gives "" for "not given".
+        return None if isinstance(v, str) and not v.strip() else v
+
     price_per_1k_prompt_usd: float = Field(0.00015, ge=0, description="Price table: input.")
     price_per_1k_completion_usd: float = Field(0.0006, ge=0, description="Price table: output.")
 

@@ -103,8 +103,13 @@ def test_compose_file_is_valid_and_matches_the_settings(monkeypatch: Any) -> Non
     assert (
         "PLAINTEXT://kafka:9092" in services["kafka"]["environment"]["KAFKA_ADVERTISED_LISTENERS"]
     )
-    assert str(settings.web_port) in [str(p) for p in worker["expose"]]
-    assert "ports" not in worker  # no fixed host port: `--scale worker=N` works
+    # Published, on no fixed host port: `--scale worker=N` works, `docker compose port` finds it.
+    for name in ("worker", "worker-sasl-ssl"):
+        (port,) = services[name]["ports"]
+        assert str(port) == str(settings.web_port)  # "6066", not "6066:6066"
+    # No endpoint unless the user gives one: never the simulator of a profile not running.
+    assert worker["environment"]["OPENAI_BASE_URL"] == "${OPENAI_BASE_URL:-}"
+    assert settings.llm.base_url is None and settings.llm.api_key is None
     assert settings.web_bind == "0.0.0.0"  # reachable by Prometheus from other containers
     assert services["llm-sim"]["profiles"] == ["simulator"]
     # topic-init creates every topic the worker uses, with its partitions and compaction.
@@ -119,7 +124,9 @@ def test_compose_file_is_valid_and_matches_the_settings(monkeypatch: Any) -> Non
         )
     # Prometheus scrapes the worker service; the mounted files exist.
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
-    assert prom["scrape_configs"][0]["dns_sd_configs"][0]["names"] == ["worker"]
+    workers = {n for n, s in services.items() if "worker" in s.get("command", ["worker"])
+               and s.get("image") == worker["image"]}  # fmt: skip
+    assert set(prom["scrape_configs"][0]["dns_sd_configs"][0]["names"]) == workers
     for service in ("prometheus", "grafana"):
         for volume in services[service]["volumes"]:
             source = volume["source"] if isinstance(volume, dict) else volume.split(":")[0]

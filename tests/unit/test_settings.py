@@ -115,3 +115,12 @@ def test_an_unreadable_key_file_names_its_variable(
     monkeypatch.setenv("LLM_STREAMS_LLM__API_KEY_FILE", str(tmp_path / "empty"))
     with pytest.raises(ConfigError, match="is empty"):
         load_settings()
+
+
+def test_an_empty_endpoint_or_key_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compose's `${OPENAI_BASE_URL:-}` gives "" when the user gave nothing."""
+    monkeypatch.setenv("OPENAI_BASE_URL", "")
+    monkeypatch.setenv("OPENAI_API_KEY", " ")
+    monkeypatch.setenv("OPENAI_API_KEY_FILE", "")
+    llm = load_settings().llm
+    assert (llm.base_url, llm.api_key, llm.api_key_file) == (None, None, None)
