@@ -230,6 +230,46 @@ def test_the_image_lock_pins_every_runtime_dependency_within_its_range() -> None
     assert "-c /tmp/requirements.lock" in dockerfile and "USER streams" in dockerfile
 
 
+def _in_context(path: str, patterns: list[str]) -> bool:
+    """Whether `path` is sent to the build by .dockerignore's rules (the last that matches
+    wins; a path is in when a folder above it is)."""
+    import fnmatch
+
+    parts = path.split("/")
+    inside = True
+    for pattern in patterns:
+        keep = pattern.startswith("!")
+        pattern = pattern.removeprefix("!")
+        for depth in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:depth])
+            if fnmatch.fnmatch(prefix, pattern) or (
+                pattern.startswith("**/") and fnmatch.fnmatch(parts[depth - 1], pattern[3:])
+            ):
+                inside = keep
+                break
+    return inside
+
+
+def test_the_build_context_holds_what_the_image_copies_and_nothing_heavy() -> None:
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]  # fmt: skip
+    copied = re.findall(r"^COPY (?!--from)(.+)$", (DEPLOY / "Dockerfile").read_text(), re.M)
+    sources = [part for line in copied for part in line.split()[:-1]]  # the last: where to
+    assert {"streams", "README.md", "deploy/requirements.lock"} <= set(sources)
+    for source in sources:
+        assert _in_context(source, patterns), source
+    assert _in_context("streams/worker/agent.py", patterns)
+    for heavy in (
+        ".venv/lib/x.py",
+        ".git/HEAD",
+        "var/llm-streams/store",
+        "tests/conftest.py",
+        "streams/__pycache__/x.pyc",
+        "bench/concurrency.py",
+    ):
+        assert not _in_context(heavy, patterns), heavy
+
+
 def test_the_tests_kafka_container_is_configured_like_the_compose_broker() -> None:
     """The official image the tests start where Docker runs (never run here: no engine)
     gets the KRaft settings docker-compose.yml gives it, advertising its bound port."""
