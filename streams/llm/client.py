@@ -17,6 +17,7 @@ from streams.errors import (
     UpstreamError,
 )
 from streams.llm.overflow import overflow_of
+from streams.llm.params import body_fields
 
 # The answer's budget when a pipeline sets none.
 DEFAULT_MAX_TOKENS = 1024
@@ -89,8 +90,8 @@ SCHEMA_IN_PROMPT = (
 
 def request_body(request: LLMRequest) -> dict[str, Any]:
     """The chat completion body of a request (a call, or a line of a batch)."""
-    body: dict[str, Any] = {"model": request.model, "messages": request.messages}
-    body.update(request.params)
+    body: dict[str, Any] = {**body_fields(request.params), "model": request.model,
+                            "messages": request.messages}  # fmt: skip
     if request.response_format:
         body["response_format"] = request.response_format
     if request.tool is not None:

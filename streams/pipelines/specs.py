@@ -15,6 +15,7 @@ from pydantic import (
 )
 
 from streams.llm.client import budget_key
+from streams.llm.params import params_problems
 from streams.pipelines.sources import SourceSpec
 
 # How a chunked input's per-chunk answers merge, per output field (streams.core.chunking).
@@ -158,6 +159,9 @@ class VersionSpec(BaseModel):
     def _params_make_sense(self) -> VersionSpec:
         """Refuse sampling settings that are out of range or work against each other."""
         p = self.params
+        problems = params_problems(p)
+        if problems:
+            raise ValueError("\n".join(problems))  # a line each (registry.mistakes_of)
         temperature, top_p, max_tokens = p.get("temperature"), p.get("top_p"), p.get(budget_key(p))
         if temperature is not None and not 0 <= temperature <= 2:
             raise ValueError(f"params.temperature {temperature} is outside 0..2")

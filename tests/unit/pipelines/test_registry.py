@@ -217,3 +217,31 @@ def test_a_review_rule_that_does_not_compile_is_refused(tmp_path: Path) -> None:
     folder = _spec_with(tmp_path, review={"rules": {"broken": "output.sentiment =="}})
     with pytest.raises(ConfigError, match="review rule"):
         PipelineRegistry.load(folder, ROOT / "schemas")
+
+
+def test_a_pipeline_files_mistakes_are_one_human_line_each(tmp_path: Path) -> None:
+    """Not pydantic's dump (input_value=..., a URL): where, what, what was there, and the
+    nearest known name for a misspelt field."""
+    text = (ROOT / "pipelines" / "comment-analysis.yaml").read_text()
+    broken = (text.replace("confidence_below: 0.5", "confidence_below: lots\n  confidense_field: x")
+                  .replace("response_format: json_schema", "response_format: jsn_schema"))  # fmt: skip
+    (tmp_path / "comment-analysis.yaml").write_text(broken)
+    with pytest.raises(ConfigError) as info:
+        PipelineRegistry.load(tmp_path, ROOT / "schemas")
+    lines = str(info.value).splitlines()
+    assert lines[0].endswith("comment-analysis.yaml: 3 mistakes:")
+    assert lines[1:] == [
+        "  review.confidence_below: Input should be a valid number, unable to parse string "
+        "as a number (got 'lots')",
+        "  review.confidense_field: unknown field (did you mean confidence_field?)",
+        "  versions.v1.response_format: Input should be 'json_schema', 'json_object', "
+        "'schema_in_prompt' or 'tool_call' (got 'jsn_schema')",
+    ]
+    assert "pydantic" not in str(info.value) and "input_value" not in str(info.value)
+    params = text.replace("      temperature: 0\n", "      temprature: 0\n      top_k: 3\n")
+    (tmp_path / "comment-analysis.yaml").write_text(params)
+    with pytest.raises(ConfigError) as info:
+        PipelineRegistry.load(tmp_path, ROOT / "schemas")
+    lines = str(info.value).splitlines()
+    assert lines[1].startswith("  versions.v1: params.temprature is no Chat Completions")
+    assert lines[2].startswith("  versions.v1: params.top_k is a server's own")
