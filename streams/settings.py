@@ -582,7 +582,7 @@ def _refuse_unknown(environ: Mapping[str, str]) -> None:
         near = difflib.get_close_matches(var, known, n=1, cutoff=0.6)
         problems.append(f"{var} is no setting" + (f" (did you mean {near[0]}?)" if near else ""))
     if problems:
-        raise ConfigError("; ".join(problems) + " — see README.md, Settings")
+        raise ConfigError("; ".join(problems) + " — see docs/SETTINGS.md")
 
 
 _SECRET_PARTS = ("security", "api_key", "password", "token")

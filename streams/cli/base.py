@@ -127,6 +127,6 @@ def cli() -> None:
     """Run LLM work on every record of a Kafka topic.
 
     Settings come from the environment, and from a `.env` file in the current directory
-    for what the environment does not set (README.md, Settings).
+    for what the environment does not set (docs/SETTINGS.md).
     """
     read_env_file(Path(".env"))

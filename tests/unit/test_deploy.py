@@ -63,10 +63,15 @@ def test_recording_rules_used_are_defined_and_alerts_say_what_to_do() -> None:
     alerts = [r for r in rules() if "alert" in r]
     assert {a["alert"] for a in alerts} >= {"LLMStreamsBreakerOpen", "LLMStreamsDeadLetterRate",
                                             "LLMStreamsLagGrowing", "LLMStreamsThrottled",
-                                            "LLMStreamsCostBurn"}  # fmt: skip
+                                            "LLMStreamsCostBurn", "LLMStreamsWorkerDown"}  # fmt: skip
     for alert in alerts:
         assert alert["labels"]["severity"] in {"page", "ticket"}
-        assert alert["annotations"]["summary"] and alert["annotations"]["runbook"]
+        notes = alert["annotations"]
+        assert notes["summary"] and notes["description"]
+        # The runbook is a heading of docs/OPERATIONS.md (GitHub's anchor: lowercased).
+        page, _, anchor = notes["runbook_url"].partition("#")
+        headings = re.findall(r"^#+ (.+)$", (ROOT / page).read_text(), flags=re.MULTILINE)
+        assert anchor == alert["alert"].lower() and alert["alert"] in headings, notes
 
 
 def test_the_scrape_config_points_at_the_workers_web_port() -> None:
