@@ -167,6 +167,25 @@ class TaskProcessor:
         session = pipeline.session_of(data) if pipeline is not None and self._sessions else None
         return task_id, session or task_id
 
+    def refusal(self, raw: bytes | None, key: bytes | None, source: Source) -> Outcome | None:
+        """The dead letter of a record that would be refused at its home (not a task, an
+        unknown pipeline or version, slots that do not fit), or None. Asked before a
+        record is forwarded: bad input ends where its producer wrote it, as any other,
+        not as a copy on another partition. The prompt is not made (its home makes it)."""
+        task: Task | None = None
+        try:
+            task = decode_task(raw, max_bytes=self.config.max_task_bytes)
+            pipeline = self.registry.get(task.pipeline)
+            version = pipeline.version(task.prompt_version,
+                                       pipeline.session_of(task) or task.task_id)  # fmt: skip
+            version.bind(task.input)
+        except TaskError as exc:
+            return self.outcomes.dead(exc, raw, key, task, source, Attempts(), Spend(),
+                                      time.monotonic())  # fmt: skip
+        except Exception:  # its home's prepare says what it is (a bug: its dead letter)
+            return None
+        return None
+
     def session_hint(self, raw: bytes | None) -> str | None:
         """The session a record's task belongs to, read without validating it (to order
         a session's records one after another); None when it names none or is not a task."""

@@ -116,6 +116,9 @@ class RecordFlow:
             task_id, routed_by = route
             home = partition_for(routed_by, self.partitions)
             if home != message.partition:  # keyed otherwise by its producer: answer it there
+                refused = processor.refusal(message.value, message.key, source)
+                if refused is not None:  # bad input: its dead letter where it stands
+                    return await self._dead_here(refused, source)
                 await self._reroute(message, source, home, task_id)
                 return "rerouted", None
         # 3. prepare
@@ -126,10 +129,7 @@ class RecordFlow:
             position=original_offset(message),
         )  # fmt: skip
         if isinstance(prep, Outcome):  # bad input: a dead letter, unless written
-            if decider.dead_letter_written(prep.key, source):
-                return "already_done", None
-            await self.writer.deliver(prep, source.partition)
-            return prep.kind, prep
+            return await self._dead_here(prep, source)
         lane = self.lane_of(message.topic)
         if message.key not in (prep.task.task_id.encode(), (prep.session or "").encode()):
             # On its task's partition after all: answered here, where its answers live.
@@ -186,6 +186,14 @@ class RecordFlow:
             return self.store.put(Kind.SESSIONS, partition, key, value)
 
         await self.writer.write_or_stop(write, what=f"session {prep.session}'s turn")
+
+    async def _dead_here(self, letter: Outcome, source: Source) -> tuple[str, Outcome | None]:
+        """A bad record's dead letter, written on its own partition unless an earlier run
+        of this very record wrote it."""
+        if self.decider.dead_letter_written(letter.key, source):
+            return "already_done", None
+        await self.writer.deliver(letter, source.partition)
+        return letter.kind, letter
 
     async def _reroute(self, message: Any, source: Source, home: int, task_id: str) -> None:
         """Forward a record to the partition its task (or its session) maps to, keyed by

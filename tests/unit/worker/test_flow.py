@@ -114,3 +114,28 @@ async def test_bad_input_is_one_dead_letter_however_often_the_record_runs(flow: 
     again, _ = await run.handle(bad, source, Span())
     assert again == "already_done"
     assert [s[0] for s in sent] == [settings.topics.dead_letters] and llm.requests == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "code"),
+    [({"pipeline": "nope"}, "unknown_pipeline"), ({"input": {"text": 42}}, "slot_type"),
+     ({"input": {"body": "hi"}}, "missing_slot"), ({"prompt_version": "v9"}, "unknown_version")],
+)  # fmt: skip
+async def test_bad_input_away_from_home_ends_where_its_producer_wrote_it(
+    flow: Any, extra: dict[str, Any], code: str
+) -> None:
+    """Not forwarded first and dead-lettered as a copy on another partition: its dead
+    letter names the record the producer wrote, written once however often it runs."""
+    run, sent, llm, settings = flow
+    away = (_home_of("t-3") + 1) % PARTITIONS
+    record = _record("t-3", away, 11, **extra)
+    source = Source(topic="tasks", partition=away, offset=11)
+    kind, outcome = await run.handle(record, source, Span())
+    assert kind == "dead_letter" and outcome is not None
+    again, _ = await run.handle(record, source, Span())
+    assert again == "already_done"
+    ((topic, _, value, partition, _),) = sent
+    assert (topic, partition) == (settings.topics.dead_letters, away)
+    letter = orjson.loads(value)
+    assert letter["error"]["code"] == code and letter["source"] == source.model_dump()
+    assert llm.requests == []
