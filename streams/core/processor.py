@@ -433,6 +433,47 @@ class TaskProcessor:
                 pipeline, version, prompt, attempts, spend, lane, deadline_at
             ), prompt
 
+    async def _chunk(
+        self,
+        prep: Prepared,
+        prompt: RenderedPrompt,
+        chunk: str,
+        gate: asyncio.Semaphore,
+        lane: Lane,
+        deadline_at: float,
+        depth: int = 0,
+    ) -> tuple[list[dict[str, Any]] | TaskError, Attempts, Spend]:
+        """One chunk's answers (one, or its parts'), or why it has none."""
+        pipeline, version, task = prep.pipeline, prep.version, prep.task
+        slot = pipeline.spec.chunking.slot if pipeline.spec.chunking else ""
+        mine, used = Attempts(), Spend()  # chunks go as plain calls, whatever the tier
+        async with gate:
+            rendered = version.render({**task.input, slot: chunk}, self.config.default_model)
+            rendered = replace(rendered, model=prompt.model)
+            try:
+                return [await self.calls.call(
+                    pipeline, version, rendered, mine, used, lane, deadline_at
+                )], mine, used  # fmt: skip
+            except ContextOverflow as exc:
+                overflow: TaskError = exc
+            except TaskError as exc:
+                return exc, mine, used
+        # Over the window learned since the plan (the server counts more tokens per one
+        # of ours than it seemed): this chunk in chunks of the window now known.
+        smaller = chunk_plan(pipeline, rendered, self.client.window.tokens())
+        if depth >= 2 or smaller is None or len(smaller) < 2:
+            return overflow, mine, used
+        parts = await asyncio.gather(*(self._chunk(prep, prompt, part, gate, lane, deadline_at,
+                                                   depth + 1) for part in smaller))  # fmt: skip
+        outputs: list[dict[str, Any]] = []
+        for answer, theirs, spent in parts:
+            mine.count += theirs.count
+            used.add(spent)
+            if isinstance(answer, TaskError):
+                return answer, mine, used
+            outputs += answer
+        return outputs, mine, used
+
     async def _answer_chunks(
         self,
         prep: Prepared,
@@ -444,26 +485,13 @@ class TaskProcessor:
         deadline_at: float,
     ) -> dict[str, Any]:
         """Each chunk answered on its own (a few at once), the answers merged."""
-        pipeline, version, task = prep.pipeline, prep.version, prep.task
+        pipeline, task = prep.pipeline, prep.task
         spec = pipeline.spec.chunking
         assert spec is not None
         gate = asyncio.Semaphore(spec.parallel)
-
-        async def one(chunk: str) -> tuple[dict[str, Any] | TaskError, Attempts, Spend]:
-            mine, used = Attempts(), Spend()  # chunks go as plain calls, whatever the tier
-            async with gate:
-                rendered = version.render({**task.input, spec.slot: chunk},
-                                          self.config.default_model)  # fmt: skip
-                rendered = replace(rendered, model=prompt.model)
-                try:
-                    output = await self.calls.call(
-                        pipeline, version, rendered, mine, used, lane, deadline_at
-                    )
-                except TaskError as exc:
-                    return exc, mine, used
-                return output, mine, used
-
-        answers = await asyncio.gather(*(one(chunk) for chunk in chunks))
+        answers = await asyncio.gather(
+            *(self._chunk(prep, prompt, chunk, gate, lane, deadline_at) for chunk in chunks)
+        )
         for _, mine, used in answers:
             attempts.count = attempts.previous + mine.count
             attempts.previous = attempts.count
@@ -475,7 +503,8 @@ class TaskProcessor:
                 attempts.last_error = answer
                 answer.message = f"chunk {i + 1} of {len(chunks)}: {answer.message}"
                 raise answer
-        outputs = [a for a, _, _ in answers if isinstance(a, dict)]
+        outputs = [output for answer, _, _ in answers if isinstance(answer, list)
+                   for output in answer]  # fmt: skip
         merged = reduce_outputs(outputs, spec.reduce, pipeline.output_schema, spec.weight_field)
         if not pipeline.is_valid(merged):
             errors = sorted(pipeline.validator.iter_errors(merged), key=lambda e: e.path)[:3]

@@ -210,3 +210,24 @@ def test_every_reducer_a_pipeline_may_name_exists() -> None:
     from streams.pipelines.specs import REDUCERS
 
     assert set(_REDUCE) == set(REDUCERS)
+
+
+async def test_a_chunk_over_a_window_learned_since_the_plan_is_cut_again(
+    processor: TaskProcessor, simulator: SimulatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chunks were planned for the window as it seemed; before they all went, the
+    server's answers showed it counts more tokens than we do (a smaller window in ours):
+    a chunk that no longer fits is cut in chunks of the window now known, not
+    dead-lettered as context_overflow."""
+    known = processor.client.window.tokens()
+
+    async def as_planned(model: str) -> int:
+        return int(known * 1.4)  # what the plan saw; the calls check against `known`
+
+    monkeypatch.setattr(processor.client, "context_window", as_planned)
+    out = await processor.process(_task(_long_comment(130)), None,
+                                  Source(topic="t", partition=0, offset=5))  # fmt: skip
+    result = orjson.loads(out.value)
+    assert out.kind == "result", result
+    assert processor.registry.get("comment-analysis").is_valid(result["output"])
+    assert result["attempts"] == simulator.sim.snapshot()["requests"]
