@@ -41,15 +41,17 @@ _TOPICS: dict[str, list[str]] = {
 }  # fmt: skip
 _CJK = re.compile(r"[\u4e00-\u9fff]")
 _SENTENCE = re.compile(r"[^.!?。！？\n]+[.!?。！？]?")
-_COMMENT = re.compile(r"<comment>(.*?)</comment>", re.S)
+# The text under analysis sits in a tag of the template's own naming (<comment>, <review>).
+_COMMENT = re.compile(r"<([a-z][a-z_-]*)>(.*?)</\1>", re.S)
 
 
 def comment_text(messages: list[dict[str, Any]]) -> str:
-    """The text under analysis: inside <comment> tags of the last user message, else all of it."""
+    """The text under analysis: inside the last tag pair (<comment>…</comment>, <review>…)
+    of the last user message, else all of it."""
     user = [m for m in messages if m.get("role") == "user"]
     content = str(user[-1].get("content", "")) if user else ""
     found = _COMMENT.findall(content)
-    return found[-1] if found else content
+    return found[-1][1] if found else content
 
 
 def _digest(text: str, salt: str = "") -> int:
