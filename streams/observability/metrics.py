@@ -1,11 +1,15 @@
 """Prometheus series of one worker, all named `llm_streams_*`, in a registry of its own.
 
 Labels stay bounded: lane, outcome, category, model, endpoint, pipeline, topic and
-partition; never a task id. The worker serves them at `/metrics` on its web port.
+partition; never a task id. The worker serves them at `/metrics` on its web port, with
+`llm_streams_build_info` (its version and its stack's) and the `process_*` series; no
+`*_created` series (one per labelled counter, which nobody reads and every scrape pays).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -54,9 +58,26 @@ BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 RECENT_DEAD_LETTERS = 20  # the status page's latest dead letters
 
 
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus_client
+
+
+def _versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for label, dist in (("version", "llm-streams"), ("faust", "faust-streaming"),
+                        ("aiokafka", "aiokafka"), ("openai", "openai")):  # fmt: skip
+        try:
+            found[label] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[label] = "unknown"
+    return found
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        prometheus_client.Info("llm_streams_build", "The worker's version and its stack's.",
+                               registry=self.registry).info(_versions())  # fmt: skip
+        prometheus_client.ProcessCollector(registry=self.registry)
         # The latest dead letters, newest last, for the status page (not a series: the
         # task id and message would be unbounded labels).
         self.recent_dead: deque[dict[str, Any]] = deque(maxlen=RECENT_DEAD_LETTERS)
