@@ -32,7 +32,7 @@ from streams.errors import (
     UpstreamError,
 )
 from streams.llm.client import LLMRequest, LLMResponse, completion_budget, with_budget
-from streams.observability.genai import GENAI, GenAIMetrics
+from streams.observability.genai import GENAI, GenAIMetrics, endpoint_attributes
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import child_span, mark_error
 from streams.pipelines.output import parse_output
@@ -160,12 +160,13 @@ class Calls:
     ) -> dict[str, Any]:
         request, repair = self._next_request(pipeline, prompt, attempts, spend, client)
         params = request.params
+        where = endpoint_attributes(client.endpoint, client.server)
         with child_span(
             f"chat {prompt.model}",
             kind=SpanKind.CLIENT,
             attributes={
                 "gen_ai.operation.name": "chat",
-                "gen_ai.system": "openai",
+                **where,
                 "gen_ai.request.model": prompt.model,
                 "gen_ai.request.max_tokens": completion_budget(params, 0),
                 "llm_streams.attempt": attempts.count,
@@ -185,7 +186,7 @@ class Calls:
                 mark_error(span, exc)
                 self.genai.attempt(request_model=prompt.model, pipeline=pipeline.name,
                                    version=version, seconds=time.monotonic() - sent,
-                                   error_type=exc.category.value)  # fmt: skip
+                                   error_type=exc.category.value, endpoint=where)  # fmt: skip
                 if refuses_json_schema(request, exc):
                     self.degraded(client, prompt.model, "json_schema", "schema_in_prompt")
                     raise UpstreamError(
@@ -199,9 +200,11 @@ class Calls:
                 seconds=time.monotonic() - sent if took is None else took,
                 response_model=response.model,
                 input_tokens=response.prompt_tokens, output_tokens=response.completion_tokens,
+                endpoint=where,
             )  # fmt: skip
             span.set_attributes({
                 "gen_ai.response.model": response.model,
+                "gen_ai.response.finish_reasons": [response.finish_reason],
                 "gen_ai.usage.input_tokens": response.prompt_tokens,
                 "gen_ai.usage.output_tokens": response.completion_tokens,
             })  # fmt: skip

@@ -26,6 +26,7 @@ from streams.core.packing import (
 from streams.core.window import fit_window
 from streams.errors import InvalidOutput, OutputRejected, TaskError
 from streams.llm.client import LLMRequest, LLMResponse, budget_key, completion_budget
+from streams.observability.genai import endpoint_attributes
 from streams.observability.tracing import child_span
 from streams.pipelines.output import check_output
 from streams.pipelines.registry import PipelineRegistry
@@ -91,10 +92,13 @@ class Packs:
                                  response_format=response_format, tool=tool)  # fmt: skip
             deadline_at = min(i.deadline_at for i in items)
 
+            client = self.calls.client
+            where = endpoint_attributes(client.endpoint, client.server)
+
             async def attempt(a: Attempts) -> LLMResponse:
                 with child_span(
                     f"chat {first.model}", kind=SpanKind.CLIENT,
-                    attributes={"gen_ai.operation.name": "chat", "gen_ai.system": "openai",
+                    attributes={"gen_ai.operation.name": "chat", **where,
                                 "gen_ai.request.model": first.model,
                                 "llm_streams.pack_size": len(items),
                                 "llm_streams.attempt": a.count},

@@ -15,6 +15,8 @@ The Prometheus view of the same per version is `llm_streams_version_*` (metrics.
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from opentelemetry import metrics
 from opentelemetry.metrics import Meter
 
@@ -26,6 +28,32 @@ TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4
 DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
                     40.96, 81.92]  # fmt: skip
 EXPORT_INTERVAL_MS = 15_000
+
+# Hosts whose provider has a name of its own in the conventions (`gen_ai.provider.name`).
+_PROVIDER_HOSTS = (
+    ("openai.azure.com", "azure.ai.openai"), ("api.openai.com", "openai"),
+    ("api.anthropic.com", "anthropic"), ("api.mistral.ai", "mistral_ai"),
+    ("api.groq.com", "groq"), ("api.deepseek.com", "deepseek"), ("api.x.ai", "x_ai"),
+    ("generativelanguage.googleapis.com", "gcp.gemini"), ("api.perplexity.ai", "perplexity"),
+)  # fmt: skip
+
+
+def endpoint_attributes(endpoint: str, server: str | None = None) -> dict[str, str | int]:
+    """The conventions' attributes of an endpoint: `gen_ai.provider.name` (the known
+    provider of its host, else the server it said it is — llama.cpp, vllm, ollama —, else
+    "openai", the API it speaks), `server.address` and `server.port`."""
+    parts = urlsplit(endpoint if "//" in endpoint else f"//{endpoint}")
+    host = parts.hostname or ""
+    provider = next((name for suffix, name in _PROVIDER_HOSTS if host.endswith(suffix)),
+                    server or "openai")  # fmt: skip
+    found: dict[str, str | int] = {"gen_ai.provider.name": provider, "server.address": host}
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if port or parts.scheme:
+        found["server.port"] = port or (443 if parts.scheme == "https" else 80)
+    return found
 
 
 class GenAIMetrics:
@@ -55,11 +83,14 @@ class GenAIMetrics:
         input_tokens: int | None = None,
         output_tokens: int | None = None,
         error_type: str | None = None,
+        endpoint: dict[str, str | int] | None = None,
     ) -> None:
-        """One chat attempt: its duration, and its tokens when it was answered."""
-        attrs: dict[str, str] = {
+        """One chat attempt: its duration, and its tokens when it was answered; `endpoint`:
+        its `endpoint_attributes`."""
+        attrs: dict[str, str | int] = {
             "gen_ai.operation.name": "chat",
             "gen_ai.provider.name": "openai",
+            **(endpoint or {}),
             "gen_ai.request.model": request_model,
             "llm_streams.pipeline": pipeline,
             "llm_streams.prompt_version": version,

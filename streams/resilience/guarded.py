@@ -103,6 +103,15 @@ class GuardedClient:
         self.concurrency.tell_slots(facts.slots)
         return facts
 
+    @property
+    def endpoint(self) -> str:
+        return self.client.endpoint
+
+    @property
+    def server(self) -> str | None:
+        """The server the endpoint said it is (llama.cpp, vllm, ollama), once it said."""
+        return self.facts.server if self.facts is not None else None
+
     def not_honoured(self, mode: str, instead: str) -> bool:
         """The endpoint answered `mode` otherwise (`instead`); True the first time, which
         is worth a warning (later ones only count)."""

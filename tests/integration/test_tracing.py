@@ -89,3 +89,6 @@ async def test_a_trace_runs_from_the_producer_to_the_result(
         assert call["kind"] == "SpanKind.CLIENT"
         assert call["attributes"]["gen_ai.request.model"] == "sim-1"
         assert call["attributes"]["gen_ai.usage.input_tokens"] > 0
+        assert call["attributes"]["gen_ai.provider.name"] == "openai"
+        assert call["attributes"]["server.address"] == "127.0.0.1"
+        assert call["attributes"]["gen_ai.response.finish_reasons"] == ["stop"]

@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from streams.contract.records import Source
 from streams.errors import UpstreamError
-from streams.observability.genai import GenAIMetrics
+from streams.observability.genai import GenAIMetrics, endpoint_attributes
 from tests.conftest import MakeProcessor
 from tests.fakes import FakeLLM, answer
 
@@ -64,9 +65,31 @@ async def test_each_attempt_records_its_tokens_and_duration(
     assert ok.attributes["gen_ai.response.model"] == "sim-1-0613"
     for p in durations:
         assert p.attributes["gen_ai.operation.name"] == "chat"
+        assert p.attributes["gen_ai.provider.name"] == "openai"  # an OpenAI-compatible fake
+        assert "gen_ai.system" not in p.attributes  # deprecated by the conventions
         assert p.attributes["gen_ai.request.model"] == "sim-1"
         assert p.attributes["llm_streams.pipeline"] == "comment-analysis"
         assert p.attributes["llm_streams.prompt_version"] == "v1"
     tokens = {p.attributes["gen_ai.token.type"]: p.sum
               for p in found["gen_ai.client.token.usage"]}  # fmt: skip
     assert tokens == {"input": 120, "output": 30}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "server", "expected"),
+    [
+        ("https://api.openai.com/v1", None,
+         {"gen_ai.provider.name": "openai", "server.address": "api.openai.com", "server.port": 443}),
+        ("https://shop-eu.openai.azure.com/openai", None,
+         {"gen_ai.provider.name": "azure.ai.openai", "server.address": "shop-eu.openai.azure.com",
+          "server.port": 443}),
+        ("http://127.0.0.1:8080/v1/", "llama.cpp",
+         {"gen_ai.provider.name": "llama.cpp", "server.address": "127.0.0.1", "server.port": 8080}),
+        ("http://vllm.internal:8000/v1", None,  # said nothing of itself: the API it speaks
+         {"gen_ai.provider.name": "openai", "server.address": "vllm.internal", "server.port": 8000}),
+    ],
+)  # fmt: skip
+def test_an_endpoint_is_named_as_the_conventions_say(
+    endpoint: str, server: str | None, expected: dict[str, Any]
+) -> None:
+    assert endpoint_attributes(endpoint, server) == expected
