@@ -46,6 +46,20 @@ def dashboard_exprs() -> list[str]:
     return [t["expr"] for p in dash["panels"] for t in p["targets"]]
 
 
+def test_the_dashboard_picks_its_datasource_job_and_namespace() -> None:
+    """No datasource uid of one Grafana's: a variable; every worker series filtered by the
+    job and namespace variables (recorded series are already summed over them)."""
+    dash = json.loads((DEPLOY / "grafana" / "dashboards" / "llm-streams.json").read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert {"job", "namespace"} <= set(variables)
+    for panel in dash["panels"]:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+    for expr in dashboard_exprs():
+        for selector in re.findall(r"llm_streams_[a-z0-9_]+(\{[^}]*\})?", expr):
+            assert 'job=~"$job"' in selector and 'namespace=~"$namespace"' in selector, expr
+
+
 def test_every_metric_named_in_rules_and_dashboard_is_exported() -> None:
     exported = exported_names()
     exprs = [r["expr"] for r in rules()] + dashboard_exprs()
