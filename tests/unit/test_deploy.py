@@ -214,16 +214,25 @@ def test_k8s_pieces_agree_with_each_other_and_the_settings(monkeypatch: Any) -> 
     assert "127.0.0.1:6066/healthz" in (DEPLOY / "Dockerfile").read_text()
 
 
-def test_the_pipelines_configmap_is_up_to_date() -> None:
+def test_the_generated_manifests_are_up_to_date() -> None:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("render", DEPLOY / "k8s" / "render_pipelines.py")
+    spec = importlib.util.spec_from_file_location("render", DEPLOY / "k8s" / "render.py")
     assert spec is not None and spec.loader is not None
     render = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(render)
-    assert (DEPLOY / "k8s" / "pipelines.yaml").read_text() == render.configmap(), (
-        "run: python deploy/k8s/render_pipelines.py"
-    )
+    for name, make in render.RENDERED.items():
+        assert (DEPLOY / "k8s" / name).read_text() == make(), "run: python deploy/k8s/render.py"
+
+
+def test_k8s_monitoring_carries_the_rules_and_the_dashboard() -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _k8s_docs()}
+    rule = docs[("PrometheusRule", "llm-streams")]
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())
+    assert rule["spec"]["groups"] == rules["groups"]
+    board = docs[("ConfigMap", "llm-streams-grafana-dashboard")]
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"  # the sidecar's label
+    assert json.loads(board["data"]["llm-streams.json"])["uid"]
 
 
 def test_the_image_lock_pins_every_runtime_dependency_within_its_range() -> None:
