@@ -13,6 +13,7 @@ import orjson
 
 from streams.contract.headers import Headers
 from streams.contract.records import RecordRoom
+from streams.core.budget import Budgets
 from streams.core.processor import ProcessorConfig, TaskProcessor
 from streams.errors import ConfigError, InternalError, InvalidInput, TaskError
 from streams.llm.openai_client import OpenAIClient
@@ -130,11 +131,13 @@ def processor_factory(
     metrics: Metrics | None = None,
     room: RecordRoom | None = None,
     group: GroupShare | None = None,
+    budgets: Budgets | None = None,
 ) -> Callable[[], TaskProcessor]:
     """What makes the processor of a worker or an `Analyzer`; call it inside the event
     loop that will use it (the HTTP client binds to it). `room`: what a result and a
     dead letter may take (the worker reads it from its topics); `group`: the worker's
-    part of its consumer group's partitions, which its rate limiters claim."""
+    part of its consumer group's partitions, which its rate limiters claim; `budgets`: the
+    spend caps, when the caller keeps them up to date (the worker: `store.budgets`)."""
     llm = settings.llm
     res = settings.resilience
     config = ProcessorConfig.from_settings(settings, room)
@@ -171,7 +174,7 @@ def processor_factory(
         )
         return TaskProcessor(
             registry, pool.primary(llm.model), config, clients=pool.for_model,
-            metrics=metrics, close=pool.close,
+            metrics=metrics, close=pool.close, group=group, budgets=budgets,
         )  # fmt: skip
 
     return make

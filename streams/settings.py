@@ -398,6 +398,13 @@ class DriftSettings(_Section):
     )
 
 
+class BudgetSettings(_Section):
+    refresh_s: float = Field(
+        15.0, gt=0,
+        description="How often the worker reads the spend caps set by `llm-streams budget`.",
+    )  # fmt: skip
+
+
 class Settings(BaseSettings):
     """All settings of a worker or a CLI command."""
 
@@ -415,6 +422,7 @@ class Settings(BaseSettings):
     retention: RetentionSettings = RetentionSettings()
     tracing: TracingSettings = TracingSettings()
     drift: DriftSettings = DriftSettings()
+    budget: BudgetSettings = BudgetSettings()
     schema_registry: SchemaRegistrySettings = SchemaRegistrySettings()
     store: str = Field(
         "rocksdb://",

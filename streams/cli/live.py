@@ -41,6 +41,10 @@ def table(snap: dict[str, Any], url: str) -> Table:
         ("breakers", ", ".join(f"{k}: {v}" for k, v in snap["breakers"].items()) or "–"),
         ("limiter", ", ".join(f"{k}: {v:.0f} RPM" for k, v in snap["limiter_rpm"].items()) or "–"),
         ("top dead letters", ", ".join(f"{k}: {v:.0f}" for k, v in dead) or "–"),
+        ("spend caps", ", ".join(
+            f"{b['pipeline']} {b['lane']}/{b['window']}: ${b['spent_usd']:.4f} of "
+            f"${b['cap_usd']:.4f}" + (f" ({b['waiting']} waiting)" if b["waiting"] else "")
+            for b in snap.get("budgets", [])) or "–"),
     ]  # fmt: skip
     for label, value in rows:
         t.add_row(label, value)

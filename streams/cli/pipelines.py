@@ -1,14 +1,15 @@
-"""Commands about pipelines: validate (and the endpoint they run on), drift, the ACLs."""
+"""Commands about pipelines: validate (and the endpoint they run on), drift, spend caps,
+the ACLs."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
-# Above this divergence (PSI or KS) a field is said to drift: the alert rule's threshold
 from streams.cli.base import cli, on_kafka, pipeline_or_exit, registry_or_exit, settings_or_exit
 
 # Above this divergence (PSI or KS) a field is said to drift: the alert rule's threshold
@@ -80,6 +81,93 @@ def drift_command(pipeline: str, version: str | None, baseline: str, window: int
     for name in saved:
         console.print(f"saved as {pipeline} {name}'s baseline (workers read it within "
                       f"{settings.drift.refresh_s:g} s)", highlight=False)  # fmt: skip
+
+
+CAPS = {  # option -> (scope, field): scope None is the pipeline's caps over every lane
+    "usd_per_hour": (None, "usd_per_hour"), "usd_per_day": (None, "usd_per_day"),
+    "live_usd_per_hour": ("live", "usd_per_hour"), "live_usd_per_day": ("live", "usd_per_day"),
+    "replay_usd_per_hour": ("replay", "usd_per_hour"),
+    "replay_usd_per_day": ("replay", "usd_per_day"),
+}  # fmt: skip
+
+
+def _usd(value: str | None) -> float | str | None:
+    """A cap option's value: USD > 0, or `none` (no such cap); unset: None."""
+    if value is None or value.lower() == "none":
+        return "none" if value is not None else None
+    try:
+        usd = float(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a number of USD (or `none`)") from None
+    if not usd > 0:
+        raise click.BadParameter("a cap is more than 0 USD (`none`: no such cap)")
+    return usd
+
+
+def _cap_option(name: str) -> Any:
+    flag = "--" + name.replace("_", "-")
+    return click.option(flag, name, default=None, metavar="USD|none",
+                        callback=lambda _ctx, _param, value: _usd(value))  # fmt: skip
+
+
+def _budget_options(command: Any) -> Any:
+    for name in reversed(CAPS):
+        command = _cap_option(name)(command)
+    return command
+
+
+@cli.command("budget")
+@click.argument("pipeline")
+@_budget_options
+@click.option("--reset", is_flag=True, help="Back to the caps of the pipeline's file.")
+def budget_command(pipeline: str, reset: bool, **caps: float | str | None) -> None:
+    """A pipeline's spend caps: shown, or changed while the workers run (they take them
+    within LLM_STREAMS_BUDGET__REFRESH_S; tasks waiting at a cap raised go on at once).
+    Each option changes one cap, the others stay; `none` removes one."""
+    from streams.pipelines.specs import BudgetSpec
+    from streams.store.budgets import load_budgets, save_budget
+
+    settings = settings_or_exit()
+    found = pipeline_or_exit(settings, pipeline, "budget")
+    given = {k: v for k, v in caps.items() if v is not None}
+    if reset and given:
+        click.echo("budget: --reset sets the file's caps back; give no cap with it", err=True)
+        sys.exit(2)
+    stored = on_kafka(settings, load_budgets(settings)).get(pipeline)
+    now: BudgetSpec | None = stored[0] if stored is not None else found.spec.budget
+    if reset or given:
+        new = None if reset else _changed(now or BudgetSpec(), given)
+        on_kafka(settings, save_budget(settings, pipeline, new))
+        now = found.spec.budget if reset else new
+        whose = "the file's" if reset else "set"
+        click.echo(f"{pipeline}: spend caps now {_shown(now)} ({whose}; the workers take them "
+                   f"within {settings.budget.refresh_s:g} s)")  # fmt: skip
+        return
+    whose = f"set {stored[1].get('at', '')}".strip() if stored is not None else "its file's"
+    click.echo(f"{pipeline}: spend caps {_shown(now)} ({whose})")
+    if stored is not None:
+        click.echo(f"  its file says: {_shown(found.spec.budget)} (`--reset` to go back)")
+
+
+def _changed(spec: Any, given: dict[str, float | str]) -> Any:
+    from streams.pipelines.specs import BudgetSpec, Caps
+
+    fields = spec.model_dump()
+    for option, value in given.items():
+        scope, name = CAPS[option]
+        usd = None if value == "none" else value
+        if scope is None:
+            fields[name] = usd
+        else:
+            fields[scope] = {**(fields.get(scope) or {}), name: usd}
+    for scope in ("live", "replay"):
+        if fields.get(scope) is not None and not any(Caps(**fields[scope]).model_dump().values()):
+            fields[scope] = None
+    return BudgetSpec(**fields)
+
+
+def _shown(spec: Any) -> str:
+    return "none" if spec is None else str(spec.describe())
 
 
 @cli.group()

@@ -31,6 +31,7 @@ from streams.contract.records import (
     result_key,
 )
 from streams.core.batch import BatchLane
+from streams.core.budget import Budgets
 from streams.core.calls import Calls, ClientFor
 from streams.core.chunking import reduce_outputs
 from streams.core.outcome import Outcome, Outcomes, Prepared, Prices, Spend
@@ -47,6 +48,7 @@ from streams.errors import (
     StreamsError,
     TaskError,
 )
+from streams.llm.client import completion_budget
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import stage_span
@@ -54,6 +56,7 @@ from streams.pipelines.pipeline import Pipeline
 from streams.pipelines.registry import PipelineRegistry
 from streams.pipelines.render import PipelineVersion, RenderedPrompt
 from streams.resilience.guarded import GuardedClient
+from streams.resilience.limiter import GroupShare
 from streams.resilience.retry import Attempts, RetryPolicy
 from streams.settings import Settings
 
@@ -110,10 +113,18 @@ class TaskProcessor:
         clients: ClientFor | None = None,
         metrics: Metrics | None = None,
         close: Callable[[], Awaitable[None]] | None = None,
+        group: GroupShare | None = None,
+        budgets: Budgets | None = None,
     ) -> None:
         self.registry = registry
         self.config = config
         self.metrics = metrics or Metrics()
+        # Spend caps (`group`: the worker's part of its group, which holds its share).
+        self.budgets = budgets or Budgets(group=group, metrics=self.metrics)
+        # Whether this worker still owns a task partition (the edge says; a task waiting
+        # at a spend cap is given up with its partition).
+        self.owns: Callable[[int], bool] = lambda partition: True
+        self._completions: dict[str, tuple[float, int]] = {}  # per pipeline: tokens, tasks
         if config.context_window is not None:
             client.window.configured = config.context_window
         self.calls = Calls(client, policy=config.policy, metrics=self.metrics, clients=clients)
@@ -292,10 +303,41 @@ class TaskProcessor:
 
         `earlier`: answers by stage of an earlier run of this task and version that
         failed at a later stage; they are used, not asked again. `tier`: sync, flex or
-        batch (see `tier_for`)."""
+        batch (see `tier_for`). A pipeline at its spend cap waits here, before the deadline
+        starts (`core.budget`)."""
+        spend = Spend(tier=self.tier_for(prep.pipeline, lane, tier))
+        budget = self.budgets.caps(prep.pipeline.name, prep.pipeline.spec.budget)
+        if budget is None:
+            return await self._answer(prep, lane, earlier, spend)
+        partition = prep.source.partition
+        hold = await self.budgets.hold(prep.pipeline.name, budget, lane,
+                                       self._estimate(prep, spend.tier),
+                                       owned=lambda: self.owns(partition))  # fmt: skip
+        try:
+            return await self._answer(prep, lane, earlier, spend)
+        finally:  # whatever the end (a dead letter, parked, cancelled): what it cost
+            hold.settle(self.outcomes.prices.cost(
+                spend.prompt_tokens, spend.completion_tokens,
+                spend.discounted_prompt, spend.discounted_completion,
+            ))  # fmt: skip
+            tokens, tasks = self._completions.get(prep.pipeline.name, (0.0, 0))
+            if spend.completion_tokens:
+                self._completions[prep.pipeline.name] = (tokens + spend.completion_tokens,
+                                                         tasks + 1)  # fmt: skip
+
+    def _estimate(self, prep: Prepared, tier: Tier) -> float:
+        """What a task's calls may cost: its prompt, and the answer its pipeline's tasks
+        took so far on average (at first, the answer's whole budget)."""
+        tokens, tasks = self._completions.get(prep.pipeline.name, (0.0, 0))
+        completion = tokens / tasks if tasks else completion_budget(prep.prompt.params)
+        return self.outcomes.prices.estimate(count_messages(prep.prompt.messages), completion,
+                                             tier)  # fmt: skip
+
+    async def _answer(
+        self, prep: Prepared, lane: Lane, earlier: dict[str, Any] | None, spend: Spend
+    ) -> Outcome:
         task, pipeline, version, prompt = prep.task, prep.pipeline, prep.version, prep.prompt
         attempts = Attempts()
-        spend = Spend(tier=self.tier_for(pipeline, lane, tier))
         deadline_s = self.config.deadline_s
         if spend.tier is Tier.BATCH:
             spend.route = (prep.source.partition, prep.result_key)

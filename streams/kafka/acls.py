@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from streams.kafka.topics import (
+    budgets_topic,
     decisions_topic,
     drift_baselines_topic,
     ledger_topic,
@@ -50,6 +51,7 @@ def worker_acls(
         Acl("topic", ledger_topic(settings), both, why="the batch lane's ledger"),
         Acl("topic", sessions_topic(settings), both, why="sessions' turns (the store's map)"),
         Acl("topic", drift_baselines_topic(settings), read, why="the drift baselines it holds to"),
+        Acl("topic", budgets_topic(settings), read, why="the spend caps set by `budget`"),
         Acl("group", settings.app_id, read, why="the consumer group"),
     ]
     acls += [Acl("topic", name, read, why="a pipeline's source topic, read as it is")
@@ -115,6 +117,7 @@ def command_acls(settings: Settings) -> dict[str, list[Acl]]:
             Acl("topic", t.tasks, write, why="the tasks it re-queues"),
         ],
         "status": [state],
+        "budget": [Acl("topic", budgets_topic(settings), own, why="the spend caps it sets")],
     }
 
 

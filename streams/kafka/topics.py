@@ -46,6 +46,11 @@ def drift_baselines_topic(settings: Settings) -> str:
     return f"{settings.app_id}-drift-baselines"
 
 
+def budgets_topic(settings: Settings) -> str:
+    """Spend caps set by `llm-streams budget`, by pipeline, over its file's (compacted)."""
+    return f"{settings.app_id}-budgets"
+
+
 def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
     """Topic name -> config. Results are keyed by result_key and compacted."""
     t = settings.topics
@@ -61,6 +66,7 @@ def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
         replays_topic(settings): {"cleanup.policy": "compact"},
         decisions_topic(settings): {"cleanup.policy": "delete", "retention.ms": "-1"},
         drift_baselines_topic(settings): {"cleanup.policy": "compact"},
+        budgets_topic(settings): {"cleanup.policy": "compact"},
     }
 
 

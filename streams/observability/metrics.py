@@ -170,6 +170,23 @@ class Metrics:
             "Spend in USD from the price table, retries included, by price tier "
             "(sync, or batch/flex at the batch price).",
             ["pipeline", "model", "tier"], registry=r)  # fmt: skip
+        self.budget_spent = Gauge(
+            "llm_streams_budget_spent_usd",
+            "This worker's spend in the current window of a pipeline's spend cap (lane: all, "
+            "live, replay; window: hour, day).", ["pipeline", "lane", "window"],
+            registry=r)  # fmt: skip
+        self.budget_cap = Gauge(
+            "llm_streams_budget_cap_usd",
+            "This worker's share of a pipeline's spend cap (its part of the group's "
+            "partitions).", ["pipeline", "lane", "window"], registry=r)  # fmt: skip
+        self.budget_waiting = Gauge(
+            "llm_streams_budget_waiting_tasks",
+            "Tasks waiting at a pipeline's spend cap for its next window (unacked, not "
+            "dead-lettered).", ["pipeline", "lane"], registry=r)  # fmt: skip
+        self.budget_waits = Counter(
+            "llm_streams_budget_waits",
+            "Tasks that had to wait at a pipeline's spend cap.", ["pipeline", "lane"],
+            registry=r)  # fmt: skip
         self.retries = Counter(
             "llm_streams_retries", "Attempts after a task's first, by the error that caused them.",
             ["category"], registry=r)  # fmt: skip

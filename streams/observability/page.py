@@ -145,7 +145,18 @@ def _states(snap: dict[str, Any]) -> str:
         f"{figure(f'limiter_{model}', rpm, count(rpm))} RPM</span>"
         for model, rpm in snap["limiter_rpm"].items()
     ]
-    return f'<div class="states">{"".join(badges + limiters)}</div>'
+    caps = [_budget_badge(b) for b in snap.get("budgets", [])]
+    return f'<div class="states">{"".join(badges + limiters + caps)}</div>'
+
+
+def _budget_badge(b: dict[str, Any]) -> str:
+    """A spend cap: this worker's spend of its share, orange while tasks wait at it."""
+    name = f"budget_{b['pipeline']}_{b['lane']}_{b['window']}"
+    waiting = f" · {b['waiting']} waiting" if b["waiting"] else ""
+    return (f'<span class="badge" style="background:{"#ef6c00" if waiting else "#455a64"}">'
+            f"budget {_e(b['pipeline'])} {_e(b['lane'])}/{_e(b['window'])}: "
+            f"{figure(name, b['spent_usd'], usd(b['spent_usd']))} of {usd(b['cap_usd'])}"
+            f"{waiting}</span>")  # fmt: skip
 
 
 def _dead_letters(snap: dict[str, Any]) -> str:

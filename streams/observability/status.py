@@ -145,7 +145,27 @@ class StatusView:
             "cost_usd": round(cost, 8),
             "cost_per_result_usd": round(cost / results, 8) if results else None,
             "dead_letters_by_category": dict(sorted(dead.items(), key=lambda kv: -kv[1])[:5]),
+            "budgets": self._budgets(samples),
         }
+
+    @staticmethod
+    def _budgets(samples: dict[str, list[tuple[dict[str, str], float]]]) -> list[dict[str, Any]]:
+        """Per pipeline cap (lane, window): this worker's spend in the window, its share of
+        the cap, and the pipeline's tasks of that lane waiting at a cap."""
+        caps = {(ls["pipeline"], ls["lane"], ls["window"]): v
+                for ls, v in samples.get("llm_streams_budget_cap_usd", [])}  # fmt: skip
+        spent = {(ls["pipeline"], ls["lane"], ls["window"]): v
+                 for ls, v in samples.get("llm_streams_budget_spent_usd", [])}  # fmt: skip
+        waiting: dict[tuple[str, str], float] = defaultdict(float)
+        for ls, v in samples.get("llm_streams_budget_waiting_tasks", []):
+            waiting[(ls["pipeline"], ls["lane"])] += v
+            waiting[(ls["pipeline"], "all")] += v
+        return [
+            {"pipeline": p, "lane": lane, "window": window, "cap_usd": round(cap, 6),
+             "spent_usd": round(spent.get((p, lane, window), 0.0), 6),
+             "waiting": int(waiting.get((p, lane), 0))}
+            for (p, lane, window), cap in sorted(caps.items())
+        ]  # fmt: skip
 
     @staticmethod
     def _versions(samples: dict[str, list[tuple[dict[str, str], float]]]) -> list[dict[str, Any]]:

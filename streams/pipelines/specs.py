@@ -284,6 +284,36 @@ class LanePolicy(BaseModel):
         return self.live if lane == "live" else self.replay
 
 
+class Caps(BaseModel):
+    """Spend caps in USD: per clock hour and per UTC day (either, both, or none)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    usd_per_hour: float | None = Field(None, gt=0, description="Spend cap per clock hour.")
+    usd_per_day: float | None = Field(None, gt=0, description="Spend cap per UTC day.")
+
+
+class BudgetSpec(Caps):
+    """What a pipeline may spend (`core.budget`): its caps for every lane together, and
+    each lane's own within them (`live`, `replay`: a backfill apart from real-time
+    traffic). At a cap a lane stops taking work until the next window; nothing is
+    dead-lettered."""
+
+    live: Caps | None = None
+    replay: Caps | None = None
+
+    def describe(self) -> str:
+        """The caps in a line: `$50/day, replay $2/hour` (or `none`)."""
+        parts = [
+            f"{scope}${usd:g}/{window}"
+            for scope, caps in (("", self), ("live ", self.live), ("replay ", self.replay))
+            if caps is not None
+            for window, usd in (("hour", caps.usd_per_hour), ("day", caps.usd_per_day))
+            if usd is not None
+        ]
+        return ", ".join(parts) or "none"
+
+
 class ReviewSpec(BaseModel):
     """Results a person should look at: they also go to the review topic, with reasons."""
 
@@ -346,6 +376,7 @@ class PipelineSpec(BaseModel):
     chunking: ChunkingSpec | None = None
     packing: PackingSpec | None = None
     lanes: LanePolicy = Field(default_factory=LanePolicy)
+    budget: BudgetSpec | None = None
     stages: list[StageSpec] = Field(
         default_factory=list,
         description="Stages after the first, in order; their answers land under output.stages.",

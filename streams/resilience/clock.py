@@ -34,6 +34,13 @@ class MonotonicClock:
         return asyncio.get_running_loop().call_later(seconds, callback)
 
 
+class WallClock(MonotonicClock):
+    """Seconds since the epoch: for windows of the calendar (clock hours, UTC days)."""
+
+    def now(self) -> float:
+        return time.time()
+
+
 class FakeClock:
     """Time moves only when someone sleeps; sleepers wake in deadline order."""
 

@@ -25,6 +25,7 @@ from opentelemetry.trace import Status as SpanStatus
 from streams.contract.lanes import Lane
 from streams.contract.records import Source
 from streams.core.batch import BatchLane, Parked
+from streams.core.budget import Withdrawn
 from streams.core.cache import ContentCache
 from streams.core.decide import Decider
 from streams.core.dispatch import Dispatcher, LaneSlots
@@ -193,6 +194,8 @@ class TaskAgent:
             await self.eos.assign(partitions)
         self.store.assign(partitions)
         self.parked.assigned(partitions)
+        if self._processor is not None:  # tasks at a spend cap: their share, their partition
+            self._processor.budgets.changed()
         self._joined = True
 
     async def _on_fenced(self, partition: int) -> None:
@@ -278,6 +281,7 @@ class TaskAgent:
             # rest wait in Kafka, their deadlines not yet running).
             # From the endpoint's first word on: until then, nothing is known to hold.
             self._processor.client.concurrency.on_change = self._follow_endpoint
+            self._processor.owns = lambda partition: partition in self.store.owned()
             ops = self._processor.client.client
             if isinstance(ops, OpenAIClient):  # the provider's Batch API, for the batch tier
                 durable = self.eos.durable if self.eos is not None else None
@@ -486,9 +490,12 @@ class TaskAgent:
                 kind, outcome = await self._flow.handle(message, source, span)
             except (CannotWrite, asyncio.CancelledError):
                 raise  # unacked: the record runs again after the restart
-            except Parked:  # durably in the batch lane's ledger, which resumes it
-                span.set_attribute("llm_streams.outcome", "parked")
-                return "parked"
+            except (Parked, Withdrawn) as exc:
+                # Parked: durably in the batch lane's ledger, which resumes it. Withdrawn:
+                # it waited at a spend cap and its partition was given away to its owner.
+                kind = "parked" if isinstance(exc, Parked) else "released"
+                span.set_attribute("llm_streams.outcome", kind)
+                return kind
             except Exception as exc:  # a bug: the record still ends as one dead letter
                 log.exception("internal error on %s/%d/%d", source.topic, source.partition,
                               source.offset)  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import faust
@@ -10,6 +11,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from streams.assembly import processor_factory
+from streams.core.budget import Budgets
 from streams.core.drift import DriftMonitor
 from streams.kafka.limits import WriteLimits
 from streams.kafka.security import faust_credentials
@@ -20,6 +22,7 @@ from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.limiter import GroupShare
 from streams.settings import Settings, load_settings
 from streams.store.baselines import refresh_baselines
+from streams.store.budgets import refresh_budgets
 from streams.worker import faust_private
 from streams.worker.agent import TaskAgent
 
@@ -35,6 +38,17 @@ class InLoopApp(ThreadedApp):
 
     def _new_transport(self) -> Any:
         return faust_private.InLoopTransport(self.conf.broker_consumer, self)
+
+
+def _at_start_and_every(
+    app: faust.App, name: str, seconds: float, read: Callable[[], Awaitable[None]]
+) -> None:
+    async def run() -> None:
+        await read()
+
+    run.__name__ = run.__qualname__ = name  # Faust's name of the task and the timer
+    app.task(run)  # faust leaves both decorators untyped
+    app.timer(seconds)(run)
 
 
 def create_app(
@@ -89,23 +103,23 @@ def create_app(
     schemas = {name: p.output_schema for name, p in registry.pipelines.items()}
     drift = DriftMonitor(schemas, settings.drift.window)
     metrics.watch_drift(drift.rows)
+    budgets = Budgets(group=group, metrics=metrics)
     agent = TaskAgent(
-        app, settings, processor_factory(settings, registry, metrics, room, group), metrics,
-        limits, sources=registry.sources(), group=group, drift=drift,
+        app, settings, processor_factory(settings, registry, metrics, room, group, budgets),
+        metrics, limits, sources=registry.sources(), group=group, drift=drift,
     )  # fmt: skip
     app.llm_streams_agent = agent  # type: ignore[attr-defined]  # for the worker's stop
-
-    async def read_baselines() -> None:
-        await refresh_baselines(settings, drift)
 
     async def say_what_it_is() -> None:  # once the worker's logging is set up
         for line in banner or ():
             log.info("%s", line)
 
     app.task(say_what_it_is)
-    # At start, then every `drift.refresh_s` (faust leaves both decorators untyped).
-    app.task(read_baselines)
-    app.timer(settings.drift.refresh_s)(read_baselines)
+    # At start, then every `refresh_s`: what operators set while the workers run.
+    _at_start_and_every(app, "read_baselines", settings.drift.refresh_s,
+                        lambda: refresh_baselines(settings, drift))  # fmt: skip
+    _at_start_and_every(app, "read_budgets", settings.budget.refresh_s,
+                        lambda: refresh_budgets(settings, budgets))  # fmt: skip
 
     @app.page("/metrics")
     async def metrics_page(web: Any, request: Any) -> Any:

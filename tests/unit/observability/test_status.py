@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from streams.contract.lanes import Lane
+from streams.core.budget import Budgets
 from streams.observability.metrics import Metrics
 from streams.observability.page import count, render_html, seconds, usd
 from streams.observability.status import StatusView, histogram_quantile
+from streams.pipelines.specs import BudgetSpec, Caps
+from streams.resilience.clock import FakeClock
 
 
 def test_quantiles_interpolate_within_buckets_like_prometheus() -> None:
@@ -86,3 +92,23 @@ def test_the_latest_dead_letters_show_their_reason() -> None:
     assert snap["dead_letters_by_category"] == {"invalid_input": 25}
     page = render_html(snap)
     assert "record 24 is not JSON &lt;oops&gt;" in page and "t-4<" not in page
+
+
+async def test_spend_caps_show_each_workers_share_spend_and_waiting_tasks() -> None:
+    metrics = Metrics()
+    budgets = Budgets(FakeClock(86400.0 * 100), metrics=metrics)
+    spec = BudgetSpec(usd_per_day=2.0, replay=Caps(usd_per_hour=0.5))
+    (await budgets.hold("p", spec, Lane.REPLAY, estimate=0.1)).settle(0.5)
+    waiting = asyncio.ensure_future(budgets.hold("p", spec, Lane.REPLAY, estimate=0.1))
+    await asyncio.sleep(0)
+    snap = StatusView(metrics).snapshot()
+    waiting.cancel()
+    assert snap["budgets"] == [
+        {"pipeline": "p", "lane": "all", "window": "day", "cap_usd": 2.0, "spent_usd": 0.5,
+         "waiting": 1},
+        {"pipeline": "p", "lane": "replay", "window": "hour", "cap_usd": 0.5, "spent_usd": 0.5,
+         "waiting": 1},
+    ]  # fmt: skip
+    page = render_html(snap)
+    assert 'data-metric="budget_p_replay_hour" data-value="0.5"' in page
+    assert "1 waiting" in page

@@ -1,0 +1,235 @@
+"""Spend caps that hold: what a pipeline may spend per clock hour and per UTC day, for
+all its lanes together and for each lane apart (`pipelines.specs.BudgetSpec`).
+
+Before a task's calls, `Budgets.hold` counts the window's spend so far plus what the
+tasks in flight may cost (their estimate, until each ends and its real cost replaces
+it). A task that would pass a cap waits — before its deadline starts, its record
+unacknowledged, nothing dead-lettered — and goes on at the next window, when a task in
+flight turns out cheaper than its estimate, or when this worker's share grows. The
+lane's slots fill with waiting tasks, so the lane stops taking records: backpressure,
+not loss. A task alone under a cap always goes, so spend stops within one task's
+estimate of the cap.
+
+Several workers share a cap without a shared store: each holds the part of it its
+partitions are due (`resilience.limiter.GroupShare`, as the limiters claim theirs).
+
+Written here: budget features of LLM gateways (LiteLLM's `max_budget`) count spend in a
+shared database after each call and refuse the next one; a cap kept before the call,
+on estimates, without losing the record that waits, is the few lines below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from streams.contract.lanes import Lane
+from streams.observability.metrics import Metrics
+from streams.pipelines.specs import BudgetSpec, Caps
+from streams.resilience.clock import Clock, WallClock
+from streams.resilience.limiter import GroupShare
+
+log = logging.getLogger(__name__)
+
+WINDOWS = {"hour": 3600.0, "day": 86400.0}  # clock hours and UTC days since the epoch
+ALL = "all"  # the scope of a pipeline's caps over every lane
+
+
+class Withdrawn(Exception):
+    """A task waiting at a cap whose partition this worker no longer owns: its new owner
+    runs it."""
+
+
+@dataclass
+class _Account:
+    """One cap's window: what was spent in it and what tasks in flight may still cost."""
+
+    cap: float
+    length: float
+    window: int = -1
+    spent: float = 0.0
+    in_flight: float = 0.0
+    said: bool = False  # the pause was logged in this window
+
+
+class Hold:
+    """A task's place under its caps, from its admission until `settle`."""
+
+    def __init__(self, settle: Callable[[float], None]) -> None:
+        self._settle: Callable[[float], None] | None = settle
+
+    def settle(self, cost: float) -> None:
+        """The task's real cost replaces its estimate (once; a second call does nothing)."""
+        settle, self._settle = self._settle, None
+        if settle is not None:
+            settle(cost)
+
+
+class Budgets:
+    """The caps of every pipeline of a worker, kept on `clock` (wall time: windows are
+    clock hours and UTC days)."""
+
+    def __init__(
+        self,
+        clock: Clock | None = None,
+        group: GroupShare | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.clock = clock or WallClock()
+        self.group = group or GroupShare()
+        self.metrics = metrics or Metrics()
+        self._accounts: dict[tuple[str, str, str], _Account] = {}  # bounded: pipelines x 3 x 2
+        self._waiters: set[asyncio.Future[None]] = set()
+        # Caps set while the worker runs (`store.budgets`), over the pipeline files'.
+        self.overrides: dict[str, BudgetSpec] = {}
+
+    def caps(self, pipeline: str, spec: BudgetSpec | None) -> BudgetSpec | None:
+        """The caps a pipeline is held to: the ones set while it runs, else its file's."""
+        return self.overrides.get(pipeline, spec)
+
+    def override(self, overrides: dict[str, BudgetSpec]) -> None:
+        """Caps set while the worker runs, replacing the last ones: tasks waiting at a cap
+        raised (or removed) go on at once."""
+        if overrides == self.overrides:
+            return
+        for name in sorted(set(overrides) | set(self.overrides)):
+            if overrides.get(name) != self.overrides.get(name):
+                said = overrides[name].describe() if name in overrides else "its file's"
+                log.info("pipeline %s: spend caps now %s", name, said)
+        self.overrides = dict(overrides)
+        self.changed()
+
+    async def hold(
+        self,
+        pipeline: str,
+        spec: BudgetSpec | None,
+        lane: Lane,
+        estimate: float,
+        owned: Callable[[], bool] = lambda: True,
+    ) -> Hold:
+        """Admit a task that may cost `estimate` USD: at once while its pipeline is under
+        its caps, else when it is again (`owned`: still this worker's task, asked after
+        each wait; `Withdrawn` when it is not)."""
+        accounts = self._of(pipeline, self.caps(pipeline, spec), lane)
+        waited = False
+        while (full := self._full(accounts, estimate)) is not None:
+            if not waited:
+                waited = True
+                self.metrics.budget_waits.labels(pipeline, lane.name.lower()).inc()
+            self._say(pipeline, lane, full)
+            gauge = self.metrics.budget_waiting.labels(pipeline, lane.name.lower())
+            gauge.inc()
+            try:
+                await self._wait(self._to_next(full))
+            finally:
+                gauge.dec()
+            if not owned():
+                raise Withdrawn(f"pipeline {pipeline}: a task waiting at its spend cap was "
+                                "given away with its partition")  # fmt: skip
+            accounts = self._of(pipeline, self.caps(pipeline, spec), lane)  # set meanwhile?
+        for account in accounts:
+            account.in_flight += estimate
+        return Hold(lambda cost: self._settle(accounts, estimate, cost))
+
+    def changed(self) -> None:
+        """Something a waiting task's admission depends on changed (the group's split, the
+        partitions owned): every waiting task looks again."""
+        for waiter in list(self._waiters):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def spent(self, pipeline: str, scope: str, window: str) -> float:
+        """This worker's spend in the current `window` of a pipeline's cap over `scope`
+        (all, live, replay); 0 when it has no such cap."""
+        account = self._accounts.get((pipeline, scope, window))
+        return self._roll(account).spent if account is not None else 0.0
+
+    def _of(self, pipeline: str, spec: BudgetSpec | None, lane: Lane) -> list[_Account]:
+        if spec is None:
+            return []
+        scopes: list[tuple[str, Caps | None]] = [
+            (ALL, spec), (lane.name.lower(), spec.live if lane is Lane.LIVE else spec.replay),
+        ]  # fmt: skip
+        accounts = []
+        for scope, caps in scopes:
+            if caps is None:
+                continue
+            for window, cap in (("hour", caps.usd_per_hour), ("day", caps.usd_per_day)):
+                if cap is None:
+                    continue
+                key = (pipeline, scope, window)
+                account = self._accounts.get(key) or self._open(key, cap)
+                account.cap = cap  # a cap changed: what was spent and is in flight stays
+                accounts.append(self._roll(account))
+        return accounts
+
+    def _open(self, key: tuple[str, str, str], cap: float) -> _Account:
+        account = _Account(cap=cap, length=WINDOWS[key[2]])
+        self._accounts[key] = account
+        self.metrics.budget_spent.labels(*key).set_function(lambda: self._roll(account).spent)
+        self.metrics.budget_cap.labels(*key).set_function(lambda: self._share(account))
+        return account
+
+    def _roll(self, account: _Account) -> _Account:
+        window = math.floor(self.clock.now() / account.length)
+        if window != account.window:
+            account.window, account.spent, account.said = window, 0.0, False
+        return account
+
+    def _share(self, account: _Account) -> float:
+        fraction = self.group.fraction
+        return account.cap * (fraction if fraction is not None else 1.0)
+
+    def _full(self, accounts: list[_Account], estimate: float) -> _Account | None:
+        """The first cap the task would pass (None: it may go). A task with nothing in
+        flight beside it goes while its cap is not reached, whatever its estimate."""
+        for account in accounts:
+            self._roll(account)
+            share = self._share(account)
+            committed = account.spent + account.in_flight
+            if committed + estimate > share and (account.in_flight > 0 or account.spent >= share):
+                return account
+        return None
+
+    def _to_next(self, account: _Account) -> float:
+        """Seconds until the account's next window."""
+        return max(0.0, (account.window + 1) * account.length - self.clock.now())
+
+    def _say(self, pipeline: str, lane: Lane, account: _Account) -> None:
+        if account.said:
+            return
+        account.said = True
+        window = "hour" if account.length == WINDOWS["hour"] else "day"
+        log.warning(
+            "pipeline %s: its %s tasks wait at its spend cap ($%.4f spent, $%.4f in flight, of "
+            "this worker's $%.4f this %s); nothing is dead-lettered, they go on at the next %s",
+            pipeline, lane.name.lower(), account.spent, account.in_flight, self._share(account),
+            window, window,
+        )  # fmt: skip
+
+    async def _wait(self, seconds: float) -> None:
+        """Until `seconds` pass or `changed` (or a task's settling) wakes every waiter."""
+        woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.add(woken)
+        timer = self.clock.call_later(
+            seconds, lambda: None if woken.done() else woken.set_result(None)
+        )
+        try:
+            await woken
+        finally:
+            timer.cancel()
+            self._waiters.discard(woken)
+
+    def _settle(self, accounts: list[_Account], estimate: float, cost: float) -> None:
+        for account in accounts:
+            self._roll(account)
+            account.in_flight = max(0.0, account.in_flight - estimate)
+            account.spent += cost
+        if accounts and self._waiters:
+            self.changed()
+
+
+__all__ = ["ALL", "WINDOWS", "Budgets", "Hold", "Withdrawn"]

@@ -1,0 +1,220 @@
+"""Spend caps: a task at its pipeline's cap waits (never a dead letter) until the next
+window, a cheaper task settling, or a larger share; nothing is reserved for a task that
+never went."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import pytest
+import yaml
+
+from streams.contract.lanes import Lane
+from streams.contract.records import Source
+from streams.core.budget import Budgets, Withdrawn
+from streams.core.processor import Prices
+from streams.observability.metrics import Metrics
+from streams.pipelines.registry import PipelineRegistry
+from streams.pipelines.specs import BudgetSpec, Caps
+from streams.resilience.clock import FakeClock
+from streams.resilience.limiter import GroupShare
+from tests.conftest import MakeProcessor
+from tests.fakes import FakeLLM, answer
+
+ROOT = Path(__file__).resolve().parents[3]
+HOUR = 3600.0
+START = 100 * 86400.0 + 10 * HOUR  # 10:00 UTC on a day
+GOOD = {"sentiment": "positive", "confidence": 0.9, "topics": ["quality"], "issues": [],
+        "summary": "good", "language": "en"}  # fmt: skip
+
+
+class StillClock(FakeClock):
+    """A fake clock whose timers never fire: only what the test does wakes a waiter."""
+
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
+        self.slept.append(seconds)
+        return asyncio.get_running_loop().call_later(10 * 365 * 86400, callback)
+
+
+def gauge(metrics: Metrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    assert value is not None, f"{name}{labels} not exported"
+    return value
+
+
+async def test_under_its_cap_a_task_goes_at_once_and_its_real_cost_is_booked() -> None:
+    budgets = Budgets(FakeClock(START))
+    hold = await budgets.hold("p", BudgetSpec(usd_per_hour=1.0), Lane.LIVE, estimate=0.3)
+    hold.settle(0.1)
+    hold.settle(0.1)  # once only
+    assert budgets.spent("p", "all", "hour") == pytest.approx(0.1)
+    metrics = budgets.metrics
+    assert gauge(metrics, "llm_streams_budget_spent_usd", pipeline="p", lane="all",
+                 window="hour") == pytest.approx(0.1)  # fmt: skip
+    assert gauge(metrics, "llm_streams_budget_cap_usd", pipeline="p", lane="all",
+                 window="hour") == 1.0  # fmt: skip
+
+
+async def test_at_the_cap_tasks_wait_for_the_next_window_and_go_on_then() -> None:
+    clock = FakeClock(START + 0.25 * HOUR)
+    budgets = Budgets(clock)
+    spec = BudgetSpec(usd_per_hour=1.0)
+    (await budgets.hold("p", spec, Lane.LIVE, estimate=0.5)).settle(1.0)  # the cap, reached
+    waiting = asyncio.ensure_future(budgets.hold("p", spec, Lane.LIVE, estimate=0.5))
+    hold = await waiting  # the fake clock's timer: the next hour comes at once
+    assert clock.now() == pytest.approx(START + HOUR)  # not a second earlier
+    assert budgets.spent("p", "all", "hour") == 0.0
+    hold.settle(0.4)
+    assert budgets.spent("p", "all", "hour") == pytest.approx(0.4)
+    assert gauge(budgets.metrics, "llm_streams_budget_waits_total", pipeline="p",
+                 lane="live") == 1.0  # fmt: skip
+
+
+async def test_spend_in_flight_counts_and_a_cheaper_end_lets_the_next_go() -> None:
+    clock = StillClock(START)
+    budgets = Budgets(clock)
+    spec = BudgetSpec(usd_per_day=1.0)
+    first = await budgets.hold("p", spec, Lane.LIVE, estimate=0.6)
+    second = asyncio.ensure_future(budgets.hold("p", spec, Lane.LIVE, estimate=0.6))
+    await asyncio.sleep(0)
+    assert not second.done()  # 0.6 in flight + 0.6 would pass the cap
+    assert gauge(budgets.metrics, "llm_streams_budget_waiting_tasks", pipeline="p",
+                 lane="live") == 1.0  # fmt: skip
+    first.settle(0.2)  # it cost less than feared: room for the second
+    (await second).settle(0.3)
+    assert clock.now() == START  # no window passed
+    assert budgets.spent("p", "all", "day") == pytest.approx(0.5)
+    assert gauge(budgets.metrics, "llm_streams_budget_waiting_tasks", pipeline="p",
+                 lane="live") == 0.0  # fmt: skip
+
+
+async def test_a_task_alone_goes_whatever_its_estimate_while_the_cap_is_not_reached() -> None:
+    budgets = Budgets(FakeClock(START))
+    spec = BudgetSpec(usd_per_hour=0.01)
+    hold = await budgets.hold("p", spec, Lane.LIVE, estimate=5.0)  # never stuck behind itself
+    hold.settle(0.002)
+    (await budgets.hold("p", spec, Lane.LIVE, estimate=5.0)).settle(0.002)
+
+
+async def test_a_lanes_own_cap_stops_that_lane_only() -> None:
+    clock = FakeClock(START)
+    budgets = Budgets(clock)
+    spec = BudgetSpec(usd_per_day=10.0, replay=Caps(usd_per_hour=1.0))
+    (await budgets.hold("p", spec, Lane.REPLAY, estimate=0.1)).settle(1.0)
+    (await budgets.hold("p", spec, Lane.LIVE, estimate=0.1)).settle(0.1)  # live goes on
+    assert clock.now() == START
+    replay = await budgets.hold("p", spec, Lane.REPLAY, estimate=0.1)  # waits for 11:00
+    assert clock.now() == pytest.approx(START + HOUR)
+    replay.settle(0.1)
+    assert budgets.spent("p", "all", "day") == pytest.approx(1.2)  # the day counts all three
+    assert budgets.spent("p", "replay", "hour") == pytest.approx(0.1)
+
+
+async def test_each_worker_holds_its_share_of_the_cap() -> None:
+    group = GroupShare()
+    group.assigned(1, 4)  # a quarter of the group's partitions
+    clock = StillClock(START)
+    budgets = Budgets(clock, group=group)
+    spec = BudgetSpec(usd_per_hour=4.0)
+    (await budgets.hold("p", spec, Lane.LIVE, estimate=0.1)).settle(1.0)  # its $1
+    waiting = asyncio.ensure_future(budgets.hold("p", spec, Lane.LIVE, estimate=0.1))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    group.assigned(2, 4)  # a rebalance gives it more
+    budgets.changed()
+    (await waiting).settle(0.1)
+    assert clock.now() == START
+
+
+async def test_a_waiting_task_given_away_with_its_partition_is_withdrawn() -> None:
+    budgets = Budgets(StillClock(START))
+    spec = BudgetSpec(usd_per_hour=1.0)
+    (await budgets.hold("p", spec, Lane.LIVE, estimate=0.1)).settle(1.0)
+    owned = True
+    waiting = asyncio.ensure_future(
+        budgets.hold("p", spec, Lane.LIVE, estimate=0.1, owned=lambda: owned)
+    )
+    await asyncio.sleep(0)
+    owned = False
+    budgets.changed()
+    with pytest.raises(Withdrawn):
+        await waiting
+
+
+async def test_a_task_cancelled_while_waiting_reserves_nothing() -> None:
+    clock = StillClock(START)
+    budgets = Budgets(clock)
+    spec = BudgetSpec(usd_per_day=1.0)
+    first = await budgets.hold("p", spec, Lane.LIVE, estimate=0.9)
+    waiting = asyncio.ensure_future(budgets.hold("p", spec, Lane.LIVE, estimate=0.5))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    first.settle(0.9)
+    assert gauge(budgets.metrics, "llm_streams_budget_waiting_tasks", pipeline="p",
+                 lane="live") == 0.0  # fmt: skip
+    # Nothing of the cancelled one in flight: a small task still fits under the cap.
+    (await budgets.hold("p", spec, Lane.LIVE, estimate=0.05)).settle(0.05)
+    assert clock.now() == START
+
+
+def _budgeted(tmp_path: Path, budget: dict[str, object]) -> PipelineRegistry:
+    spec = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
+    spec["budget"] = budget
+    (tmp_path / "comment-analysis.yaml").write_text(yaml.safe_dump(spec))
+    return PipelineRegistry.load(tmp_path, ROOT / "schemas")
+
+
+def _task(i: int) -> bytes:
+    return orjson.dumps({"task_id": f"t{i}", "pipeline": "comment-analysis",
+                         "input": {"text": f"Great phone, number {i}."}})  # fmt: skip
+
+
+async def test_a_pipeline_at_its_cap_holds_its_tasks_back_without_a_dead_letter(
+    tmp_path: Path, make_processor: MakeProcessor
+) -> None:
+    llm = FakeLLM(lambda _r: answer(GOOD, prompt_tokens=1000, completion_tokens=100))
+    processor = make_processor(
+        llm, registry=_budgeted(tmp_path, {"usd_per_hour": 0.002}),
+        prices=Prices(prompt_per_1k=0.001, completion_per_1k=0.002), deadline_s=1,
+    )  # fmt: skip
+    clock = processor.budgets.clock = FakeClock(START)
+    src = Source(topic="t", partition=0, offset=0)
+    outs = [await processor.process(_task(i), f"t{i}".encode(), src) for i in range(2)]
+    # $0.0012 each: the second goes alone under the cap, as a task alone does.
+    assert [o.kind for o in outs] == ["result", "result"]
+    assert clock.now() == START
+    third = await processor.process(_task(2), b"t2", src)  # $0.0024 spent: waits for 11:00
+    assert third.kind == "result" and third.attempts == 1  # its deadline began after the wait
+    assert clock.now() == pytest.approx(START + HOUR)
+    assert len(llm.requests) == 3
+    assert processor.budgets.spent("comment-analysis", "all", "hour") == pytest.approx(0.0012)
+
+
+async def test_a_cap_raised_while_tasks_wait_lets_them_go_at_once() -> None:
+    clock = StillClock(START)
+    budgets = Budgets(clock)
+    spec = BudgetSpec(usd_per_hour=1.0)
+    (await budgets.hold("p", spec, Lane.LIVE, estimate=0.1)).settle(1.0)
+    waiting = asyncio.ensure_future(budgets.hold("p", spec, Lane.LIVE, estimate=0.1))
+    await asyncio.sleep(0)
+    budgets.override({"other": BudgetSpec(usd_per_day=1.0)})  # another pipeline's: no help
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    budgets.override({"p": BudgetSpec(usd_per_hour=5.0)})  # `llm-streams budget p …`
+    (await waiting).settle(0.1)
+    assert clock.now() == START
+    assert budgets.caps("p", spec) == BudgetSpec(usd_per_hour=5.0)
+    assert budgets.spent("p", "all", "hour") == pytest.approx(1.1)  # what was spent stays
+    budgets.override({})  # back to the file's
+    assert budgets.caps("p", spec) is spec
+
+
+def test_caps_say_themselves_in_a_line() -> None:
+    spec = BudgetSpec(usd_per_day=50, replay=Caps(usd_per_hour=2.5))
+    assert spec.describe() == "$50/day, replay $2.5/hour"
+    assert BudgetSpec().describe() == "none"
