@@ -401,7 +401,8 @@ class DriftSettings(_Section):
 class BudgetSettings(_Section):
     refresh_s: float = Field(
         15.0, gt=0,
-        description="How often the worker reads the spend caps set by `llm-streams budget`.",
+        description="How often the worker saves its partitions' spend under the caps and "
+        "reads the caps set by `llm-streams budget`.",
     )  # fmt: skip
 
 

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from streams.contract.lanes import Lane
 from streams.observability.metrics import Metrics
@@ -45,14 +45,33 @@ class Withdrawn(Exception):
 
 @dataclass
 class _Account:
-    """One cap's window: what was spent in it and what tasks in flight may still cost."""
+    """One cap's window: what was spent in it, per task partition (the spend moves with
+    its partition), and what tasks in flight may still cost."""
 
+    key: tuple[str, str, str]  # pipeline, scope, window
     cap: float
     length: float
     window: int = -1
-    spent: float = 0.0
+    spent: dict[int, float] = field(default_factory=dict)
     in_flight: float = 0.0
     said: bool = False  # the pause was logged in this window
+
+
+@dataclass(frozen=True)
+class SpendMark:
+    """A partition's spend in a cap's window, as saved and read back (`store.budgets`): a
+    restarted worker, or a partition's next owner, goes on from it."""
+
+    pipeline: str
+    scope: str  # all | live | replay
+    window: str  # hour | day
+    partition: int
+    index: int  # which hour or day since the epoch
+    spent_usd: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.pipeline}/{self.scope}/{self.window}/{self.partition}"
 
 
 class Hold:
@@ -85,6 +104,11 @@ class Budgets:
         self._waiters: set[asyncio.Future[None]] = set()
         # Caps set while the worker runs (`store.budgets`), over the pipeline files'.
         self.overrides: dict[str, BudgetSpec] = {}
+        # The task partitions this worker owns (the edge says; None: every partition's
+        # spend is its own, as in the Python API).
+        self.owned: Callable[[], set[int]] | None = None
+        self._marks: dict[tuple[str, str, str, int], tuple[int, float]] = {}  # read back
+        self._unsaved: set[tuple[str, str, str, int]] = set()
 
     def caps(self, pipeline: str, spec: BudgetSpec | None) -> BudgetSpec | None:
         """The caps a pipeline is held to: the ones set while it runs, else its file's."""
@@ -109,6 +133,7 @@ class Budgets:
         lane: Lane,
         estimate: float,
         owned: Callable[[], bool] = lambda: True,
+        partition: int = 0,
     ) -> Hold:
         """Admit a task that may cost `estimate` USD: at once while its pipeline is under
         its caps, else when it is again (`owned`: still this worker's task, asked after
@@ -132,7 +157,7 @@ class Budgets:
             accounts = self._of(pipeline, self.caps(pipeline, spec), lane)  # set meanwhile?
         for account in accounts:
             account.in_flight += estimate
-        return Hold(lambda cost: self._settle(accounts, estimate, cost))
+        return Hold(lambda cost: self._settle(accounts, estimate, cost, partition))
 
     def changed(self) -> None:
         """Something a waiting task's admission depends on changed (the group's split, the
@@ -145,7 +170,44 @@ class Budgets:
         """This worker's spend in the current `window` of a pipeline's cap over `scope`
         (all, live, replay); 0 when it has no such cap."""
         account = self._accounts.get((pipeline, scope, window))
-        return self._roll(account).spent if account is not None else 0.0
+        return self._spent(self._roll(account)) if account is not None else 0.0
+
+    def unsaved(self) -> list[SpendMark]:
+        """The partitions' spends changed since the last call, to save."""
+        marks = []
+        for pipeline, scope, window, partition in sorted(self._unsaved):
+            account = self._accounts.get((pipeline, scope, window))
+            if account is not None:
+                self._roll(account)
+                marks.append(SpendMark(pipeline, scope, window, partition, account.window,
+                                       account.spent.get(partition, 0.0)))  # fmt: skip
+        self._unsaved.clear()
+        return marks
+
+    def seed(self, marks: list[SpendMark]) -> None:
+        """Spends saved earlier (by this worker before a restart, or a partition's earlier
+        owner): a partition's spend in the current window is never less than saved."""
+        for mark in marks:
+            key = (mark.pipeline, mark.scope, mark.window, mark.partition)
+            if (mark.index, mark.spent_usd) > self._marks.get(key, (-1, 0.0)):  # the latest
+                self._marks[key] = (mark.index, mark.spent_usd)
+            account = self._accounts.get((mark.pipeline, mark.scope, mark.window))
+            if account is not None:
+                self._take(account, mark.partition, mark.index, mark.spent_usd)
+        if marks:
+            self.changed()
+
+    def _take(self, account: _Account, partition: int, index: int, spent: float) -> None:
+        self._roll(account)
+        if index == account.window and spent > account.spent.get(partition, 0.0):
+            account.spent[partition] = spent
+
+    def _spent(self, account: _Account) -> float:
+        """This worker's spend in the account's window: its partitions'."""
+        if self.owned is None:
+            return sum(account.spent.values())
+        mine = self.owned()
+        return sum(usd for p, usd in account.spent.items() if p in mine)
 
     def _of(self, pipeline: str, spec: BudgetSpec | None, lane: Lane) -> list[_Account]:
         if spec is None:
@@ -167,16 +229,22 @@ class Budgets:
         return accounts
 
     def _open(self, key: tuple[str, str, str], cap: float) -> _Account:
-        account = _Account(cap=cap, length=WINDOWS[key[2]])
+        account = _Account(key=key, cap=cap, length=WINDOWS[key[2]])
         self._accounts[key] = account
-        self.metrics.budget_spent.labels(*key).set_function(lambda: self._roll(account).spent)
+        for (pipeline, scope, window, partition), (index, spent) in self._marks.items():
+            if (pipeline, scope, window) == key:
+                self._take(account, partition, index, spent)
+        self.metrics.budget_spent.labels(*key).set_function(
+            lambda: self._spent(self._roll(account))
+        )
         self.metrics.budget_cap.labels(*key).set_function(lambda: self._share(account))
         return account
 
     def _roll(self, account: _Account) -> _Account:
         window = math.floor(self.clock.now() / account.length)
         if window != account.window:
-            account.window, account.spent, account.said = window, 0.0, False
+            account.window, account.said = window, False
+            account.spent.clear()
         return account
 
     def _share(self, account: _Account) -> float:
@@ -188,9 +256,9 @@ class Budgets:
         flight beside it goes while its cap is not reached, whatever its estimate."""
         for account in accounts:
             self._roll(account)
-            share = self._share(account)
-            committed = account.spent + account.in_flight
-            if committed + estimate > share and (account.in_flight > 0 or account.spent >= share):
+            share, spent = self._share(account), self._spent(account)
+            committed = spent + account.in_flight
+            if committed + estimate > share and (account.in_flight > 0 or spent >= share):
                 return account
         return None
 
@@ -206,7 +274,8 @@ class Budgets:
         log.warning(
             "pipeline %s: its %s tasks wait at its spend cap ($%.4f spent, $%.4f in flight, of "
             "this worker's $%.4f this %s); nothing is dead-lettered, they go on at the next %s",
-            pipeline, lane.name.lower(), account.spent, account.in_flight, self._share(account),
+            pipeline, lane.name.lower(), self._spent(account), account.in_flight,
+            self._share(account),
             window, window,
         )  # fmt: skip
 
@@ -223,13 +292,17 @@ class Budgets:
             timer.cancel()
             self._waiters.discard(woken)
 
-    def _settle(self, accounts: list[_Account], estimate: float, cost: float) -> None:
+    def _settle(
+        self, accounts: list[_Account], estimate: float, cost: float, partition: int
+    ) -> None:
         for account in accounts:
             self._roll(account)
             account.in_flight = max(0.0, account.in_flight - estimate)
-            account.spent += cost
+            if cost > 0:
+                account.spent[partition] = account.spent.get(partition, 0.0) + cost
+                self._unsaved.add((*account.key, partition))
         if accounts and self._waiters:
             self.changed()
 
 
-__all__ = ["ALL", "WINDOWS", "Budgets", "Hold", "Withdrawn"]
+__all__ = ["ALL", "WINDOWS", "Budgets", "Hold", "SpendMark", "Withdrawn"]

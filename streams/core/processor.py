@@ -312,7 +312,8 @@ class TaskProcessor:
         partition = prep.source.partition
         hold = await self.budgets.hold(prep.pipeline.name, budget, lane,
                                        self._estimate(prep, spend.tier),
-                                       owned=lambda: self.owns(partition))  # fmt: skip
+                                       owned=lambda: self.owns(partition),
+                                       partition=partition)  # fmt: skip
         try:
             return await self._answer(prep, lane, earlier, spend)
         finally:  # whatever the end (a dead letter, parked, cancelled): what it cost

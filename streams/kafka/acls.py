@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from streams.kafka.topics import (
+    budget_spend_topic,
     budgets_topic,
     decisions_topic,
     drift_baselines_topic,
@@ -52,6 +53,12 @@ def worker_acls(
         Acl("topic", sessions_topic(settings), both, why="sessions' turns (the store's map)"),
         Acl("topic", drift_baselines_topic(settings), read, why="the drift baselines it holds to"),
         Acl("topic", budgets_topic(settings), read, why="the spend caps set by `budget`"),
+        Acl(
+            "topic",
+            budget_spend_topic(settings),
+            ("READ", "WRITE", "DESCRIBE"),
+            why="its partitions' spend under the caps",
+        ),
         Acl("group", settings.app_id, read, why="the consumer group"),
     ]
     acls += [Acl("topic", name, read, why="a pipeline's source topic, read as it is")

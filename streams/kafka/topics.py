@@ -51,6 +51,12 @@ def budgets_topic(settings: Settings) -> str:
     return f"{settings.app_id}-budgets"
 
 
+def budget_spend_topic(settings: Settings) -> str:
+    """Each task partition's spend in its pipelines' cap windows (compacted): a restarted
+    worker, or a partition's next owner, goes on counting from it."""
+    return f"{settings.app_id}-budget-spend"
+
+
 def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
     """Topic name -> config. Results are keyed by result_key and compacted."""
     t = settings.topics
@@ -67,6 +73,7 @@ def topic_specs(settings: Settings) -> dict[str, dict[str, str]]:
         decisions_topic(settings): {"cleanup.policy": "delete", "retention.ms": "-1"},
         drift_baselines_topic(settings): {"cleanup.policy": "compact"},
         budgets_topic(settings): {"cleanup.policy": "compact"},
+        budget_spend_topic(settings): {"cleanup.policy": "compact"},
     }
 
 

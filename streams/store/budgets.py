@@ -1,22 +1,30 @@
-"""Spend caps set while workers run: `<app_id>-budgets`, compacted, one record per
-pipeline holding the caps (`pipelines.specs.BudgetSpec`) that replace its pipeline
-file's `budget:` — `{}` for none —, a tombstone to go back to the file's.
-`llm-streams budget` writes them; every worker reads them at start and every
-`budget.refresh_s`, and its tasks waiting at a cap raised go on at once."""
+"""Spend caps on Kafka, and the spend under them.
+
+- `<app_id>-budgets`, compacted: one record per pipeline holding the caps
+  (`pipelines.specs.BudgetSpec`) that replace its pipeline file's `budget:` — `{}` for
+  none —, a tombstone to go back to the file's. `llm-streams budget` writes them.
+- `<app_id>-budget-spend`, compacted: each task partition's spend in each cap's window
+  (`core.budget.SpendMark`), written by the partition's owner. A restarted worker, or a
+  partition's next owner, goes on counting from it: a crash forgets at most the spend of
+  one `budget.refresh_s`.
+
+Every worker saves what its partitions spent and reads both at start and every
+`budget.refresh_s`; its tasks waiting at a cap raised go on at once."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from typing import Any
 
 import orjson
 from pydantic import ValidationError
 
 from streams.contract.records import now_iso
-from streams.core.budget import Budgets
+from streams.core.budget import Budgets, SpendMark
 from streams.kafka import clients
 from streams.kafka.scan import latest_objects, scan
-from streams.kafka.topics import budgets_topic, ensure_topics
+from streams.kafka.topics import budget_spend_topic, budgets_topic, ensure_topics
 from streams.pipelines.specs import BudgetSpec
 from streams.settings import Settings
 
@@ -25,7 +33,7 @@ log = logging.getLogger(__name__)
 
 async def load_budgets(settings: Settings) -> dict[str, tuple[BudgetSpec, dict[str, Any]]]:
     """The caps set per pipeline, with the record that set them (none when the topic does
-    not exist yet). A record this version cannot read is skipped, said once per read."""
+    not exist yet). A record this version cannot read is skipped, with a warning."""
     records = []
     async for batch in scan(settings, budgets_topic(settings)):
         records.extend(batch)
@@ -38,16 +46,56 @@ async def load_budgets(settings: Settings) -> dict[str, tuple[BudgetSpec, dict[s
     return out
 
 
-async def refresh_budgets(settings: Settings, budgets: Budgets) -> None:
-    """The caps set read again into `budgets`. While the topic cannot be read (the broker
-    away), the worker keeps the caps it holds and the next refresh tries again."""
-    try:
-        stored = await load_budgets(settings)
-    except Exception as exc:
-        log.warning("could not read the spend caps set (keeping the %d held): %r",
-                    len(budgets.overrides), exc)  # fmt: skip
-        return
-    budgets.override({name: spec for name, (spec, _) in stored.items()})
+async def load_spend(settings: Settings) -> list[SpendMark]:
+    """The spends saved per partition and cap window (none before the first)."""
+    records = []
+    async for batch in scan(settings, budget_spend_topic(settings)):
+        records.extend(batch)
+    marks = []
+    for value in latest_objects(records).values():
+        try:
+            marks.append(SpendMark(**value))
+        except TypeError as exc:
+            log.warning("skipping an unreadable spend record: %s", exc)
+    return marks
+
+
+class BudgetSync:
+    """A worker's budgets against Kafka: its partitions' spend saved, the caps set and the
+    spend saved read back (`sync`, at start and every `budget.refresh_s`). While the
+    broker is away, the worker keeps what it holds and the next sync tries again."""
+
+    def __init__(self, settings: Settings, budgets: Budgets) -> None:
+        self.settings = settings
+        self.budgets = budgets
+
+    async def sync(self) -> None:
+        try:
+            await self._save(self.budgets.unsaved())
+            stored = await load_budgets(self.settings)
+            marks = await load_spend(self.settings)
+        except Exception as exc:
+            log.warning("could not sync the spend caps with Kafka (keeping the %d held): %r",
+                        len(self.budgets.overrides), exc)  # fmt: skip
+            return
+        self.budgets.override({name: spec for name, (spec, _) in stored.items()})
+        self.budgets.seed(marks)
+
+    async def _save(self, marks: list[SpendMark]) -> None:
+        """The marks, acked (a producer of its own: saves come at most every refresh, and
+        only while a capped pipeline spends)."""
+        if not marks:
+            return
+        topic = budget_spend_topic(self.settings)
+        producer = clients.producer(self.settings, acks="all")
+        await producer.start()
+        try:
+            sent = [await producer.send(topic, orjson.dumps(asdict(mark)), key=mark.key.encode())
+                    for mark in marks]  # fmt: skip
+            for future in sent:
+                await future
+        finally:
+            await producer.stop()
 
 
 async def save_budget(
@@ -71,4 +119,4 @@ async def save_budget(
     return record
 
 
-__all__ = ["load_budgets", "refresh_budgets", "save_budget"]
+__all__ = ["BudgetSync", "load_budgets", "load_spend", "save_budget"]

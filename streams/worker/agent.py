@@ -282,6 +282,7 @@ class TaskAgent:
             # From the endpoint's first word on: until then, nothing is known to hold.
             self._processor.client.concurrency.on_change = self._follow_endpoint
             self._processor.owns = lambda partition: partition in self.store.owned()
+            self._processor.budgets.owned = self.store.owned  # the spend of its partitions
             ops = self._processor.client.client
             if isinstance(ops, OpenAIClient):  # the provider's Batch API, for the batch tier
                 durable = self.eos.durable if self.eos is not None else None

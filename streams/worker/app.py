@@ -22,7 +22,7 @@ from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.limiter import GroupShare
 from streams.settings import Settings, load_settings
 from streams.store.baselines import refresh_baselines
-from streams.store.budgets import refresh_budgets
+from streams.store.budgets import BudgetSync
 from streams.worker import faust_private
 from streams.worker.agent import TaskAgent
 
@@ -118,8 +118,8 @@ def create_app(
     # At start, then every `refresh_s`: what operators set while the workers run.
     _at_start_and_every(app, "read_baselines", settings.drift.refresh_s,
                         lambda: refresh_baselines(settings, drift))  # fmt: skip
-    _at_start_and_every(app, "read_budgets", settings.budget.refresh_s,
-                        lambda: refresh_budgets(settings, budgets))  # fmt: skip
+    _at_start_and_every(app, "sync_budgets", settings.budget.refresh_s,
+                        BudgetSync(settings, budgets).sync)  # fmt: skip
 
     @app.page("/metrics")
     async def metrics_page(web: Any, request: Any) -> Any:

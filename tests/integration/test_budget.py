@@ -1,7 +1,7 @@
 """A pipeline's spend cap on a worker against Apache Kafka: reached mid-run, its lane's
-records wait unacked (no dead letter), a SIGKILL at the cap loses none of them, and the
-cap raised with `llm-streams budget` while the worker runs lets the rest go on, each task
-answered once and paid once."""
+records wait unacked (no dead letter), a SIGKILL at the cap loses none of them and its
+successor goes on counting from the spend saved, and the cap raised with `llm-streams
+budget` while the worker runs lets the rest go on, each task answered once and paid once."""
 
 from __future__ import annotations
 
@@ -56,17 +56,18 @@ async def _waiting_at_the_cap(worker: WorkerProcess, timeout_s: float = 60) -> f
     raise AssertionError(f"no task waits at the cap:\n{worker.log_tail()}")
 
 
-async def _at_the_cap(settings: Any, worker: WorkerProcess, answered_before: int) -> int:
-    """The worker waits at the cap: what was answered (none dead-lettered, the rest unacked)."""
+async def _at_the_cap(settings: Any, worker: WorkerProcess) -> tuple[int, float]:
+    """The worker waits at the cap: the tasks answered (none dead-lettered, the rest
+    unacked) and the worker's spend."""
     spent = await _waiting_at_the_cap(worker)
     got = await collect(settings, set(), timeout_s=3, settle_s=0)
     answered = len({r["task_id"] for r in got.results})
-    assert answered_before < answered < TASKS and not got.dead_letters
+    assert 0 < answered < TASKS and not got.dead_letters
     # It stopped within a task's cost of the cap (a task alone under the cap goes).
     assert CAP_USD <= spent < CAP_USD + max(r["cost_usd"] for r in got.results)
     assert await committed(settings) <= answered  # the waiting records: unacked
     assert "wait at its spend cap" in worker.log_path.read_text()
-    return answered
+    return answered, spent
 
 
 async def test_a_spend_cap_holds_records_back_a_crash_loses_none_and_a_raise_lets_them_go(
@@ -84,15 +85,17 @@ async def test_a_spend_cap_holds_records_back_a_crash_loses_none_and_a_raise_let
     first = WorkerProcess(settings, tmp_path / "worker-1.log").start()
     try:
         await produce(settings, [(t["task_id"].encode(), orjson.dumps(t)) for t in tasks])
-        answered = await _at_the_cap(settings, first, 0)
+        answered, spent = await _at_the_cap(settings, first)
+        await asyncio.sleep(3)  # its spend saved (every budget.refresh_s)
         first.kill()  # at the cap: its waiting records were never acked
     finally:
         first.stop()
-    # A new worker: its count of the day starts again (kept in memory), so it answers up
-    # to the cap once more and waits — nothing of the first one's lost or asked again.
+    # A new worker goes on counting from the spend saved: at the cap at once, it answers
+    # nothing new — and nothing of the first one's is lost or asked again.
     second = WorkerProcess(settings, tmp_path / "worker-2.log").start()
     try:
-        await _at_the_cap(settings, second, answered)
+        again, counted = await _at_the_cap(settings, second)
+        assert again == answered and counted == pytest.approx(spent)
         raised = run_cli(settings, "budget", "comment-analysis", "--usd-per-day", "1000")
         assert raised.returncode == 0, raised.stderr
         assert "spend caps now $1000/day (set;" in raised.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
@@ -218,3 +219,41 @@ def test_caps_say_themselves_in_a_line() -> None:
     spec = BudgetSpec(usd_per_day=50, replay=Caps(usd_per_hour=2.5))
     assert spec.describe() == "$50/day, replay $2.5/hour"
     assert BudgetSpec().describe() == "none"
+
+
+async def test_spend_is_counted_per_partition_and_goes_on_after_a_restart() -> None:
+    clock = StillClock(START)
+    budgets = Budgets(clock)
+    budgets.owned = lambda: {0, 1}
+    spec = BudgetSpec(usd_per_day=1.0)
+    (await budgets.hold("p", spec, Lane.LIVE, estimate=0.1, partition=0)).settle(0.3)
+    (await budgets.hold("p", spec, Lane.LIVE, estimate=0.1, partition=1)).settle(0.4)
+    saved = budgets.unsaved()
+    assert {(m.partition, m.spent_usd) for m in saved} == {(0, 0.3), (1, 0.4)}
+    assert budgets.unsaved() == []  # saved once
+    # A restart (or the partitions' next owner): it goes on from what was saved, for the
+    # partitions it owns; an old window's mark counts for nothing.
+    again = Budgets(StillClock(START + 60))
+    again.owned = lambda: {1}
+    yesterday = replace(saved[0], index=saved[0].index - 1, spent_usd=5.0, partition=1)
+    again.seed([*saved, yesterday])
+    assert again.spent("p", "all", "day") == 0.0  # no cap of p held yet: nothing opened
+    (await again.hold("p", spec, Lane.LIVE, estimate=0.1, partition=1)).settle(0.2)
+    assert again.spent("p", "all", "day") == pytest.approx(0.6)  # p1: 0.4 saved + 0.2
+    again.owned = lambda: {0, 1}  # a rebalance gives it partition 0 too
+    assert again.spent("p", "all", "day") == pytest.approx(0.9)
+    (await again.hold("p", spec, Lane.LIVE, estimate=0.2, partition=0)).settle(0.2)  # alone
+    waiting = asyncio.ensure_future(again.hold("p", spec, Lane.LIVE, estimate=0.2, partition=0))
+    await asyncio.sleep(0)
+    assert not waiting.done()  # 1.1 spent today on its partitions: it waits
+    waiting.cancel()
+
+
+async def test_a_partitions_spend_read_back_never_lowers_what_is_counted() -> None:
+    budgets = Budgets(StillClock(START))
+    spec = BudgetSpec(usd_per_hour=10.0)
+    (await budgets.hold("p", spec, Lane.LIVE, estimate=0.1, partition=2)).settle(0.5)
+    (mark,) = budgets.unsaved()
+    (await budgets.hold("p", spec, Lane.LIVE, estimate=0.1, partition=2)).settle(0.5)
+    budgets.seed([mark])  # its own older save, read back: 1.0 stays
+    assert budgets.spent("p", "all", "hour") == pytest.approx(1.0)
