@@ -96,7 +96,12 @@ class Budgets:
         clock: Clock | None = None,
         group: GroupShare | None = None,
         metrics: Metrics | None = None,
+        *,
+        saved: bool = False,
     ) -> None:
+        """`saved`: the spend is saved and read back (the worker's `store.budgets`): no task
+        under a cap goes before the first read (`synced`), or a restart would count from
+        zero until then."""
         self.clock = clock or WallClock()
         self.group = group or GroupShare()
         self.metrics = metrics or Metrics()
@@ -109,6 +114,7 @@ class Budgets:
         self.owned: Callable[[], set[int]] | None = None
         self._marks: dict[tuple[str, str, str, int], tuple[int, float]] = {}  # read back
         self._unsaved: set[tuple[str, str, str, int]] = set()
+        self._synced: asyncio.Event | None = asyncio.Event() if saved else None
 
     def caps(self, pipeline: str, spec: BudgetSpec | None) -> BudgetSpec | None:
         """The caps a pipeline is held to: the ones set while it runs, else its file's."""
@@ -138,6 +144,8 @@ class Budgets:
         """Admit a task that may cost `estimate` USD: at once while its pipeline is under
         its caps, else when it is again (`owned`: still this worker's task, asked after
         each wait; `Withdrawn` when it is not)."""
+        if self._synced is not None and not self._synced.is_set():
+            await self._synced.wait()  # the spend saved before this start, read first
         accounts = self._of(pipeline, self.caps(pipeline, spec), lane)
         waited = False
         while (full := self._full(accounts, estimate)) is not None:
@@ -158,6 +166,12 @@ class Budgets:
         for account in accounts:
             account.in_flight += estimate
         return Hold(lambda cost: self._settle(accounts, estimate, cost, partition))
+
+    def synced(self) -> None:
+        """The caps and the spend saved were read (or could not be: then the count starts
+        here): tasks under a cap may go."""
+        if self._synced is not None:
+            self._synced.set()
 
     def changed(self) -> None:
         """Something a waiting task's admission depends on changed (the group's split, the

@@ -77,9 +77,11 @@ class BudgetSync:
         except Exception as exc:
             log.warning("could not sync the spend caps with Kafka (keeping the %d held): %r",
                         len(self.budgets.overrides), exc)  # fmt: skip
+            self.budgets.synced()  # tried: not held up longer by a broker away
             return
         self.budgets.override({name: spec for name, (spec, _) in stored.items()})
         self.budgets.seed(marks)
+        self.budgets.synced()
 
     async def _save(self, marks: list[SpendMark]) -> None:
         """The marks, acked (a producer of its own: saves come at most every refresh, and

@@ -103,7 +103,7 @@ def create_app(
     schemas = {name: p.output_schema for name, p in registry.pipelines.items()}
     drift = DriftMonitor(schemas, settings.drift.window)
     metrics.watch_drift(drift.rows)
-    budgets = Budgets(group=group, metrics=metrics)
+    budgets = Budgets(group=group, metrics=metrics, saved=True)
     agent = TaskAgent(
         app, settings, processor_factory(settings, registry, metrics, room, group, budgets),
         metrics, limits, sources=registry.sources(), group=group, drift=drift,

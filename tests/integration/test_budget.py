@@ -46,7 +46,11 @@ async def _waiting_at_the_cap(worker: WorkerProcess, timeout_s: float = 60) -> f
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert worker.alive(), worker.log_tail()
-        scrape = await worker.scrape()
+        try:
+            scrape = await worker.scrape()
+        except OSError:  # its web server not up yet
+            await asyncio.sleep(0.5)
+            continue
         waiting = scrape.value("llm_streams_budget_waiting_tasks", pipeline="comment-analysis")
         running = scrape.value("llm_streams_tasks_in_flight")  # the waiting ones among them
         if waiting > 0 and running == waiting:

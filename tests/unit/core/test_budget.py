@@ -15,7 +15,7 @@ import yaml
 
 from streams.contract.lanes import Lane
 from streams.contract.records import Source
-from streams.core.budget import Budgets, Withdrawn
+from streams.core.budget import Budgets, SpendMark, Withdrawn
 from streams.core.processor import Prices
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
@@ -257,3 +257,18 @@ async def test_a_partitions_spend_read_back_never_lowers_what_is_counted() -> No
     (await budgets.hold("p", spec, Lane.LIVE, estimate=0.1, partition=2)).settle(0.5)
     budgets.seed([mark])  # its own older save, read back: 1.0 stays
     assert budgets.spent("p", "all", "hour") == pytest.approx(1.0)
+
+
+async def test_with_saved_spend_no_capped_task_goes_before_it_is_read() -> None:
+    budgets = Budgets(StillClock(START), saved=True)
+    spec = BudgetSpec(usd_per_day=1.0)
+    early = asyncio.ensure_future(budgets.hold("p", spec, Lane.LIVE, estimate=0.1, partition=0))
+    await asyncio.sleep(0)
+    assert not early.done()
+    # What an earlier run saved, read back: the cap is reached already.
+    budgets.seed([SpendMark("p", "all", "day", 0, int(START // 86400), 1.0)])
+    budgets.synced()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert not early.done()  # read, and at the cap: it waits for tomorrow
+    early.cancel()
