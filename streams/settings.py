@@ -246,6 +246,11 @@ class LLMSettings(_Section):
 
     price_per_1k_prompt_usd: float = Field(0.00015, ge=0, description="Price table: input.")
     price_per_1k_completion_usd: float = Field(0.0006, ge=0, description="Price table: output.")
+    price_per_1k_cached_prompt_usd: float | None = Field(
+        None, ge=0,
+        description="Price table: an input token the provider says it read from its prompt "
+        "cache (usage.prompt_tokens_details.cached_tokens); unset: the input price.",
+    )  # fmt: skip
 
 
 class BatchApiSettings(_Section):

@@ -80,6 +80,9 @@ def worker(log_level: str | None, web_port: int | None, web_bind: str | None,
 @click.option("--hang-s", type=float, default=600.0)
 @click.option("--malformed-rate", type=float, default=0.0)
 @click.option("--context-window", type=int, default=128_000)
+@click.option("--prompt-cache-min-tokens", type=int, default=None,
+              help="Say a repeated first message of at least this many tokens was read from "
+              "a prompt cache (OpenAI: 1024); unset: no cache.")  # fmt: skip
 @click.option("--api-key", default=None, help="Require this bearer key.")
 @click.option("--seed", type=int, default=0)
 def simulate_llm(host: str, port: int, jitter_ms: float, **knobs: Any) -> None:

@@ -38,6 +38,13 @@ class Task(_Record):
 class Usage(_Record):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
+    # Added compatibly (absent in older records: 0).
+    cached_prompt_tokens: int = Field(
+        0,
+        ge=0,
+        description="Prompt tokens (among prompt_tokens) the provider said it read from its "
+        "prompt cache; priced at the cached-prompt price when one is set.",
+    )
 
 
 class Source(_Record):

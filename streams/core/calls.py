@@ -212,6 +212,7 @@ class Calls:
                 self.degraded(client, response.model, "tool_call", "content")
             spend.last_prompt_tokens = response.prompt_tokens
             spend.prompt_tokens += response.prompt_tokens
+            spend.cached_prompt += response.cached_prompt_tokens
             spend.completion_tokens += response.completion_tokens
             spend.model = response.model
             spend.calls.append(response.content)
@@ -313,8 +314,8 @@ class Calls:
             spend.discounted_completion += response.completion_tokens
             m = self.metrics
             m.llm_requests.labels(request.model, "ok", "").inc()
-            m.tokens.labels(response.model, "prompt").inc(response.prompt_tokens)
-            m.tokens.labels(response.model, "completion").inc(response.completion_tokens)
+            m.used(response.model, response.prompt_tokens, response.completion_tokens,
+                   response.cached_prompt_tokens)  # fmt: skip
             return response
         guarded = client or self.client
         if spend.tier is Tier.FLEX:

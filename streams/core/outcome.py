@@ -49,12 +49,15 @@ class Prices:
     prompt_per_1k: float = 0.0
     completion_per_1k: float = 0.0
     discount: float = 0.5  # batch (and flex) price / sync price
+    # A prompt token read from the provider's cache (None: no price of its own, the full one)
+    cached_prompt_per_1k: float | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Prices:
         llm = settings.llm
         return cls(llm.price_per_1k_prompt_usd, llm.price_per_1k_completion_usd,
-                   settings.batch_api.price_ratio)  # fmt: skip
+                   settings.batch_api.price_ratio,
+                   llm.price_per_1k_cached_prompt_usd)  # fmt: skip
 
     def cost(
         self,
@@ -62,13 +65,24 @@ class Prices:
         completion_tokens: float,
         discounted_prompt: int = 0,
         discounted_completion: int = 0,
+        cached_prompt: int = 0,
     ) -> float:
-        """USD for the tokens; the `discounted_*` ones (among them) at the batch price."""
-        full = prompt_tokens * self.prompt_per_1k + completion_tokens * self.completion_per_1k
-        off = (
-            discounted_prompt * self.prompt_per_1k + discounted_completion * self.completion_per_1k
-        )
+        """USD for the tokens; the `cached_prompt` ones (among the prompt's) at the cached
+        price when there is one; the `discounted_*` ones at the batch price."""
+        per_prompt = self.prompt_per_1k
+        if cached_prompt and prompt_tokens and self.cached_prompt_per_1k is not None:
+            cached = min(cached_prompt, prompt_tokens)
+            per_prompt = (
+                (prompt_tokens - cached) * self.prompt_per_1k + cached * self.cached_prompt_per_1k
+            ) / prompt_tokens  # the discounted ones: as cached as the rest, on average
+        full = prompt_tokens * per_prompt + completion_tokens * self.completion_per_1k
+        off = discounted_prompt * per_prompt + discounted_completion * self.completion_per_1k
         return round((full - off * (1 - self.discount)) / 1000, 8)
+
+    def of(self, spend: Spend) -> float:
+        """USD for what one task's calls used."""
+        return self.cost(spend.prompt_tokens, spend.completion_tokens, spend.discounted_prompt,
+                         spend.discounted_completion, spend.cached_prompt)  # fmt: skip
 
     def estimate(self, prompt_tokens: int, completion_tokens: float, tier: Tier) -> float:
         """What asking costs in `tier` (a replay's estimate)."""
@@ -92,6 +106,7 @@ class Spend:
     route: tuple[int, str] | None = None  # batch tier: (partition, custom_id)
     discounted_prompt: int = 0  # tokens billed at the batch/flex price
     discounted_completion: int = 0
+    cached_prompt: int = 0  # prompt tokens the provider read from its cache
 
     def add(self, other: Spend) -> None:
         """Take in a part's spend (a chunk's, a pack's share)."""
@@ -99,6 +114,7 @@ class Spend:
         self.completion_tokens += other.completion_tokens
         self.discounted_prompt += other.discounted_prompt
         self.discounted_completion += other.discounted_completion
+        self.cached_prompt += other.cached_prompt
         self.rejected += other.rejected
         self.model = other.model or self.model
         self.last_prompt_tokens = max(self.last_prompt_tokens, other.last_prompt_tokens)
@@ -187,8 +203,7 @@ class Outcomes:
 
     def cost(self, pipeline: str, spend: Spend) -> float:
         """The spend's cost, counted once on the cost metric."""
-        cost = self.prices.cost(spend.prompt_tokens, spend.completion_tokens,
-                                spend.discounted_prompt, spend.discounted_completion)  # fmt: skip
+        cost = self.prices.of(spend)
         if cost > 0:
             model = spend.model or self.default_model
             self.metrics.cost.labels(pipeline, model, spend.tier.value).inc(cost)

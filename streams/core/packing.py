@@ -117,6 +117,7 @@ class PackedAnswer:
     completion_tokens: int = 0
     model: str = ""
     calls: int = 0
+    cached_prompt_tokens: int = 0
 
 
 @dataclass

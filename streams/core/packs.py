@@ -118,18 +118,20 @@ class Packs:
             return
         ids = [i.task_id for i in items]
         answers = split_answers(response.content, ids)
-        prompt_parts = shares(response.prompt_tokens,
-                              [len(i.prompt.messages[-1]["content"]) for i in items])  # fmt: skip
+        weights = [len(i.prompt.messages[-1]["content"]) for i in items]
+        prompt_parts = shares(response.prompt_tokens, weights)
+        cached_parts = shares(response.cached_prompt_tokens, weights)
         completion_parts = shares(
             response.completion_tokens,
             [len(orjson.dumps(answers[i])) if i in answers else 0 for i in ids],
         )
-        for item, prompt_tokens, completion_tokens in zip(
-            items, prompt_parts, completion_parts, strict=True
+        for item, prompt_tokens, completion_tokens, cached in zip(
+            items, prompt_parts, completion_parts, cached_parts, strict=True
         ):
             paid = PackedAnswer(None, prompt_tokens=prompt_tokens,
                                 completion_tokens=completion_tokens, model=response.model,
-                                calls=attempts.count)  # fmt: skip
+                                calls=attempts.count,
+                                cached_prompt_tokens=min(cached, prompt_tokens))  # fmt: skip
             if item.task_id not in answers:
                 item.settle(replace(paid, reason="missing from the pack's answer"))
                 continue

@@ -317,10 +317,7 @@ class TaskProcessor:
         try:
             return await self._answer(prep, lane, earlier, spend)
         finally:  # whatever the end (a dead letter, parked, cancelled): what it cost
-            hold.settle(self.outcomes.prices.cost(
-                spend.prompt_tokens, spend.completion_tokens,
-                spend.discounted_prompt, spend.discounted_completion,
-            ))  # fmt: skip
+            hold.settle(self.outcomes.prices.of(spend))
             tokens, tasks = self._completions.get(prep.pipeline.name, (0.0, 0))
             if spend.completion_tokens:
                 self._completions[prep.pipeline.name] = (tokens + spend.completion_tokens,
@@ -387,7 +384,9 @@ class TaskProcessor:
                 output,
                 model=spend.model or prompt.model,
                 usage=Usage(
-                    prompt_tokens=spend.prompt_tokens, completion_tokens=spend.completion_tokens
+                    prompt_tokens=spend.prompt_tokens,
+                    completion_tokens=spend.completion_tokens,
+                    cached_prompt_tokens=spend.cached_prompt,
                 ),
                 cost=cost,
                 attempts=attempts.count,
@@ -443,6 +442,7 @@ class TaskProcessor:
         ):
             packed = await self.packs.ask(prep, prompt, lane, deadline_at)
             spend.prompt_tokens += packed.prompt_tokens
+            spend.cached_prompt += packed.cached_prompt_tokens
             spend.completion_tokens += packed.completion_tokens
             spend.model = packed.model or spend.model
             attempts.count = attempts.previous + packed.calls

@@ -18,7 +18,7 @@ import random
 import re
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +85,10 @@ class SimConfig:
     long_answer_chars: int = 0  # json_schema answers of these models: first string field
     long_answer_models: list[str] = field(default_factory=list)  # padded to this length
     context_window: int = 128_000
+    # A prompt cache as OpenAI's: a request whose first message was sent before, and is at
+    # least this many tokens, says those tokens were cached (usage.prompt_tokens_details.
+    # cached_tokens; OpenAI caches from 1,024). None: no cache, nothing said.
+    prompt_cache_min_tokens: int | None = None
     api_key: str | None = None
     models: list[str] = field(default_factory=lambda: ["sim-1", "gpt-4o-mini"])
     seed: int = 0
@@ -215,6 +219,7 @@ class Simulator:
         self.answered: Counter[str] = Counter()
         # The latest chat requests' messages, oldest first (tests read the prompts sent).
         self.chats: deque[list[dict[str, Any]]] = deque(maxlen=10_000)
+        self.cached_prefixes: OrderedDict[str, int] = OrderedDict()  # first messages sent
         self.prompt_tokens = 0
         self.charged_tokens = 0
         self.completion_tokens = 0
@@ -523,13 +528,29 @@ class Simulator:
             self.prompt_tokens += prompt_tokens
             self.completion_tokens += completion_tokens
             self._count(200, "ok_flex" if flex else "ok")
-            payload = self._completion(body, model, content, finish_reason, flex,
-                                       (prompt_tokens, completion_tokens), worked_ms)  # fmt: skip
+            usage = (prompt_tokens, completion_tokens, self._cached(messages))
+            payload = self._completion(body, model, content, finish_reason, flex, usage,
+                                       worked_ms)  # fmt: skip
             return web.Response(
                 body=orjson.dumps(payload), content_type="application/json", headers=headers
             )
         finally:
             self.in_flight -= 1
+
+    def _cached(self, messages: list[dict[str, Any]]) -> int:
+        """Tokens of the first message read from the prompt cache (0: a miss or no cache)."""
+        least = self.config.prompt_cache_min_tokens
+        if least is None or not messages:
+            return 0
+        first = str(messages[0].get("content") or "")
+        key = hashlib.sha256(first.encode()).hexdigest()
+        seen = key in self.cached_prefixes
+        tokens = self.cached_prefixes.get(key) or self.count_tokens(first)
+        self.cached_prefixes[key] = tokens
+        self.cached_prefixes.move_to_end(key)
+        while len(self.cached_prefixes) > 1000:
+            self.cached_prefixes.popitem(last=False)
+        return tokens if seen and tokens >= least else 0
 
     def _completion(
         self,
@@ -538,11 +559,12 @@ class Simulator:
         content: str,
         finish_reason: str,
         flex: bool,
-        usage: tuple[int, int],
+        usage: tuple[int, int, int],
         worked_ms: float,
     ) -> dict[str, Any]:
-        """The chat completion body, as the server played answers it."""
-        prompt_tokens, completion_tokens = usage
+        """The chat completion body, as the server played answers it (`usage`: prompt,
+        completion and cached prompt tokens)."""
+        prompt_tokens, completion_tokens, cached = usage
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         tool = forced_tool(body) if not self.llama else None  # llama.cpp: as content
         if tool is not None:  # the answer as the function's arguments
@@ -570,6 +592,8 @@ class Simulator:
                 "total_tokens": prompt_tokens + completion_tokens,
             },
         }
+        if cached:
+            payload["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}  # type: ignore[index]
         if self.llama:
             del payload["service_tier"]  # never echoed
             share = prompt_tokens / 8 / (prompt_tokens / 8 + completion_tokens + 1)

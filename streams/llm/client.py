@@ -118,6 +118,10 @@ class LLMResponse:
     tool_called: bool = False
     #: the service tier the provider says it answered in (OpenAI echoes it; None: unsaid)
     service_tier: str | None = None
+    #: prompt tokens (among `prompt_tokens`) the provider read from its prompt cache, as it
+    #: says: OpenAI's `usage.prompt_tokens_details.cached_tokens` (Azure, vLLM, LiteLLM and
+    #: others send the same), DeepSeek's `prompt_cache_hit_tokens`; 0 when unsaid
+    cached_prompt_tokens: int = 0
 
 
 class LLMClient(Protocol):
@@ -156,6 +160,7 @@ def parse_completion(
             server_s=_server_seconds(data.get("timings")),
             tool_called=bool(calls) and not message.get("content"),
             service_tier=str(data["service_tier"]) if data.get("service_tier") else None,
+            cached_prompt_tokens=_cached_tokens(usage),
         )
     except (
         orjson.JSONDecodeError,
@@ -169,6 +174,19 @@ def parse_completion(
             f"endpoint answered with something that is not a chat completion: {exc!r}",
             code="malformed_response",
         ) from exc
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int:
+    """Prompt tokens the provider says it read from its cache (at most the prompt's)."""
+    details = usage.get("prompt_tokens_details")
+    said = details.get("cached_tokens") if isinstance(details, dict) else None
+    if said is None:
+        said = usage.get("prompt_cache_hit_tokens")
+    try:
+        cached = int(said or 0)
+    except (TypeError, ValueError):
+        return 0
+    return max(0, min(cached, int(usage.get("prompt_tokens") or 0)))
 
 
 def _server_seconds(timings: Any) -> float | None:

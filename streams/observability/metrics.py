@@ -163,7 +163,9 @@ class Metrics:
             "llm_streams_end_to_end_seconds", "From the record's timestamp to its outcome acked.",
             ["lane", "outcome"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.tokens = Counter(
-            "llm_streams_tokens", "Tokens used, by model and kind (prompt|completion).",
+            "llm_streams_tokens",
+            "Tokens used, by model and kind (prompt|completion|cached_prompt: prompt tokens the "
+            "provider read from its cache, among the prompt's).",
             ["model", "kind"], registry=r)  # fmt: skip
         self.cost = Counter(
             "llm_streams_cost_usd",
@@ -292,6 +294,13 @@ class Metrics:
             "Tasks answered without an LLM call: kind=result (the task was answered before) "
             "or content (an identical input of another task was).",
             ["pipeline", "kind"], registry=r)  # fmt: skip
+
+    def used(self, model: str, prompt: int, completion: int, cached_prompt: int = 0) -> None:
+        """One answer's tokens."""
+        self.tokens.labels(model, "prompt").inc(prompt)
+        self.tokens.labels(model, "completion").inc(completion)
+        if cached_prompt:
+            self.tokens.labels(model, "cached_prompt").inc(cached_prompt)
 
     def evaluated(
         self,

@@ -291,8 +291,8 @@ class GuardedClient:
             return
         m.llm_requests.labels(model, "ok", "").inc()
         if response is not None:
-            m.tokens.labels(model, "prompt").inc(response.prompt_tokens)
-            m.tokens.labels(model, "completion").inc(response.completion_tokens)
+            m.used(model, response.prompt_tokens, response.completion_tokens,
+                   response.cached_prompt_tokens)  # fmt: skip
 
     async def _admit(self, deadline_at: float | None, wait: bool) -> Admission:
         """The breaker's admission for one call, waiting while the circuit is open (or

@@ -16,6 +16,7 @@ from streams.core.window import WINDOW_SHARE
 from streams.dev.simulator import SimulatorServer
 from streams.llm.openai_client import OpenAIClient
 from streams.llm.tokens import count_messages
+from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.guarded import GuardedClient
@@ -421,3 +422,37 @@ async def test_a_window_an_overflow_says_is_learned_and_the_input_chunked_to_it(
     again = await processor.process(_task("Late again. " + words), b"t2", SRC)
     assert again.kind == "result"
     assert simulator.sim.snapshot()["by_outcome"]["context_overflow"] == 1  # no second refusal
+
+
+async def test_prompt_tokens_read_from_the_providers_cache_are_priced_and_recorded(
+    simulator: SimulatorServer, make_processor: MakeProcessor
+) -> None:
+    simulator.sim.config.prompt_cache_min_tokens = 1  # the system prompt, once seen
+    client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
+                          read_timeout_s=5)  # fmt: skip
+    metrics = Metrics()
+    guarded = GuardedClient(client, limiter=RateLimiter(rpm=1_000_000),
+                            breaker=CircuitBreaker("sim", min_calls=1000), metrics=metrics)  # fmt: skip
+    processor = make_processor(
+        guarded=guarded, metrics=metrics,
+        prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0, cached_prompt_per_1k=0.1),
+    )  # fmt: skip
+    try:
+        first = orjson.loads((await processor.process(_task("Great kettle."), b"t1", SRC)).value)
+        second = orjson.loads((await processor.process(
+            orjson.dumps({"task_id": "t2", "pipeline": "comment-analysis",
+                          "input": {"text": "The lid squeaks."}}), b"t2", SRC)).value)  # fmt: skip
+    finally:
+        await client.close()
+    assert first["usage"]["cached_prompt_tokens"] == 0  # the cache was cold
+    usage = second["usage"]
+    cached = usage["cached_prompt_tokens"]
+    assert 0 < cached < usage["prompt_tokens"]
+    assert second["cost_usd"] == pytest.approx(
+        ((usage["prompt_tokens"] - cached) * 1.0 + cached * 0.1
+         + usage["completion_tokens"] * 2.0) / 1000
+    )  # fmt: skip
+    tokens = metrics.registry.get_sample_value(
+        "llm_streams_tokens_total", {"model": "sim-1", "kind": "cached_prompt"}
+    )
+    assert tokens == cached
