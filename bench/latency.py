@@ -1,6 +1,7 @@
 """Latency a worker adds to a task beyond its LLM call, against what Kafka itself adds.
 
-One run, one broker (Apache Kafka 4.1.1 from jars, KRaft, 4 partitions), paced traffic:
+One run, one broker (Apache Kafka 4.1.1 from jars, KRaft, 4 partitions; or `--broker
+tansu`, the demo's), paced traffic:
 
 - **pass-through**: `bench/passthrough_app.py`, a bare Faust agent A -> B on the app's own
   loop, each write awaited until the broker acks it (as the worker writes): produce ->
@@ -14,6 +15,7 @@ simulator's own work, tokenizing and JSON, counts against the worker). Prints p5
 both and the ratio worker-added / pass-through.
 
     python bench/latency.py [--tasks 600] [--rate 10] [--rpm 3000] [--latency-ms 300]
+                            [--broker kafka|tansu]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from replay_isolation import Run, percentile
 
 from streams.dev.brokers.apache import ApacheKafka
 from streams.dev.brokers.common import free_port
+from streams.dev.brokers.tansu import TansuBroker
 from streams.kafka.topics import ensure_topics
 from streams.settings import load_settings, settings_env
 
@@ -60,7 +63,9 @@ async def paced(producer: AIOKafkaProducer, topic: str, rate: float, n: int, tag
     return ids
 
 
-async def passthrough(kafka: ApacheKafka, rate: float, n: int, logdir: Path) -> list[float]:
+async def passthrough(
+    kafka: ApacheKafka | TansuBroker, rate: float, n: int, logdir: Path
+) -> list[float]:
     """Milliseconds from produce to readable on the far side of a bare Faust pass-through."""
     suffix = uuid.uuid4().hex[:6]
     source, sink = f"lat-in-{suffix}", f"lat-out-{suffix}"
@@ -107,14 +112,15 @@ async def passthrough(kafka: ApacheKafka, rate: float, n: int, logdir: Path) -> 
         stop(proc)
 
 
-async def worker(kafka: ApacheKafka, sim: Sim, rate: float, n: int, latency_ms: float,
-                 logdir: Path) -> tuple[list[float], int]:  # fmt: skip
+async def worker(kafka: ApacheKafka | TansuBroker, sim: Sim, rate: float, n: int, latency_ms: float,
+                 logdir: Path, fetch_wait_ms: int | None) -> tuple[list[float], int]:  # fmt: skip
     """Milliseconds a worker adds to each task beyond the simulator's fixed latency; dead
     letters."""
     suffix = uuid.uuid4().hex[:6]
     settings = load_settings(
         app_id=f"lat-{suffix}",
-        kafka={"broker_url": kafka.url, "partitions": 4},
+        kafka={"broker_url": kafka.url, "partitions": 4,
+               **({"fetch_max_wait_ms": fetch_wait_ms} if fetch_wait_ms else {})},
         topics={n: f"{n}-{suffix}" for n in ("tasks", "replay", "results", "dead_letters", "review")},
         llm={"base_url": f"{sim.base}/v1", "api_key": sim.KEY, "model": "sim-1"},
         data_dir=logdir / f"worker-{suffix}",
@@ -169,23 +175,31 @@ async def main() -> None:
     parser.add_argument("--rate", type=float, default=10.0, help="Tasks/s of the first phase.")
     parser.add_argument("--rpm", type=int, default=3000, help="The simulator's RPM limit.")
     parser.add_argument("--latency-ms", type=float, default=300.0)
+    parser.add_argument("--broker", choices=["kafka", "tansu"], default="kafka",
+                        help="Apache Kafka from jars, or the demo's Tansu (make run's).")  # fmt: skip
+    parser.add_argument("--fetch-max-wait-ms", type=int, default=None,
+                        help="The worker's LLM_STREAMS_KAFKA__FETCH_MAX_WAIT_MS (default: its own).")  # fmt: skip
     args = parser.parse_args()
     logdir = Path(tempfile.mkdtemp(prefix="llm-streams-latency-"))
     rates = [args.rate, args.rpm / 60 / 2]
     sim = Sim(args.rpm, 0, latency_ms=int(args.latency_ms), jitter_ms=0, error_rate=0.0)
     rows = []
     try:
-        with ApacheKafka(heap_mb=1024) as kafka:
-            await warm_up(kafka, 10_000)
+        broker = TansuBroker() if args.broker == "tansu" else ApacheKafka(heap_mb=1024)
+        with broker as kafka:
+            if isinstance(kafka, ApacheKafka):  # its JIT would bill the first phase
+                await warm_up(kafka, 10_000)
             for rate in rates:
                 pt = await passthrough(kafka, rate, args.tasks, logdir)
                 sim.reset(args.rpm)
-                added, dead = await worker(kafka, sim, rate, args.tasks, args.latency_ms, logdir)
+                added, dead = await worker(kafka, sim, rate, args.tasks, args.latency_ms, logdir,
+                                           args.fetch_max_wait_ms)  # fmt: skip
                 rows.append((rate, pt, added, dead))
     finally:
         stop(sim.proc)
-    print(f"Apache Kafka 4.1.1 (KRaft), 4 partitions; simulator at exactly {args.latency_ms:g} ms "
-          f"per call, {args.rpm} RPM; {args.tasks} timed tasks per phase; logs {logdir}")  # fmt: skip
+    what = "Tansu (the demo's broker)" if args.broker == "tansu" else "Apache Kafka 4.1.1 (KRaft)"
+    print(f"{what}, 4 partitions; simulator at exactly {args.latency_ms:g} ms per call, "
+          f"{args.rpm} RPM; {args.tasks} timed tasks per phase; logs {logdir}")  # fmt: skip
     for rate, pt, added, dead in rows:
         print(f"at {rate:g} tasks/s:")
         print(f"  bare Faust pass-through, produce -> readable : {shown(pt)}")

@@ -87,6 +87,9 @@ def _environment(broker: TansuBroker | None, workdir: Path, demo_id: str) -> dic
             # Tansu holds each group join for session_timeout / 2.
             "LLM_STREAMS_KAFKA__SESSION_TIMEOUT_S": "6",
             "LLM_STREAMS_KAFKA__IDEMPOTENT_PRODUCER": "false",
+            # Tansu answers a fetch at the end of its wait, not when a record comes: the
+            # wait is what each record waits (bench/latency.py --broker tansu).
+            "LLM_STREAMS_KAFKA__FETCH_MAX_WAIT_MS": "100",
         })  # fmt: skip
     else:
         for name in ("tasks", "replay", "results", "dead_letters", "review"):

@@ -154,6 +154,15 @@ class _OnTheLoop(faust_aiokafka.AIOKafkaConsumerThread):
     _stop_futures = Service._stop_futures
     _stop_exit_stacks = Service._stop_exit_stacks
 
+    def _create_worker_consumer(self, transport: Any) -> Any:
+        """Faust's consumer, with the fetch wait of the worker's settings (Faust fixes it
+        at 1.5 s; read when the consumer starts)."""
+        consumer = super()._create_worker_consumer(transport)
+        settings = getattr(self.app, "llm_streams_settings", None)
+        if settings is not None:
+            consumer._fetch_max_wait_ms = settings.kafka.fetch_max_wait_ms
+        return consumer
+
     @Service.task
     async def _thread_keepalive(self) -> None:
         """The thread version wakes its second loop every second; one loop needs nothing."""

@@ -155,3 +155,13 @@ async def test_stop_flow_between_deliveries_cancels_nothing() -> None:
     consumer_.stop_flow()  # no delivery in progress
     assert consumer_._delivering is None and not consumer_._abandoning
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+async def test_the_consumers_fetch_wait_is_the_settings_not_faust_s() -> None:
+    app = _app(fetch_max_wait_ms=100)
+    delegate = app.consumer._thread
+    consumer = delegate._create_worker_consumer(app.consumer.transport)
+    try:
+        assert consumer._fetch_max_wait_ms == 100  # Faust fixes 1,500: a record's wait on Tansu
+    finally:
+        await consumer.stop()
