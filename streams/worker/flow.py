@@ -151,15 +151,25 @@ class RecordFlow:
             await self._add_turn(source.partition, prep, None)  # if a run died before it
             return decision.kind, None
         # 5. deliver
-        written = await self.writer.deliver(
-            decision.outcome, source.partition, prep=prep,
-            state_for=lambda outcome: decider.state_after(outcome, prep, how.note),
-            failed=lambda outcome, error: processor.failed(prep, error, outcome),
-        )  # fmt: skip
+        written = await self._deliver(decision.outcome, prep, how.note)
         # 6. the session's turn, after its result
         if written.output is not None:
             await self._add_turn(source.partition, prep, written.output)
         return written.kind, written
+
+    async def _deliver(self, outcome: Outcome, prep: Prepared, note: str | None) -> Outcome:
+        """The outcome, then the task's state after it; a result the results topic refuses
+        for good makes the task's dead letter, written instead. What was written."""
+        partition = prep.source.partition
+        refusal = await self.writer.deliver(
+            outcome, partition, prep=prep, state=self.decider.state_after(outcome, prep, note)
+        )
+        if refusal is None:
+            return outcome
+        letter = self.processor.failed(prep, refusal, outcome)
+        await self.writer.deliver(letter, partition, prep=prep,
+                                  state=self.decider.state_after(letter, prep, note))  # fmt: skip
+        return letter
 
     async def _add_turn(
         self, partition: int, prep: Prepared, output: dict[str, Any] | None

@@ -90,46 +90,40 @@ class Writer:
         partition: int,
         *,
         prep: Prepared | None = None,
-        state_for: Callable[[Outcome], TaskState] | None = None,
-        failed: Callable[[Outcome, WriteRefused], Outcome] | None = None,
-    ) -> Outcome:
-        """Write `outcome` to `partition`, then the state `state_for(outcome)` and its review
-        copy; returns what was written. `failed` makes a result the results topic refuses
-        for good a dead letter (then that is what was written)."""
+        state: TaskState | None = None,
+    ) -> WriteRefused | None:
+        """Write `outcome` to `partition`, then the task's `state` after it and its review
+        copy. A result the results topic refuses for good is not written, nor is anything
+        after it: the reason comes back (the caller writes the task's dead letter instead)."""
         pending = {"outcome"}
-        if state_for is not None:
+        if state is not None:
             pending.add("state")
         if outcome.review_value is not None:
             pending.add("review")
-        current = [outcome]  # what is being written (a refused result becomes a dead letter)
+        refused: list[WriteRefused] = []
 
         async def write_pending() -> None:
-            while pending:
-                before = current[0]
-                await self._write_round(current, pending, partition, prep, state_for, failed)
-                if current[0] is not before:  # write the dead letter, and the state after it
-                    pending.clear()
-                    pending.update({"outcome", "state"} if state_for is not None else {"outcome"})
+            while pending and not refused:
+                await self._write_round(outcome, pending, partition, prep, state, refused)
 
         await self._or_stop(write_pending, f"the {outcome.kind} {outcome.key}")
-        return current[0]
+        return refused[0] if refused else None
 
     async def _write_round(
         self,
-        current: list[Outcome],
+        outcome: Outcome,
         pending: set[str],
         partition: int,
         prep: Prepared | None,
-        state_for: Callable[[Outcome], TaskState] | None,
-        failed: Callable[[Outcome, WriteRefused], Outcome] | None,
+        state: TaskState | None,
+        refused: list[WriteRefused],
     ) -> None:
         """The pending writes due now (the outcome first, then the others together); the
         ones that succeed leave `pending`; raises a failure the broker may mend."""
-        outcome = current[0]
         names = ["outcome"] if "outcome" in pending else sorted(pending)
         # The trace goes on in the outcome's headers (the task's span is current).
         trace = headers_for()
-        writes = [self._write(n, outcome, partition, prep, state_for, trace) for n in names]
+        writes = [self._write(n, outcome, partition, prep, state, trace) for n in names]
         done: list[BaseException | None]
         if len(writes) == 1:  # awaited here: a task of its own costs a thin stream per task
             try:
@@ -145,10 +139,10 @@ class Writer:
                 pending.discard(name)
             elif not isinstance(error, Exception) or isinstance(error, PartitionLost):
                 raise error  # cancelled (unacked), or not this worker's partition
-            elif (refused := refused_for_good(error)) is None:
+            elif (why := refused_for_good(error)) is None:
                 transient = error  # the broker may take it later
             else:
-                self._refused(name, outcome, refused, error, pending, current, failed)
+                self._refused(name, outcome, why, error, pending, refused)
         if transient is not None:
             raise transient
 
@@ -156,24 +150,23 @@ class Writer:
         self,
         name: str,
         outcome: Outcome,
-        refused: str,
+        why: str,
         error: Exception,
         pending: set[str],
-        current: list[Outcome],
-        failed: Callable[[Outcome, WriteRefused], Outcome] | None,
+        refused: list[WriteRefused],
     ) -> None:
-        """A write refused for good: a review copy is left out, a result becomes a
-        write_refused dead letter; anything else means the worker cannot write."""
+        """A write refused for good: a review copy is left out, a result's refusal is said
+        back (its task becomes a write_refused dead letter); anything else means the worker
+        cannot write."""
         topic = self._topic_of(name, outcome)
-        self.metrics.writes_refused.labels(topic, refused).inc()
+        self.metrics.writes_refused.labels(topic, why).inc()
         log.warning("%s refused the %s of %s for good: %r", topic, name, outcome.key, error)
         if name == "review":  # a copy: the result itself is written
             pending.discard(name)
-        elif name == "outcome" and outcome.kind == "result" and failed is not None:
-            why = WriteRefused(
-                f"the results topic refused the task's result ({refused}): {error!r}", code=refused
-            )
-            current[0] = failed(outcome, why)
+        elif name == "outcome" and outcome.kind == "result":
+            refused.append(WriteRefused(
+                f"the results topic refused the task's result ({why}): {error!r}", code=why
+            ))  # fmt: skip
         else:  # a dead letter or a task state the broker will not take: misconfigured
             raise error
 
@@ -183,14 +176,14 @@ class Writer:
         outcome: Outcome,
         partition: int,
         prep: Prepared | None,
-        state_for: Callable[[Outcome], TaskState] | None,
+        state: TaskState | None,
         headers: Headers,
     ) -> None:
         if name == "outcome":
             kind = Kind.RESULTS if outcome.kind == "result" else Kind.DEAD_LETTERS
             await self.store.put(kind, partition, outcome.key.encode(), outcome.value, headers)
-        elif name == "state" and state_for is not None:
-            await self.store.put_state(partition, state_for(outcome))
+        elif name == "state" and state is not None:
+            await self.store.put_state(partition, state)
         elif name == "review" and outcome.review_value is not None:
             await self._review(outcome, outcome.review_value, prep, partition, headers)
 

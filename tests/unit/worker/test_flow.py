@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 import pytest
+from aiokafka.errors import MessageSizeTooLargeError
 
 from streams.contract.headers import REROUTED_FROM_HEADER
 from streams.contract.lanes import Lane
@@ -16,6 +17,7 @@ from streams.core.cache import ContentCache
 from streams.core.decide import Decider
 from streams.kafka.limits import WriteLimits
 from streams.kafka.routing import partition_for
+from streams.kafka.topics import state_topic
 from streams.observability.metrics import Metrics
 from streams.settings import load_settings
 from streams.store import taskstore
@@ -45,10 +47,13 @@ async def flow(make_processor: MakeProcessor, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(taskstore, "load_partition", empty)
     settings = load_settings(store="memory://", kafka={"partitions": PARTITIONS})
     sent: list[tuple[str, bytes, bytes | None, int, Any]] = []
+    refuse: set[str] = set()  # topics that refuse every record for good
 
     async def broker(topic: str, key: bytes, value: bytes | None, partition: int,
                      headers: Any = None) -> int:  # fmt: skip
         sent.append((topic, key, value, partition, headers))
+        if topic in refuse:
+            raise MessageSizeTooLargeError("over the topic's max.message.bytes")
         return len(sent)
 
     store = TaskStore(settings, broker)
@@ -62,7 +67,7 @@ async def flow(make_processor: MakeProcessor, monkeypatch: pytest.MonkeyPatch) -
     flow = RecordFlow(processor, decider, store, writer, partitions=PARTITIONS,
                       sessions_room=1_000_000, lane_of=lambda topic: Lane.LIVE,
                       metrics=processor.metrics)  # fmt: skip
-    yield flow, sent, llm, settings
+    yield flow, sent, llm, settings, refuse
     await store.close()
 
 
@@ -77,7 +82,7 @@ def _home_of(task_id: str) -> int:
 
 
 async def test_a_record_at_home_is_answered_and_its_result_written_once(flow: Any) -> None:
-    run, sent, llm, settings = flow
+    run, sent, llm, settings, _ = flow
     record = _record("t-1", _home_of("t-1"))
     source = Source(topic="tasks", partition=record.partition, offset=0)
     kind, outcome = await run.handle(record, source, Span())
@@ -90,7 +95,7 @@ async def test_a_record_at_home_is_answered_and_its_result_written_once(flow: An
 async def test_a_record_away_from_home_is_forwarded_before_its_prompt_is_made(
     flow: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run, sent, llm, _ = flow
+    run, sent, llm, _, _ = flow
     home = _home_of("t-2")
     away = (home + 1) % PARTITIONS
     prepared: list[Any] = []
@@ -106,7 +111,7 @@ async def test_a_record_away_from_home_is_forwarded_before_its_prompt_is_made(
 
 
 async def test_bad_input_is_one_dead_letter_however_often_the_record_runs(flow: Any) -> None:
-    run, sent, llm, settings = flow
+    run, sent, llm, settings, _ = flow
     bad = StoredRecord("tasks", 1, 3, b"k", b"{not json", [], None)
     source = Source(topic="tasks", partition=1, offset=3)
     kind, outcome = await run.handle(bad, source, Span())
@@ -126,7 +131,7 @@ async def test_bad_input_away_from_home_ends_where_its_producer_wrote_it(
 ) -> None:
     """Not forwarded first and dead-lettered as a copy on another partition: its dead
     letter names the record the producer wrote, written once however often it runs."""
-    run, sent, llm, settings = flow
+    run, sent, llm, settings, _ = flow
     away = (_home_of("t-3") + 1) % PARTITIONS
     record = _record("t-3", away, 11, **extra)
     source = Source(topic="tasks", partition=away, offset=11)
@@ -139,3 +144,21 @@ async def test_bad_input_away_from_home_ends_where_its_producer_wrote_it(
     letter = orjson.loads(value)
     assert letter["error"]["code"] == code and letter["source"] == source.model_dump()
     assert llm.requests == []
+
+
+async def test_a_result_the_broker_refuses_for_good_ends_as_the_tasks_dead_letter(
+    flow: Any,
+) -> None:
+    run, sent, llm, settings, refuse = flow
+    refuse.add(settings.topics.results)
+    record = _record("t-9", _home_of("t-9"))
+    source = Source(topic="tasks", partition=record.partition, offset=0)
+    kind, outcome = await run.handle(record, source, Span())
+    assert kind == "dead_letter" and outcome is not None and outcome.category == "write_refused"
+    topics = [s[0] for s in sent]
+    assert topics == [settings.topics.results, settings.topics.dead_letters,
+                      state_topic(settings)]  # the dead letter, then its state: nothing else  # fmt: skip
+    state = orjson.loads(sent[-1][2])
+    assert state["status"] == "dead_lettered"
+    again, _ = await run.handle(record, source, Span())  # run again: its dead letter stands
+    assert again == "already_done" and len(llm.requests) == 1

@@ -179,8 +179,12 @@ async def test_a_result_the_broker_refuses_for_good_becomes_a_write_refused_dead
     broker = Broker(lambda t, n: error if t == results else None)
     writer, store, _ = owned(broker)
     await store.ready(SOURCE.partition)
-    await writer.deliver(result, SOURCE.partition, prep=prep, state_for=_state_for(prep),
-                         failed=lambda o, e: processor.failed(prep, e, o))  # fmt: skip
+    refusal = await writer.deliver(result, SOURCE.partition, prep=prep,
+                                   state=_state_for(prep)(result))  # fmt: skip
+    assert refusal is not None and refusal.code == code  # nothing after the result written
+    letter = processor.failed(prep, refusal, result)  # what the record's flow writes instead
+    assert await writer.deliver(letter, SOURCE.partition, prep=prep,
+                                state=_state_for(prep)(letter)) is None  # fmt: skip
     written = [(topic, orjson.loads(value)) for topic, _, value, _ in broker.sends]
     t = writer.settings.topics
     assert broker.topics().count(t.results) == 1  # tried once: no retry
@@ -200,7 +204,9 @@ async def test_a_review_copy_the_broker_refuses_is_left_out_and_the_result_kept(
     broker = Broker(lambda t, n: MessageSizeTooLargeError("too large") if t == review else None)
     writer, _, _ = owned(broker)
     with_review = replace(result, review=("low_confidence",), review_value=b'{"review": 1}')
-    await writer.deliver(with_review, SOURCE.partition, prep=prep, state_for=_state_for(prep))
+    await writer.deliver(
+        with_review, SOURCE.partition, prep=prep, state=_state_for(prep)(with_review)
+    )
     t = writer.settings.topics
     assert broker.topics().count(t.results) == 1 and broker.topics().count(t.review) == 1
     assert t.dead_letters not in broker.topics()
@@ -222,7 +228,7 @@ async def test_only_the_writes_that_failed_are_written_again(owned: Any, prepare
     states = state_topic(load_settings())
     broker = Broker(lambda t, n: KafkaTimeoutError("away") if t == states and n < 4 else None)
     writer, _, _ = owned(broker)
-    await writer.deliver(result, SOURCE.partition, prep=prep, state_for=_state_for(prep))
+    await writer.deliver(result, SOURCE.partition, prep=prep, state=_state_for(prep)(result))
     t = writer.settings.topics
     assert broker.topics().count(t.results) == 1  # written once: no duplicate result
     assert broker.topics().count(states) == 3
@@ -234,7 +240,7 @@ async def test_the_state_is_written_only_once_the_outcome_is(owned: Any, prepare
     _, prep, result = prepared
     broker = Broker(lambda t, n: KafkaTimeoutError("away") if n <= 2 else None)
     writer, _, _ = owned(broker)
-    await writer.deliver(result, SOURCE.partition, prep=prep, state_for=_state_for(prep))
+    await writer.deliver(result, SOURCE.partition, prep=prep, state=_state_for(prep)(result))
     t = writer.settings.topics
     assert broker.topics() == [t.results] * 3 + [state_topic(writer.settings)]
 
