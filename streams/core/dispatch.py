@@ -49,9 +49,16 @@ class LaneSlots:
             Lane.LIVE: deque(), Lane.REPLAY: deque()
         }  # fmt: skip
 
-    def free_for(self, lane: Lane) -> bool:
-        """Whether a record of `lane` would get a slot now (none waiting before it)."""
-        return not (self._waiters[Lane.LIVE] or self._waiters[lane]) and self._free_for(lane)
+    def idle_for(self, lane: Lane) -> bool:
+        """Whether `lane` has a quarter of the slots free (none waiting): a worker far from
+        busy, where a record's call should start at once; nearer the limit its records
+        would wait for a slot anyway, and gather into batches meanwhile."""
+        if self._waiters[Lane.LIVE] or self._waiters[lane]:
+            return False
+        free = self.limit - self.in_use[Lane.LIVE] - self.in_use[Lane.REPLAY]
+        if lane is Lane.REPLAY:
+            free = min(free, self.limit - self.reserve - self.in_use[Lane.REPLAY])
+        return free >= max(1, self.limit // 4)
 
     def _free_for(self, lane: Lane) -> bool:
         if self.in_use[Lane.LIVE] + self.in_use[Lane.REPLAY] >= self.limit:

@@ -133,3 +133,15 @@ async def test_lanes_with_their_own_dispatchers_share_the_slots() -> None:
     await replay.drain()
     await live.drain()
     assert peak["replay"] == 1 and slots.in_use == {Lane.LIVE: 0, Lane.REPLAY: 0}
+
+
+async def test_a_lane_is_idle_while_a_quarter_of_its_slots_are_free() -> None:
+    slots = LaneSlots(8, reserve=2)  # a quarter: 2 slots
+    assert slots.idle_for(Lane.LIVE) and slots.idle_for(Lane.REPLAY)
+    for _ in range(5):
+        await slots.acquire(Lane.REPLAY)
+    assert slots.idle_for(Lane.LIVE)  # 3 of 8 free
+    assert not slots.idle_for(Lane.REPLAY)  # replay may use 6: 1 left
+    for _ in range(2):
+        await slots.acquire(Lane.LIVE)
+    assert not slots.idle_for(Lane.LIVE)  # 1 free: near the limit, batches gather
