@@ -34,7 +34,7 @@ import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_overhead import create_topic, group_stable, stop, warm_up
+from pipeline_overhead import create_topic, group_stable, spawn_worker, stop, warm_up
 from rate_limit_utilisation import Sim
 from replay_isolation import Run, percentile
 
@@ -42,7 +42,7 @@ from streams.dev.brokers.apache import ApacheKafka
 from streams.dev.brokers.common import free_port
 from streams.dev.brokers.tansu import TansuBroker
 from streams.kafka.topics import ensure_topics
-from streams.settings import load_settings, settings_env
+from streams.settings import load_settings
 
 HERE = Path(__file__).resolve().parent
 
@@ -127,12 +127,7 @@ async def worker(kafka: ApacheKafka | TansuBroker, sim: Sim, rate: float, n: int
         log_level="warning",
     )  # fmt: skip
     await ensure_topics(settings)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
-    env.update(settings_env(settings))
-    env["LLM_STREAMS_WEB_PORT"] = str(free_port())
-    with open(logdir / f"worker-{suffix}.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "streams.cli", "worker"], env=env,
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = spawn_worker(settings, logdir / f"worker-{suffix}.log")
     run = Run(settings, logdir)
     stop_reading = asyncio.Event()
     reader = asyncio.create_task(run.read(stop_reading))

@@ -164,6 +164,19 @@ def peak_rss_kb(pid: int) -> int:
     return 0
 
 
+def spawn_worker(
+    settings: Settings, log_path: Path, web_port: int | None = None
+) -> subprocess.Popen[bytes]:
+    """`llm-streams worker` with exactly `settings` (none of this shell's) and its web
+    server on `web_port` (default: a free one), its output in `log_path`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
+    env.update(settings_env(settings))
+    env["LLM_STREAMS_WEB_PORT"] = str(web_port or free_port())
+    with open(log_path, "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "streams.cli", "worker"], env=env,
+                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:

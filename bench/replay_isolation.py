@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,13 +38,13 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_overhead import stop, task_record, warm_up
+from pipeline_overhead import spawn_worker, stop, task_record, warm_up
 from rate_limit_utilisation import Sim
 
 from streams.dev.brokers.apache import ApacheKafka
 from streams.dev.brokers.common import free_port
 from streams.kafka.topics import ensure_topics
-from streams.settings import Settings, load_settings, settings_env
+from streams.settings import Settings, load_settings
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -155,12 +153,8 @@ async def one_style(kafka: ApacheKafka, sim: Sim, args: argparse.Namespace, wind
         log_level="warning",
     )  # fmt: skip
     await ensure_topics(settings)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
-    env.update(settings_env(settings))
-    env["LLM_STREAMS_WEB_PORT"] = str(free_port())
-    with open(logdir / f"worker-{suffix}.log", "wb") as log:
-        worker = subprocess.Popen([sys.executable, "-m", "streams.cli", "worker"],
-                                  env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    web_port = free_port()
+    worker = spawn_worker(settings, logdir / f"worker-{suffix}.log", web_port)
     run = Run(settings, logdir)
     stop_reading = asyncio.Event()
     reader = asyncio.create_task(run.read(stop_reading))
@@ -183,7 +177,7 @@ async def one_style(kafka: ApacheKafka, sim: Sim, args: argparse.Namespace, wind
         replay_span = time.monotonic() - replay_from
         await run.wait_for(with_replay, 300)
         replayed = sum(1 for t in run.replay_done if replay_from <= t <= replay_from + replay_span)
-        metrics = scrape(int(env["LLM_STREAMS_WEB_PORT"]))
+        metrics = scrape(web_port)
         stats = sim.call("/sim/stats")
     finally:
         await producer.stop()
