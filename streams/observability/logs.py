@@ -99,6 +99,10 @@ def logging_config(level: str, fmt: str, secrets: list[str]) -> dict[str, Any]:
             }
         },
         "root": {"level": level.upper(), "handlers": ["default"]},
+        # Two lines at info for every short-lived reader (the budget sync every 15 s, the
+        # drift baselines every 30 s: "Updating subscribed topics to ..."); the group's
+        # assignments are said by the coordinator's logger.
+        "loggers": {"aiokafka.consumer.subscription_state": {"level": "WARNING"}},
     }
 
 
