@@ -301,7 +301,7 @@ class Calls:
         if (
             spend.tier is Tier.BATCH
             and self.batches is not None
-            and not self.batches.takes_current()
+            and not self.batches.takes(spend.parking)
         ):
             log.info("a batch-tier record too large to park in the batch ledger: answered "
                      "by a call, at the sync price")  # fmt: skip
@@ -309,7 +309,8 @@ class Calls:
             self.metrics.mitigations.labels("*", "batch_unparkable").inc()
         if spend.tier is Tier.BATCH and spend.route is not None and self.batches is not None:
             partition, custom_id = spend.route
-            response = await self.batches.complete(partition, custom_id, attempts.count, request)
+            response = await self.batches.complete(partition, custom_id, attempts.count, request,
+                                                   spend.parking)  # fmt: skip
             spend.discounted_prompt += response.prompt_tokens
             spend.discounted_completion += response.completion_tokens
             m = self.metrics

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import orjson
 
@@ -40,6 +40,11 @@ from streams.pipelines.pipeline import Pipeline
 from streams.pipelines.render import PipelineVersion, RenderedPrompt
 from streams.resilience.retry import Attempts
 from streams.settings import Settings
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from streams.core.batch.parking import Parking
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,7 @@ class Spend:
     rejected: int = 0  # answers the output checks rejected
     tier: Tier = Tier.SYNC
     route: tuple[int, str] | None = None  # batch tier: (partition, custom_id)
+    parking: Parking | None = None  # batch tier, run by the edge: the job may park
     discounted_prompt: int = 0  # tokens billed at the batch/flex price
     discounted_completion: int = 0
     cached_prompt: int = 0  # prompt tokens the provider read from its cache
@@ -139,6 +145,9 @@ class Prepared:
     session: str | None = None
     position: int = 0
     context: Context = NO_CONTEXT
+    # The record as the edge runs it again, packed when a batch-tier job parks
+    # (`core.batch.parking`); None (tests, tools): such a job waits for its batch.
+    record: Callable[[], bytes] | None = None
 
     def session_turns(
         self, stored: bytes | None, output: dict[str, Any], room: int = 1_000_000

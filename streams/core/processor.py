@@ -30,7 +30,7 @@ from streams.contract.records import (
     decode_task,
     result_key,
 )
-from streams.core.batch import BatchLane
+from streams.core.batch import BatchLane, Parking
 from streams.core.budget import Budgets
 from streams.core.calls import Calls, ClientFor
 from streams.core.chunking import reduce_outputs
@@ -339,6 +339,8 @@ class TaskProcessor:
         deadline_s = self.config.deadline_s
         if spend.tier is Tier.BATCH:
             spend.route = (prep.source.partition, prep.result_key)
+            if prep.record is not None:
+                spend.parking = Parking(prep.result_key, prep.record)
             deadline_s = self.config.batch_deadline_s
         deadline_at = self.client.clock.now() + deadline_s
         done: dict[str, Any] = dict(earlier or {}) if pipeline.stages else {}

@@ -52,12 +52,17 @@ def _at_start_and_every(
 
 
 def create_app(
-    settings: Settings, limits: WriteLimits | None = None, banner: list[str] | None = None
+    settings: Settings,
+    limits: WriteLimits | None = None,
+    banner: list[str] | None = None,
+    registry: PipelineRegistry | None = None,
 ) -> faust.App:
     """The worker's Faust app. `limits`: what each written topic takes (read from the
     broker at start by `run_worker`; without them, the producer's limit and Kafka's
-    default topic limit)."""
-    registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+    default topic limit). `registry`: the pipelines as `run_worker` loaded them once
+    (without it, loaded here)."""
+    if registry is None:
+        registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
     # The same processor as the Python API's (streams.api): the two cannot drift.
     room = (limits or WriteLimits(settings.kafka.max_request_bytes)).record_room(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # Faust makes only the last level

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from streams.contract.headers import (
@@ -32,7 +33,6 @@ from streams.contract.headers import (
 )
 from streams.contract.lanes import Lane, Tier
 from streams.contract.records import Source, json_object
-from streams.core.batch import PARKING, Parking
 from streams.core.decide import Asked, Decider
 from streams.core.outcome import Outcome, Prepared
 from streams.core.processor import TaskProcessor
@@ -142,7 +142,7 @@ class RecordFlow:
         # 1. its headers; a batch-tier request parks the job once it waits in a batch
         how = asked(message)
         if lane is Lane.REPLAY and processor.batches is not None:
-            PARKING.set(Parking(prep.result_key, StoredRecord.of(message).pack))
+            prep = replace(prep, record=StoredRecord.of(message).pack)
         # 4. decide
         decision = await decider.decide(prep, lane, how)
         if decision.outcome is None:

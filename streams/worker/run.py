@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
 import faust
@@ -18,6 +18,9 @@ from streams.observability.logs import logging_config
 from streams.resilience.retry import retry_transient
 from streams.settings import Settings
 from streams.worker.shutdown import Watchdog
+
+if TYPE_CHECKING:
+    from streams.pipelines.registry import PipelineRegistry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,10 +60,11 @@ def run_worker(settings: Settings) -> None:
 
     setup_tracing(settings)
     setup_metrics(settings)
-    app = create_app(settings, limits, banner=banner(settings, registry, seen))
+    app = create_app(settings, limits, banner=banner(settings, registry, seen), registry=registry)
+    hidden = secrets(settings, registry)
     worker = BoundedWorker(
         app, loop=loop, loglevel=settings.log_level,
-        logging_config=logging_config(settings.log_level, settings.log_format, secrets(settings)),
+        logging_config=logging_config(settings.log_level, settings.log_format, hidden),
     )  # fmt: skip
     worker.watchdog = app.llm_streams_agent.watchdog  # type: ignore[attr-defined]  # set by create_app
     # Faust's progress spinner sets the root logger to DEBUG so it can spin on every
@@ -95,10 +99,11 @@ async def while_kafka_away(start: Callable[[], Awaitable[T]], wait_s: float) -> 
     )  # fmt: skip
 
 
-def secrets(settings: Settings) -> list[str]:
-    """Secrets the logs must never show: the LLM key, every fallback endpoint's key, the
-    Kafka SASL password and client key password, the schema registry's password (set,
-    or in its URL)."""
+def secrets(settings: Settings, registry: PipelineRegistry | None = None) -> list[str]:
+    """Secrets the logs must never show: the LLM key, every fallback endpoint's key (of
+    `registry`'s pipelines, else of those in the pipelines folder), the Kafka SASL
+    password and client key password, the schema registry's password (set, or in its
+    URL)."""
     from streams.kafka.security import secrets as kafka_secrets
 
     found = kafka_secrets(settings)
@@ -109,12 +114,13 @@ def secrets(settings: Settings) -> list[str]:
         found.append(schema_registry.password.get_secret_value())
     if schema_registry.url and (in_url := urlsplit(schema_registry.url).password):
         found.append(in_url)
-    try:
+    if registry is None:
         from streams.pipelines.registry import PipelineRegistry
 
-        registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
-    except ConfigError:
-        return found  # the worker will say what is wrong when it loads them
+        try:
+            registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+        except ConfigError:
+            return found  # the worker will say what is wrong when it loads them
     for pipeline in registry.pipelines.values():
         for version in pipeline.versions.values():
             for fallback in version.spec.fallbacks:

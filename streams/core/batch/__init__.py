@@ -21,11 +21,12 @@ already ended. A batch recorded as being created but unknown to the provider
 (the worker died before creating it; found by its metadata otherwise) is
 abandoned and its requests go in a new one.
 
-Parking: a job the edge runs with a `Parking` (the record it answers, see
-`PARKING`) does not wait for its batch. Once its request and the record
-(`job/<key>`) are durably in the ledger — broker-acked, or with exactly-once
-committed — the job ends with `Parked` and its record is acknowledged: a
-rebalance never waits for a batch, and the input offset moves on. The batch is
+Parking: a job the edge runs with a `Parking` (the record it answers, handed
+down with the task: `Prepared.record`, then `Spend.parking`) does not wait for
+its batch. Once its request and the record (`job/<key>`) are durably in the
+ledger — broker-acked, or with exactly-once committed — the job ends with
+`Parked` and its record is acknowledged: a rebalance never waits for a batch,
+and the input offset moves on. The batch is
 created only then, so a crash before that sends nothing. When a batch ends, the
 owner of its partition resumes the jobs of its requests (`resume`); a new owner
 resumes every job of the partition's ledger (`resume_parked`) and so follows
@@ -41,12 +42,11 @@ enqueued-token limit) is sent again in a new batch, not charged to the task.
 
 from streams.core.batch.lane import BatchLane
 from streams.core.batch.ledger import JOB_PREFIX, Ledger, batch_key, item_key, job_key
-from streams.core.batch.parking import PARKING, Parked, Parking, Released, Resume
+from streams.core.batch.parking import Parked, Parking, Released, Resume
 from streams.core.batch.wire import BatchOps, error_of, request_line
 
 __all__ = [
     "JOB_PREFIX",
-    "PARKING",
     "BatchLane",
     "BatchOps",
     "Ledger",

@@ -27,7 +27,7 @@ from streams.core.batch.ledger import (
     item_key,
     job_key,
 )
-from streams.core.batch.parking import PARKING, Parked, Parking, Released, Resume
+from streams.core.batch.parking import Parked, Parking, Released, Resume
 from streams.core.batch.wire import (
     RESUBMIT,
     TERMINAL,
@@ -123,11 +123,16 @@ class BatchLane:
     # -- the job's side ----------------------------------------------------------------
 
     async def complete(
-        self, partition: int, custom_id: str, attempt: int, request: LLMRequest
+        self,
+        partition: int,
+        custom_id: str,
+        attempt: int,
+        request: LLMRequest,
+        parking: Parking | None = None,
     ) -> LLMResponse:
         """The answer to one attempt, through a batch. Raises the attempt's TaskError, or
-        `Parked` when the running job has a `Parking` and the request waits in a batch."""
-        parking = PARKING.get()
+        `Parked` when the job has a `parking` (the edge's record) and the request waits in
+        a batch; without one (tests, tools) the job waits for its batch."""
         async with self._capacity:
             key = (custom_id, attempt)
             gave_none: set[str] = set()  # batches that had it and gave no answer
@@ -226,12 +231,11 @@ class BatchLane:
         self._count_request("parked")
         return True
 
-    def takes_current(self) -> bool:
-        """Whether the running job's record may go into a batch: one the edge runs with a
-        `Parking` whose record the ledger cannot take would wait for its batch unacked —
-        up to its 24-h window, holding every rebalance of the group that long — so it is
-        answered by a call instead (at the full price, counted)."""
-        parking = PARKING.get()
+    def takes(self, parking: Parking | None) -> bool:
+        """Whether a job's record may go into a batch: one the edge runs with a `parking`
+        whose record the ledger cannot take would wait for its batch unacked — up to its
+        24-h window, holding every rebalance of the group that long — so it is answered by
+        a call instead (at the full price, counted)."""
         return parking is None or self._fits(parking)  # None: tests, tools wait as they may
 
     def _fits(self, parking: Parking) -> bool:

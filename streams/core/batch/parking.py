@@ -5,7 +5,6 @@ a job whose partition is gone ends the same way before it asks anything (`Releas
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -22,10 +21,6 @@ class Parking:
     def packed(self) -> bytes:
         """The record as the ledger keeps it, made once."""
         return self.record()
-
-
-# Set by the edge for the job it runs; unset (tests, tools): a job waits for its batch.
-PARKING: ContextVar[Parking | None] = ContextVar("llm_streams_parking", default=None)
 
 
 class Parked(BaseException):  # a way out, like CancelledError, not an error
@@ -45,4 +40,4 @@ class Released(Parked):
 Resume = Callable[[int, str, bytes], None]
 
 
-__all__ = ["PARKING", "Parked", "Parking", "Released", "Resume"]
+__all__ = ["Parked", "Parking", "Released", "Resume"]

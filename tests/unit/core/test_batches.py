@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
@@ -13,7 +14,6 @@ import pytest
 from streams.contract.lanes import Lane, Tier
 from streams.contract.records import Source
 from streams.core.batch import (
-    PARKING,
     BatchLane,
     Parked,
     Parking,
@@ -23,6 +23,7 @@ from streams.core.batch import (
     item_key,
     job_key,
 )
+from streams.core.outcome import Prepared
 from streams.core.processor import Prices
 from streams.dev.simulator import SimulatorServer
 from streams.errors import BadRequest, Timeout, UpstreamError
@@ -339,11 +340,9 @@ class GoneLedger(LedgerStore):
 
 
 async def _parked(lane: BatchLane, key: str, text: str) -> None:
-    token = PARKING.set(Parking(key, lambda: f"record of {key}".encode()))
-    try:
-        await lane.complete(0, key, 1, _request(text))
-    finally:
-        PARKING.reset(token)
+    await lane.complete(
+        0, key, 1, _request(text), Parking(key, lambda: f"record of {key}".encode())
+    )
 
 
 async def test_a_parked_job_ends_once_its_request_is_in_the_ledger_and_runs_again_at_the_end(
@@ -367,11 +366,9 @@ async def test_a_parked_job_ends_once_its_request_is_in_the_ledger_and_runs_agai
     assert sorted(resumed) == [(0, f"rk-{i}", f"record of rk-{i}".encode()) for i in range(3)]
     # Run again, each finds its answer in the finished batch: nothing sent again.
     again = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]  # another worker
-    token = PARKING.set(Parking("rk-1", lambda: b"record of rk-1"))
-    try:
-        answer = await again.complete(0, "rk-1", 1, _request("Fine 1."))
-    finally:
-        PARKING.reset(token)
+    answer = await again.complete(
+        0, "rk-1", 1, _request("Fine 1."), Parking("rk-1", lambda: b"record of rk-1")
+    )
     assert orjson.loads(answer.content)["sentiment"]
     assert simulator.sim.snapshot()["batches"] == 1
     assert all(n == 1 for n in simulator.sim.batch.submissions.values())
@@ -454,11 +451,9 @@ async def test_a_job_parking_while_its_batch_ends_takes_the_answer_instead(
     second = BatchLane(client, store, SETTINGS)  # type: ignore[arg-type]
     resumed: list[str] = []
     second.resume = lambda p, key, record: resumed.append(key)
-    token = PARKING.set(Parking("rk-1", lambda: b"the record"))
-    try:
-        answer = await second.complete(0, "rk-1", 1, _request("Fine."))
-    finally:
-        PARKING.reset(token)
+    answer = await second.complete(
+        0, "rk-1", 1, _request("Fine."), Parking("rk-1", lambda: b"the record")
+    )
     assert orjson.loads(answer.content)["sentiment"]
     assert simulator.sim.snapshot()["batches"] == 1
     await second.close()
@@ -469,11 +464,9 @@ async def test_a_record_too_big_for_the_ledger_is_not_parked_its_job_waits_for_t
 ) -> None:
     store = LedgerStore()
     lane = BatchLane(client, store, SETTINGS, ledger_room=4096)  # type: ignore[arg-type]
-    token = PARKING.set(Parking("rk-1", lambda: b"x" * 5000))  # over the ledger's room
-    try:
-        answer = await lane.complete(0, "rk-1", 1, _request("Fine."))  # no Parked
-    finally:
-        PARKING.reset(token)
+    answer = await lane.complete(
+        0, "rk-1", 1, _request("Fine."), Parking("rk-1", lambda: b"x" * 5000)
+    )  # no Parked
     assert orjson.loads(answer.content)["sentiment"]
     assert job_key("rk-1") not in store.maps[0]  # nothing written the topic would refuse
     assert simulator.sim.snapshot()["batches"] == 1
@@ -586,11 +579,9 @@ async def test_a_batch_tier_record_too_large_to_park_is_answered_by_a_call(
     raw = orjson.dumps({"task_id": "b1", "pipeline": "comment-analysis",
                         "input": {"text": "Arrived late, works great."}})  # fmt: skip
     prep = processor.prepare(raw, None, Source(topic="r", partition=0, offset=1))
-    token = PARKING.set(Parking(prep.result_key, lambda: b"x" * 5000))  # type: ignore[union-attr]
-    try:
-        out = await processor.answer(prep, Lane.REPLAY, None, Tier.BATCH)  # type: ignore[arg-type]
-    finally:
-        PARKING.reset(token)
+    assert isinstance(prep, Prepared)
+    prep = replace(prep, record=lambda: b"x" * 5000)  # the edge's record, over the ledger's room
+    out = await processor.answer(prep, Lane.REPLAY, None, Tier.BATCH)
     result = orjson.loads(out.value)
     assert out.kind == "result"
     assert simulator.sim.snapshot()["batches"] == 0 and simulator.sim.snapshot()["requests"] == 1
