@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from streams.contract.headers import Headers
-from streams.contract.records import RecordRoom
+from streams.contract.records import ValueLimits
 from streams.core.budget import Budgets
 from streams.core.processor import ProcessorConfig, TaskProcessor
 from streams.errors import ConfigError, InternalError, InvalidInput, TaskError
@@ -129,18 +129,18 @@ def processor_factory(
     settings: Settings,
     registry: PipelineRegistry,
     metrics: Metrics | None = None,
-    room: RecordRoom | None = None,
+    limits: ValueLimits | None = None,
     group: GroupShare | None = None,
     budgets: Budgets | None = None,
 ) -> Callable[[], TaskProcessor]:
     """What makes the processor of a worker or an `Analyzer`; call it inside the event
-    loop that will use it (the HTTP client binds to it). `room`: what a result and a
+    loop that will use it (the HTTP client binds to it). `limits`: what a result and a
     dead letter may take (the worker reads it from its topics); `group`: the worker's
     part of its consumer group's partitions, which its rate limiters claim; `budgets`: the
     spend caps, when the caller keeps them up to date (the worker: `store.budgets`)."""
     llm = settings.llm
     res = settings.resilience
-    config = ProcessorConfig.from_settings(settings, room)
+    config = ProcessorConfig.from_settings(settings, limits)
 
     def make() -> TaskProcessor:
         pool = ClientPool(

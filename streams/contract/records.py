@@ -117,7 +117,7 @@ TASK_ID_LIMIT = 512
 
 
 @dataclass(frozen=True)
-class RecordRoom:
+class ValueLimits:
     """Bytes the value of a result and of a dead letter may take: what their topics and
     the producer accept, less the key and headers (`streams.kafka.limits`)."""
 
@@ -205,19 +205,19 @@ def truncated_payload(raw: bytes | None, head_bytes: int) -> dict[str, Any]:
     return kept
 
 
-def dead_letter_value(letter: DeadLetter, raw: bytes | None, room: int) -> bytes:
+def dead_letter_value(letter: DeadLetter, raw: bytes | None, max_bytes: int) -> bytes:
     """The dead letter's value, its payload cut to a head (`truncated_payload`) when the
-    whole record would not fit in `room` bytes."""
+    whole record would not fit in `max_bytes` bytes."""
     value = orjson.dumps(letter.model_dump(mode="json"))
-    if len(value) <= room:
+    if len(value) <= max_bytes:
         return value
     bare = len(orjson.dumps(letter.model_copy(update={"payload": None}).model_dump(mode="json")))
-    head = max(0, room - bare - 512)
+    head = max(0, max_bytes - bare - 512)
     while True:
         # JSON escapes can make the head longer than its bytes: halve until it fits.
         cut = letter.model_copy(update={"payload": truncated_payload(raw, head)})
         value = orjson.dumps(cut.model_dump(mode="json"))
-        if len(value) <= room or head == 0:
+        if len(value) <= max_bytes or head == 0:
             return value
         head //= 2
 

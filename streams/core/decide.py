@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Protocol, cast
 
 from streams.contract.lanes import Lane, Tier
@@ -43,13 +44,29 @@ class Asked:
     note: str | None = None  # for the task's history (backtrack: restored / re-run)
 
 
+class Ended(StrEnum):
+    """How a record's run ended: the `kind` label of `llm_streams_tasks_completed_total`
+    and of the end-to-end latency, and the span's `llm_streams.outcome`."""
+
+    RESULT = "result"  # its result written
+    DEAD_LETTER = "dead_letter"  # its dead letter written
+    ALREADY_DONE = "already_done"  # an earlier run of this very record wrote its outcome
+    REROUTED = "rerouted"  # forwarded to its task's partition, answered there
+    PARKED = "parked"  # waits in a batch, durably in the ledger (`core.batch.parking`)
+    RELEASED = "released"  # its partition is another worker's now: its owner runs it
+
+    @classmethod
+    def of(cls, outcome: Outcome) -> Ended:
+        return cls(outcome.kind)
+
+
 @dataclass(frozen=True)
 class Decision:
     """`outcome` to write (None: nothing, an earlier run of this record wrote it), or, for
     an outcome already written, `state` to write when the run that wrote it died before
     writing the task's state."""
 
-    kind: str  # result | dead_letter | already_done
+    kind: Ended
     outcome: Outcome | None = None
     state: TaskState | None = None
 
@@ -78,14 +95,14 @@ class Decider:
         source, task_id = prep.source, prep.task.task_id
         state = self.store.state(source.partition, task_id)
         if state is not None and state.wrote(source):  # this very record, before a crash
-            return Decision("already_done")
+            return Decision(Ended.ALREADY_DONE)
         outcome, written = await self._answer(prep, lane, asked)
         if not written:
-            return Decision(outcome.kind, outcome)
+            return Decision(Ended.of(outcome), outcome)
         if self._state_missing(state, prep, outcome):
             # Written by a run killed before its state was: write that now.
-            return Decision("already_done", state=self.state_after(outcome, prep, asked.note))
-        return Decision("already_done")
+            return Decision(Ended.ALREADY_DONE, state=self.state_after(outcome, prep, asked.note))
+        return Decision(Ended.ALREADY_DONE)
 
     async def _answer(self, prep: Prepared, lane: Lane, asked: Asked) -> tuple[Outcome, bool]:
         """The outcome of a valid task, and whether an earlier run of this very record

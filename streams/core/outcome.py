@@ -1,7 +1,7 @@
 """What one record ends as, built once as plain data: the outcome the edge writes.
 
 A result or a dead letter, serialised here and nowhere else (the edge never
-parses it again), sized to fit its topic (`RecordRoom`): a result too large
+parses it again), sized to fit its topic (`ValueLimits`): a result too large
 becomes a dead letter `output_too_large`, a dead letter keeps a head of a large
 payload. Cost is priced here too, one rule for every tier: the price table, and
 the batch price (`Prices.discount`) for tokens of batch and flex calls.
@@ -19,11 +19,11 @@ from streams.contract.evaluation import verdict
 from streams.contract.lanes import Tier
 from streams.contract.records import (
     DeadLetter,
-    RecordRoom,
     Result,
     Source,
     Task,
     Usage,
+    ValueLimits,
     dead_letter_value,
     error_info,
     now_iso,
@@ -150,15 +150,15 @@ class Prepared:
     record: Callable[[], bytes] | None = None
 
     def session_turns(
-        self, stored: bytes | None, output: dict[str, Any], room: int = 1_000_000
+        self, stored: bytes | None, output: dict[str, Any], max_bytes: int = 1_000_000
     ) -> bytes | None:
         """Its session's turns (`stored`) with this task's answer `output` in, within
-        `room` bytes; None when the task is no turn of a version that keeps sessions."""
+        `max_bytes`; None when the task is no turn of a version that keeps sessions."""
         spec = self.version.spec.session
         if self.session is None or spec is None:
             return None
         turn = turn_of(self.task.task_id, self.position, self.prompt.variables, output, spec)
-        return add_turn(stored, turn, spec, room)
+        return add_turn(stored, turn, spec, max_bytes)
 
 
 @dataclass(frozen=True)
@@ -200,12 +200,12 @@ class Outcome:
 
 
 class Outcomes:
-    """Builds results and dead letters within the room their topics give them."""
+    """Builds results and dead letters within the bytes their topics take."""
 
     def __init__(
-        self, room: RecordRoom, prices: Prices, metrics: Metrics, default_model: str
+        self, limits: ValueLimits, prices: Prices, metrics: Metrics, default_model: str
     ) -> None:
-        self.room = room
+        self.limits = limits
         self.prices = prices
         self.metrics = metrics
         self.default_model = default_model
@@ -274,9 +274,9 @@ class Outcomes:
             rejected=rejected,
             cached=cached,
         )
-        if len(value) > self.room.result:
+        if len(value) > self.limits.result:
             too_large = OutputTooLarge(
-                f"the result is {len(value)} bytes, over the {self.room.result} bytes the "
+                f"the result is {len(value)} bytes, over the {self.limits.result} bytes the "
                 "results topic takes (its max.message.bytes and the producer's limit)",
                 code="result_too_large",
             )
@@ -319,7 +319,7 @@ class Outcomes:
         return Outcome(
             kind="dead_letter",
             key=task_id or f"{source.topic}/{source.partition}/{source.offset}",
-            value=dead_letter_value(letter, raw, self.room.dead_letter),
+            value=dead_letter_value(letter, raw, self.limits.dead_letter),
             task_id=task_id,
             category=exc.category.value,
             error=error.model_dump(mode="json"),
@@ -345,7 +345,7 @@ class Outcomes:
         return Outcome(
             kind="dead_letter",
             key=prep.task.task_id,
-            value=dead_letter_value(letter, prep.raw, self.room.dead_letter),
+            value=dead_letter_value(letter, prep.raw, self.limits.dead_letter),
             task_id=prep.task.task_id,
             category=exc.category.value,
             error=error.model_dump(mode="json"),

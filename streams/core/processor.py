@@ -22,10 +22,10 @@ import orjson
 
 from streams.contract.lanes import Lane, Tier
 from streams.contract.records import (
-    RecordRoom,
     Source,
     Task,
     Usage,
+    ValueLimits,
     content_key,
     decode_task,
     result_key,
@@ -80,10 +80,12 @@ class ProcessorConfig:
     prices: Prices = field(default_factory=Prices)
     # The model's window when a setting says it (None: told by the endpoint or learned).
     context_window: int | None = None
-    room: RecordRoom = field(default_factory=RecordRoom)
+    limits: ValueLimits = field(default_factory=ValueLimits)
 
     @classmethod
-    def from_settings(cls, settings: Settings, room: RecordRoom | None = None) -> ProcessorConfig:
+    def from_settings(
+        cls, settings: Settings, limits: ValueLimits | None = None
+    ) -> ProcessorConfig:
         llm = settings.llm
         return cls(
             default_model=llm.model,
@@ -97,7 +99,7 @@ class ProcessorConfig:
             max_task_bytes=settings.batch.max_task_bytes,
             prices=Prices.from_settings(settings),
             context_window=llm.context_window,
-            room=room or RecordRoom(),
+            limits=limits or ValueLimits(),
         )
 
 
@@ -129,7 +131,7 @@ class TaskProcessor:
             client.window.configured = config.context_window
         self.calls = Calls(client, policy=config.policy, metrics=self.metrics, clients=clients)
         self.packs = Packs(self.calls, registry)
-        self.outcomes = Outcomes(config.room, config.prices, self.metrics, config.default_model)
+        self.outcomes = Outcomes(config.limits, config.prices, self.metrics, config.default_model)
         self._sessions = registry.keeps_sessions
         self._close = close
 

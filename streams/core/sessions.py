@@ -59,18 +59,18 @@ def turn_of(
 
 
 def add_turn(
-    stored: bytes | None, turn: dict[str, Any], spec: SessionSpec, room: int = 1_000_000
+    stored: bytes | None, turn: dict[str, Any], spec: SessionSpec, max_bytes: int = 1_000_000
 ) -> bytes:
     """The session's turns with `turn` in (replacing an earlier answer of its task), in
     order of position, the oldest beyond `spec.max_turns` dropped, and the oldest beyond
-    what its topic takes (`room` bytes): a session never makes a write the broker refuses
+    what its topic takes (`max_bytes` bytes): a session never makes a write the broker refuses
     (with no turn that fits, it holds none)."""
     turns = [t for t in _turns(stored) if t.get("task_id") != turn["task_id"]]
     turns.append(turn)
     turns.sort(key=lambda t: int(t.get("position", 0)))
     turns = turns[-spec.max_turns :]
     value = orjson.dumps({"turns": turns})
-    while len(value) > room and turns:
+    while len(value) > max_bytes and turns:
         turns = turns[1:]
         value = orjson.dumps({"turns": turns})
     return value

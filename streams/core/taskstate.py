@@ -81,12 +81,12 @@ class TaskState(BaseModel):
     def loads(cls, raw: bytes) -> TaskState:
         return cls.model_validate(orjson.loads(raw))
 
-    def dumps_within(self, room: int) -> bytes:
-        """The state as stored, cut to `room` bytes when it is larger: the stage answers go
+    def dumps_within(self, max_bytes: int) -> bytes:
+        """The state as stored, cut to `max_bytes` bytes when it is larger: the stage answers go
         first (a re-run asks those stages again), then the older history, then the last
         error's message."""
         raw = self.dumps()
-        if len(raw) <= room:
+        if len(raw) <= max_bytes:
             return raw
         state = self.model_copy(update={"stage_outputs": None})
         for cut in (
@@ -95,7 +95,7 @@ class TaskState(BaseModel):
             {"history": self.history[-1:], "last_error": _short_error(self.last_error)},
         ):
             raw = state.model_copy(update=cut).dumps()
-            if len(raw) <= room:
+            if len(raw) <= max_bytes:
                 return raw
         return raw  # what is left (ids, keys) is small; the write path refuses the rest
 

@@ -32,7 +32,7 @@ from aiokafka.errors import (
     TransactionalIdAuthorizationFailed,
 )
 
-from streams.contract.records import RecordRoom
+from streams.contract.records import ValueLimits
 from streams.kafka.clients import admin
 from streams.settings import Settings
 
@@ -57,15 +57,17 @@ class WriteLimits:
         topic_limit = self.topic_bytes.get(topic, KAFKA_DEFAULT_MAX_MESSAGE_BYTES)
         return min(self.producer_bytes, topic_limit)
 
-    def room(self, topic: str) -> int:
+    def value_bytes(self, topic: str) -> int:
         """Bytes a value written to `topic` may take."""
         return max(1024, self.max_record(topic) - RESERVE_BYTES)
 
-    def record_room(self, settings: Settings) -> RecordRoom:
-        """What the core needs: the room of a result and of a dead letter."""
-        return RecordRoom(
-            result=min(self.room(settings.topics.results), self.room(settings.topics.review)),
-            dead_letter=self.room(settings.topics.dead_letters),
+    def value_limits(self, settings: Settings) -> ValueLimits:
+        """What the core needs: the bytes a result and a dead letter may take."""
+        return ValueLimits(
+            result=min(
+                self.value_bytes(settings.topics.results), self.value_bytes(settings.topics.review)
+            ),
+            dead_letter=self.value_bytes(settings.topics.dead_letters),
         )
 
 

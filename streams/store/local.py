@@ -43,7 +43,7 @@ class Kind(StrEnum):
 
     RESULTS = "results"
     DEAD_LETTERS = "dead_letters"
-    TASKS = "tasks"
+    TASK_STATES = "tasks"  # each task's state (core.taskstate); "tasks" in settings and labels
     LEDGER = "ledger"  # the batch lane's batches and their requests
     SESSIONS = "sessions"  # each session's turns (core.sessions), by session id
 

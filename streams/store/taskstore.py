@@ -142,14 +142,14 @@ class TaskStore:
         send: Send,
         metrics: Metrics | None = None,
         *,
-        state_room: int = 1_044_000,
+        state_bytes: int = 1_044_000,
     ) -> None:
         self.settings = settings
-        self.state_room = state_room  # bytes a task state may take on its topic
+        self.state_bytes = state_bytes  # bytes a task state may take on its topic
         self.topics = {
             Kind.RESULTS: settings.topics.results,
             Kind.DEAD_LETTERS: settings.topics.dead_letters,
-            Kind.TASKS: state_topic(settings),
+            Kind.TASK_STATES: state_topic(settings),
             Kind.LEDGER: ledger_topic(settings),
             Kind.SESSIONS: sessions_topic(settings),
         }
@@ -402,7 +402,7 @@ class TaskStore:
         return self.get(Kind.DEAD_LETTERS, partition, key.encode())
 
     def state(self, partition: int, task_id: str) -> TaskState | None:
-        raw = self.get(Kind.TASKS, partition, task_id.encode())
+        raw = self.get(Kind.TASK_STATES, partition, task_id.encode())
         return TaskState.loads(raw) if raw is not None else None
 
     async def put(
@@ -432,8 +432,8 @@ class TaskStore:
             part.maps.stage(kind, key, copy, now_ms())
 
     async def put_state(self, partition: int, state: TaskState) -> None:
-        value = state.dumps_within(self.state_room)
-        await self.put(Kind.TASKS, partition, state.task_id.encode(), value)
+        value = state.dumps_within(self.state_bytes)
+        await self.put(Kind.TASK_STATES, partition, state.task_id.encode(), value)
 
 
 class MapView:
@@ -479,7 +479,7 @@ def readable(kind: Kind, value: bytes) -> bool:
     """Can this version use a stored value of map `kind`? Unknown fields are fine (a newer
     version wrote them); a value without what the worker reads from it is not."""
     try:
-        if kind is Kind.TASKS:
+        if kind is Kind.TASK_STATES:
             TaskState.loads(value)
             return True
         data = orjson.loads(value)

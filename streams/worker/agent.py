@@ -27,7 +27,7 @@ from streams.contract.records import Source
 from streams.core.batch import BatchLane, Parked
 from streams.core.budget import Withdrawn
 from streams.core.cache import ContentCache
-from streams.core.decide import Decider
+from streams.core.decide import Decider, Ended
 from streams.core.dispatch import Dispatcher, LaneSlots
 from streams.core.drift import DriftMonitor
 from streams.core.offsets import InOrderAcks, Ticket
@@ -101,7 +101,10 @@ class TaskAgent:
         self._finishing: asyncio.Future[None] | None = None
         self._left_at_stop = 0  # records taken and, the stop begun, not started
         self.store = TaskStore(
-            settings, self._send, self.metrics, state_room=self.limits.room(state_topic(settings))
+            settings,
+            self._send,
+            self.metrics,
+            state_bytes=self.limits.value_bytes(state_topic(settings)),
         )
         # Exactly-once: every write of partition p in p's transaction with its offsets.
         self.eos: Transactions | None = None
@@ -116,7 +119,6 @@ class TaskAgent:
         )  # fmt: skip
         self.cache = ContentCache()
         self.acks: InOrderAcks[Any] = InOrderAcks()
-        self._decider: Decider | None = None
         self._flow: RecordFlow | None = None  # a record's way (worker.flow), made with them
         self._inputs = {settings.topics.tasks, settings.topics.replay}
         self._joined = False  # a rebalance has given the worker its partitions (`readiness`)
@@ -289,15 +291,15 @@ class TaskAgent:
                 ledger = MapView(self.store, Kind.LEDGER, durable=durable)
                 lane_ = self._processor.batches = BatchLane(
                     ops, ledger, settings.batch_api, self.metrics,
-                    ledger_room=self.limits.room(ledger_topic(settings)),
+                    ledger_bytes=self.limits.value_bytes(ledger_topic(settings)),
                 )  # fmt: skip
                 self.parked.attach(lane_)
-            self._decider = Decider(self._processor, self.store, self.cache, self.metrics,
-                                    settings.topics.results)  # fmt: skip
+            decider = Decider(self._processor, self.store, self.cache, self.metrics,
+                              settings.topics.results)  # fmt: skip
             self._flow = RecordFlow(
-                self._processor, self._decider, self.store, self.writer,
+                self._processor, decider, self.store, self.writer,
                 partitions=settings.kafka.partitions,
-                sessions_room=self.limits.room(sessions_topic(settings)),
+                sessions_bytes=self.limits.value_bytes(sessions_topic(settings)),
                 lane_of=self.lane_of, metrics=self.metrics,
             )  # fmt: skip
         self._running_lanes += 1
@@ -314,7 +316,7 @@ class TaskAgent:
         if self._running_lanes == 0:  # the last agent out closes what they share
             log.info("task agents stopped; left unacknowledged: %s", self.left_behind())
             await self.parked.close()  # what is parked stays in the ledger
-            self._processor = self._decider = self._flow = None
+            self._processor = self._flow = None
             await processor.close()
             if self.eos is not None:  # its last commit goes to the store's disk too
                 await self.eos.close()
@@ -439,7 +441,7 @@ class TaskAgent:
     ) -> Callable[[], Any]:
         async def job() -> None:
             kind = await self._process(ticket.item.message, processor, taken_at)
-            if kind == "released":  # not acked, nor waited for: its partition's owner runs it
+            if kind is Ended.RELEASED:  # not acked, nor waited for: its partition's owner runs it
                 with contextlib.suppress(Exception):  # no consumer (stopping)
                     faust_private.forget_unacked(self.app.consumer, [ticket.item.message])
                 return
@@ -449,14 +451,14 @@ class TaskAgent:
 
         return job
 
-    async def _run_parked(self, message: StoredRecord) -> str | None:
+    async def _run_parked(self, message: StoredRecord) -> Ended | None:
         """A parked record run again; what it ended as (None: stopping, not run)."""
         processor = self._processor
         if processor is None:
             return None
         return await self._process(message, processor, time.monotonic())
 
-    async def _process(self, message: Any, processor: TaskProcessor, taken_at: float) -> str:
+    async def _process(self, message: Any, processor: TaskProcessor, taken_at: float) -> Ended:
         """One record (a Faust message, or a `StoredRecord` run again) answered and its
         outcome written, in its span; what it ended as."""
         m = self.metrics
@@ -487,7 +489,7 @@ class TaskAgent:
                 log.info("record %s/%d/%d not run: %s", source.topic, source.partition,
                          source.offset, exc)  # fmt: skip
                 m.in_flight.dec()
-                return "released"
+                return Ended.RELEASED
             try:
                 assert self._flow is not None  # made with the processor
                 kind, outcome = await self._flow.handle(message, source, span)
@@ -496,7 +498,7 @@ class TaskAgent:
             except (Parked, Withdrawn) as exc:
                 # Parked: durably in the batch lane's ledger, which resumes it. Withdrawn:
                 # it waited at a spend cap and its partition was given away to its owner.
-                kind = "parked" if isinstance(exc, Parked) else "released"
+                kind = Ended.PARKED if isinstance(exc, Parked) else Ended.RELEASED
                 span.set_attribute("llm_streams.outcome", kind)
                 return kind
             except Exception as exc:  # a bug: the record still ends as one dead letter
@@ -535,12 +537,10 @@ class TaskAgent:
 
     async def _internal_error(
         self, message: Any, source: Source, processor: TaskProcessor, exc: Exception
-    ) -> tuple[str, Outcome | None]:
+    ) -> tuple[Ended, Outcome | None]:
         """A bug met this record: it ends as a dead letter `internal_error` (not retried,
         not redriven as a provider fault), written once."""
         error = InternalError(f"internal error: {exc!r}", code="internal_error")
         outcome = processor.dead_letter(error, message.value, message.key, source)
-        if self._decider is not None and self._decider.dead_letter_written(outcome.key, source):
-            return "already_done", None
-        await self.writer.deliver(outcome, source.partition)
-        return outcome.kind, outcome
+        assert self._flow is not None  # made with the processor
+        return await self._flow.dead_here(outcome, source)

@@ -64,7 +64,7 @@ def create_app(
     if registry is None:
         registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
     # The same processor as the Python API's (streams.api): the two cannot drift.
-    room = (limits or WriteLimits(settings.kafka.max_request_bytes)).record_room(settings)
+    values = (limits or WriteLimits(settings.kafka.max_request_bytes)).value_limits(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # Faust makes only the last level
     buffer = max(settings.batch.buffer, settings.batch.size)
     app = (ThreadedApp if settings.kafka.consumer_thread else InLoopApp)(
@@ -110,7 +110,7 @@ def create_app(
     metrics.watch_drift(drift.rows)
     budgets = Budgets(group=group, metrics=metrics, saved=True)
     agent = TaskAgent(
-        app, settings, processor_factory(settings, registry, metrics, room, group, budgets),
+        app, settings, processor_factory(settings, registry, metrics, values, group, budgets),
         metrics, limits, sources=registry.sources(), group=group, drift=drift,
     )  # fmt: skip
     app.llm_streams_agent = agent  # type: ignore[attr-defined]  # for the worker's stop

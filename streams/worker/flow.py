@@ -33,7 +33,7 @@ from streams.contract.headers import (
 )
 from streams.contract.lanes import Lane, Tier
 from streams.contract.records import Source, json_object
-from streams.core.decide import Asked, Decider
+from streams.core.decide import Asked, Decider, Ended
 from streams.core.outcome import Outcome, Prepared
 from streams.core.processor import TaskProcessor
 from streams.core.sessions import has_turn
@@ -92,7 +92,7 @@ class RecordFlow:
         writer: Writer,
         *,
         partitions: int,
-        sessions_room: int,
+        sessions_bytes: int,
         lane_of: Callable[[str], Lane],
         metrics: Metrics,
     ) -> None:
@@ -101,11 +101,11 @@ class RecordFlow:
         self.store = store
         self.writer = writer
         self.partitions = partitions  # of the task topics: a task's home is one of them
-        self.sessions_room = sessions_room  # bytes a session's turns may take
+        self.sessions_bytes = sessions_bytes  # bytes a session's turns may take
         self.lane_of = lane_of
         self.metrics = metrics
 
-    async def handle(self, message: Any, source: Source, span: Any) -> tuple[str, Outcome | None]:
+    async def handle(self, message: Any, source: Source, span: Any) -> tuple[Ended, Outcome | None]:
         """Answer one record and write its outcome: what it ended as (result, dead_letter,
         already_done: an earlier run wrote it, rerouted: forwarded to its task's partition)
         and the outcome written (None when nothing was)."""
@@ -118,9 +118,9 @@ class RecordFlow:
             if home != message.partition:  # keyed otherwise by its producer: answer it there
                 refused = processor.refusal(message.value, message.key, source)
                 if refused is not None:  # bad input: its dead letter where it stands
-                    return await self._dead_here(refused, source)
+                    return await self.dead_here(refused, source)
                 await self._reroute(message, source, home, task_id)
-                return "rerouted", None
+                return Ended.REROUTED, None
         # 3. prepare
         prep = processor.prepare(
             message.value, message.key, source,
@@ -129,7 +129,7 @@ class RecordFlow:
             position=original_offset(message),
         )  # fmt: skip
         if isinstance(prep, Outcome):  # bad input: a dead letter, unless written
-            return await self._dead_here(prep, source)
+            return await self.dead_here(prep, source)
         lane = self.lane_of(message.topic)
         if message.key not in (prep.task.task_id.encode(), (prep.session or "").encode()):
             # On its task's partition after all: answered here, where its answers live.
@@ -155,7 +155,7 @@ class RecordFlow:
         # 6. the session's turn, after its result
         if written.output is not None:
             await self._add_turn(source.partition, prep, written.output)
-        return written.kind, written
+        return Ended.of(written), written
 
     async def _deliver(self, outcome: Outcome, prep: Prepared, note: str | None) -> Outcome:
         """The outcome, then the task's state after it; a result the results topic refuses
@@ -188,7 +188,7 @@ class RecordFlow:
             output = earlier.get("output")
             if not isinstance(output, dict):
                 return
-        value = prep.session_turns(stored, output, self.sessions_room)
+        value = prep.session_turns(stored, output, self.sessions_bytes)
         if value is None:
             return
 
@@ -197,13 +197,13 @@ class RecordFlow:
 
         await self.writer.write_or_stop(write, what=f"session {prep.session}'s turn")
 
-    async def _dead_here(self, letter: Outcome, source: Source) -> tuple[str, Outcome | None]:
+    async def dead_here(self, letter: Outcome, source: Source) -> tuple[Ended, Outcome | None]:
         """A bad record's dead letter, written on its own partition unless an earlier run
         of this very record wrote it."""
         if self.decider.dead_letter_written(letter.key, source):
-            return "already_done", None
+            return Ended.ALREADY_DONE, None
         await self.writer.deliver(letter, source.partition)
-        return letter.kind, letter
+        return Ended.of(letter), letter
 
     async def _reroute(self, message: Any, source: Source, home: int, task_id: str) -> None:
         """Forward a record to the partition its task (or its session) maps to, keyed by

@@ -23,6 +23,7 @@ import orjson
 from streams.contract.headers import Headers, header_items
 from streams.contract.lanes import Lane
 from streams.core.batch import BatchLane, job_key
+from streams.core.decide import Ended
 from streams.core.dispatch import Dispatcher, LaneSlots
 from streams.store.taskstore import Kind, TaskStore
 
@@ -82,7 +83,7 @@ class Resumer:
         self,
         store: TaskStore,
         slots: LaneSlots,
-        run: Callable[[StoredRecord], Awaitable[str | None]],
+        run: Callable[[StoredRecord], Awaitable[Ended | None]],
     ) -> None:
         self.store = store
         self.run = run
@@ -137,9 +138,9 @@ class Resumer:
                     kind = await self.run(StoredRecord.unpack(raw))
                     if kind is None:
                         return  # stopping: run at the next start
-                    if kind == "released":
+                    if kind is Ended.RELEASED:
                         return  # its partition's new owner resumes it from the ledger
-                    if kind != "parked":  # answered: the ledger forgets the record
+                    if kind is not Ended.PARKED:  # answered: the ledger forgets the record
                         try:
                             await self.store.put(Kind.LEDGER, partition, job_key(key), None)
                         except Exception as exc:  # run again next time: already done then

@@ -79,9 +79,9 @@ class SourceIngest:
                     self.metrics.source_records.labels(mapper.pipeline, "skipped").inc()
                     continue
                 value = orjson.dumps(task)
-                room = self.limits.room(self.settings.topics.tasks)
-                if len(value) > room:
-                    why = f"the mapped task takes {len(value)} bytes, over the {room} it may"
+                max_bytes = self.limits.value_bytes(self.settings.topics.tasks)
+                if len(value) > max_bytes:
+                    why = f"the mapped task takes {len(value)} bytes, over the {max_bytes} it may"
                     raise InvalidInput(why, code="source_too_large")
             except TaskError as exc:
                 await self._dead_letter(exc, message, source, processor)

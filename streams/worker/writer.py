@@ -197,7 +197,7 @@ class Writer:
     ) -> None:
         """The result again, on the review topic, with why a person should look at it."""
         topic = self.settings.topics.review
-        if len(value) > self.limits.room(topic):  # the result fits its topic; this copy not
+        if len(value) > self.limits.value_bytes(topic):  # the result fits its topic; this copy not
             log.warning("review copy of %s left out: %d bytes, over what %s takes",
                         outcome.key, len(value), topic)  # fmt: skip
             self.metrics.writes_refused.labels(topic, "record_too_large").inc()

@@ -85,7 +85,7 @@ class BatchLane:
         settings: BatchApiSettings,
         metrics: Metrics | None = None,
         *,
-        ledger_room: int = 1_044_000,
+        ledger_bytes: int = 1_044_000,
         clock: Clock | None = None,
     ) -> None:
         self.ops = ops
@@ -94,8 +94,8 @@ class BatchLane:
         self.ledger = ledger
         self.settings = settings
         # A batch's ledger record lists its requests and must fit the ledger topic.
-        self.ledger_room = ledger_room
-        self.max_items = max(1, min(settings.max_items, (ledger_room - 1024) // LEDGER_ITEM_BYTES))
+        self.ledger_bytes = ledger_bytes
+        self.max_items = max(1, min(settings.max_items, (ledger_bytes - 1024) // LEDGER_ITEM_BYTES))
         self.metrics = metrics or Metrics()  # none given: one nobody scrapes
         self._pending: dict[int, list[_Waiting]] = {}
         self._durable: dict[tuple[str, int], asyncio.Future[bool]] = {}
@@ -241,7 +241,7 @@ class BatchLane:
     def _fits(self, parking: Parking) -> bool:
         """The ledger topic takes the record."""
         try:
-            return len(parking.packed) + 1024 <= self.ledger_room
+            return len(parking.packed) + 1024 <= self.ledger_bytes
         except Exception:  # a record that cannot be packed cannot be parked
             log.exception("cannot pack the record of %s for the ledger", parking.key)
             return False

@@ -114,25 +114,25 @@ def _letter(payload: object, message: str = "too large") -> DeadLetter:
 
 def test_a_dead_letter_that_fits_keeps_its_payload_whole() -> None:
     raw = orjson.dumps({"task_id": "t1", "input": {"text": "short"}})
-    value = dead_letter_value(_letter(payload_of(raw)), raw, room=10_000)
+    value = dead_letter_value(_letter(payload_of(raw)), raw, max_bytes=10_000)
     assert orjson.loads(value)["payload"] == {"task_id": "t1", "input": {"text": "short"}}
 
 
-@pytest.mark.parametrize("room", [2_000, 50_000, 300_000])
-def test_a_large_dead_letter_keeps_a_head_its_size_and_sha256_within_room(room: int) -> None:
+@pytest.mark.parametrize("max_bytes", [2_000, 50_000, 300_000])
+def test_a_large_dead_letter_keeps_a_head_its_size_and_sha256_within_room(max_bytes: int) -> None:
     text = 'quote " backslash \\ ctl \x01 中文 ' * 40_000  # escapes grow the JSON
     raw = orjson.dumps({"task_id": "t1", "pipeline": "p", "input": {"text": text}})
-    value = dead_letter_value(_letter(payload_of(raw)), raw, room=room)
-    assert len(value) <= room
+    value = dead_letter_value(_letter(payload_of(raw)), raw, max_bytes=max_bytes)
+    assert len(value) <= max_bytes
     payload = orjson.loads(value)["payload"]
     assert payload["truncated"] is True and payload["size"] == len(raw)
     assert payload["sha256"] == hashlib.sha256(raw).hexdigest()
-    assert raw.decode().startswith(payload["head"]) and len(payload["head"]) > room // 10
+    assert raw.decode().startswith(payload["head"]) and len(payload["head"]) > max_bytes // 10
 
 
 def test_a_large_record_that_is_not_utf8_keeps_a_base64_head() -> None:
     raw = b"\xff\xfe" + bytes(range(256)) * 4000
-    value = dead_letter_value(_letter(payload_of(raw)), raw, room=20_000)
+    value = dead_letter_value(_letter(payload_of(raw)), raw, max_bytes=20_000)
     payload = orjson.loads(value)["payload"]
     assert len(value) <= 20_000 and "head" not in payload
     assert raw.startswith(base64.b64decode(payload["head_base64"]))

@@ -463,7 +463,7 @@ async def test_a_record_too_big_for_the_ledger_is_not_parked_its_job_waits_for_t
     client: OpenAIClient, simulator: SimulatorServer
 ) -> None:
     store = LedgerStore()
-    lane = BatchLane(client, store, SETTINGS, ledger_room=4096)  # type: ignore[arg-type]
+    lane = BatchLane(client, store, SETTINGS, ledger_bytes=4096)  # type: ignore[arg-type]
     answer = await lane.complete(
         0, "rk-1", 1, _request("Fine."), Parking("rk-1", lambda: b"x" * 5000)
     )  # no Parked
@@ -575,7 +575,7 @@ async def test_a_batch_tier_record_too_large_to_park_is_answered_by_a_call(
         client, registry=registry, limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("s"),
         prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0), batch_deadline_s=60,
     )  # fmt: skip
-    processor.batches = BatchLane(client, LedgerStore(), SETTINGS, ledger_room=4096)  # type: ignore[arg-type]
+    processor.batches = BatchLane(client, LedgerStore(), SETTINGS, ledger_bytes=4096)  # type: ignore[arg-type]
     raw = orjson.dumps({"task_id": "b1", "pipeline": "comment-analysis",
                         "input": {"text": "Arrived late, works great."}})  # fmt: skip
     prep = processor.prepare(raw, None, Source(topic="r", partition=0, offset=1))

@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from streams.contract.records import RecordRoom, Source
+from streams.contract.records import Source, ValueLimits
 from streams.core.processor import Outcome, Prices
 from streams.errors import REDRIVABLE, Category
 from tests.conftest import MakeProcessor
@@ -28,7 +28,7 @@ async def test_a_result_over_what_the_results_topic_takes_is_a_dead_letter(
 ) -> None:
     llm = FakeLLM(lambda _r: answer(GOOD, prompt_tokens=100, completion_tokens=20))
     out = await make_processor(
-        llm, room=RecordRoom(result=300, dead_letter=100_000), prices=Prices(1.0, 2.0)
+        llm, limits=ValueLimits(result=300, dead_letter=100_000), prices=Prices(1.0, 2.0)
     ).process(task("Great phone."), b"t1", SRC)
     assert out.kind == "dead_letter" and out.category == "output_too_large"
     letter = orjson.loads(out.value)
@@ -44,7 +44,7 @@ async def test_an_oversized_input_is_dead_lettered_with_a_head_that_fits(
 ) -> None:
     raw = task("x" * 3_000_000)
     out = make_processor(
-        FakeLLM(), room=RecordRoom(dead_letter=50_000), max_task_bytes=65_536
+        FakeLLM(), limits=ValueLimits(dead_letter=50_000), max_task_bytes=65_536
     ).prepare(raw, b"t1", SRC)
     assert isinstance(out, Outcome) and out.category == "invalid_input"
     letter = orjson.loads(out.value)

@@ -34,7 +34,7 @@ def test_a_state_written_by_a_newer_version_is_read_with_its_extra_fields_ignore
         "history": [{"status": "succeeded", "at": "x", "cost_usd": 0.1,
                      "source": {"topic": "t", "partition": 0, "offset": 4, "epoch": 1}}],
     })  # fmt: skip
-    assert readable(Kind.TASKS, newer)
+    assert readable(Kind.TASK_STATES, newer)
     state = TaskState.loads(newer)
     assert state.result_key == "rk1-x" and state.wrote(Source(topic="t", partition=0, offset=4))
 

@@ -31,20 +31,23 @@ def test_rocksdb_keeps_what_was_flushed_with_its_checkpoint_and_nothing_else(
     maps = store.open(3)
     assert maps.persistent and maps.checkpoint() == dict.fromkeys(Kind, 0)
     maps.stage(Kind.RESULTS, b"rk1-a", b'{"a": 1}', 1_000)
-    maps.stage(Kind.TASKS, b"t1", b"state-1", 1_000)
+    maps.stage(Kind.TASK_STATES, b"t1", b"state-1", 1_000)
     assert maps.get(Kind.RESULTS, b"rk1-a") == b'{"a": 1}'  # readable before the flush
-    maps.flush({Kind.RESULTS: 7, Kind.TASKS: 3})
-    maps.stage(Kind.TASKS, b"t1", b"state-2", 2_000)  # staged, never flushed: a crash
-    maps.stage(Kind.TASKS, b"t2", b"state-1", 2_000)
-    assert maps.get(Kind.TASKS, b"t1") == b"state-2"
+    maps.flush({Kind.RESULTS: 7, Kind.TASK_STATES: 3})
+    maps.stage(Kind.TASK_STATES, b"t1", b"state-2", 2_000)  # staged, never flushed: a crash
+    maps.stage(Kind.TASK_STATES, b"t2", b"state-1", 2_000)
+    assert maps.get(Kind.TASK_STATES, b"t1") == b"state-2"
     maps.close()
 
     again = store.open(3)
     assert again.get(Kind.RESULTS, b"rk1-a") == b'{"a": 1}'
-    assert again.get(Kind.TASKS, b"t1") == b"state-1" and again.get(Kind.TASKS, b"t2") is None
-    assert again.checkpoint() == {Kind.RESULTS: 7, Kind.TASKS: 3, Kind.DEAD_LETTERS: 0,
+    assert (
+        again.get(Kind.TASK_STATES, b"t1") == b"state-1"
+        and again.get(Kind.TASK_STATES, b"t2") is None
+    )
+    assert again.checkpoint() == {Kind.RESULTS: 7, Kind.TASK_STATES: 3, Kind.DEAD_LETTERS: 0,
                                   Kind.LEDGER: 0, Kind.SESSIONS: 0}  # fmt: skip
-    assert again.count(Kind.TASKS) == 1 and again.count(Kind.RESULTS) == 1
+    assert again.count(Kind.TASK_STATES) == 1 and again.count(Kind.RESULTS) == 1
     again.close()
 
 
@@ -72,7 +75,7 @@ def test_entries_age_by_their_last_write_and_expire_oldest_first(maps: Maps) -> 
     assert expired(before_ms=None, keep=1) == [b"b", b"d"]
     assert expired(before_ms=None, keep=3) == []
     assert expired(before_ms=1_002, keep=2) == [b"b"]  # either limit
-    assert expired(Kind.TASKS, before_ms=5_000, keep=0) == []
+    assert expired(Kind.TASK_STATES, before_ms=5_000, keep=0) == []
     assert maps.settled_at(Kind.RESULTS, b"a") == 2_000
     assert maps.settled_at(Kind.RESULTS, b"c") is None
     maps.stage(Kind.RESULTS, b"b", None, 3_000)
@@ -88,23 +91,23 @@ def test_a_store_another_layout_wrote_or_that_skipped_records_is_read_again(
 ) -> None:
     store = LocalStore(tmp_path, 16 << 20)
     maps = store.open(1)
-    maps.stage(Kind.TASKS, b"t1", b"s", 1)
-    maps.flush({Kind.TASKS: 1}, skipped=True)  # a record this version could not read
+    maps.stage(Kind.TASK_STATES, b"t1", b"s", 1)
+    maps.flush({Kind.TASK_STATES: 1}, skipped=True)  # a record this version could not read
     maps.close()
     again = store.open(1)  # the same version: what it skipped it would skip again
-    assert again.checkpoint()[Kind.TASKS] == 1
+    assert again.checkpoint()[Kind.TASK_STATES] == 1
     again.close()
 
     monkeypatch.setattr(local, "__version__", "99.0.0")  # a newer version may read it
     fresh = store.open(1)
-    assert fresh.checkpoint()[Kind.TASKS] == 0 and fresh.get(Kind.TASKS, b"t1") is None
-    fresh.stage(Kind.TASKS, b"t1", b"s", 1)
-    fresh.flush({Kind.TASKS: 1})
+    assert fresh.checkpoint()[Kind.TASK_STATES] == 0 and fresh.get(Kind.TASK_STATES, b"t1") is None
+    fresh.stage(Kind.TASK_STATES, b"t1", b"s", 1)
+    fresh.flush({Kind.TASK_STATES: 1})
     fresh.close()
 
     monkeypatch.setattr(local, "FORMAT", local.FORMAT + 1)  # another layout on disk
     other = store.open(1)
-    assert other.checkpoint()[Kind.TASKS] == 0 and other.count(Kind.TASKS) == 0
+    assert other.checkpoint()[Kind.TASK_STATES] == 0 and other.count(Kind.TASK_STATES) == 0
     other.close()
 
 

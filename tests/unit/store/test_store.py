@@ -59,8 +59,12 @@ async def test_a_failed_load_is_tried_again_and_records_wait_until_it_succeeds(
 @pytest.mark.parametrize(
     ("kind", "value", "ok"),
     [
-        (Kind.TASKS, b"not json", False),
-        (Kind.TASKS, b'{"task_id": "t1", "status": "a-newer-status", "updated_at": "x"}', False),
+        (Kind.TASK_STATES, b"not json", False),
+        (
+            Kind.TASK_STATES,
+            b'{"task_id": "t1", "status": "a-newer-status", "updated_at": "x"}',
+            False,
+        ),
         (Kind.RESULTS, b"\xff\xfe", False),
         (Kind.RESULTS, b"[1, 2]", False),
         (Kind.RESULTS, b'{"output": "text", "model": "m"}', False),
@@ -106,7 +110,7 @@ async def test_entries_past_their_retention_go_with_a_tombstone_unless_written_a
     for key in (b"rk-1", b"rk-2"):
         await store_.put(Kind.RESULTS, 0, key, b'{"output": {}, "model": "m"}')
     for n in range(4):
-        await store_.put(Kind.TASKS, 0, f"t{n}".encode(), f'{{"n": {n}}}'.encode())
+        await store_.put(Kind.TASK_STATES, 0, f"t{n}".encode(), f'{{"n": {n}}}'.encode())
     await store_.put(Kind.DEAD_LETTERS, 0, b"t9", b'{"error": {}}')
     await store_.put(Kind.LEDGER, 0, b"b1", b"{}")
     await store_.put(Kind.SESSIONS, 0, b"s1", b'{"turns": []}')  # idle for a day: it goes
@@ -117,18 +121,18 @@ async def test_entries_past_their_retention_go_with_a_tombstone_unless_written_a
 
     gone = await store_.expire(0, now=now_ms() + 2 * 86_400_000)  # two days on
 
-    assert gone == {Kind.RESULTS: 1, Kind.TASKS: 2, Kind.DEAD_LETTERS: 1, Kind.LEDGER: 0,
+    assert gone == {Kind.RESULTS: 1, Kind.TASK_STATES: 2, Kind.DEAD_LETTERS: 1, Kind.LEDGER: 0,
                     Kind.SESSIONS: 1}  # fmt: skip
     tombstones = sent[before:]
     assert sorted((t, k) for t, k, v in tombstones if v is None) == sorted([
         (settings.topics.results, b"rk-2"),
-        (store_.topics[Kind.TASKS], b"t0"), (store_.topics[Kind.TASKS], b"t1"),
+        (store_.topics[Kind.TASK_STATES], b"t0"), (store_.topics[Kind.TASK_STATES], b"t1"),
         (store_.topics[Kind.SESSIONS], b"s1"),
     ])  # fmt: skip  # the dead-letter topic is not compacted: no tombstone there
     assert len(tombstones) == 4
     assert store_.get(Kind.RESULTS, 0, b"rk-2") is None
     assert store_.get(Kind.DEAD_LETTERS, 0, b"t9") is None
-    assert [store_.get(Kind.TASKS, 0, f"t{n}".encode()) is not None for n in range(4)] == [
+    assert [store_.get(Kind.TASK_STATES, 0, f"t{n}".encode()) is not None for n in range(4)] == [
         False, False, True, True]  # fmt: skip  # the newest two
     assert store_.get(Kind.LEDGER, 0, b"b1") == b"{}"  # 7 days
     held.set()

@@ -8,6 +8,7 @@ from typing import Any
 import faust
 import pytest
 
+from streams.core.decide import Ended
 from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.settings import load_settings
 from streams.store import taskstore as store_module
@@ -30,7 +31,7 @@ def test_the_store_shares_the_task_topics_partitions(agent: TaskAgent) -> None:
     assert agent.store.topics == {
         Kind.RESULTS: s.topics.results,
         Kind.DEAD_LETTERS: s.topics.dead_letters,
-        Kind.TASKS: state_topic(s),
+        Kind.TASK_STATES: state_topic(s),
         Kind.LEDGER: ledger_topic(s),
         Kind.SESSIONS: sessions_topic(s),
     }
@@ -215,8 +216,8 @@ async def test_records_of_a_partition_given_away_are_acked_by_no_earlier_run(
         async def ack(self, event: Any) -> None:
             self.acked.append(event)
 
-    async def released(*_: Any) -> str:
-        return "released"
+    async def released(*_: Any) -> Ended:
+        return Ended.RELEASED
 
     monkeypatch.setattr(agent, "_process", released)
     ticket = agent.acks.started(tps[0], Event(tps[0], 11))

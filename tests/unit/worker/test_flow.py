@@ -65,7 +65,7 @@ async def flow(make_processor: MakeProcessor, monkeypatch: pytest.MonkeyPatch) -
     decider = Decider(processor, store, ContentCache(), processor.metrics, settings.topics.results)
     store.assign(set(range(PARTITIONS)))
     flow = RecordFlow(processor, decider, store, writer, partitions=PARTITIONS,
-                      sessions_room=1_000_000, lane_of=lambda topic: Lane.LIVE,
+                      sessions_bytes=1_000_000, lane_of=lambda topic: Lane.LIVE,
                       metrics=processor.metrics)  # fmt: skip
     yield flow, sent, llm, settings, refuse
     await store.close()

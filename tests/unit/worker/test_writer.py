@@ -257,7 +257,7 @@ async def test_a_state_written_alone_is_written_again_when_the_broker_hiccups(
     state = TaskState(task_id="t1", status=Status.SUCCEEDED, updated_at="")
     await writer.put_state(SOURCE.partition, state)
     assert broker.topics() == [state_topic(writer.settings)] * 3
-    assert store.get(Kind.TASKS, SOURCE.partition, b"t1") is not None and not stops.crashed
+    assert store.get(Kind.TASK_STATES, SOURCE.partition, b"t1") is not None and not stops.crashed
 
 
 async def test_a_state_written_alone_that_cannot_be_written_stops_the_worker(owned: Any) -> None:
