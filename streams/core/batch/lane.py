@@ -10,14 +10,13 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
 from aiolimiter import AsyncLimiter
 
-from streams.core.batch.files import NO_LINES, BatchFiles, BatchLines
+from streams.core.batch.files import NO_LINES, BatchLines
 from streams.core.batch.ledger import (
     JOB_PREFIX,
     LEDGER_ITEM_BYTES,
@@ -28,40 +27,32 @@ from streams.core.batch.ledger import (
     job_key,
 )
 from streams.core.batch.parking import Parked, Parking, Released, Resume
+from streams.core.batch.remote import MaybeCreated, RemoteBatches, answer_of
 from streams.core.batch.wire import (
     RESUBMIT,
-    TERMINAL,
     Answer,
     BatchOps,
     Resubmit,
-    error_of,
     request_line,
 )
 from streams.core.dispatch import parked
-from streams.errors import BadRequest, Permanent, RateLimited, TaskError, Transient, UpstreamError
+from streams.errors import BadRequest, TaskError, UpstreamError
 from streams.llm.client import (
     LLMRequest,
     LLMResponse,
     completion_budget,
-    parse_completion,
 )
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
 from streams.resilience.clock import Clock, MonotonicClock
-from streams.resilience.retry import retry_transient
 from streams.settings import BatchApiSettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-METADATA_KEY = "llm_streams_batch"
 # A batch recorded as being created is taken for never created only this long after:
 # its creator may be between the ledger write and the provider's answer.
 CREATE_GRACE_S = 120.0
-
-
-class _MaybeCreated(Exception):  # a state, not an error of ours
-    """A create whose answer was lost: the provider may hold the batch (the cause kept)."""
 
 
 @dataclass
@@ -111,8 +102,8 @@ class BatchLane:
         self._capacity = asyncio.Semaphore(settings.max_pending)
         self._enqueued = 0  # tokens in this worker's unfinished batches
         self._room = asyncio.Condition()
-        # Finished batches' files, read once and kept within a byte budget.
-        self.files = BatchFiles(ops.file_content, settings.files_cache_bytes, self._spawn)
+        self.remote = RemoteBatches(ops, settings, self.clock, self._spawn)
+        self.files = self.remote.files  # finished batches' files, within a byte budget
         self._settled: OrderedDict[str, None] = OrderedDict()  # batches that handed out
         # Answers go out at a pace: each wakes a task that writes its result.
         self._deliveries: asyncio.Queue[tuple[asyncio.Future[Answer], Answer]] = asyncio.Queue()
@@ -323,8 +314,8 @@ class BatchLane:
             if not self.ledger.owns(p):  # lost meanwhile: its new owner sends the requests
                 raise Released
             self._durably_in(batch, True)
-            remote = await self._create(batch)
-        except _MaybeCreated as exc:
+            remote = await self.remote.create(batch)
+        except MaybeCreated as exc:
             # The provider may have made it and its answer was lost: followed as a batch
             # whose creator died — found by its metadata, or abandoned after the grace and
             # its requests sent anew — never created a second time meanwhile.
@@ -378,45 +369,6 @@ class BatchLane:
             if not w.durable.done():
                 w.durable.set_result(durable)
 
-    async def _create(self, batch: BatchRecord) -> dict[str, Any]:
-        """Upload the file once and create the batch, retrying transient errors a few
-        times — asking the provider first, before each retry, whether an earlier try made
-        the batch (it carries our id in its metadata): a 5xx, a timeout or a dropped
-        connection after the provider created it must not make it pay for a second one.
-        Raises `_MaybeCreated` when a create may have succeeded unseen and the provider
-        does not list it; any other failure means it was not created."""
-        data = b"".join(w.line for w in batch.lines)
-        file_id: str | None = None
-        unknown = False  # a create whose answer was lost: the batch may exist
-
-        async def create() -> dict[str, Any]:
-            nonlocal file_id, unknown
-            if unknown:
-                found = await self._find(batch.local_id, batch.created_at)
-                if found is not None:
-                    log.info("batch %s: created by an earlier try (%s)", batch.local_id,
-                             found.get("id"))  # fmt: skip
-                    return found
-            if file_id is None:
-                file_id = await self.ops.upload_batch_file(data, f"{batch.local_id}.jsonl")
-            try:
-                return await self.ops.create_batch(file_id, {METADATA_KEY: batch.local_id})
-            except Exception as exc:
-                # A refusal (4xx, 429) made nothing; anything else may have.
-                unknown = unknown or not isinstance(exc, RateLimited | Permanent)
-                raise
-
-        try:
-            return await retry_transient(
-                create, what=f"creating batch {batch.local_id}",
-                transient=lambda exc: isinstance(exc, Transient),
-                attempts=5, first_s=1.0, max_s=16.0, sleep=self.clock.sleep,
-            )  # fmt: skip
-        except Exception as exc:
-            if unknown:
-                raise _MaybeCreated() from exc
-            raise
-
     def _release(self, batch: BatchRecord) -> None:
         """The batch's tokens are no longer enqueued. Synchronous, so that a watcher
         ends in the same step that hands out its batch's answers (a run that comes
@@ -469,7 +421,7 @@ class BatchLane:
 
     async def _watch_once(self, batch: BatchRecord, own: bool) -> None:
         if batch.state == "creating":
-            found = await self._find(batch.local_id, batch.created_at)
+            found = await self.remote.find(batch.local_id, batch.created_at)
             while found is None and time.time() - batch.created_at < CREATE_GRACE_S:
                 # Its creator may still be creating it (a worker that lost the partition
                 # a moment ago): wait for the provider or the ledger to say more.
@@ -479,7 +431,7 @@ class BatchLane:
                 if latest.state != "creating":
                     batch = latest
                     break
-                found = await self._find(batch.local_id, batch.created_at)
+                found = await self.remote.find(batch.local_id, batch.created_at)
         if batch.state == "creating":
             if found is None:  # never created: its requests go in a new batch
                 batch.state = "abandoned"
@@ -492,7 +444,7 @@ class BatchLane:
                                  batch.dumps())  # fmt: skip
         if batch.state == "submitted":
             assert batch.remote_id is not None
-            remote = await self._poll(batch.remote_id)
+            remote = await self.remote.poll(batch.remote_id)
             batch.state, batch.status = "done", str(remote["status"])
             batch.output_file_id = remote.get("output_file_id")
             batch.error_file_id = remote.get("error_file_id")
@@ -507,7 +459,7 @@ class BatchLane:
                 self._settle(batch, NO_LINES, self._failure(batch, self._enqueued - (
                     batch.tokens if own else 0)))  # fmt: skip
                 return
-        await self._with_lines(batch, lambda lines: self._settle(batch, lines, RESUBMIT))
+        await self.remote.with_lines(batch, lambda lines: self._settle(batch, lines, RESUBMIT))
 
     def _failure(self, batch: BatchRecord, others: int) -> Answer:
         """What a failed batch means for its requests. Over the enqueued-token limit: sent
@@ -534,7 +486,7 @@ class BatchLane:
                 answer = UpstreamError(f"batch {batch.local_id} was not submitted",
                                        code="batch_not_submitted")  # fmt: skip
             else:
-                line = await self._with_lines(batch, lambda lines: lines.get(custom_id))
+                line = await self.remote.with_lines(batch, lambda lines: lines.get(custom_id))
                 answer = RESUBMIT if line is None else self._answer_of(line, count=False)
         except TaskError as exc:
             return exc
@@ -543,69 +495,11 @@ class BatchLane:
         return Resubmit(batch.local_id) if isinstance(answer, Resubmit) else answer
 
     def _answer_of(self, line: dict[str, Any], *, count: bool) -> Answer:
-        """A batch line as the attempt's answer."""
-        if int((line.get("response") or {}).get("status_code") or 0) == 200:
-            body = line["response"]["body"]
-            if count:
-                self._count_request("ok")
-            return parse_completion(orjson.dumps(body), str(body.get("model") or ""))
-        answer = error_of(line)
-        if count and isinstance(answer, TaskError):
-            self._count_request("error")
+        """A batch line as the attempt's answer, counted when `count`."""
+        answer = answer_of(line)
+        if count and isinstance(answer, LLMResponse | TaskError):
+            self._count_request("ok" if isinstance(answer, LLMResponse) else "error")
         return answer
-
-    async def _find(self, local_id: str, created_at: float) -> dict[str, Any] | None:
-        """The provider's batch carrying our id in its metadata, if it was created (asked
-        again while the provider fails: a batch that may exist is never taken for one
-        that does not)."""
-        return await self._patiently(lambda: self._find_once(local_id, created_at),
-                                     f"looking for batch {local_id}")  # fmt: skip
-
-    async def _find_once(self, local_id: str, created_at: float) -> dict[str, Any] | None:
-        after: str | None = None
-        while True:
-            page = await self.ops.list_batches(after=after, limit=100)
-            for remote in page:
-                if (remote.get("metadata") or {}).get(METADATA_KEY) == local_id:
-                    return remote
-            if not page or float(page[-1].get("created_at") or 0) < created_at - 3600:
-                return None
-            after = str(page[-1]["id"])
-
-    async def _poll(self, remote_id: str) -> dict[str, Any]:
-        """Wait for the batch to end (a poll, not a retry: an unfinished batch is no
-        failure), polling less often as it runs; a provider error is only logged."""
-        delay = self.settings.poll_s
-        while True:
-            try:
-                remote = await self.ops.retrieve_batch(remote_id)
-                if remote.get("status") in TERMINAL:
-                    return remote
-            except Transient as exc:  # the provider will be back
-                log.warning("polling batch %s: %s", remote_id, exc.message)
-            await self.clock.sleep(delay)
-            delay = min(delay * 1.5, self.settings.poll_max_s)
-
-    async def _with_lines(self, batch: BatchRecord, use: Callable[[BatchLines], T]) -> T:
-        """`use` of the batch's output and error lines by custom_id (`core.batch.files`),
-        read again while the provider fails (its answers were paid for, and a request
-        given an error here would be asked again in a new batch); only so many batches'
-        files in use at once, so that memory holds whatever the loop's pace."""
-        async with self.files.in_use():
-            lines = await self._patiently(
-                lambda: self.files.lines(batch.output_file_id, batch.error_file_id),
-                f"reading the files of batch {batch.local_id}",
-            )
-            return use(lines)
-
-    async def _patiently(self, ask: Callable[[], Awaitable[T]], what: str) -> T:
-        """`ask()` of a batch that exists or may exist, again after each transient failure
-        (backoff up to `poll_max_s`) until it answers: its requests' jobs wait meanwhile,
-        bounded by their deadline."""
-        return await retry_transient(
-            ask, what=what, transient=lambda exc: isinstance(exc, Transient), attempts=None,
-            first_s=self.settings.poll_s, max_s=self.settings.poll_max_s, sleep=self.clock.sleep,
-        )  # fmt: skip
 
     def _settle(self, batch: BatchRecord, lines: BatchLines, missing: Answer) -> None:
         """Hand every waiting request of the batch its answer."""
@@ -694,4 +588,4 @@ class BatchLane:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-__all__ = ["CREATE_GRACE_S", "METADATA_KEY", "BatchLane"]
+__all__ = ["CREATE_GRACE_S", "BatchLane"]
