@@ -15,11 +15,13 @@ $(BIN)/llm-streams: pyproject.toml
 run: $(BIN)/llm-streams
 	$(BIN)/llm-streams demo
 
+# Both print the coverage of streams/ (the workers the tests start as subprocesses too):
+# the files not fully covered, then the total.
 test: $(BIN)/llm-streams
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --cov --cov-report=term
 
 unit: $(BIN)/llm-streams
-	$(BIN)/python -m pytest tests/unit
+	$(BIN)/python -m pytest tests/unit --cov --cov-report=term
 
 lint: $(BIN)/llm-streams
 	$(BIN)/ruff check streams tests bench deploy examples

@@ -83,6 +83,21 @@ class SessionTurns:
         while len(self._turns) > self.max_sessions or self._bytes > self.max_bytes:
             self._bytes -= len(self._turns.popitem(last=False)[1])
 
+    @property
+    def kept(self) -> list[str]:
+        """The sessions whose turns are kept, least recently used first."""
+        return list(self._turns)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of turns kept, bounded by `max_bytes`."""
+        return self._bytes
+
+    @property
+    def busy(self) -> set[str]:
+        """Sessions with a turn running or waiting for one: no other holds a lock."""
+        return set(self._locks)
+
     @asynccontextmanager
     async def turn(self, session: str) -> AsyncIterator[None]:
         """Held while one turn of `session` runs."""

@@ -33,7 +33,7 @@ from streams.kafka import clients
 from streams.kafka.clients import reader
 from streams.kafka.scan import end_offsets, latest_objects, scan
 from streams.kafka.topics import ensure_topics, state_topic
-from streams.ops.replay import answered
+from streams.ops.replay import read_answered
 from streams.pipelines.registry import PipelineRegistry
 from streams.settings import Settings
 
@@ -142,7 +142,7 @@ async def plan_backtrack(
     values = await read_at(settings, list(where.values()))
     keys: set[bytes] = set()
     if action == "restore":
-        keys, _ = await answered(settings)
+        keys = (await read_answered(settings)).keys
     for task_id, source in sorted(where.items()):
         raw = values.get(source)
         try:

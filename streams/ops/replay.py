@@ -174,11 +174,25 @@ async def resolve_range(
         await consumer.stop()
 
 
-async def answered(
-    settings: Settings,
-) -> tuple[set[bytes], dict[tuple[str, str | None], tuple[int, int]]]:
-    """Result keys in the results topic, and (completion tokens, results) per
-    (pipeline, prompt version) and per (pipeline, None) for cost estimates."""
+@dataclass
+class Answered:
+    """What the results topic holds: its result keys, and (completion tokens, results)
+    per (pipeline, prompt version) and per (pipeline, None), for cost estimates."""
+
+    keys: set[bytes] = field(default_factory=set)
+    usage: dict[tuple[str, str | None], tuple[int, int]] = field(default_factory=dict)
+
+    def completion_estimate(self, pipeline: str, version: str) -> float | None:
+        """The mean completion of the version's results, else of the pipeline's."""
+        for k in ((pipeline, version), (pipeline, None)):
+            if k in self.usage:
+                total, n = self.usage[k]
+                return total / n
+        return None
+
+
+async def read_answered(settings: Settings) -> Answered:
+    """What the results topic holds now (read to its end)."""
     keys: set[bytes] = set()
     usage: dict[tuple[str, str | None], tuple[int, int]] = {}
     async for records in scan(settings, settings.topics.results):
@@ -199,7 +213,7 @@ async def answered(
                       (pipeline, None)):  # fmt: skip
                 total, n = usage.get(k, (0, 0))
                 usage[k] = (total + tokens, n + 1)
-    return keys, usage
+    return Answered(keys, usage)
 
 
 async def load_checkpoint(settings: Settings, replay_id: str) -> Checkpoint | None:
@@ -232,8 +246,7 @@ class Replayer:
         self._pending: list[asyncio.Future[Any]] = []
         self.finished_before = False  # the checkpoint said done: nothing sent
         self.resumed_at: str | None = None  # time of the checkpoint resumed from
-        self._keys: set[bytes] = set()
-        self._usage: dict[tuple[str, str | None], tuple[int, int]] = {}
+        self.answered = Answered()  # read again by each `run`
         if request.pipeline is not None:
             pipeline = registry.get(request.pipeline)  # unknown: InvalidInput, said at once
             if request.prompt_version is not None:
@@ -252,7 +265,7 @@ class Replayer:
             return checkpoint
         else:
             self.resumed_at = checkpoint.updated_at
-        self._keys, self._usage = await answered(settings)
+        self.answered = await read_answered(settings)
         producer: AIOKafkaProducer | None = None
         if not dry_run:
             await ensure_topics(settings, [settings.topics.replay, replays_topic(settings)])
@@ -284,7 +297,7 @@ class Replayer:
                       self.chunk)  # fmt: skip
         async for records in chunks:
             for record in records:
-                send = self._one(record, checkpoint)
+                send = self.publication(record, checkpoint)
                 if send is not None and producer is not None:
                     key, value, headers = send
                     sent = await producer.send(
@@ -298,10 +311,11 @@ class Replayer:
                 since_checkpoint = 0
             progress(checkpoint)
 
-    def _one(
+    def publication(
         self, record: ConsumerRecord[bytes, bytes], cp: Checkpoint
     ) -> tuple[bytes, bytes, list[tuple[str, bytes]]] | None:
-        """Count the record; the (key, value, headers) to publish, or None to skip it."""
+        """What one record of the range becomes, against `answered`: counted in `cp`; the
+        (key, value, headers) to publish, or None to skip it."""
         counts, request = cp.counts, self.request
         counts.read += 1
         try:
@@ -316,7 +330,7 @@ class Replayer:
             # A turn with earlier turns has a key with their digest, which only the worker
             # knows: such a task is sent, and the worker finds its answer if it has one.
             key = result_key(pipeline.name, version.version, task.task_id, task.input)
-            if key.encode() in self._keys and not request.force:
+            if key.encode() in self.answered.keys and not request.force:
                 counts.answered += 1
                 return None
             prompt = version.render(task.input, self.settings.llm.model)
@@ -325,8 +339,11 @@ class Replayer:
             return None
         counts.published += 1
         counts.prompt_tokens += count_messages(prompt.messages)
-        counts.completion_tokens += self._completion_estimate(
-            pipeline.name, version.version, prompt.params
+        earlier = self.answered.completion_estimate(pipeline.name, version.version)
+        counts.completion_tokens += (
+            earlier
+            if earlier is not None
+            else float(completion_budget(prompt.params, DEFAULT_COMPLETION_TOKENS))
         )
         # Pin the version resolved here, so the worker's result key is the one checked.
         value = task.model_dump(mode="json", exclude_none=True)
@@ -340,13 +357,6 @@ class Replayer:
         if request.tier is not None:
             headers.append((TIER_HEADER, request.tier.encode()))
         return (session or task.task_id).encode(), orjson.dumps(value), headers
-
-    def _completion_estimate(self, pipeline: str, version: str, params: dict[str, Any]) -> float:
-        for k in ((pipeline, version), (pipeline, None)):
-            if k in self._usage:
-                total, n = self._usage[k]
-                return total / n
-        return float(completion_budget(params, DEFAULT_COMPLETION_TOKENS))
 
     async def _checkpoint(self, producer: AIOKafkaProducer | None, cp: Checkpoint) -> None:
         """Once the chunk's records are acked, record how far the replay got."""
@@ -363,12 +373,13 @@ class Replayer:
 
 
 __all__ = [
+    "Answered",
     "Checkpoint",
     "Counts",
     "ReplayRequest",
     "Replayer",
-    "answered",
     "load_checkpoint",
+    "read_answered",
     "replays_topic",
     "resolve_range",
 ]

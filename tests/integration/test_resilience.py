@@ -21,7 +21,8 @@ import yaml
 from streams.dev.simulator import SimulatorServer
 from tests.integration.helpers import Scrape, WorkerProcess, collect, produce
 
-pytestmark = pytest.mark.integration
+# Slow: waits out real timeouts, windows and sessions (tens of seconds each).
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 

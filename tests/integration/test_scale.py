@@ -31,7 +31,8 @@ from tests.integration.helpers import (
     produce,
 )
 
-pytestmark = pytest.mark.integration
+# Slow: waits out real timeouts, windows and sessions (tens of seconds each).
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PARTITIONS = 12
 

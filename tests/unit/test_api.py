@@ -90,7 +90,7 @@ async def test_the_analyzer_gives_a_session_turn_its_earlier_turns(
         alone = await analyzer.analyze(turn("s-2", 0))
         unrelated = await analyzer.analyze({"task_id": "u-1", "pipeline": "comment-analysis",
                                             "input": {"text": "Turn 0 of s-1: it broke."}})  # fmt: skip
-        assert analyzer.sessions._locks == {}  # none left behind
+        assert analyzer.sessions.busy == set()  # no lock left behind
     assert all(o.kind == "result" for o in [*first, alone, unrelated])
     asked = [earlier_users(m) for m in simulator.sim.chats]
     assert asked[:3] == [[], ["Turn 0 of s-1: it broke."],
@@ -120,16 +120,17 @@ async def test_the_analyzers_sessions_are_bounded(
     asked = [earlier_users(m) for m in simulator.sim.chats]
     # s-2 pushed s-1 out: its second turn starts again; its third has the second.
     assert asked == [[], [], [], ["s-1 1"]]
-    assert list(sessions._turns) == ["s-1"]
-    kept = orjson.loads(sessions._turns["s-1"])["turns"]
-    assert [t["task_id"] for t in kept] == ["s-1-1", "s-1-2"]
-    # Bounded by bytes too: two sessions' turns do not fit in the room of one and a half.
-    small = SessionTurns(max_bytes=len(sessions._turns["s-1"]) * 3 // 2)
-    small.put("a", sessions._turns["s-1"])
-    small.put("b", sessions._turns["s-1"])
-    assert list(small._turns) == ["b"] and small._bytes == len(sessions._turns["s-1"])
+    assert sessions.kept == ["s-1"]
+    stored = sessions.get("s-1")
+    assert stored is not None
+    assert [t["task_id"] for t in orjson.loads(stored)["turns"]] == ["s-1-1", "s-1-2"]
+    # Bounded by bytes too: two sessions' turns do not fit in one and a half's bytes.
+    small = SessionTurns(max_bytes=len(stored) * 3 // 2)
+    small.put("a", stored)
+    small.put("b", stored)
+    assert small.kept == ["b"] and small.kept_bytes == len(stored)
     small.put("b", b"{}")  # a session's turns written again: counted once
-    assert small._bytes == 2
+    assert small.kept_bytes == 2
 
 
 async def test_a_session_turn_cancelled_while_it_waits_leaves_no_lock_behind() -> None:
@@ -152,10 +153,10 @@ async def test_a_session_turn_cancelled_while_it_waits_leaves_no_lock_behind() -
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    assert set(sessions._locks) == {"s"}  # the first turn still holds it
+    assert sessions.busy == {"s"}  # the first turn still holds it
     release.set()
     await running
-    assert sessions._locks == {}
+    assert sessions.busy == set()
     async with sessions.turn("s"):  # and the session can be taken again
         pass
 

@@ -18,7 +18,7 @@ from streams.llm.openai_client import OpenAIClient
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
-from streams.resilience.breaker import CircuitBreaker
+from streams.resilience.breaker import CircuitBreaker, State
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
@@ -194,7 +194,11 @@ async def test_rate_limits_that_outlast_the_attempts_end_as_rate_limited(
 async def test_an_open_circuit_past_the_deadline_is_circuit_open(processor: TaskProcessor) -> None:
     breaker = processor.client.breaker
     breaker.open_s = 3600
-    breaker._open(breaker.clock.now())
+    for _ in range(breaker.min_calls):  # the endpoint failed every call of the window
+        admission = breaker.admit()
+        assert admission is not None
+        breaker.settle(admission, ok=False)
+    assert breaker.state is State.OPEN
     out = await processor.process(_task(), b"t1", SRC)
     d = orjson.loads(out.value)
     assert d["error"]["category"] == "circuit_open" and d["attempts"] == 0  # no call made

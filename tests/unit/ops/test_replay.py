@@ -16,6 +16,7 @@ from streams.ops.replay import (
     FORCE_HEADER,
     REPLAY_ID_HEADER,
     REPLAY_OF_HEADER,
+    Answered,
     Checkpoint,
     Counts,
     Replayer,
@@ -78,7 +79,7 @@ def test_a_task_not_answered_is_sent_pinned_to_the_version_with_its_origin(
     settings = load_settings()
     replayer = Replayer(settings, ReplayRequest(source="llm-tasks", since=SINCE), registry)
     cp = checkpoint()
-    sent = replayer._one(record(task()), cp)
+    sent = replayer.publication(record(task()), cp)
     assert sent is not None
     key, value, headers = sent
     assert key == b"t-1" and orjson.loads(value)["prompt_version"] == "v1"
@@ -92,15 +93,14 @@ def test_answered_tasks_are_skipped_unless_forced(registry: PipelineRegistry) ->
     settings = load_settings()
     rk = result_key("comment-analysis", "v1", "t-1", {"text": "The zip broke."})
     plain = Replayer(settings, ReplayRequest(source="llm-tasks", since=SINCE), registry)
-    plain._keys = {rk.encode()}
+    plain.answered = Answered(keys={rk.encode()})
     cp = checkpoint()
-    assert plain._one(record(task()), cp) is None and cp.counts.answered == 1
+    assert plain.publication(record(task()), cp) is None and cp.counts.answered == 1
     forced = Replayer(settings, ReplayRequest(source="llm-tasks", since=SINCE, force=True),
                       registry)  # fmt: skip
-    forced._keys = {rk.encode()}
-    forced._usage = {("comment-analysis", None): (300, 3)}
+    forced.answered = Answered({rk.encode()}, {("comment-analysis", None): (300, 3)})
     cp = checkpoint()
-    sent = forced._one(record(task()), cp)
+    sent = forced.publication(record(task()), cp)
     assert sent is not None and dict(sent[2])[FORCE_HEADER] == b"1"
     assert cp.counts.completion_tokens == 100  # mean of the earlier results
 
@@ -110,11 +110,11 @@ def test_bad_records_and_other_pipelines_are_counted_not_sent(registry: Pipeline
     only = ReplayRequest(source="llm-tasks", since=SINCE, pipeline="comment-analysis")
     replayer = Replayer(settings, only, registry)
     cp = checkpoint()
-    assert replayer._one(record(b"{not json"), cp) is None
-    assert replayer._one(record(None), cp) is None
-    assert replayer._one(record(task(prompt_version="v9")), cp) is None  # unknown version
+    assert replayer.publication(record(b"{not json"), cp) is None
+    assert replayer.publication(record(None), cp) is None
+    assert replayer.publication(record(task(prompt_version="v9")), cp) is None  # unknown version
     other = orjson.dumps({"task_id": "t-2", "pipeline": "tickets", "input": {"text": "x"}})
-    assert replayer._one(record(other), cp) is None
+    assert replayer.publication(record(other), cp) is None
     assert (cp.counts.invalid, cp.counts.filtered, cp.counts.published) == (3, 1, 0)
 
 
