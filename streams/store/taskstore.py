@@ -29,19 +29,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
-from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
-from pydantic import ValidationError
 
 from streams.core.taskstate import TaskState
-from streams.kafka.clients import reader
-from streams.kafka.scan import end_offsets, read_range
 from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.observability.metrics import Metrics
 from streams.resilience.retry import retry_transient
 from streams.settings import Settings
 from streams.store.local import Kind, LocalStore, Maps, now_ms
+from streams.store.restore import load_partition, readable
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +51,6 @@ Send = Callable[
     [str, bytes, bytes | None, int, list[tuple[str, bytes]] | None], Awaitable[int | None]
 ]  # a write, returned once acked, with its offset (None: not known)
 
-LOAD_FLUSH_RECORDS = 20_000  # a load makes its progress durable this often
 EXPIRE_CHUNK = 500  # tombstones in flight at once
 
 
@@ -473,82 +468,6 @@ def rocks_dir(settings: Settings) -> Path | None:
         return None
     path = settings.store.removeprefix("rocksdb://")
     return Path(path) if path else settings.data_dir / "store"
-
-
-def readable(kind: Kind, value: bytes) -> bool:
-    """Can this version use a stored value of map `kind`? Unknown fields are fine (a newer
-    version wrote them); a value without what the worker reads from it is not."""
-    try:
-        if kind is Kind.TASK_STATES:
-            TaskState.loads(value)
-            return True
-        data = orjson.loads(value)
-    except (orjson.JSONDecodeError, ValidationError, TypeError, ValueError):
-        return False
-    if not isinstance(data, dict):
-        return False
-    if kind is Kind.RESULTS:
-        return (
-            isinstance(data.get("output"), dict)
-            and isinstance(data.get("model"), str)
-            and isinstance(data.get("attempts", 0), int)
-        )
-    if kind is Kind.DEAD_LETTERS:
-        error = data.get("error")
-        return isinstance(error, dict) and isinstance(data.get("attempts", 0), int)
-    return True
-
-
-async def load_partition(
-    settings: Settings,
-    topics: dict[Kind, str],
-    partition: int,
-    maps: Maps,
-    on_unreadable: Callable[[Kind, Any], None] | None = None,
-) -> dict[Kind, int] | None:
-    """Read partition `partition` of each topic from the maps' checkpoint to its real end
-    into `maps` (latest value per key; a null value deletes; a value this version cannot
-    read is skipped and reported to `on_unreadable`), durable every LOAD_FLUSH_RECORDS
-    records (a load cut short goes on from there). Returns records read per kind, or
-    None when the maps are ahead of a topic (it was deleted and made again): they are
-    not that topic's any more."""
-    consumer = reader(
-        settings, "state", client_id=f"{settings.app_id}-state-{partition}",
-        max_partition_fetch_bytes=4 * 1024 * 1024,
-    )  # fmt: skip
-    await consumer.start()
-    try:
-        kind_of = {TopicPartition(topic, partition): kind for kind, topic in topics.items()}
-        ends = await end_offsets(consumer, list(kind_of))
-        progress = maps.checkpoint()
-        if any(progress[kind] > ends[tp] for tp, kind in kind_of.items()):
-            return None
-        counts = dict.fromkeys(topics, 0)
-        starts = {tp: progress[kind] for tp, kind in kind_of.items()}
-        skipped = False
-        unflushed = 0
-        async for records in read_range(consumer, starts, ends):
-            kind = kind_of[TopicPartition(records[0].topic, records[0].partition)]
-            counts[kind] += len(records)
-            for record in records:
-                if record.key is None:
-                    continue
-                at = record.timestamp if record.timestamp and record.timestamp > 0 else now_ms()
-                if record.value is None or readable(kind, record.value):
-                    maps.stage(kind, record.key, record.value, at)
-                else:
-                    skipped = True
-                    if on_unreadable is not None:
-                        on_unreadable(kind, record)
-            progress[kind] = records[-1].offset + 1
-            unflushed += len(records)
-            if unflushed >= LOAD_FLUSH_RECORDS:
-                maps.flush(progress, skipped=skipped)
-                unflushed = 0
-        maps.flush({kind: ends[tp] for tp, kind in kind_of.items()}, skipped=skipped)
-        return counts
-    finally:
-        await consumer.stop()
 
 
 __all__ = ["Kind", "MapView", "Position", "TaskStore", "load_partition", "readable"]

@@ -1,0 +1,101 @@
+"""A partition's maps read again from their topics (`load_partition`): from the local
+copy's checkpoint to the topics' real end, the latest value per key, durable as it
+goes so that a load cut short goes on from where it was; and what this version can
+read of a stored value (`readable`: a newer version's extra fields are fine, a value
+without what the worker reads is skipped and counted, never taken for an answer)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiokafka import TopicPartition
+from pydantic import ValidationError
+
+from streams.core.taskstate import TaskState
+from streams.kafka.clients import reader
+from streams.kafka.scan import end_offsets, read_range
+from streams.settings import Settings
+from streams.store.local import Kind, Maps, now_ms
+
+LOAD_FLUSH_RECORDS = 20_000  # a load makes its progress durable this often
+
+
+def readable(kind: Kind, value: bytes) -> bool:
+    """Can this version use a stored value of map `kind`? Unknown fields are fine (a newer
+    version wrote them); a value without what the worker reads from it is not."""
+    try:
+        if kind is Kind.TASK_STATES:
+            TaskState.loads(value)
+            return True
+        data = orjson.loads(value)
+    except (orjson.JSONDecodeError, ValidationError, TypeError, ValueError):
+        return False
+    if not isinstance(data, dict):
+        return False
+    if kind is Kind.RESULTS:
+        return (
+            isinstance(data.get("output"), dict)
+            and isinstance(data.get("model"), str)
+            and isinstance(data.get("attempts", 0), int)
+        )
+    if kind is Kind.DEAD_LETTERS:
+        error = data.get("error")
+        return isinstance(error, dict) and isinstance(data.get("attempts", 0), int)
+    return True
+
+
+async def load_partition(
+    settings: Settings,
+    topics: dict[Kind, str],
+    partition: int,
+    maps: Maps,
+    on_unreadable: Callable[[Kind, Any], None] | None = None,
+) -> dict[Kind, int] | None:
+    """Read partition `partition` of each topic from the maps' checkpoint to its real end
+    into `maps` (latest value per key; a null value deletes; a value this version cannot
+    read is skipped and reported to `on_unreadable`), durable every LOAD_FLUSH_RECORDS
+    records (a load cut short goes on from there). Returns records read per kind, or
+    None when the maps are ahead of a topic (it was deleted and made again): they are
+    not that topic's any more."""
+    consumer = reader(
+        settings, "state", client_id=f"{settings.app_id}-state-{partition}",
+        max_partition_fetch_bytes=4 * 1024 * 1024,
+    )  # fmt: skip
+    await consumer.start()
+    try:
+        kind_of = {TopicPartition(topic, partition): kind for kind, topic in topics.items()}
+        ends = await end_offsets(consumer, list(kind_of))
+        progress = maps.checkpoint()
+        if any(progress[kind] > ends[tp] for tp, kind in kind_of.items()):
+            return None
+        counts = dict.fromkeys(topics, 0)
+        starts = {tp: progress[kind] for tp, kind in kind_of.items()}
+        skipped = False
+        unflushed = 0
+        async for records in read_range(consumer, starts, ends):
+            kind = kind_of[TopicPartition(records[0].topic, records[0].partition)]
+            counts[kind] += len(records)
+            for record in records:
+                if record.key is None:
+                    continue
+                at = record.timestamp if record.timestamp and record.timestamp > 0 else now_ms()
+                if record.value is None or readable(kind, record.value):
+                    maps.stage(kind, record.key, record.value, at)
+                else:
+                    skipped = True
+                    if on_unreadable is not None:
+                        on_unreadable(kind, record)
+            progress[kind] = records[-1].offset + 1
+            unflushed += len(records)
+            if unflushed >= LOAD_FLUSH_RECORDS:
+                maps.flush(progress, skipped=skipped)
+                unflushed = 0
+        maps.flush({kind: ends[tp] for tp, kind in kind_of.items()}, skipped=skipped)
+        return counts
+    finally:
+        await consumer.stop()
+
+
+__all__ = ["LOAD_FLUSH_RECORDS", "load_partition", "readable"]
