@@ -19,8 +19,6 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import faust
-from opentelemetry.trace import SpanKind, StatusCode
-from opentelemetry.trace import Status as SpanStatus
 
 from streams.contract.lanes import Lane
 from streams.contract.records import Source
@@ -39,7 +37,6 @@ from streams.llm.openai_client import OpenAIClient
 from streams.observability.health import Readiness, open_breakers
 from streams.observability.logs import current_task_id
 from streams.observability.metrics import Metrics
-from streams.observability.tracing import TRACER, context_from_headers
 from streams.pipelines.sources import SourceMapper
 from streams.resilience.limiter import GroupShare
 from streams.settings import Settings
@@ -47,6 +44,7 @@ from streams.store.taskstore import Kind, MapView, PartitionLost, TaskStore
 from streams.worker import faust_private
 from streams.worker.eos import Transactions
 from streams.worker.flow import RecordFlow
+from streams.worker.observe import record_ended, record_span
 from streams.worker.parked import Resumer, StoredRecord
 from streams.worker.shutdown import Watchdog
 from streams.worker.sources import SourceIngest
@@ -78,15 +76,6 @@ class TaskAgent:
         self.metrics = metrics or Metrics()
         self.limits = limits or WriteLimits(settings.kafka.max_request_bytes)
         self._streams: dict[Lane, faust.Stream[Any]] = {}
-        # Not internal: the worker makes its topics before Faust starts (`ensure_topics`,
-        # co-partitioned, only when missing), so Faust never asks to create one — a
-        # principal without CREATE (topics made ahead of time) runs as well.
-        raw: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw"}
-        # One agent per lane, each with its own stream buffer, so a live record never
-        # waits behind replay records; they share the concurrency slots (live first, replay
-        # never the live reserve) and the rate limiter (which serves live first).
-        self.live_topic = app.topic(settings.topics.tasks, **raw)
-        self.replay_topic = app.topic(settings.topics.replay, **raw)
         batch = settings.batch
         reserve = min(batch.concurrency - 1, round(batch.concurrency * batch.live_reserve))
         self.slots = LaneSlots(batch.concurrency, reserve)
@@ -124,19 +113,34 @@ class TaskAgent:
         self._joined = False  # a rebalance has given the worker its partitions (`readiness`)
         # Records parked in the batch lane's ledger, run again when their batch ends.
         self.parked = Resumer(self.store, self.slots, self._run_parked)
+        # Existing topics read as they are (pipelines' `source:`): mapped, forwarded.
+        self.sources: SourceIngest | None = None
+        if sources:
+            self.sources = SourceIngest(settings, sources, self.writer, self.limits, self.metrics)
+        self._wire(app)
+        self.metrics.watch_stream(self.stream_state)
+
+    def _wire(self, app: faust.App) -> None:
+        """The Faust side: its topics, one agent per lane (and one for the sources), the
+        rebalance receiver."""
+        # Not internal: the worker makes its topics before Faust starts (`ensure_topics`,
+        # co-partitioned, only when missing), so Faust never asks to create one — a
+        # principal without CREATE (topics made ahead of time) runs as well.
+        raw: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw"}
+        # One agent per lane, each with its own stream buffer, so a live record never
+        # waits behind replay records; they share the concurrency slots (live first, replay
+        # never the live reserve) and the rate limiter (which serves live first).
+        self.live_topic = app.topic(self.settings.topics.tasks, **raw)
+        self.replay_topic = app.topic(self.settings.topics.replay, **raw)
         app.on_partitions_assigned.connect(self._on_assigned)  # type: ignore[arg-type]  # faust types receivers as taking only keyword args after the sender
         # faust types the agent function's param as StreamT
         self.live_agent = app.agent(self.live_topic, name="llm-streams.tasks")(self.run_live)  # type: ignore[arg-type]
         replay_agent = app.agent(self.replay_topic, name="llm-streams.replay")
         self.replay_agent = replay_agent(self.run_replay)  # type: ignore[arg-type]
-        # Existing topics read as they are (pipelines' `source:`): mapped, forwarded.
-        self.sources: SourceIngest | None = None
-        if sources:
-            self.sources = SourceIngest(settings, sources, self.writer, self.limits, self.metrics)
+        if self.sources is not None:
             source_topic = app.topic(*self.sources.topics, **raw)
             source_agent = app.agent(source_topic, name="llm-streams.sources")
             self.source_agent = source_agent(self.run_sources)  # type: ignore[arg-type]
-        self.metrics.watch_stream(self.stream_state)
 
     def readiness(self) -> Readiness:
         """What `/readyz` says (observability.health)."""
@@ -466,21 +470,7 @@ class TaskAgent:
         current_task_id.set(message.key.decode(errors="replace") if message.key else None)
         source = Source(topic=message.topic, partition=message.partition, offset=message.offset)
         lane_name = self.lane_of(message.topic).name.lower()
-        # A span per record, continuing the producer's trace (W3C traceparent header).
-        with TRACER.start_as_current_span(
-            f"process {message.topic}",
-            context=context_from_headers(message.headers),
-            kind=SpanKind.CONSUMER,
-            attributes={
-                "messaging.system": "kafka",
-                "messaging.operation.type": "process",
-                "messaging.destination.name": message.topic,
-                "messaging.destination.partition.id": str(message.partition),
-                "messaging.kafka.offset": message.offset,
-                "llm_streams.task_id": message.key.decode(errors="replace") if message.key else "",
-                "llm_streams.lane": lane_name,
-            },
-        ) as span:
+        with record_span(message, lane_name) as span:
             m.queue_wait.labels(lane_name).observe(time.monotonic() - taken_at)
             m.in_flight.inc()
             try:
@@ -507,32 +497,8 @@ class TaskAgent:
                 kind, outcome = await self._internal_error(message, source, processor, exc)
             finally:
                 m.in_flight.dec()
-            span.set_attribute("llm_streams.outcome", kind)
-            if outcome is not None and outcome.category is not None:
-                span.set_attribute("error.type", outcome.category)
-                span.set_status(SpanStatus(StatusCode.ERROR, outcome.category))
-            m.tasks_completed.labels(lane_name, kind).inc()
-            if outcome is not None and outcome.version is not None and outcome.pipeline:
-                m.evaluated(
-                    outcome.pipeline, outcome.version, outcome.verdict,
-                    seconds=outcome.latency_ms / 1000, prompt_tokens=outcome.prompt_tokens,
-                    completion_tokens=outcome.completion_tokens, cost_usd=outcome.cost_usd,
-                    reviewed=bool(outcome.review),
-                )  # fmt: skip
-                if self.drift is not None and outcome.output is not None and not outcome.cached:
-                    self.drift.observe(outcome.pipeline, outcome.version, outcome.output)
-            if outcome is not None and outcome.category is not None:
-                error = outcome.error or {"category": outcome.category}
-                m.dead_letter_written(outcome.task_id, error)
-                log.info(
-                    "dead letter %s/%s after %d attempt(s) for %s/%d/%d: %s",
-                    error.get("category"), error.get("code"), outcome.attempts,
-                    source.topic, source.partition, source.offset, error.get("message"),
-                )  # fmt: skip
-            if message.timestamp:  # seconds since the epoch, set by the producer or broker
-                m.end_to_end.labels(lane_name, kind).observe(
-                    max(0.0, time.time() - message.timestamp)
-                )
+            record_ended(m, self.drift, span, lane=lane_name, kind=kind, outcome=outcome,
+                         source=source, timestamp=message.timestamp)  # fmt: skip
             return kind
 
     async def _internal_error(
