@@ -33,7 +33,7 @@ from streams.contract.records import (
 from streams.core.batch import BatchLane, Parking
 from streams.core.budget import Budgets
 from streams.core.calls import Calls, ClientFor
-from streams.core.chunking import reduce_outputs
+from streams.core.chunks import Chunks
 from streams.core.outcome import Outcome, Outcomes, Prepared, Prices, Spend
 from streams.core.packs import Packs
 from streams.core.sessions import NONE as NO_CONTEXT
@@ -44,7 +44,6 @@ from streams.errors import (
     ContextOverflow,
     DeadlineExceeded,
     InternalError,
-    OutputRejected,
     StreamsError,
     TaskError,
 )
@@ -131,6 +130,7 @@ class TaskProcessor:
             client.window.configured = config.context_window
         self.calls = Calls(client, policy=config.policy, metrics=self.metrics, clients=clients)
         self.packs = Packs(self.calls, registry)
+        self.chunks = Chunks(self.calls, self.metrics, config.default_model)
         self.outcomes = Outcomes(config.limits, config.prices, self.metrics, config.default_model)
         self._sessions = registry.keeps_sessions
         self._close = close
@@ -427,9 +427,8 @@ class TaskProcessor:
         window = await self.client.context_window(prompt.model)
         chunks = chunk_plan(pipeline, prompt, window)
         if chunks is not None:
-            output = await self._answer_chunks(
-                prep, prompt, chunks, attempts, spend, lane, deadline_at
-            )
+            output = await self.chunks.answer(prep, prompt, chunks, attempts, spend, lane,
+                                              deadline_at)  # fmt: skip
             return output, prompt
         packing = pipeline.spec.packing
         short = packing is not None and len(str(prompt.variables.get(packing.slot) or "")) <= (
@@ -468,9 +467,8 @@ class TaskProcessor:
             chunks = chunk_plan(pipeline, prompt, learned) if learned < window else None
             if chunks is not None:
                 attempts.previous, attempts.last_error = attempts.count, None
-                output = await self._answer_chunks(
-                    prep, prompt, chunks, attempts, spend, lane, deadline_at
-                )
+                output = await self.chunks.answer(prep, prompt, chunks, attempts, spend, lane,
+                                                  deadline_at)  # fmt: skip
                 return output, prompt
             prompt = shorten(version, task.input, prompt, exc, context_window=learned,
                              default_model=self.config.default_model)  # fmt: skip
@@ -479,89 +477,6 @@ class TaskProcessor:
             return await self.calls.call(
                 pipeline, version, prompt, attempts, spend, lane, deadline_at
             ), prompt
-
-    async def _chunk(
-        self,
-        prep: Prepared,
-        prompt: RenderedPrompt,
-        chunk: str,
-        gate: asyncio.Semaphore,
-        lane: Lane,
-        deadline_at: float,
-        depth: int = 0,
-    ) -> tuple[list[dict[str, Any]] | TaskError, Attempts, Spend]:
-        """One chunk's answers (one, or its parts'), or why it has none."""
-        pipeline, version, task = prep.pipeline, prep.version, prep.task
-        slot = pipeline.spec.chunking.slot if pipeline.spec.chunking else ""
-        mine, used = Attempts(), Spend()  # chunks go as plain calls, whatever the tier
-        async with gate:
-            rendered = version.render({**task.input, slot: chunk}, self.config.default_model)
-            rendered = replace(rendered, model=prompt.model)
-            try:
-                return [await self.calls.call(
-                    pipeline, version, rendered, mine, used, lane, deadline_at
-                )], mine, used  # fmt: skip
-            except ContextOverflow as exc:
-                overflow: TaskError = exc
-            except TaskError as exc:
-                return exc, mine, used
-        # Over the window learned since the plan (the server counts more tokens per one
-        # of ours than it seemed): this chunk in chunks of the window now known.
-        smaller = chunk_plan(pipeline, rendered, self.client.window.tokens())
-        if depth >= 2 or smaller is None or len(smaller) < 2:
-            return overflow, mine, used
-        parts = await asyncio.gather(*(self._chunk(prep, prompt, part, gate, lane, deadline_at,
-                                                   depth + 1) for part in smaller))  # fmt: skip
-        outputs: list[dict[str, Any]] = []
-        for answer, theirs, spent in parts:
-            mine.count += theirs.count
-            used.add(spent)
-            if isinstance(answer, TaskError):
-                return answer, mine, used
-            outputs += answer
-        return outputs, mine, used
-
-    async def _answer_chunks(
-        self,
-        prep: Prepared,
-        prompt: RenderedPrompt,
-        chunks: list[str],
-        attempts: Attempts,
-        spend: Spend,
-        lane: Lane,
-        deadline_at: float,
-    ) -> dict[str, Any]:
-        """Each chunk answered on its own (a few at once), the answers merged."""
-        pipeline, task = prep.pipeline, prep.task
-        spec = pipeline.spec.chunking
-        assert spec is not None
-        gate = asyncio.Semaphore(spec.parallel)
-        answers = await asyncio.gather(
-            *(self._chunk(prep, prompt, chunk, gate, lane, deadline_at) for chunk in chunks)
-        )
-        for _, mine, used in answers:
-            attempts.count = attempts.previous + mine.count
-            attempts.previous = attempts.count
-            spend.add(used)
-        self.metrics.mitigations.labels(pipeline.name, "chunk").inc()
-        self.metrics.chunks.labels(pipeline.name).inc(len(chunks))
-        for i, (answer, _, _) in enumerate(answers):
-            if isinstance(answer, TaskError):
-                attempts.last_error = answer
-                answer.message = f"chunk {i + 1} of {len(chunks)}: {answer.message}"
-                raise answer
-        outputs = [output for answer, _, _ in answers if isinstance(answer, list)
-                   for output in answer]  # fmt: skip
-        merged = reduce_outputs(outputs, spec.reduce, pipeline.output_schema, spec.weight_field)
-        if not pipeline.is_valid(merged):
-            errors = sorted(pipeline.validator.iter_errors(merged), key=lambda e: e.path)[:3]
-            raise OutputRejected(
-                f"the merged answer of {len(chunks)} chunks breaks the output schema: "
-                + "; ".join(e.message for e in errors),
-                code="reduced_output_invalid",
-            )
-        log.info("task %s: input.%s answered in %d chunks", task.task_id, spec.slot, len(chunks))
-        return merged
 
 
 __all__ = ["Outcome", "Prepared", "Prices", "ProcessorConfig", "TaskProcessor"]
