@@ -1,11 +1,21 @@
-"""A token bucket in units per minute, as a provider's limit is enforced, and the last
-report of the provider's own bucket about one of our calls (`Report`)."""
+"""A token bucket in units per minute, as a provider's limit is enforced, the last
+report of the provider's own bucket about one of our calls (`Report`), and what the
+key's other clients take, from the trend of two reports (`Bucket.sample_others`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 EPSILON = 1e-9
+
+
+class Granted(NamedTuple):
+    """A call as a report about it is read: when it was let go, and the units we had
+    granted by then."""
+
+    at: float
+    taken: float
 
 
 @dataclass(frozen=True)
@@ -91,5 +101,49 @@ class Bucket:
         self.per_minute = per_minute
         self.level = min(self.level, self.capacity)
 
+    def sample_others(
+        self, ceiling: float, since: Granted, left: float, reset: float | None
+    ) -> None:
+        """What other clients of the key take, from two reports: the provider's level
+        went from the last report's to `left` while it refilled and we took our grants;
+        the rest is theirs. Skipped when the provider's bucket may have been full
+        meanwhile (its refill then stops), and for good once its reset is seen counting
+        down with the clock: a fixed window, which does not refill as time passes."""
+        granted_at, taken = since.at, since.taken
+        last = self.last_report
+        if last is not None and granted_at - last.granted_at >= 0.05 and not self.fixed_window:
+            dt = granted_at - last.granted_at
+            # A bucket's reset moves with what is taken; a window's only with the clock
+            # (with two or more calls between the reports, a bucket's would differ).
+            if (
+                reset is not None
+                and last.reset is not None
+                and reset > 0.05
+                and taken - last.taken >= 2
+                and abs(last.reset - dt - reset) < 0.01 + 0.02 * dt
+            ):
+                self.fixed_window = True
+                self.others_mean = 0.0
+                return
+            refilled = dt * ceiling / 60.0
+            full = ceiling * self.burst_s / 60.0  # the provider's bucket, in our units
+            if last.left + refilled < full:
+                theirs = last.left + refilled - (taken - last.taken) - left
+                sample = theirs / dt  # not clipped: noise both ways averages out
+                if not self.sampled:
+                    self.others_mean = self.others_due * ceiling / 60.0
+                self.others_mean += (sample - self.others_mean) * 0.2
+                self.sampled = True
+            elif left >= full / 2:
+                # The provider's bucket stayed (nearly) full: the key has capacity nobody
+                # uses, whatever the others take. Let the estimate fall, slowly (a pause
+                # of everyone, such as a rebalance, looks the same), so our share grows
+                # into it; were it kept, a worker held to a small share by a neighbour
+                # that has since gone idle would stay there for good (its own pace never
+                # drains the bucket enough to be measured again).
+                self.others_mean *= 0.95
+        if last is None or granted_at > last.granted_at:
+            self.last_report = Report(granted_at, taken, left, reset)
 
-__all__ = ["EPSILON", "Bucket", "Report"]
+
+__all__ = ["EPSILON", "Bucket", "Granted", "Report"]

@@ -25,13 +25,13 @@ import asyncio
 import heapq
 import itertools
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from streams.contract.lanes import Lane
-from streams.resilience.bucket import EPSILON, Bucket, Report
+from streams.resilience.bucket import EPSILON, Bucket, Granted
 from streams.resilience.clock import Clock, MonotonicClock
+from streams.resilience.ratelimit_headers import number, seconds
 
 log = logging.getLogger(__name__)
 
@@ -345,21 +345,25 @@ class RateLimiter:
         `permit`: the call they answer (its report is as old as the call)."""
         now = self.clock.now()
         self._follow_group(now)
-        since = (permit.granted_at, permit.taken) if permit is not None else None
+        # What we had granted of each bucket when the call the report answers was let go.
+        requests = tokens = None
+        if permit is not None:
+            requests = Granted(permit.granted_at, permit.taken[0])
+            tokens = Granted(permit.granted_at, permit.taken[1])
         self._steer(self.requests, headers, "requests", now, ceiling_attr="rpm_ceiling",
-                    since=(since[0], since[1][0]) if since else None)  # fmt: skip
+                    since=requests)  # fmt: skip
         if any(k.startswith("x-ratelimit-") for k in headers):
             self.informed = True
             self._learned()
         if self.tokens is None:
             # A token limit we were not told about: start a bucket at the provider's figure.
-            tpm = _number(headers.get("x-ratelimit-limit-tokens"))
+            tpm = number(headers.get("x-ratelimit-limit-tokens"))
             if tpm and tpm > 0:
                 self.tokens = Bucket(tpm, self.requests.burst_s, now, **self._margins)
                 self.tpm_ceiling = tpm
         if self.tokens is not None:
             self._steer(self.tokens, headers, "tokens", now, ceiling_attr="tpm_ceiling",
-                        since=(since[0], since[1][1]) if since else None)  # fmt: skip
+                        since=tokens)  # fmt: skip
             if "x-ratelimit-remaining-tokens" in headers:
                 self.tokens_reported = True
 
@@ -371,10 +375,10 @@ class RateLimiter:
         now: float,
         *,
         ceiling_attr: str,
-        since: tuple[float, float] | None = None,
+        since: Granted | None = None,
     ) -> None:
-        limit = _number(headers.get(f"x-ratelimit-limit-{kind}"))
-        remaining = _number(headers.get(f"x-ratelimit-remaining-{kind}"))
+        limit = number(headers.get(f"x-ratelimit-limit-{kind}"))
+        remaining = number(headers.get(f"x-ratelimit-remaining-{kind}"))
         if limit and limit > 0 and limit != getattr(self, ceiling_attr):
             log.info(
                 "provider %s limit is %g/min (was %g)", kind, limit, getattr(self, ceiling_attr)
@@ -390,7 +394,7 @@ class RateLimiter:
             # window * limit / 60: the most ever reported left (+1: the call answered),
             # or what is left now plus what refills until the reset.
             ceiling = getattr(self, ceiling_attr) or bucket.per_minute
-            reset = _seconds(headers.get(f"x-ratelimit-reset-{kind}"))
+            reset = seconds(headers.get(f"x-ratelimit-reset-{kind}"))
             window = 60.0 * bucket.peak_remaining / ceiling
             if reset is not None:
                 window = max(window, 60.0 * remaining / ceiling + reset)
@@ -400,63 +404,18 @@ class RateLimiter:
             scale = min(bucket.burst_s, window) / window if window > 0 else 1.0
             left = remaining * scale
             if since is not None:
-                if since[0] >= self._group_since:  # else granted before the group changed
-                    self._others(bucket, ceiling, since, left, reset)
+                if since.at >= self._group_since:  # else granted before the group changed
+                    bucket.sample_others(ceiling, since, left, reset)
                 # The report is as old as the call it answers: since then the provider
                 # refilled, and took what we and (at their pace) others let go since.
-                granted_at, taken = since
-                elapsed = max(0.0, now - granted_at)
+                elapsed = max(0.0, now - since.at)
                 refilled = elapsed * ceiling / 60.0
-                left = (min(bucket.capacity, left + refilled) - (bucket.taken - taken)
+                left = (min(bucket.capacity, left + refilled) - (bucket.taken - since.taken)
                         - bucket.others_per_s * elapsed)  # fmt: skip
                 share = self.share(bucket, ceiling)
                 if bucket.per_minute > share:
                     bucket.set_rate(share, now)
             bucket.level = min(bucket.level, left)
-
-    @staticmethod
-    def _others(bucket: Bucket, ceiling: float, since: tuple[float, float], left: float,
-                reset: float | None) -> None:  # fmt: skip
-        """What other clients of the key take, from two reports: the provider's level
-        went from the last report's to `left` while it refilled and we took our grants;
-        the rest is theirs. Skipped when the provider's bucket may have been full
-        meanwhile (its refill then stops), and for good once its reset is seen counting
-        down with the clock: a fixed window, which does not refill as time passes."""
-        granted_at, taken = since
-        last = bucket.last_report
-        if last is not None and granted_at - last.granted_at >= 0.05 and not bucket.fixed_window:
-            dt = granted_at - last.granted_at
-            # A bucket's reset moves with what is taken; a window's only with the clock
-            # (with two or more calls between the reports, a bucket's would differ).
-            if (
-                reset is not None
-                and last.reset is not None
-                and reset > 0.05
-                and taken - last.taken >= 2
-                and abs(last.reset - dt - reset) < 0.01 + 0.02 * dt
-            ):
-                bucket.fixed_window = True
-                bucket.others_mean = 0.0
-                return
-            refilled = dt * ceiling / 60.0
-            full = ceiling * bucket.burst_s / 60.0  # the provider's bucket, in our units
-            if last.left + refilled < full:
-                theirs = last.left + refilled - (taken - last.taken) - left
-                sample = theirs / dt  # not clipped: noise both ways averages out
-                if not bucket.sampled:
-                    bucket.others_mean = bucket.others_due * ceiling / 60.0
-                bucket.others_mean += (sample - bucket.others_mean) * 0.2
-                bucket.sampled = True
-            elif left >= full / 2:
-                # The provider's bucket stayed (nearly) full: the key has capacity nobody
-                # uses, whatever the others take. Let the estimate fall, slowly (a pause
-                # of everyone, such as a rebalance, looks the same), so our share grows
-                # into it; were it kept, a worker held to a small share by a neighbour
-                # that has since gone idle would stay there for good (its own pace never
-                # drains the bucket enough to be measured again).
-                bucket.others_mean *= 0.95
-        if last is None or granted_at > last.granted_at:
-            bucket.last_report = Report(granted_at, taken, left, reset)
 
     def rates(self) -> tuple[float, float | None]:
         """Current requests and tokens per minute (tokens None without a token limit)."""
@@ -471,32 +430,3 @@ class RateLimiter:
             paused_for_s=max(0.0, self.paused_until - self.clock.now()),
             waiting=sum(1 for w in self._queue if not w.future.done()),
         )
-
-
-_DURATION = re.compile(
-    r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?"
-    r"(?:(\d+(?:\.\d+)?)s)?(?:(\d+(?:\.\d+)?)ms)?"
-)
-
-
-def _seconds(value: str | None) -> float | None:
-    """A reset header in seconds: OpenAI's `6m0s`, `1.5s`, `20ms`, or a plain number."""
-    if not value:
-        return None
-    plain = _number(value)
-    if plain is not None:
-        return plain
-    found = _DURATION.fullmatch(value.strip())
-    if found is None or not any(found.groups()):
-        return None
-    h, m, sec, ms = (float(g) if g else 0.0 for g in found.groups())
-    return h * 3600 + m * 60 + sec + ms / 1000
-
-
-def _number(value: str | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        return None

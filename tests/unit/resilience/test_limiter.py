@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streams.contract.lanes import Lane
+from streams.resilience.bucket import Granted
 from streams.resilience.clock import FakeClock
 from streams.resilience.limiter import GroupShare, RateLimiter
 
@@ -388,8 +389,8 @@ async def test_after_a_rebalance_the_first_sample_does_not_read_the_others_as_go
     bucket = limiter.requests
     assert limiter.share(bucket, 3000) == pytest.approx(1500)  # the rebalance is seen
     # Two reports 0.1 s apart: the provider refilled 5, we took 2.5, the others 2.5.
-    RateLimiter._others(bucket, 3000, (1000.0, 0.0), 10.0, None)
-    RateLimiter._others(bucket, 3000, (1000.1, 2.5), 10.0, None)
+    bucket.sample_others(3000, Granted(1000.0, 0.0), 10.0, None)
+    bucket.sample_others(3000, Granted(1000.1, 2.5), 10.0, None)
     assert bucket.sampled
     assert limiter.share(bucket, 3000) == pytest.approx(1500)
     group.assigned(8, 8)  # alone again: nobody else is due anything
