@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from opentelemetry import metrics
 from opentelemetry.metrics import Meter
 
-from streams.settings import Settings
+from streams.settings import TracingSettings
 
 # The conventions' advised bucket boundaries.
 TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304,
@@ -106,9 +106,9 @@ class GenAIMetrics:
             self.tokens.record(output_tokens, {**attrs, "gen_ai.token.type": "output"})
 
 
-def setup_metrics(settings: Settings) -> None:
+def setup_metrics(settings: TracingSettings) -> None:
     """A meter provider exporting to OTLP when tracing does (same endpoint variables)."""
-    if settings.tracing.exporter != "otlp":
+    if settings.exporter != "otlp":
         return
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     from opentelemetry.sdk.metrics import MeterProvider
@@ -118,7 +118,7 @@ def setup_metrics(settings: Settings) -> None:
     reader = PeriodicExportingMetricReader(
         OTLPMetricExporter(), export_interval_millis=EXPORT_INTERVAL_MS
     )
-    resource = Resource.create({"service.name": settings.tracing.service_name})
+    resource = Resource.create({"service.name": settings.service_name})
     metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[reader]))
 
 

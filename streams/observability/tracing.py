@@ -22,19 +22,19 @@ from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from streams.errors import StreamsError
-from streams.settings import Settings
+from streams.settings import TracingSettings
 
 TRACER = trace.get_tracer("llm-streams")
 PROPAGATOR = TraceContextTextMapPropagator()
 HEADERS = ("traceparent", "tracestate")
 
 
-def setup_tracing(settings: Settings) -> None:
+def setup_tracing(settings: TracingSettings) -> None:
     """This process's tracer provider (`tracer_provider`)."""
     trace.set_tracer_provider(tracer_provider(settings))
 
 
-def tracer_provider(settings: Settings) -> Any:
+def tracer_provider(settings: TracingSettings) -> Any:
     """A tracer provider: always (so trace ids exist and propagate), exporting only
     when configured. Without an exporter, a trace begun here is not
     sampled: its spans are the SDK's non-recording ones (ids, no attributes, no
@@ -49,7 +49,7 @@ def tracer_provider(settings: Settings) -> Any:
     )
     from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
 
-    t = settings.tracing
+    t = settings
     root = ALWAYS_OFF if t.exporter == "none" else ALWAYS_ON
     provider = TracerProvider(resource=Resource.create({"service.name": t.service_name}),
                               sampler=ParentBased(root))  # fmt: skip

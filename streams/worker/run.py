@@ -58,8 +58,8 @@ def run_worker(settings: Settings) -> None:
     from streams.observability.genai import setup_metrics
     from streams.observability.tracing import setup_tracing
 
-    setup_tracing(settings)
-    setup_metrics(settings)
+    setup_tracing(settings.tracing)
+    setup_metrics(settings.tracing)
     app = create_app(settings, limits, banner=banner(settings, registry, seen), registry=registry)
     hidden = secrets(settings, registry)
     worker = BoundedWorker(

@@ -14,7 +14,7 @@ SAMPLED_PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def test_without_an_exporter_a_trace_begun_here_has_ids_and_records_nothing() -> None:
-    tracer = tracer_provider(load_settings()).get_tracer("test")
+    tracer = tracer_provider(load_settings().tracing).get_tracer("test")
     with tracer.start_as_current_span("process", attributes={"a": 1}) as span:
         context = span.get_span_context()
         assert context.is_valid  # ids for the result record and the headers
@@ -26,7 +26,7 @@ def test_without_an_exporter_a_trace_begun_here_has_ids_and_records_nothing() ->
 
 
 def test_without_an_exporter_a_trace_sampled_upstream_stays_sampled() -> None:
-    tracer = tracer_provider(load_settings()).get_tracer("test")
+    tracer = tracer_provider(load_settings().tracing).get_tracer("test")
     parent = context_from_headers([("traceparent", SAMPLED_PARENT.encode())])
     with tracer.start_as_current_span("process", context=parent) as span:
         assert span.is_recording()
@@ -36,7 +36,7 @@ def test_without_an_exporter_a_trace_sampled_upstream_stays_sampled() -> None:
 
 def test_with_an_exporter_every_trace_is_recorded(tmp_path: Path) -> None:
     settings = load_settings(tracing={"exporter": "file", "file": str(tmp_path / "spans")})
-    tracer = tracer_provider(settings).get_tracer("test")
+    tracer = tracer_provider(settings.tracing).get_tracer("test")
     with tracer.start_as_current_span("process") as span:
         assert span.is_recording()
     assert '"name": "process"' in (tmp_path / "spans").read_text()
@@ -47,7 +47,7 @@ def test_under_a_span_that_records_nothing_no_child_is_made() -> None:
 
     from streams.observability.tracing import child_span
 
-    tracer = tracer_provider(load_settings()).get_tracer("test")
+    tracer = tracer_provider(load_settings().tracing).get_tracer("test")
     with tracer.start_as_current_span("process") as task_span:
         assert not task_span.is_recording()
         with child_span("chat m") as attempt:
@@ -59,7 +59,7 @@ def test_under_a_recording_span_a_child_is_made(tmp_path: Path) -> None:
     from streams.observability.tracing import child_span
 
     settings = load_settings(tracing={"exporter": "file", "file": str(tmp_path / "spans")})
-    provider = tracer_provider(settings)
+    provider = tracer_provider(settings.tracing)
     with provider.get_tracer("test").start_as_current_span("process") as task_span:
         assert task_span.is_recording()
         # (child_span starts it with the process's tracer, not this test's provider:
