@@ -221,4 +221,4 @@ def acls() -> None:
 
     settings = settings_or_exit()
     registry = registry_or_exit(settings)
-    click.echo(markdown(settings, sorted(registry.sources())))
+    click.echo(markdown(settings, sorted(registry.sources()), sorted(registry.sinks())))

@@ -12,6 +12,8 @@ BACKTRACK_HEADER = "llm-streams-backtrack"  # restore | rerun: a backtrack of th
 REDRIVE_HEADER = "llm-streams-redrive-of"  # topic/partition/offset of the dead letter
 REROUTED_FROM_HEADER = "llm-streams-rerouted-from"  # where a misrouted record came from
 SOURCE_OF_HEADER = "llm-streams-source-of"  # topic/partition/offset a mapped task came from
+RESULT_KEY_HEADER = "llm-streams-result-key"  # a sink record's answer, by its result key
+TASK_ID_HEADER = "llm-streams-task-id"  # a sink record's task
 
 
 # A record's headers as read: a value may be None (a header without a value).

@@ -9,7 +9,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import unicodedata
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,6 +24,25 @@ class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class SourceRecord(_Record):
+    """The source-topic record a task was mapped from (a pipeline's `source:`), kept in
+    the task only when the pipeline's sink needs it: its value for the `enriched` shape,
+    its key for `key: source_key`, the headers the sink carries over."""
+
+    topic: str | None = Field(None, description="Where it was read (none: mapped by the API).")
+    partition: int | None = Field(None, ge=0)
+    offset: int | None = Field(None, ge=0)
+    key: Any = Field(
+        None, description="The record's key: its text, or the schema registry's decoded key."
+    )
+    value: Any = Field(
+        None, description="The record's value as decoded: its JSON, or the registry's record."
+    )
+    headers: dict[str, str | None] = Field(
+        default_factory=dict, description="The headers the pipeline's sink carries over."
+    )
+
+
 class Task(_Record):
     """An input record: one unit of LLM work, keyed by task_id."""
 
@@ -33,6 +53,12 @@ class Task(_Record):
     metadata: dict[str, Any] | None = None
     # Added compatibly: the conversation a task belongs to (pipelines with `session:`).
     session_id: str | None = Field(None, min_length=1, max_length=512)
+    # Added compatibly: set by the worker's source ingest for pipelines with a `sink:`.
+    source_record: SourceRecord | None = Field(
+        None,
+        description="The source-topic record the task was mapped from, when the pipeline's "
+        "sink needs it (set by the worker; a task published to llm-tasks has none).",
+    )
 
 
 class Usage(_Record):
@@ -119,10 +145,16 @@ TASK_ID_LIMIT = 512
 @dataclass(frozen=True)
 class ValueLimits:
     """Bytes the value of a result and of a dead letter may take: what their topics and
-    the producer accept, less the key and headers (`streams.kafka.limits`)."""
+    the producer accept, less the key and headers (`streams.kafka.limits`); and of a
+    record of any other topic the worker writes (`others`: the pipelines' sinks)."""
 
     result: int = 1_044_000
     dead_letter: int = 1_044_000
+    others: Mapping[str, int] = field(default_factory=dict)
+    default: int = 1_044_000  # a topic not in `others`: the producer's limit, less a margin
+
+    def of(self, topic: str) -> int:
+        return self.others.get(topic, self.default)
 
 
 def now_iso() -> str:

@@ -69,6 +69,8 @@ class Decision:
     kind: Ended
     outcome: Outcome | None = None
     state: TaskState | None = None
+    # With `state`: the outcome that run wrote, whose sink record it may not have.
+    written: Outcome | None = None
 
 
 class Decider:
@@ -101,7 +103,8 @@ class Decider:
             return Decision(Ended.of(outcome), outcome)
         if self._state_missing(state, prep, outcome):
             # Written by a run killed before its state was: write that now.
-            return Decision(Ended.ALREADY_DONE, state=self.state_after(outcome, prep, asked.note))
+            return Decision(Ended.ALREADY_DONE, state=self.state_after(outcome, prep, asked.note),
+                            written=outcome)  # fmt: skip
         return Decision(Ended.ALREADY_DONE)
 
     async def _answer(self, prep: Prepared, lane: Lane, asked: Asked) -> tuple[Outcome, bool]:

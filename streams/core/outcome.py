@@ -10,7 +10,8 @@ the batch price (`Prices.discount`) for tokens of batch and flex calls.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import orjson
@@ -32,18 +33,18 @@ from streams.contract.records import (
 )
 from streams.core.sessions import NONE as NO_CONTEXT
 from streams.core.sessions import Context, add_turn, turn_of
+from streams.core.sinks import SinkRecord, dead_letter_record, result_record
 from streams.core.stages import MAIN
 from streams.errors import OutputTooLarge, StreamsError
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import current_trace_id
 from streams.pipelines.pipeline import Pipeline
 from streams.pipelines.render import PipelineVersion, RenderedPrompt
+from streams.pipelines.sinks import SinkSpec
 from streams.resilience.retry import Attempts
 from streams.settings import Settings
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from streams.core.batch.parking import Parking
 
 
@@ -189,6 +190,9 @@ class Outcome:
     version: str | None = None
     rejected: int = 0  # answers the output checks rejected
     cached: bool = False
+    # The pipeline's sink record of it (`core.sinks`): its result again, or a copy of its
+    # dead letter; written after the outcome, before the task's state.
+    sink: SinkRecord | None = None
 
     @property
     def verdict(self) -> str:
@@ -203,12 +207,18 @@ class Outcomes:
     """Builds results and dead letters within the bytes their topics take."""
 
     def __init__(
-        self, limits: ValueLimits, prices: Prices, metrics: Metrics, default_model: str
+        self,
+        limits: ValueLimits,
+        prices: Prices,
+        metrics: Metrics,
+        default_model: str,
+        sink_of: Callable[[str], SinkSpec | None] = lambda pipeline: None,
     ) -> None:
         self.limits = limits
         self.prices = prices
         self.metrics = metrics
         self.default_model = default_model
+        self.sink_of = sink_of  # a pipeline's sink, by its name (None: it has none)
 
     def cost(self, pipeline: str, spend: Spend) -> float:
         """The spend's cost, counted once on the cost metric."""
@@ -281,6 +291,17 @@ class Outcomes:
                 code="result_too_large",
             )
             return self.failed(prep, too_large, outcome)
+        spec = prep.pipeline.spec.sink
+        if spec is not None:
+            sink = result_record(spec, prep.task, record)
+            room = self.limits.of(sink.topic)
+            if len(sink.value) > room:
+                return self.failed(prep, OutputTooLarge(
+                    f"the sink record is {len(sink.value)} bytes, over the {room} bytes "
+                    f"{sink.topic} takes (its max.message.bytes and the producer's limit)",
+                    code="sink_too_large",
+                ), outcome)  # fmt: skip
+            outcome = replace(outcome, sink=sink)
         return outcome
 
     def cached(self, prep: Prepared, output: dict[str, Any], model: str) -> Outcome:
@@ -299,10 +320,13 @@ class Outcomes:
         spend: Spend,
         started: float,
         version: str | None = None,
+        pipeline: str | None = None,
     ) -> Outcome:
         """The dead letter of a record; `version`: the prompt version it was answered
-        under (None: it failed before one was chosen)."""
+        under (None: it failed before one was chosen); `pipeline`: the pipeline it was for,
+        when there is no task to say so (a source record it could not map)."""
         task_id = task.task_id if task else task_id_hint(raw, key)
+        pipeline = task.pipeline if task is not None else pipeline
         error = error_info(exc.category, exc.code, exc.message, exc.retryable)
         cost = self.cost(task.pipeline, spend) if task is not None else 0.0
         letter = DeadLetter(
@@ -312,14 +336,17 @@ class Outcomes:
             payload=payload_of(raw),
             source=source,
             failed_at=now_iso(),
-            pipeline=task.pipeline if task is not None else None,
+            pipeline=pipeline,
             prompt_version=version,
             cost_usd=cost,
         )
+        value = dead_letter_value(letter, raw, self.limits.dead_letter)
+        letter_key = task_id or f"{source.topic}/{source.partition}/{source.offset}"
         return Outcome(
             kind="dead_letter",
-            key=task_id or f"{source.topic}/{source.partition}/{source.offset}",
-            value=dead_letter_value(letter, raw, self.limits.dead_letter),
+            key=letter_key,
+            value=value,
+            sink=self._copy(pipeline, letter_key, value),
             task_id=task_id,
             category=exc.category.value,
             error=error.model_dump(mode="json"),
@@ -328,7 +355,7 @@ class Outcomes:
             prompt_tokens=spend.prompt_tokens,
             completion_tokens=spend.completion_tokens,
             cost_usd=cost,
-            pipeline=task.pipeline if task is not None else None,
+            pipeline=pipeline,
             version=version,
             rejected=spend.rejected,
         )
@@ -342,10 +369,12 @@ class Outcomes:
                             failed_at=now_iso(), pipeline=prep.pipeline.name,
                             prompt_version=prep.version.version,
                             cost_usd=like.cost_usd)  # fmt: skip
+        value = dead_letter_value(letter, prep.raw, self.limits.dead_letter)
         return Outcome(
             kind="dead_letter",
             key=prep.task.task_id,
-            value=dead_letter_value(letter, prep.raw, self.limits.dead_letter),
+            value=value,
+            sink=self._copy(prep.pipeline.name, prep.task.task_id, value),
             task_id=prep.task.task_id,
             category=exc.category.value,
             error=error.model_dump(mode="json"),
@@ -359,11 +388,24 @@ class Outcomes:
             rejected=like.rejected,
         )
 
+    def _copy(self, pipeline: str | None, key: str, letter: bytes) -> SinkRecord | None:
+        """A dead letter's copy for its pipeline's own dead-letter topic, if it has one."""
+        spec = self.sink_of(pipeline) if pipeline is not None else None
+        return dead_letter_record(spec, key, letter) if spec is not None else None
+
 
 def stored(prep: Prepared, kind: str, key: str, raw: bytes, record: dict[str, Any]) -> Outcome:
-    """An outcome as an earlier run wrote it."""
+    """An outcome as an earlier run wrote it (its sink record too, which that run may not
+    have written: it was killed after the outcome)."""
     error = record.get("error") if kind == "dead_letter" else None
+    spec = prep.pipeline.spec.sink
+    sink: SinkRecord | None = None
+    if spec is not None and kind == "result" and isinstance(record.get("output"), dict):
+        sink = result_record(spec, prep.task, record)
+    elif spec is not None and kind == "dead_letter":
+        sink = dead_letter_record(spec, key, raw)
     return Outcome(
+        sink=sink,
         kind="result" if kind == "result" else "dead_letter",
         key=key,
         value=raw,

@@ -131,7 +131,8 @@ class TaskProcessor:
         self.calls = Calls(client, policy=config.policy, metrics=self.metrics, clients=clients)
         self.packs = Packs(self.calls, registry)
         self.chunks = Chunks(self.calls, self.metrics, config.default_model)
-        self.outcomes = Outcomes(config.limits, config.prices, self.metrics, config.default_model)
+        self.outcomes = Outcomes(config.limits, config.prices, self.metrics, config.default_model,
+                                 sink_of=registry.sink_of)  # fmt: skip
         self._sessions = registry.keeps_sessions
         self._close = close
 
@@ -274,11 +275,17 @@ class TaskProcessor:
             return self.outcomes.dead(err, raw, key, task, source, Attempts(), Spend(), started)
 
     def dead_letter(
-        self, exc: StreamsError, raw: bytes | None, key: bytes | None, source: Source
+        self,
+        exc: StreamsError,
+        raw: bytes | None,
+        key: bytes | None,
+        source: Source,
+        pipeline: str | None = None,
     ) -> Outcome:
-        """The dead letter of a record that met `exc` outside the processor's own steps."""
+        """The dead letter of a record that met `exc` outside the processor's own steps
+        (`pipeline`: the one it was for, when known: a source record it could not map)."""
         return self.outcomes.dead(exc, raw, key, None, source, Attempts(), Spend(),
-                                  time.monotonic())  # fmt: skip
+                                  time.monotonic(), pipeline=pipeline)  # fmt: skip
 
     def failed(self, prep: Prepared, exc: StreamsError, like: Outcome) -> Outcome:
         return self.outcomes.failed(prep, exc, like)

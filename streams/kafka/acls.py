@@ -36,7 +36,11 @@ class Acl:
 
 
 def worker_acls(
-    settings: Settings, *, creates_topics: bool = False, sources: Sequence[str] = ()
+    settings: Settings,
+    *,
+    creates_topics: bool = False,
+    sources: Sequence[str] = (),
+    sinks: Sequence[str] = (),
 ) -> list[Acl]:
     t = settings.topics
     read = ("READ", "DESCRIBE")
@@ -63,13 +67,15 @@ def worker_acls(
     ]
     acls += [Acl("topic", name, read, why="a pipeline's source topic, read as it is")
              for name in sources]  # fmt: skip
+    acls += [Acl("topic", name, write, why="a pipeline's sink: its answers, in its shape")
+             for name in sinks]  # fmt: skip
     if settings.processing_guarantee == "exactly_once":
         prefix = f"{settings.app_id}-eos-"
         why = "one transactional producer per task partition"
         acls.append(Acl("transactional_id", prefix, ("WRITE", "DESCRIBE"), True, why))
     if creates_topics:
         acls += [Acl("topic", name, ("CREATE",), why="created at start when missing")
-                 for name in topic_specs(settings)]  # fmt: skip
+                 for name in [*topic_specs(settings), *sinks]]  # fmt: skip
     return acls
 
 
@@ -128,7 +134,7 @@ def command_acls(settings: Settings) -> dict[str, list[Acl]]:
     }
 
 
-def markdown(settings: Settings, sources: Sequence[str] = ()) -> str:
+def markdown(settings: Settings, sources: Sequence[str] = (), sinks: Sequence[str] = ()) -> str:
     """The tables of docs/SECURITY.md for `settings` (a test keeps the file equal to the
     defaults' tables)."""
 
@@ -138,10 +144,10 @@ def markdown(settings: Settings, sources: Sequence[str] = ()) -> str:
 
     head = ["| resource | name | operations | why |", "| --- | --- | --- | --- |"]
     eos = settings.model_copy(update={"processing_guarantee": "exactly_once"})
-    out = ["### Worker", "", *head, *rows(worker_acls(eos, sources=sources)), "",
+    out = ["### Worker", "", *head, *rows(worker_acls(eos, sources=sources, sinks=sinks)), "",
            "The transactional id only with `exactly_once`. To let the worker create missing "
            "topics at start, add CREATE on each topic (topics made ahead of time need none):",
-           "", *head, *rows([a for a in worker_acls(settings, creates_topics=True)
+           "", *head, *rows([a for a in worker_acls(settings, creates_topics=True, sinks=sinks)
                              if a.operations == ("CREATE",)]), ""]  # fmt: skip
     for command, acls in command_acls(settings).items():
         out += [f"### `llm-streams {command}`", "", *head, *rows(acls), ""]

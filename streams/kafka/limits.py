@@ -52,6 +52,9 @@ class WriteLimits:
 
     producer_bytes: int = 1_048_576
     topic_bytes: Mapping[str, int] = field(default_factory=dict)
+    # Partitions of the written topics that are not co-partitioned with the tasks (the
+    # pipelines' sinks): their records are spread by key over them.
+    partitions: Mapping[str, int] = field(default_factory=dict)
 
     def max_record(self, topic: str) -> int:
         topic_limit = self.topic_bytes.get(topic, KAFKA_DEFAULT_MAX_MESSAGE_BYTES)
@@ -68,6 +71,8 @@ class WriteLimits:
                 self.value_bytes(settings.topics.results), self.value_bytes(settings.topics.review)
             ),
             dead_letter=self.value_bytes(settings.topics.dead_letters),
+            others={topic: self.value_bytes(topic) for topic in self.topic_bytes},
+            default=self.value_bytes(""),
         )
 
 

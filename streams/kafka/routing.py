@@ -16,4 +16,9 @@ from aiokafka.partitioner import murmur2
 
 def partition_for(task_id: str, partitions: int) -> int:
     """The partition Kafka's default partitioner gives a record keyed by `task_id`."""
-    return int(murmur2(task_id.encode()) & 0x7FFFFFFF) % partitions
+    return partition_of(task_id.encode(), partitions)
+
+
+def partition_of(key: bytes, partitions: int) -> int:
+    """The partition Kafka's default partitioner gives a record keyed by `key`."""
+    return int(murmur2(key) & 0x7FFFFFFF) % partitions

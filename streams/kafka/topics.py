@@ -118,6 +118,49 @@ async def ensure_topics(
         await admin.close()
 
 
+async def ensure_sinks(
+    settings: Settings,
+    sinks: dict[str, list[str]],
+    sources: list[str] | tuple[str, ...] = (),
+    *,
+    timeout_s: float = 30.0,
+) -> dict[str, int]:
+    """The pipelines' sink topics (topic -> the pipelines writing it): each must be none
+    of the worker's own topics nor a source (a ConfigError says which); one missing is
+    made, compacted (a sink record is keyed by its task: the latest per key is the
+    answer) with the task topics' partition count. Returns each one's partition count."""
+    if not sinks:
+        return {}
+    own = set(topic_specs(settings)) | set(sources)
+    clash = {topic: names for topic, names in sinks.items() if topic in own}
+    if clash:
+        raise ConfigError(
+            f"sink topics {clash} are topics the worker reads or keeps its state in: a sink "
+            "needs a topic of its own"
+        )
+    admin = clients.admin(settings, request_timeout_ms=int(timeout_s * 1000))
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        wanted = [NewTopic(name=name, num_partitions=settings.kafka.partitions,
+                           replication_factor=settings.kafka.replication_factor,
+                           topic_configs={"cleanup.policy": "compact"})
+                  for name in sorted(sinks) if name not in existing]  # fmt: skip
+        if wanted:
+            response = await admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000))
+            log.info("created sink topics %s", _created(response, [t.name for t in wanted]))
+        counts: dict[str, int] = {}
+        for description in await admin.describe_topics(sorted(sinks)):
+            if description.get("error_code", 0) == 0 and description["partitions"]:
+                counts[description["topic"]] = len(description["partitions"])
+        missing = sorted(set(sinks) - set(counts))
+        if missing:
+            raise ConfigError(f"cannot describe sink topics {missing}: grant DESCRIBE on them")
+        return counts
+    finally:
+        await admin.close()
+
+
 _EXISTS, _TOPIC_DENIED, _CLUSTER_DENIED = 36, 29, 31
 
 

@@ -42,7 +42,9 @@ class Pipeline:
         # Optional fields with a `default` are filled in every output (defaults shown).
         self.fills_defaults = has_defaults(output_schema)
         self.versions = {v: PipelineVersion(self, v, s) for v, s in spec.versions.items()}
-        self.source = SourceMapper(spec.name, spec.source) if spec.source is not None else None
+        self.source = (
+            SourceMapper(spec.name, spec.source, spec.sink) if spec.source is not None else None
+        )
         self.stages: list[Stage] = []  # resolved by the registry once every pipeline loaded
         try:
             self._review_rules = {

@@ -22,6 +22,7 @@ from streams.pipelines.pipeline import (
     Pipeline,
     resolve_stages,
 )
+from streams.pipelines.sinks import SinkSpec
 from streams.pipelines.sources import SourceMapper
 from streams.pipelines.specs import (
     PipelineSpec,
@@ -57,6 +58,21 @@ class PipelineRegistry:
                 for topic in pipeline.source.spec.topics:
                     found.setdefault(topic, []).append(pipeline.source)
         return found
+
+    def sinks(self) -> dict[str, list[str]]:
+        """Sink topic (and pipelines' dead-letter copies) -> the pipelines writing it."""
+        found: dict[str, list[str]] = {}
+        for name, pipeline in self.pipelines.items():
+            sink = pipeline.spec.sink
+            if sink is not None:
+                for topic in filter(None, (sink.topic, sink.dead_letters)):
+                    found.setdefault(topic, []).append(name)
+        return found
+
+    def sink_of(self, pipeline: str) -> SinkSpec | None:
+        """A pipeline's sink (None: it has none, or there is no such pipeline)."""
+        found = self.pipelines.get(pipeline)
+        return found.spec.sink if found is not None else None
 
     @property
     def keeps_sessions(self) -> bool:

@@ -33,6 +33,7 @@ from where it runs as any other.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from streams.contract.headers import Headers
 from streams.errors import ConfigError, InvalidInput
 from streams.pipelines.jinja import ENV, over_record
+from streams.pipelines.sinks import SinkSpec
 
 
 class SourceSpec(BaseModel):
@@ -68,6 +70,18 @@ class SourceSpec(BaseModel):
         if not value or not all(p.startswith("/") for p in value):
             raise ValueError("task_id: a list must name one or more JSON pointers")
         return value
+
+
+def jsonable(value: Any) -> Any:
+    """A decoded record as JSON holds it: a registry's bytes as base64, decimals, times
+    and other scalars JSON has no type for as text."""
+
+    def other(v: Any) -> Any:
+        if isinstance(v, bytes | bytearray):
+            return base64.b64encode(bytes(v)).decode()
+        return str(v)
+
+    return orjson.loads(orjson.dumps(value, default=other, option=orjson.OPT_NON_STR_KEYS))
 
 
 @dataclass(frozen=True)
@@ -110,9 +124,12 @@ def _key_text(key: bytes | Any) -> str:
 class SourceMapper:
     """One pipeline's mapping from a record of its source topics to a task."""
 
-    def __init__(self, pipeline: str, spec: SourceSpec) -> None:
+    def __init__(self, pipeline: str, spec: SourceSpec, sink: SinkSpec | None = None) -> None:
         self.pipeline = pipeline
         self.spec = spec
+        # The pipeline's sink needs the record itself (its value, key or headers): kept in
+        # the task as `source_record` (its position is the ingest's to add).
+        self.sink = sink if sink is not None and sink.keeps_source_record else None
         try:
             self._filter = ENV.compile_expression(spec.filter) if spec.filter else None
             how = spec.task_id
@@ -171,6 +188,13 @@ class SourceMapper:
         }
         if self.spec.prompt_version:
             task["prompt_version"] = self.spec.prompt_version
+        if self.sink is not None:
+            kept = set(self.sink.headers)
+            task["source_record"] = {
+                "key": jsonable(scope["key"]),
+                "value": jsonable(document),
+                "headers": {k: v for k, v in scope["headers"].items() if k in kept},
+            }
         return task
 
     def _task_id(self, document: Any, key: bytes | Any, scope: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from pydantic import (
 
 from streams.llm.client import budget_key
 from streams.llm.params import params_problems
+from streams.pipelines.sinks import SinkSpec
 from streams.pipelines.sources import SourceSpec
 
 # How a chunked input's per-chunk answers merge, per output field (streams.core.chunking).
@@ -377,6 +378,11 @@ class PipelineSpec(BaseModel):
     packing: PackingSpec | None = None
     lanes: LanePolicy = Field(default_factory=LanePolicy)
     budget: BudgetSpec | None = None
+    sink: SinkSpec | None = Field(
+        None,
+        description="Its answers written again to a topic of the user's, in the shape and "
+        "under the key they want (streams.pipelines.sinks); none: the results topic only.",
+    )
     stages: list[StageSpec] = Field(
         default_factory=list,
         description="Stages after the first, in order; their answers land under output.stages.",

@@ -33,7 +33,7 @@ from streams.contract.headers import (
 )
 from streams.contract.lanes import Lane, Tier
 from streams.contract.records import Source, json_object
-from streams.core.decide import Asked, Decider, Ended
+from streams.core.decide import Asked, Decider, Decision, Ended
 from streams.core.outcome import Outcome, Prepared
 from streams.core.processor import TaskProcessor
 from streams.core.sessions import has_turn
@@ -145,10 +145,8 @@ class RecordFlow:
             prep = replace(prep, record=StoredRecord.of(message).pack)
         # 4. decide
         decision = await decider.decide(prep, lane, how)
-        if decision.outcome is None:
-            if decision.state is not None:
-                await self.writer.put_state(source.partition, decision.state)
-            await self._add_turn(source.partition, prep, None)  # if a run died before it
+        if decision.outcome is None:  # an earlier run wrote it: what it may have left
+            await self._finish_earlier(decision, prep, how.note)
             return decision.kind, None
         # 5. deliver
         written = await self._deliver(decision.outcome, prep, how.note)
@@ -157,13 +155,27 @@ class RecordFlow:
             await self._add_turn(source.partition, prep, written.output)
         return Ended.of(written), written
 
-    async def _deliver(self, outcome: Outcome, prep: Prepared, note: str | None) -> Outcome:
-        """The outcome, then the task's state after it; a result the results topic refuses
-        for good makes the task's dead letter, written instead. What was written."""
+    async def _finish_earlier(self, decision: Decision, prep: Prepared, note: str | None) -> None:
+        """What a run killed after writing the outcome left undone: its sink record and
+        the task's state, or the state alone; the session's turn."""
+        partition = prep.source.partition
+        if decision.written is not None and decision.written.sink is not None:
+            await self._deliver(decision.written, prep, note, written=True)
+        elif decision.state is not None:
+            await self.writer.put_state(partition, decision.state)
+        await self._add_turn(partition, prep, None)
+
+    async def _deliver(
+        self, outcome: Outcome, prep: Prepared, note: str | None, written: bool = False
+    ) -> Outcome:
+        """The outcome, its sink record, then the task's state after it (`written`: the
+        outcome is written already); a result its topic or its sink refuses for good makes
+        the task's dead letter, written instead. What was written."""
         partition = prep.source.partition
         refusal = await self.writer.deliver(
-            outcome, partition, prep=prep, state=self.decider.state_after(outcome, prep, note)
-        )
+            outcome, partition, prep=prep, state=self.decider.state_after(outcome, prep, note),
+            written=written,
+        )  # fmt: skip
         if refusal is None:
             return outcome
         letter = self.processor.failed(prep, refusal, outcome)

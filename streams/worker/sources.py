@@ -78,13 +78,16 @@ class SourceIngest:
                 if isinstance(task, Skipped):
                     self.metrics.source_records.labels(mapper.pipeline, "skipped").inc()
                     continue
+                if isinstance(kept := task.get("source_record"), dict):  # for the sink
+                    kept.update(topic=source.topic, partition=source.partition,
+                                offset=source.offset)  # fmt: skip
                 value = orjson.dumps(task)
                 max_bytes = self.limits.value_bytes(self.settings.topics.tasks)
                 if len(value) > max_bytes:
                     why = f"the mapped task takes {len(value)} bytes, over the {max_bytes} it may"
                     raise InvalidInput(why, code="source_too_large")
             except TaskError as exc:
-                await self._dead_letter(exc, message, source, processor)
+                await self._dead_letter(exc, message, source, processor, mapper.pipeline)
                 self.metrics.source_records.labels(mapper.pipeline, "dead_letter").inc()
                 continue
             task_id = str(task["task_id"])
@@ -104,8 +107,9 @@ class SourceIngest:
         message: Any,
         source: Source,
         processor: TaskProcessor,
+        pipeline: str,
     ) -> None:
-        outcome = processor.dead_letter(exc, message.value, message.key, source)
+        outcome = processor.dead_letter(exc, message.value, message.key, source, pipeline)
         # Where a task of that key would live; a record with no key by its position.
         key = message.key.decode(errors="replace") if message.key else str(source.offset)
         partition = partition_for(key, self.settings.kafka.partitions)

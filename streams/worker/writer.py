@@ -1,14 +1,17 @@
-"""The worker's writes: an outcome, the task's state and a review copy, a forwarded record.
+"""The worker's writes: an outcome, its sink record, the task's state and a review copy, a
+forwarded record.
 
-Each goes to the partition of the task it belongs to, through the task store (so
-the maps hold what the topics hold) and, with exactly-once, into that partition's
-transaction. The outcome is written first: a state saying a record wrote its
-outcome (`TaskState.wrote`) is then never ahead of the outcome, even after a
-kill between the two. A write the broker may take later is written again (only
-the writes that failed, with backoff); one it refuses for good (too large,
-invalid, not authorised) makes the task a `write_refused` dead letter, or is
-left out when it is only the review copy; a worker that cannot write stops
-without acking (`CannotWrite`), so the record runs again after the restart.
+Each goes to the partition of the task it belongs to, through the task store (so the
+maps hold what the topics hold) and, with exactly-once, into that partition's
+transaction; a sink record goes to its own topic's partition by its key, in the task
+partition's transaction. The outcome is written first, its sink record next, the task's
+state last: a state saying a record wrote its outcome (`TaskState.wrote`) is then never
+ahead of either, even after a kill between them (a run killed after the outcome writes
+the sink record again: at-least-once). A write the broker may take later is written
+again (only the writes that failed, with backoff); one it refuses for good (too large,
+invalid, not authorised) makes the task a `write_refused` dead letter, or is left out
+when it is only a copy (the review copy, a dead letter's copy); a worker that cannot
+write stops without acking (`CannotWrite`), so the record runs again after the restart.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from streams.core.outcome import Outcome, Prepared
 from streams.core.taskstate import TaskState
 from streams.errors import WriteRefused
 from streams.kafka.limits import WriteLimits, refused_for_good
+from streams.kafka.routing import partition_of
 from streams.kafka.topics import state_topic
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import headers_for
@@ -91,11 +95,17 @@ class Writer:
         *,
         prep: Prepared | None = None,
         state: TaskState | None = None,
+        written: bool = False,
     ) -> WriteRefused | None:
-        """Write `outcome` to `partition`, then the task's `state` after it and its review
-        copy. A result the results topic refuses for good is not written, nor is anything
-        after it: the reason comes back (the caller writes the task's dead letter instead)."""
-        pending = {"outcome"}
+        """Write `outcome` to `partition`, then its sink record (and review copy), then the
+        task's `state` after it: a state that says the record was answered is never ahead
+        of the sink. A result the results topic or its sink refuses for good is not
+        written, nor is anything after it: the reason comes back (the caller writes the
+        task's dead letter instead). `written`: the outcome is written already (by a run
+        killed before the rest), only what follows it is."""
+        pending = set() if written else {"outcome"}
+        if outcome.sink is not None:
+            pending.add("sink")
         if state is not None:
             pending.add("state")
         if outcome.review_value is not None:
@@ -120,7 +130,12 @@ class Writer:
     ) -> None:
         """The pending writes due now (the outcome first, then the others together); the
         ones that succeed leave `pending`; raises a failure the broker may mend."""
-        names = ["outcome"] if "outcome" in pending else sorted(pending)
+        if "outcome" in pending:
+            names = ["outcome"]
+        elif "sink" in pending:  # before the state, with the review copy
+            names = sorted(pending & {"sink", "review"})
+        else:
+            names = sorted(pending)
         # The trace goes on in the outcome's headers (the task's span is current).
         trace = headers_for()
         writes = [self._write(n, outcome, partition, prep, state, trace) for n in names]
@@ -161,11 +176,12 @@ class Writer:
         topic = self._topic_of(name, outcome)
         self.metrics.writes_refused.labels(topic, why).inc()
         log.warning("%s refused the %s of %s for good: %r", topic, name, outcome.key, error)
-        if name == "review":  # a copy: the result itself is written
-            pending.discard(name)
-        elif name == "outcome" and outcome.kind == "result":
+        if name == "review" or (name == "sink" and outcome.kind != "result"):
+            pending.discard(name)  # a copy (of the result, of a dead letter): left out
+        elif name in ("outcome", "sink") and outcome.kind == "result":
             refused.append(WriteRefused(
-                f"the results topic refused the task's result ({why}): {error!r}", code=why
+                f"{topic} refused the task's {'result' if name == 'outcome' else 'sink record'}"
+                f" ({why}): {error!r}", code=why
             ))  # fmt: skip
         else:  # a dead letter or a task state the broker will not take: misconfigured
             raise error
@@ -186,6 +202,10 @@ class Writer:
             await self.store.put_state(partition, state)
         elif name == "review" and outcome.review_value is not None:
             await self._review(outcome, outcome.review_value, prep, partition, headers)
+        elif name == "sink" and (sink := outcome.sink) is not None:
+            count = self.limits.partitions.get(sink.topic, self.settings.kafka.partitions)
+            await self.send(sink.topic, sink.key, sink.value, partition_of(sink.key, count),
+                            [*headers, *sink.headers], via=partition)  # fmt: skip
 
     async def _review(
         self,
@@ -224,6 +244,8 @@ class Writer:
             return state_topic(self.settings)
         if name == "review":
             return t.review
+        if name == "sink" and outcome.sink is not None:
+            return outcome.sink.topic
         return t.results if outcome.kind == "result" else t.dead_letters
 
     async def write_or_stop(self, write: Callable[[], Awaitable[object]], what: str) -> None:

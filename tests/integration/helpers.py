@@ -121,6 +121,22 @@ class Scrape:
         return any(n == name for n, _, _ in self.samples)
 
 
+async def ready_within(worker: WorkerProcess, timeout_s: float) -> Any:
+    """`/readyz` once it answers 200 (its last answer in the failure otherwise)."""
+    deadline = time.monotonic() + timeout_s
+    code, body = 0, None
+    while time.monotonic() < deadline:
+        assert worker.alive(), worker.log_tail()
+        try:
+            code, body = await worker.probe("/readyz")
+        except OSError:  # not listening yet: still starting
+            code, body = 0, None
+        if code == 200:
+            return body
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"not ready within {timeout_s}s: {code} {body}")
+
+
 async def committed(settings: Settings) -> int:
     """Records committed by the worker's group, over all task partitions."""
     consumer = clients.consumer(settings, purpose="committed", group_id=settings.app_id,

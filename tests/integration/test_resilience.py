@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from streams.dev.simulator import SimulatorServer
-from tests.integration.helpers import Scrape, WorkerProcess, collect, produce
+from tests.integration.helpers import Scrape, WorkerProcess, collect, produce, ready_within
 
 # Slow: waits out real timeouts, windows and sessions (tens of seconds each).
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -53,18 +53,6 @@ async def _wait_for(worker: WorkerProcess, check: Any, *, timeout_s: float, what
             return last
         await asyncio.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}:\n{last.text if last else ''}")
-
-
-async def _ready_within(worker: WorkerProcess, timeout_s: float) -> Any:
-    """`/readyz` once it answers 200 (its last answer in the failure otherwise)."""
-    deadline = time.monotonic() + timeout_s
-    code, body = 0, None
-    while time.monotonic() < deadline:
-        code, body = await worker.probe("/readyz")
-        if code == 200:
-            return body
-        await asyncio.sleep(0.3)
-    raise AssertionError(f"not ready within {timeout_s}s: {code} {body}")
 
 
 def _each_task_ends_once(records: list[tuple[bytes | None, bytes | None]], got: Any) -> None:
@@ -145,7 +133,7 @@ async def test_sixty_second_outage_opens_the_breaker_and_only_probes_reach_the_p
     worker = WorkerProcess(settings, tmp_path / "worker.log").start()
     try:
         await _wait_for(worker, lambda m: True, timeout_s=60, what="the worker's web port")
-        before = await _ready_within(worker, 60)  # joined, every store loaded
+        before = await ready_within(worker, 60)  # joined, every store loaded
         simulator.sim.config.error_503_rate = 1.0  # the provider is down
         await produce(settings, records)
         await _wait_for(
@@ -161,7 +149,7 @@ async def test_sixty_second_outage_opens_the_breaker_and_only_probes_reach_the_p
         got = await collect(settings, set(), timeout_s=240, worker=worker,
                             until=lambda g: len(g.results) + len(g.dead_letters) >= len(records))  # fmt: skip
         metrics = await worker.scrape()
-        after = await _ready_within(worker, 30)
+        after = await ready_within(worker, 30)
     finally:
         worker.stop()
     assert sorted(before["partitions"]) == [0, 1, 2, 3] and before["loading"] == []

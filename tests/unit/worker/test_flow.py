@@ -4,21 +4,26 @@ prompt is made, answered once, its bad input dead-lettered once."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+import yaml
 from aiokafka.errors import MessageSizeTooLargeError
 
-from streams.contract.headers import REROUTED_FROM_HEADER
+from streams.contract.headers import REROUTED_FROM_HEADER, RESULT_KEY_HEADER
 from streams.contract.lanes import Lane
 from streams.contract.records import Source
 from streams.core.cache import ContentCache
 from streams.core.decide import Decider
 from streams.kafka.limits import WriteLimits
-from streams.kafka.routing import partition_for
+from streams.kafka.routing import partition_for, partition_of
 from streams.kafka.topics import state_topic
 from streams.observability.metrics import Metrics
+from streams.pipelines.registry import PipelineRegistry
 from streams.settings import load_settings
 from streams.store import taskstore
 from streams.store.taskstore import Kind, TaskStore
@@ -32,6 +37,8 @@ from tests.fakes import FakeLLM, answer
 GOOD = {"sentiment": "positive", "confidence": 0.9, "topics": ["quality"], "issues": [],
         "summary": "good", "language": "en"}  # fmt: skip
 PARTITIONS = 4
+SINK = "shop.comments.analysed"
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class Span:
@@ -39,8 +46,12 @@ class Span:
         self.attributes = attributes
 
 
-@pytest.fixture
-async def flow(make_processor: MakeProcessor, monkeypatch: pytest.MonkeyPatch) -> Any:
+@asynccontextmanager
+async def _flow(
+    make_processor: MakeProcessor,
+    monkeypatch: pytest.MonkeyPatch,
+    registry: PipelineRegistry | None = None,
+) -> AsyncIterator[Any]:
     async def empty(*_: Any) -> dict[Kind, int]:
         return dict.fromkeys(Kind, 0)
 
@@ -57,18 +68,41 @@ async def flow(make_processor: MakeProcessor, monkeypatch: pytest.MonkeyPatch) -
         return len(sent)
 
     store = TaskStore(settings, broker)
-    writer = Writer(settings, send=broker, store=store, eos=None, limits=WriteLimits(),
-                    metrics=Metrics(), watchdog=Watchdog(3600, lambda: ""),
+    writer = Writer(settings, send=broker, store=store, eos=None,
+                    limits=WriteLimits(partitions={SINK: 3}), metrics=Metrics(),
+                    watchdog=Watchdog(3600, lambda: ""),
                     crash=lambda exc: None)  # type: ignore[arg-type,return-value]  # fmt: skip
     llm = FakeLLM(lambda _r: answer(GOOD))
-    processor = make_processor(llm)
+    processor = make_processor(llm, registry=registry)
     decider = Decider(processor, store, ContentCache(), processor.metrics, settings.topics.results)
     store.assign(set(range(PARTITIONS)))
     flow = RecordFlow(processor, decider, store, writer, partitions=PARTITIONS,
                       sessions_bytes=1_000_000, lane_of=lambda topic: Lane.LIVE,
                       metrics=processor.metrics)  # fmt: skip
-    yield flow, sent, llm, settings, refuse
-    await store.close()
+    try:
+        yield flow, sent, llm, settings, refuse
+    finally:
+        await store.close()
+
+
+@pytest.fixture
+async def flow(make_processor: MakeProcessor, monkeypatch: pytest.MonkeyPatch) -> Any:
+    async with _flow(make_processor, monkeypatch) as made:
+        yield made
+
+
+@pytest.fixture
+async def sink_flow(
+    make_processor: MakeProcessor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Any:
+    """The shipped comment pipeline with a sink: enriched, keyed by task id, its dead
+    letters copied to a topic of its own."""
+    spec = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
+    spec["sink"] = {"topic": SINK, "dead_letters": f"{SINK}.dlq"}
+    (tmp_path / "comment-analysis.yaml").write_text(yaml.safe_dump(spec))
+    registry = PipelineRegistry.load(tmp_path, ROOT / "schemas")
+    async with _flow(make_processor, monkeypatch, registry) as made:
+        yield made
 
 
 def _record(task_id: str, partition: int, offset: int = 0, **extra: Any) -> StoredRecord:
@@ -162,3 +196,77 @@ async def test_a_result_the_broker_refuses_for_good_ends_as_the_tasks_dead_lette
     assert state["status"] == "dead_lettered"
     again, _ = await run.handle(record, source, Span())  # run again: its dead letter stands
     assert again == "already_done" and len(llm.requests) == 1
+
+
+async def test_a_sink_record_is_written_after_the_result_and_before_the_tasks_state(
+    sink_flow: Any,
+) -> None:
+    """The state, which says the record was answered, is never ahead of the sink: a run
+    killed between them writes the sink record again."""
+    run, sent, _llm, settings, _ = sink_flow
+    record = _record("t-1", _home_of("t-1"))
+    source = Source(topic="tasks", partition=record.partition, offset=0)
+    kind, outcome = await run.handle(record, source, Span())
+    assert kind == "result" and outcome is not None
+    assert [s[0] for s in sent] == [settings.topics.results, SINK, state_topic(settings)]
+    _, key, value, partition, headers = sent[1]
+    assert key == b"t-1" and partition == partition_of(b"t-1", 3)  # the sink's own count
+    enriched = orjson.loads(value)
+    assert enriched["text"] == "Great phone, works well."  # the task's input, as it came
+    assert enriched["llm"]["output"] == GOOD and enriched["llm"]["result_key"] == outcome.key
+    assert (RESULT_KEY_HEADER, outcome.key.encode()) in headers
+    again, _ = await run.handle(record, source, Span())
+    assert again == "already_done" and len(sent) == 3  # nothing written twice
+
+
+async def test_a_run_killed_after_its_result_writes_the_sink_record_then_the_state(
+    sink_flow: Any,
+) -> None:
+    run, sent, llm, settings, _ = sink_flow
+    record = _record("t-2", _home_of("t-2"))
+    source = Source(topic="tasks", partition=record.partition, offset=0)
+    await run.handle(record, source, Span())
+    result = sent[0]
+    # As if the run had been killed once its result was acked: the store holds only that.
+    await run.store.put(Kind.TASK_STATES, record.partition, b"t-2", None)
+    sent.clear()
+    kind, _outcome = await run.handle(record, source, Span())  # the record runs again
+    assert kind == "already_done" and len(llm.requests) == 1  # no second call
+    assert [s[0] for s in sent] == [SINK, state_topic(settings)]  # the result not again
+    assert orjson.loads(sent[0][2])["llm"]["result_key"] == result[1].decode()
+    assert orjson.loads(sent[1][2])["status"] == "succeeded"
+
+
+async def test_a_sink_that_refuses_the_record_for_good_makes_the_tasks_dead_letter(
+    sink_flow: Any,
+) -> None:
+    run, sent, llm, settings, refuse = sink_flow
+    refuse.add(SINK)
+    record = _record("t-3", _home_of("t-3"))
+    source = Source(topic="tasks", partition=record.partition, offset=0)
+    kind, outcome = await run.handle(record, source, Span())
+    assert kind == "dead_letter" and outcome is not None and outcome.category == "write_refused"
+    assert outcome.error is not None and SINK in outcome.error["message"]
+    topics = [s[0] for s in sent]
+    assert topics == [settings.topics.results, SINK, settings.topics.dead_letters,
+                      f"{SINK}.dlq", state_topic(settings)]  # fmt: skip
+    assert orjson.loads(sent[-1][2])["status"] == "dead_lettered"
+    again, _ = await run.handle(record, source, Span())
+    assert again == "already_done" and len(llm.requests) == 1
+
+
+async def test_bad_input_of_a_pipeline_with_a_sink_is_copied_to_its_dead_letter_topic(
+    sink_flow: Any,
+) -> None:
+    run, sent, llm, settings, refuse = sink_flow
+    record = _record("t-4", _home_of("t-4"), input={"text": 42})
+    source = Source(topic="tasks", partition=record.partition, offset=0)
+    kind, _outcome = await run.handle(record, source, Span())
+    assert kind == "dead_letter" and llm.requests == []
+    assert [s[0] for s in sent] == [settings.topics.dead_letters, f"{SINK}.dlq"]
+    assert sent[0][2] == sent[1][2] and sent[1][1] == b"t-4"
+    refuse.add(f"{SINK}.dlq")  # a copy refused for good is left out, the letter stands
+    other = _record("t-5", _home_of("t-5"), input={"text": 42})
+    kind, _ = await run.handle(other, Source(topic="tasks", partition=other.partition,
+                                             offset=1), Span())  # fmt: skip
+    assert kind == "dead_letter" and sent[-2][0] == settings.topics.dead_letters

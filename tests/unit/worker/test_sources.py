@@ -7,15 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 import orjson
 import pytest
 
+from streams.contract.records import Task
 from streams.errors import Category, StreamsError
 from streams.kafka.limits import WriteLimits
 from streams.observability.metrics import Metrics
-from streams.pipelines.sources import SourceMapper, SourceSpec
+from streams.pipelines.sinks import SinkSpec
+from streams.pipelines.sources import SourceMapper, SourceSpec, jsonable
 from streams.settings import load_settings
 from streams.worker.sources import SourceIngest
 
@@ -51,7 +54,8 @@ class Writer:
 
 
 class Processor:
-    def dead_letter(self, exc: StreamsError, raw: Any, key: Any, source: Any) -> StreamsError:
+    def dead_letter(self, exc: StreamsError, raw: Any, key: Any, source: Any,
+                    pipeline: str | None = None) -> StreamsError:  # fmt: skip
         return exc  # the dead letter's error is what the test looks at
 
 
@@ -113,3 +117,28 @@ async def test_a_bug_in_a_mapping_is_an_internal_error_dead_letter_not_a_crash(
     (dead,) = writer.dead
     assert (dead.category, dead.code) == (Category.INTERNAL_ERROR, "internal_error")
     assert "a bug" in dead.message
+
+
+async def test_a_pipeline_whose_sink_needs_the_record_gets_it_in_the_task() -> None:
+    """Its value as decoded, its key, the headers the sink carries, and where it was read:
+    what an enriched sink record is made of; a pipeline without such a sink gets none."""
+    writer = Writer()
+    sink = SinkSpec(topic="shop.reviews.analysed", key="source_key", headers=["origin"])
+    mappers = {"shop.reviews": [SourceMapper("reviews", SPEC, sink),
+                                SourceMapper("plain", SPEC)]}  # fmt: skip
+    ingest = SourceIngest(load_settings(), mappers, writer, WriteLimits(), Metrics())  # type: ignore[arg-type]
+    message = Message(change(1, 4), key=b"rev-1", headers=[("origin", b"eu"), ("x", b"y")],
+                      partition=2, offset=9)  # fmt: skip
+    await ingest.ingest(message, Processor())  # type: ignore[arg-type]
+    kept, plain = writer.forwarded
+    assert kept["source_record"] == {
+        "topic": "shop.reviews", "partition": 2, "offset": 9, "key": "rev-1",
+        "value": orjson.loads(change(1, 4)), "headers": {"origin": "eu"},
+    }  # fmt: skip
+    assert "source_record" not in plain
+    assert Task.model_validate(kept).source_record is not None  # as the contract reads it
+
+
+def test_a_decoded_record_is_kept_as_json_holds_it() -> None:
+    decoded = {"id": 7, "price": Decimal("9.99"), "raw": b"\x00\x01", 3: "three"}
+    assert jsonable(decoded) == {"id": 7, "price": "9.99", "raw": "AAE=", "3": "three"}

@@ -1,0 +1,177 @@
+"""Pipelines' sinks on real Kafka: a source topic's records come back in a topic of the
+user's, enriched with their answer and keyed as they were; a pipeline's dead letters get
+a copy of their own; with exactly-once, a SIGKILL mid-run leaves one sink record per
+task to a read_committed reader."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from aiokafka.admin import NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+from streams.contract.headers import RESULT_KEY_HEADER, SOURCE_OF_HEADER
+from streams.dev.simulator import SimulatorServer
+from streams.kafka import clients
+from streams.kafka.topics import ensure_topics
+from streams.settings import Settings
+from tests.integration.helpers import WorkerProcess, collect, produce, ready_within
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def _read(settings: Settings, topic: str, *, committed: bool = False) -> list[Any]:
+    """Every record of `topic` now, as a plain consumer of the user's reads it."""
+    consumer = clients.consumer(
+        settings, topic, purpose="sink-reader", group_id=f"sink-{uuid.uuid4().hex[:8]}",
+        auto_offset_reset="earliest", enable_auto_commit=False,
+        isolation_level="read_committed" if committed else "read_uncommitted",
+    )  # fmt: skip
+    await consumer.start()
+    try:
+        records: list[Any] = []
+        while True:
+            batch = await consumer.getmany(timeout_ms=1000)
+            if not batch:
+                return records
+            for part in batch.values():
+                records += part
+    finally:
+        await consumer.stop()
+
+
+async def _wait_for(settings: Settings, topic: str, n: int, worker: WorkerProcess,
+                    *, committed: bool = False, timeout_s: float = 180) -> list[Any]:  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert worker.alive(), worker.log_tail()
+        records = await _read(settings, topic, committed=committed)
+        if len({r.key for r in records}) >= n:
+            return records
+        await asyncio.sleep(1)
+    raise AssertionError(f"{topic}: fewer than {n} keys in time:\n{worker.log_tail()}")
+
+
+async def test_a_source_topic_comes_back_enriched_in_a_sink_keyed_as_it_was(
+    make_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    pipelines = tmp_path / "pipelines"
+    shutil.copytree(ROOT / "pipelines", pipelines)
+    suffix = uuid.uuid4().hex[:8]
+    source, sink, dlq = f"app.comments-{suffix}", f"app.comments.analysed-{suffix}", f"dlq-{suffix}"
+    text = (ROOT / "examples" / "sources" / "plain-comments.yaml").read_text()
+    text = text.replace("[app.comments]", f"[{source}]")
+    text += (f"sink:\n  topic: {sink}\n  key: source_key\n  field: analysis\n"
+             f"  headers: [origin]\n  dead_letters: {dlq}\n")  # fmt: skip
+    (pipelines / "plain-comments.yaml").write_text(text)
+    settings = make_settings(llm={"base_url": simulator.base_url, "api_key": "k",
+                                  "model": "sim-1"}, pipelines_dir=pipelines)  # fmt: skip
+    await ensure_topics(settings)
+    admin = clients.admin(settings)
+    await admin.start()
+    try:  # the user's topic, with its own partition count; the sink is left to the worker
+        await admin.create_topics([NewTopic(source, num_partitions=3, replication_factor=1)])
+    finally:
+        await admin.close()
+    comments = {f"c-{i}": {"comment": {"text": f"Love it, number {i}!"}, "shop": "s1"}
+                for i in range(24)}  # fmt: skip
+    producer = clients.producer(settings, acks="all")
+    await producer.start()
+    try:
+        for key, value in comments.items():
+            await producer.send_and_wait(source, key=key.encode(), value=orjson.dumps(value),
+                                         headers=[("origin", b"eu"), ("x", b"no")])  # fmt: skip
+        await producer.send_and_wait(source, key=b"c-bad", value=b'{"comment": {}}')
+    finally:
+        await producer.stop()
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    try:
+        await ready_within(worker, 90)  # its sink made (a reader before would auto-create it)
+        records = await _wait_for(settings, sink, len(comments), worker)
+        copies = await _wait_for(settings, dlq, 1, worker)
+        await asyncio.sleep(2)  # anything written twice would show by now
+        records = await _read(settings, sink)
+    finally:
+        worker.stop()
+
+    assert sorted(r.key.decode() for r in records) == sorted(comments)  # once each
+    for record in records:
+        value = orjson.loads(record.value)
+        original = comments[record.key.decode()]
+        assert {k: value[k] for k in original} == original  # the user's record as it was
+        assert value["analysis"]["output"]["sentiment"] and value["analysis"]["model"]
+        headers = dict(record.headers)
+        assert headers["origin"] == b"eu" and "x" not in headers  # carried by name
+        assert headers[RESULT_KEY_HEADER].decode() == value["analysis"]["result_key"]
+        assert headers[SOURCE_OF_HEADER].decode().startswith(f"{source}/")
+    (copy,) = copies
+    assert copy.key == b"c-bad" and orjson.loads(copy.value)["error"]["code"] == "source_pointer"
+    results = await collect(settings, set(), timeout_s=30, settle_s=0.5,
+                            until=lambda g: len(g.results) >= len(comments))  # fmt: skip
+    assert len(results.results) == len(comments)  # the envelopes stay in llm-results
+    admin = clients.admin(settings)
+    await admin.start()
+    try:  # made at start, compacted, with the task topics' partition count
+        (described,) = await admin.describe_topics([sink])
+        (configs,) = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, sink, {"cleanup.policy": None})]
+        )
+    finally:
+        await admin.close()
+    assert len(described["partitions"]) == settings.kafka.partitions
+    policy = {entry[0]: entry[1] for entry in configs.resources[0][4]}["cleanup.policy"]
+    assert policy == "compact"
+
+
+async def test_with_exactly_once_a_kill_mid_run_leaves_one_sink_record_per_task(
+    make_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    simulator.sim.config.latency_ms, simulator.sim.config.latency_dist = 200, "fixed"
+    pipelines = tmp_path / "pipelines"
+    shutil.copytree(ROOT / "pipelines", pipelines)
+    sink = f"comments.answers-{uuid.uuid4().hex[:8]}"
+    path = pipelines / "comment-analysis.yaml"
+    path.write_text(path.read_text() + f"sink:\n  topic: {sink}\n  shape: output\n")
+    settings = make_settings(
+        llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
+        batch={"size": 50, "concurrency": 16}, pipelines_dir=pipelines,
+        kafka={"session_timeout_s": 6, "commit_interval_s": 0.5},
+        processing_guarantee="exactly_once",
+    )  # fmt: skip
+    n = 600
+    tasks = [{"task_id": f"s-{i:04d}", "pipeline": "comment-analysis",
+              "input": {"text": f"Comment {i}: fine kettle, loud lid."}} for i in range(n)]  # fmt: skip
+    await produce(settings, [(t["task_id"].encode(), orjson.dumps(t)) for t in tasks])
+    first = WorkerProcess(settings, tmp_path / "first.log").start()
+    try:
+        deadline, done = time.monotonic() + 120, 0.0
+        while time.monotonic() < deadline and done < 100:  # killed mid-run
+            assert first.alive(), first.log_tail()
+            try:
+                done = (await first.scrape()).value("llm_streams_tasks_completed_total")
+            except OSError:  # not listening yet
+                done = 0
+            await asyncio.sleep(0.2)
+        first.kill()
+        assert 100 <= done < n  # tasks answered and written, most not yet
+    finally:
+        first.stop()
+    second = WorkerProcess(settings, tmp_path / "second.log").start()
+    try:
+        records = await _wait_for(settings, sink, n, second, committed=True, timeout_s=240)
+        await asyncio.sleep(3)
+        records = await _read(settings, sink, committed=True)
+    finally:
+        second.stop()
+    keys = [r.key.decode() for r in records]
+    assert sorted(keys) == sorted(t["task_id"] for t in tasks)  # each once, read committed
+    assert all(orjson.loads(r.value)["sentiment"] for r in records)  # the answer alone

@@ -1,0 +1,133 @@
+"""A pipeline's sink records (`core.sinks`): its result in the shape and under the key
+its users read, with its provenance; a copy of its dead letters; sized to the sink's
+topic like every record the worker writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from streams.contract.headers import RESULT_KEY_HEADER, SOURCE_OF_HEADER, TASK_ID_HEADER
+from streams.contract.records import Source, Task, ValueLimits
+from streams.core.sinks import dead_letter_record, result_record
+from streams.pipelines.registry import PipelineRegistry
+from streams.pipelines.sinks import SinkSpec
+from tests.conftest import MakeProcessor
+from tests.fakes import FakeLLM, answer
+
+ROOT = Path(__file__).resolve().parents[3]
+GOOD = {"sentiment": "negative", "confidence": 0.9, "topics": ["delivery"], "issues": [],
+        "summary": "late", "language": "en"}  # fmt: skip
+RESULT = {"task_id": "r-1", "result_key": "rk-1", "pipeline": "reviews", "prompt_version": "v1",
+          "model": "m", "output": GOOD, "cost_usd": 0.0012, "cached": False,
+          "processed_at": "2026-12-02T03:00:00.000Z", "usage": {}}  # fmt: skip
+REVIEW = {"review_id": 7, "body": "Late again.", "stars": 1}
+
+
+def _task(**kept: Any) -> Task:
+    source_record = {"topic": "shop.reviews", "partition": 2, "offset": 41, "key": "rev-7",
+                     "value": REVIEW, **kept}  # fmt: skip
+    return Task.model_validate({"task_id": "r-1", "pipeline": "reviews",
+                                "input": {"text": "Late again."},
+                                "source_record": source_record})  # fmt: skip
+
+
+def test_enriched_is_the_source_records_value_with_the_answer_and_its_provenance() -> None:
+    sink = result_record(SinkSpec(topic="out", key="source_key"), _task(), RESULT)
+    value = orjson.loads(sink.value)
+    assert {k: value[k] for k in REVIEW} == REVIEW  # the source record as it was
+    assert value["llm"]["output"] == GOOD
+    assert value["llm"]["prompt_version"] == "v1" and value["llm"]["result_key"] == "rk-1"
+    assert value["llm"]["cost_usd"] == 0.0012 and value["llm"]["model"] == "m"
+    assert (sink.topic, sink.key) == ("out", b"rev-7")  # keyed as the source was
+    headers = dict(sink.headers)
+    assert headers[RESULT_KEY_HEADER] == b"rk-1" and headers[TASK_ID_HEADER] == b"r-1"
+    assert headers[SOURCE_OF_HEADER] == b"shop.reviews/2/41"
+
+
+def test_enriched_fields_by_pointer_put_the_answer_beside_the_record() -> None:
+    spec = SinkSpec(topic="out", field="analysis",
+                    fields={"sentiment": "/sentiment", "first_topic": "/topics/0",
+                            "absent": "/no/such"})  # fmt: skip
+    value = orjson.loads(result_record(spec, _task(), RESULT).value)
+    assert (value["sentiment"], value["first_topic"], value["absent"]) == (
+        "negative", "delivery", None)  # fmt: skip
+    assert "output" not in value["analysis"] and value["analysis"]["result_key"] == "rk-1"
+
+
+def test_a_task_published_to_llm_tasks_is_enriched_from_its_input() -> None:
+    task = Task.model_validate({"task_id": "t-9", "pipeline": "reviews",
+                                "input": {"text": "Fine."}})  # fmt: skip
+    sink = result_record(SinkSpec(topic="out", key="source_key"), task, RESULT)
+    value = orjson.loads(sink.value)
+    assert value["text"] == "Fine." and value["llm"]["output"] == GOOD
+    assert sink.key == b"t-9"  # no source record: its task id
+    assert SOURCE_OF_HEADER not in dict(sink.headers)
+
+
+@pytest.mark.parametrize(("shape", "key", "value", "key_bytes"), [
+    ("envelope", "result_key", RESULT, b"rk-1"),
+    ("output", "task_id", GOOD, b"r-1"),
+])  # fmt: skip
+def test_the_envelope_and_the_answer_alone(
+    shape: str, key: str, value: dict[str, Any], key_bytes: bytes
+) -> None:
+    sink = result_record(SinkSpec(topic="out", shape=shape, key=key), _task(), RESULT)  # type: ignore[arg-type]
+    assert orjson.loads(sink.value) == value and sink.key == key_bytes
+
+
+def test_a_structured_source_key_is_its_canonical_json_and_headers_carry_by_name() -> None:
+    task = _task(key={"shop": "s1", "id": 7}, headers={"tenant": "acme"})
+    sink = result_record(SinkSpec(topic="out", key="source_key", headers=["tenant", "none"]),
+                         task, RESULT)  # fmt: skip
+    assert sink.key == b'{"id":7,"shop":"s1"}'
+    assert dict(sink.headers)["tenant"] == b"acme" and "none" not in dict(sink.headers)
+
+
+def test_a_dead_letter_is_copied_only_to_a_topic_of_the_pipelines_own() -> None:
+    assert dead_letter_record(SinkSpec(topic="out"), "r-1", b"{}") is None
+    copy = dead_letter_record(SinkSpec(topic="out", dead_letters="out.dlq"), "r-1", b"{}")
+    assert copy is not None and (copy.topic, copy.key, copy.value) == ("out.dlq", b"r-1", b"{}")
+
+
+@pytest.mark.parametrize("spec", [
+    {"topic": "out", "shape": "output", "field": "x"},  # field is the enriched shape's
+    {"topic": "out", "fields": {"s": "sentiment"}},  # not a pointer
+    {"topic": "out", "fields": {"llm": "/sentiment"}},  # over the provenance's field
+    {"topic": "out", "dead_letters": "out"},
+    {"topic": "out", "format": "xml"},
+    {"topic": "out", "keyy": "task_id"},
+])  # fmt: skip
+def test_a_sink_spec_that_cannot_be_meant_is_refused(spec: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        SinkSpec.model_validate(spec)
+
+
+def _registry(tmp_path: Path, sink: dict[str, Any]) -> PipelineRegistry:
+    spec = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
+    (tmp_path / "comment-analysis.yaml").write_text(yaml.safe_dump({**spec, "sink": sink}))
+    return PipelineRegistry.load(tmp_path, ROOT / "schemas")
+
+
+async def test_a_sink_record_over_its_topics_limit_makes_the_task_a_dead_letter(
+    tmp_path: Path, make_processor: MakeProcessor
+) -> None:
+    registry = _registry(tmp_path, {"topic": "small", "dead_letters": "small.dlq"})
+    processor = make_processor(FakeLLM(lambda _r: answer(GOOD)), registry=registry,
+                               limits=ValueLimits(others={"small": 300}))  # fmt: skip
+    task = {"task_id": "t-1", "pipeline": "comment-analysis",
+            "input": {"text": "Arrived late, works great."}}  # fmt: skip
+    out = await processor.process(orjson.dumps(task), b"t-1", Source(topic="t", partition=0,
+                                                                      offset=1))  # fmt: skip
+    assert out.kind == "dead_letter" and out.error is not None
+    assert out.error["code"] == "sink_too_large" and "small takes" in out.error["message"]
+    assert out.sink is not None and out.sink.topic == "small.dlq"  # its copy, for the pipeline
+    fits = make_processor(FakeLLM(lambda _r: answer(GOOD)), registry=registry)
+    ok = await fits.process(orjson.dumps(task), b"t-1", Source(topic="t", partition=0, offset=2))
+    assert ok.kind == "result" and ok.sink is not None and ok.sink.topic == "small"
+    assert orjson.loads(ok.sink.value)["llm"]["output"]["sentiment"] == GOOD["sentiment"]
