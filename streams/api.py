@@ -44,7 +44,7 @@ from streams.core.processor import TaskProcessor
 from streams.errors import ConfigError, TaskError
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
-from streams.pipelines.sources import Skipped
+from streams.pipelines.sources import Erase, Skipped
 from streams.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -183,10 +183,12 @@ class Analyzer:
         timestamp: float | None = None,
         source: Source | None = None,
         lane: Lane = Lane.LIVE,
-    ) -> Outcome | Skipped:
+    ) -> Outcome | Skipped | Erase:
         """A record of one of `pipeline`'s source topics (its `source:` mapping, decoded
         with the schema registry if the source says so) answered; or why it is skipped
-        (its filter, a tombstone). A record that cannot be mapped is a dead letter."""
+        (its filter, a tombstone); or, for a source with `erase:`, the task a delete
+        upstream deletes (what the caller keeps of it is the caller's to erase). A record
+        that cannot be mapped is a dead letter."""
         mapper = self.registry.get(pipeline).source
         if mapper is None:
             raise ConfigError(f"pipeline {pipeline} declares no `source:` mapping")
@@ -194,7 +196,7 @@ class Analyzer:
         [(_, task)] = await self.reader.tasks([mapper], value, key, headers, timestamp)
         if isinstance(task, TaskError):
             return self.processor.dead_letter(task, value, key, source)
-        if isinstance(task, Skipped):
+        if isinstance(task, Skipped | Erase):
             return task
         task_key = str(task["task_id"]).encode()
         return await self._answer(orjson.dumps(task), task_key, source, lane)

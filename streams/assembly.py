@@ -19,7 +19,7 @@ from streams.errors import ConfigError, InternalError, InvalidInput, TaskError
 from streams.llm.openai_client import OpenAIClient
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
-from streams.pipelines.sources import Skipped, SourceMapper
+from streams.pipelines.sources import Erase, Skipped, SourceMapper
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.limiter import GroupShare, RateLimiter
 from streams.resilience.pool import ClientPool
@@ -27,6 +27,9 @@ from streams.schema_registry import RecordDecoder, RegistryClient
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# What one mapping makes of a source record.
+Mapped = dict[str, Any] | Skipped | Erase | TaskError
 
 
 def uses_registry(mapper: SourceMapper) -> bool:
@@ -51,16 +54,17 @@ class SourceReader:
         key: bytes | None,
         headers: Headers | None = None,
         timestamp: float | None = None,
-    ) -> list[tuple[SourceMapper, dict[str, Any] | Skipped | TaskError]]:
+    ) -> list[tuple[SourceMapper, Mapped]]:
         """Per mapper: the task, why the record is skipped, or why it cannot be mapped
         (`InvalidInput`; a bug of the mapping is an `InternalError`: either way the
         record's dead letter, never the caller's crash)."""
         decoded: dict[str, Any] = {}  # "value" / "key" -> decoded, or the InvalidInput
-        out: list[tuple[SourceMapper, dict[str, Any] | Skipped | TaskError]] = []
+        out: list[tuple[SourceMapper, Mapped]] = []
         for mapper in mappers:
             try:
-                if value is None:
-                    task: dict[str, Any] | Skipped = Skipped("tombstone")
+                task: dict[str, Any] | Skipped | Erase
+                if value is None and mapper.spec.erase is None:
+                    task = Skipped("tombstone")
                 elif uses_registry(mapper):
                     task = await self._map_decoded(mapper, value, key, headers, timestamp,
                                                    decoded)  # fmt: skip
@@ -80,14 +84,17 @@ class SourceReader:
     async def _map_decoded(
         self,
         mapper: SourceMapper,
-        value: bytes,
+        value: bytes | None,
         key: bytes | None,
         headers: Headers | None,
         timestamp: float | None,
         decoded: dict[str, Any],
-    ) -> dict[str, Any] | Skipped:
+    ) -> dict[str, Any] | Skipped | Erase:
         spec = mapper.spec
-        if spec.format == "registry":
+        document: Any = None  # a tombstone (with `erase:`): the key alone says what
+        if value is None:
+            pass
+        elif spec.format == "registry":
             document = await self._decoded(decoded, "value", value)
         else:
             try:

@@ -40,6 +40,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import fastavro
@@ -60,6 +61,11 @@ _MAX_REFERENCE_DEPTH = 16
 
 class UnknownSchema(Exception):
     """The registry answered that it has no such schema."""
+
+
+async def _said(reply: aiohttp.ClientResponse) -> str:
+    """The start of what the registry answered, for a message."""
+    return (await reply.text())[:200]
 
 
 class RegistryRefused(Exception):
@@ -187,6 +193,33 @@ class RegistryClient:
                         why, wait)  # fmt: skip
             await asyncio.sleep(wait)
             wait = min(wait * 2, self.settings.retry_max_s)
+
+    async def register(self, subject: str, schema: dict[str, Any], kind: str = "JSON") -> int:
+        """The id of `schema` under `subject`, registered when it is new there. Raises
+        RegistryRefused when the subject's compatibility rule refuses it (with what the
+        registry said), aiohttp.ClientError or TimeoutError when the registry is away."""
+        body = {"schema": orjson.dumps(schema).decode(), "schemaType": kind}
+        session = self._session_now()
+        base = f"{self.url}/compatibility/subjects/{quote(subject, safe='')}/versions/latest"
+        async with session.post(base + "?verbose=true", json=body) as reply:
+            if reply.status == 200:
+                found = await reply.json(content_type=None)
+                if isinstance(found, dict) and found.get("is_compatible") is False:
+                    why = "; ".join(map(str, found.get("messages") or [])) or "incompatible"
+                    raise RegistryRefused(f"{subject}: the registry's compatibility rule "
+                                          f"refuses the new schema: {why[:500]}")  # fmt: skip
+            elif reply.status != 404:  # 404: no version yet, nothing to be compatible with
+                raise RegistryRefused(
+                    f"{subject}: HTTP {reply.status}: {(await reply.text())[:200]}"
+                )
+        versions = f"{self.url}/subjects/{quote(subject, safe='')}/versions"
+        async with session.post(versions, json=body) as reply:
+            answer = await reply.json(content_type=None) if reply.status == 200 else None
+            if not isinstance(answer, dict) or not isinstance(answer.get("id"), int):
+                raise RegistryRefused(
+                    f"{subject}: HTTP {reply.status}: {(await reply.text())[:200]}"
+                )
+            return int(answer["id"])
 
     async def check(self) -> None:
         """One request, no retry: the registry answers with these credentials. Raises

@@ -44,6 +44,32 @@ def publish(source: Any, pipeline: str, topic: str | None) -> None:
 
 
 @cli.command()
+@click.option("--task-id", "task_ids", multiple=True, required=True, help="A task to erase.")
+@click.option("--pipeline", required=True, help="The pipeline the tasks belong to.")
+@click.option("--source-key", default=None,
+              help="The source record's key, for a sink keyed by it (one task only).")  # fmt: skip
+def erase(task_ids: tuple[str, ...], pipeline: str, source_key: str | None) -> None:
+    """Erase tasks' answers for a deletion request: their results (every prompt version's),
+    dead letters, states, review copies and sink records get tombstones. The workers that
+    own their partitions write them; compaction removes the data later, on the topics'
+    schedule."""
+    from streams.kafka.publisher import TaskPublisher
+
+    if source_key is not None and len(task_ids) > 1:
+        raise click.UsageError("--source-key names one task's source record: give one --task-id")
+    settings = settings_or_exit()
+    pipeline_or_exit(settings, pipeline, "erase")
+
+    async def send() -> None:
+        async with TaskPublisher(settings) as publisher:
+            for task_id in task_ids:
+                await publisher.erase(task_id, pipeline, source_key)
+
+    on_kafka(settings, send())
+    click.echo(f"asked to erase {len(task_ids)} task(s) of {pipeline}", err=True)
+
+
+@cli.command()
 @click.argument("topic")
 @click.option("--from-beginning", is_flag=True, help="Start at the earliest offset.")
 @click.option("--max", "max_records", type=int, default=0, help="Stop after N records.")

@@ -14,6 +14,9 @@ REROUTED_FROM_HEADER = "llm-streams-rerouted-from"  # where a misrouted record c
 SOURCE_OF_HEADER = "llm-streams-source-of"  # topic/partition/offset a mapped task came from
 RESULT_KEY_HEADER = "llm-streams-result-key"  # a sink record's answer, by its result key
 TASK_ID_HEADER = "llm-streams-task-id"  # a sink record's task
+# On a record of the task topics: not a task, a request to erase one (`EraseRequest`);
+# its value says who asked: "source" (a delete upstream) or "command" (`llm-streams erase`).
+ERASE_HEADER = "llm-streams-erase"
 
 
 # A record's headers as read: a value may be None (a header without a value).

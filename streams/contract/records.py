@@ -43,6 +43,18 @@ class SourceRecord(_Record):
     )
 
 
+class EraseRequest(_Record):
+    """A record of the task topics with the `llm-streams-erase` header: not a task, the
+    request to erase one — its results, dead letter, state, review and sink records —
+    on its partition (a delete upstream, or `llm-streams erase`)."""
+
+    task_id: str = Field(min_length=1, max_length=512)
+    pipeline: str = Field(min_length=1, max_length=128)
+    source_key: Any = Field(
+        None, description="The source record's key (a sink keyed by it is erased under it)."
+    )
+
+
 class Task(_Record):
     """An input record: one unit of LLM work, keyed by task_id."""
 

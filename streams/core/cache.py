@@ -32,6 +32,10 @@ class ContentCache:
         while len(self._done) > self.max_entries:
             self._done.popitem(last=False)
 
+    def forget(self, key: str) -> None:
+        """An answer erased (its input was deleted upstream): not handed out again."""
+        self._done.pop(key, None)
+
     async def shared(
         self, key: str, call: Callable[[], Awaitable[tuple[Any, tuple[dict[str, Any], str] | None]]]
     ) -> tuple[Any, bool]:

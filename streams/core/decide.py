@@ -54,6 +54,7 @@ class Ended(StrEnum):
     REROUTED = "rerouted"  # forwarded to its task's partition, answered there
     PARKED = "parked"  # waits in a batch, durably in the ledger (`core.batch.parking`)
     RELEASED = "released"  # its partition is another worker's now: its owner runs it
+    ERASED = "erased"  # an erase request (`EraseRequest`): its task's answers erased
 
     @classmethod
     def of(cls, outcome: Outcome) -> Ended:

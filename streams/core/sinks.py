@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from streams.contract.headers import RESULT_KEY_HEADER, SOURCE_OF_HEADER, TASK_ID_HEADER
+from streams.errors import ConfigError
 from streams.pipelines.sinks import SinkSpec
 from streams.pipelines.sources import pointer_get
 
 if TYPE_CHECKING:
     from streams.contract.records import Task
 
+DRAFT = "https://json-schema.org/draft/2020-12/schema"
 # The provenance an enriched record carries beside the answer, from the result record.
 PROVENANCE = ("task_id", "result_key", "pipeline", "prompt_version", "model", "cost_usd",
               "cached", "processed_at")  # fmt: skip
@@ -45,6 +47,51 @@ def result_record(spec: SinkSpec, task: Task, result: dict[str, Any]) -> SinkRec
                       orjson.dumps(value), _headers(spec, task, result))  # fmt: skip
 
 
+def value_schema(spec: SinkSpec, output_schema: dict[str, Any]) -> dict[str, Any]:
+    """The JSON Schema of the sink's values, from the pipeline's output schema: the answer
+    alone, the result record, or an enriched record (the source record's own fields are
+    whatever they are; the answer, its provenance and `fields` are said)."""
+    from streams.contract.records import contract_schemas
+
+    if spec.shape == "output":
+        return {**output_schema, "$schema": DRAFT}
+    if spec.shape == "envelope":
+        result = contract_schemas()["result.schema.json"]
+        return {**result, "$schema": DRAFT,
+                "properties": {**result["properties"], "output": _bare(output_schema)}}  # fmt: skip
+    provenance: dict[str, Any] = {
+        "task_id": {"type": "string"}, "result_key": {"type": "string"},
+        "pipeline": {"type": "string"}, "prompt_version": {"type": "string"},
+        "model": {"type": "string"}, "cost_usd": {"type": "number", "minimum": 0},
+        "cached": {"type": "boolean"}, "processed_at": {"type": "string"},
+    }  # fmt: skip
+    if not spec.fields:
+        provenance["output"] = _bare(output_schema)
+    answer = {"type": "object", "properties": provenance, "required": sorted(provenance)}
+    schema: dict[str, Any] = {
+        "$schema": DRAFT,
+        "title": f"{spec.topic} value",
+        "type": "object",
+        "properties": {spec.field: answer},
+        "required": [spec.field],
+        "additionalProperties": True,  # the source record's fields, as they come
+    }
+    for name in spec.fields:  # what a pointer finds, or null when the answer has none
+        schema["properties"][name] = {}
+    return schema
+
+
+def _bare(schema: dict[str, Any]) -> dict[str, Any]:
+    """A schema to nest in another: without its own `$schema` and `$id`; one that refers to
+    its own definitions cannot be nested as it is (its `$ref`s are its root's)."""
+    if "$defs" in schema or "definitions" in schema:
+        raise ConfigError(
+            "a sink with format json_schema needs an output schema without $defs (its "
+            "references would not resolve nested in the record's)"
+        )
+    return {k: v for k, v in schema.items() if k not in ("$schema", "$id")}
+
+
 def dead_letter_record(spec: SinkSpec, key: str, letter: bytes) -> SinkRecord | None:
     """The copy of a dead letter (`key`: its key in the dead-letter topic, its task id)
     for the pipeline's own dead-letter topic, if it has one."""
@@ -72,16 +119,36 @@ def _enriched(spec: SinkSpec, task: Task, result: dict[str, Any]) -> dict[str, A
     return record
 
 
+def erased(
+    spec: SinkSpec, task_id: str, source_key: Any, result_keys: list[str]
+) -> list[tuple[str, bytes]]:
+    """Where a task's sink records are (topic, key), to erase them: under each of its
+    result keys, or its one key; and its dead letter's copy."""
+    if spec.key == "result_key":
+        found = [(spec.topic, key.encode()) for key in result_keys]
+    elif spec.key == "source_key" and source_key is not None:
+        found = [(spec.topic, _key_bytes(source_key))]
+    else:
+        found = [(spec.topic, task_id.encode())]
+    if spec.dead_letters is not None:
+        found.append((spec.dead_letters, task_id.encode()))
+    return found
+
+
 def _key(spec: SinkSpec, task: Task, result_key: str) -> bytes:
     if spec.key == "result_key":
         return result_key.encode()
     kept = task.source_record
     if spec.key == "source_key" and kept is not None and kept.key is not None:
-        key = kept.key
-        if isinstance(key, str):
-            return key.encode()
-        return orjson.dumps(key, option=orjson.OPT_SORT_KEYS)
+        return _key_bytes(kept.key)
     return task.task_id.encode()
+
+
+def _key_bytes(key: Any) -> bytes:
+    """A source record's key as a sink record's: its text, or a structure's canonical JSON."""
+    if isinstance(key, str):
+        return key.encode()
+    return orjson.dumps(key, option=orjson.OPT_SORT_KEYS)
 
 
 def _headers(spec: SinkSpec, task: Task, result: dict[str, Any]) -> tuple[tuple[str, bytes], ...]:
@@ -99,4 +166,4 @@ def _headers(spec: SinkSpec, task: Task, result: dict[str, Any]) -> tuple[tuple[
     return tuple(headers)
 
 
-__all__ = ["SinkRecord", "dead_letter_record", "result_record"]
+__all__ = ["SinkRecord", "dead_letter_record", "erased", "result_record", "value_schema"]

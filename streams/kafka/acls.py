@@ -130,6 +130,7 @@ def command_acls(settings: Settings) -> dict[str, list[Acl]]:
             Acl("topic", t.tasks, write, why="the tasks it re-queues"),
         ],
         "status": [state],
+        "erase": [Acl("topic", t.tasks, write, why="the erase requests it sends")],
         "budget": [Acl("topic", budgets_topic(settings), own, why="the spend caps it sets")],
     }
 

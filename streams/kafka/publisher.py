@@ -10,7 +10,8 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from streams.contract.records import Task
+from streams.contract.headers import ERASE_HEADER
+from streams.contract.records import EraseRequest, Task
 from streams.errors import InvalidInput
 from streams.kafka import clients
 from streams.observability.tracing import headers_for
@@ -73,6 +74,19 @@ class TaskPublisher:
         if wait:
             await fut
         return task
+
+    async def erase(
+        self, task_id: str, pipeline: str, source_key: Any = None, *, via: str = "command"
+    ) -> None:
+        """Ask the workers to erase a task: its results, dead letter, state, review copies
+        and sink records (a deletion request: the answers quote its input). Sent to its
+        partition of the tasks topic with the `llm-streams-erase` header; the worker that
+        owns the partition writes the tombstones."""
+        request = EraseRequest(task_id=task_id, pipeline=pipeline, source_key=source_key)
+        await (await self._producer.send(
+            self.topic, key=task_id.encode(), value=request.model_dump_json().encode(),
+            headers=[(ERASE_HEADER, via.encode())],
+        ))  # fmt: skip
 
     async def publish_raw(self, key: bytes | None, value: bytes | None) -> None:
         """Send bytes as they are (tests and redrives of records that fail the contract)."""

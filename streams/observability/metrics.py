@@ -124,8 +124,15 @@ class Metrics:
         self.source_records = Counter(
             "llm_streams_source_records",
             "Records of source topics (pipelines' `source:`): forwarded (as a task to "
-            "llm-tasks), skipped (not for the pipeline: its filter, a tombstone) or "
-            "dead_letter (could not be mapped).", ["pipeline", "outcome"],
+            "llm-tasks), skipped (not for the pipeline: its filter, a tombstone), erased (a "
+            "delete upstream: its task's answers erased) or dead_letter (could not be "
+            "mapped).", ["pipeline", "outcome"],
+            registry=r)  # fmt: skip
+        self.erasures = Counter(
+            "llm_streams_erasures",
+            "Tasks whose answers were erased (results, dead letter, state, review and sink "
+            "records): by a delete upstream (via=source) or by `llm-streams erase` "
+            "(via=command).", ["pipeline", "via"],
             registry=r)  # fmt: skip
         self.schema_lookups = Counter(
             "llm_streams_schema_lookups",

@@ -39,7 +39,13 @@ class SinkSpec(BaseModel):
         description="enriched: top-level fields set from the answer by JSON pointer "
         "(`sentiment: /sentiment`); with them, `field` holds the provenance alone.",
     )
-    format: Literal["json"] = Field("json", description="The value's encoding.")
+    format: Literal["json", "json_schema"] = Field(
+        "json",
+        description="json: the value as JSON; json_schema: JSON in the schema registry's "
+        "wire format, under a schema derived from the pipeline's output schema, registered "
+        "under `<topic>-value` at start (a change the subject's compatibility refuses stops "
+        "the start, said).",
+    )
     headers: list[str] = Field(
         default_factory=list,
         description="Headers of the source record carried over to the sink record, by "

@@ -48,6 +48,24 @@ from streams.pipelines.jinja import ENV, over_record
 from streams.pipelines.sinks import SinkSpec
 
 
+class EraseSpec(BaseModel):
+    """Which source records are deletes upstream (a Debezium delete, a tombstone), and the
+    task each one deletes: its answers are erased wherever the worker wrote them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    when: str = Field(
+        min_length=1,
+        description="A Jinja expression over value (null for a tombstone), key, headers "
+        "and timestamp: true when the record deletes its task.",
+    )
+    task_id: str | None = Field(
+        None,
+        description="The deleted task's id, a Jinja template like the source's (a delete "
+        "event has no `after`); none: the source's own task_id rule.",
+    )
+
+
 class SourceSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -58,6 +76,7 @@ class SourceSpec(BaseModel):
     prompt_version: str | None = None
     format: Literal["json", "registry"] = "json"
     key_format: Literal["raw", "registry"] = "raw"
+    erase: EraseSpec | None = None
 
     @field_validator("task_id")
     @classmethod
@@ -89,6 +108,14 @@ class Skipped:
     """A record that is not for this pipeline."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class Erase:
+    """A record that deletes its task upstream: the task's answers are to be erased."""
+
+    task_id: str
+    key: Any  # the source record's key (a sink keyed by it is erased under it)
 
 
 def pointer_get(document: Any, pointer: str) -> Any:
@@ -139,6 +166,9 @@ class SourceMapper:
                 name: expr if expr.startswith("/") else ENV.from_string(expr)
                 for name, expr in spec.slots.items()
             }
+            erase = spec.erase
+            self._erase_when = ENV.compile_expression(erase.when) if erase else None
+            self._erase_id = ENV.from_string(erase.task_id) if erase and erase.task_id else None
         except TemplateError as exc:
             raise ConfigError(f"pipeline {pipeline}: source: {exc}") from exc
 
@@ -148,11 +178,13 @@ class SourceMapper:
         key: bytes | None,
         headers: Headers | None = None,
         timestamp: float | None = None,
-    ) -> dict[str, Any] | Skipped:
-        """The task (record contract v1) a record maps to, or why it is skipped. Raises
-        InvalidInput when it cannot be mapped."""
+    ) -> dict[str, Any] | Skipped | Erase:
+        """The task (record contract v1) a record maps to, why it is skipped, or the task
+        it deletes. Raises InvalidInput when it cannot be mapped."""
         if value is None:
-            return Skipped("tombstone")
+            if self._erase_when is None:
+                return Skipped("tombstone")
+            return self.map(None, key, headers, timestamp)
         try:
             document = orjson.loads(value)
         except orjson.JSONDecodeError as exc:
@@ -165,9 +197,10 @@ class SourceMapper:
         key: bytes | Any,
         headers: Headers | None = None,
         timestamp: float | None = None,
-    ) -> dict[str, Any] | Skipped:
+    ) -> dict[str, Any] | Skipped | Erase:
         """The task a decoded record maps to (`task` after its JSON parse; the sources'
-        ingest after a registry decode). `key`: the raw key, or the decoded one."""
+        ingest after a registry decode), or the task it deletes. `key`: the raw key, or
+        the decoded one; `document` None: a tombstone."""
         scope = {
             "value": document,
             "key": key.decode(errors="replace") if isinstance(key, bytes) else key,
@@ -175,6 +208,13 @@ class SourceMapper:
             "headers": {k: _text(v) for k, v in headers or ()},
             "timestamp": timestamp,
         }
+        if self._erase_when is not None:
+            with over_record("source erase.when", "source_erase"):
+                deletes = bool(self._erase_when(**scope))
+            if deletes:
+                return Erase(self._erased_id(document, key, scope), scope["key"])
+            if document is None:
+                return Skipped("tombstone")
         if self._filter is not None:
             with over_record("source filter", "source_filter"):
                 wanted = bool(self._filter(**scope))
@@ -196,6 +236,16 @@ class SourceMapper:
                 "headers": {k: v for k, v in scope["headers"].items() if k in kept},
             }
         return task
+
+    def _erased_id(self, document: Any, key: bytes | Any, scope: dict[str, Any]) -> str:
+        """The id of the task a delete deletes: by `erase.task_id`, else the source's rule."""
+        if self._erase_id is None:
+            return self._task_id(document, key, scope)
+        with over_record("source erase.task_id", "source_erase"):
+            task_id = self._erase_id.render(**scope).strip()
+        if not task_id:
+            raise InvalidInput("source erase.task_id is empty", code="source_erase")
+        return task_id
 
     def _task_id(self, document: Any, key: bytes | Any, scope: dict[str, Any]) -> str:
         how = self.spec.task_id

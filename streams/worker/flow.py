@@ -25,6 +25,7 @@ from typing import Any
 
 from streams.contract.headers import (
     BACKTRACK_HEADER,
+    ERASE_HEADER,
     FORCE_HEADER,
     REPLAY_OF_HEADER,
     REROUTED_FROM_HEADER,
@@ -32,11 +33,13 @@ from streams.contract.headers import (
     header_items,
 )
 from streams.contract.lanes import Lane, Tier
-from streams.contract.records import Source, json_object
+from streams.contract.records import EraseRequest, Source, json_object
 from streams.core.decide import Asked, Decider, Decision, Ended
 from streams.core.outcome import Outcome, Prepared
 from streams.core.processor import TaskProcessor
 from streams.core.sessions import has_turn
+from streams.core.sinks import erased
+from streams.errors import InvalidInput
 from streams.kafka.routing import partition_for
 from streams.observability.metrics import Metrics
 from streams.store.taskstore import Kind, TaskStore
@@ -110,6 +113,9 @@ class RecordFlow:
         already_done: an earlier run wrote it, rerouted: forwarded to its task's partition)
         and the outcome written (None when nothing was)."""
         processor, decider = self.processor, self.decider
+        via = header(message, ERASE_HEADER)
+        if via is not None:  # not a task: the request to erase one
+            return await self._erase(message, source, via.decode(errors="replace"))
         # 2. route: its home, read from the record as it is (its prompt is its home's work)
         route = processor.route_of(message.value)
         if route is not None:
@@ -216,6 +222,35 @@ class RecordFlow:
             return Ended.ALREADY_DONE, None
         await self.writer.deliver(letter, source.partition)
         return Ended.of(letter), letter
+
+    async def _erase(self, message: Any, source: Source, via: str) -> tuple[Ended, Outcome | None]:
+        """Erase a task on its partition (forwarded there when it is not this one): its
+        results under every result key its state knows, their review copies, its dead
+        letter, its records in its pipeline's sink, then its state. Counted."""
+        try:
+            request = EraseRequest.model_validate_json(message.value or b"")
+        except ValueError as exc:
+            bad = InvalidInput(f"erase request is not one: {exc}", code="bad_erase_request")
+            return await self.dead_here(
+                self.processor.dead_letter(bad, message.value, message.key, source), source
+            )
+        home = partition_for(request.task_id, self.partitions)
+        if home != source.partition:
+            await self._reroute(message, source, home, request.task_id)
+            return Ended.REROUTED, None
+        state = self.store.state(home, request.task_id)
+        keys = [] if state is None else sorted(
+            {k for k in [state.result_key, *(h.result_key for h in state.history)] if k}
+        )  # fmt: skip
+        spec = self.processor.registry.sink_of(request.pipeline)
+        sinks = [] if spec is None else erased(spec, request.task_id, request.source_key, keys)
+        await self.writer.erase(request.task_id, home, keys, sinks)
+        if state is not None and state.input_hash:  # nor handed to an identical input
+            self.decider.cache.forget(state.input_hash)
+        self.metrics.erasures.labels(request.pipeline, via).inc()
+        log.info("task %s of %s erased (asked by %s): %d result(s), its state, dead letter "
+                 "and sink records", request.task_id, request.pipeline, via, len(keys))  # fmt: skip
+        return Ended.ERASED, None
 
     async def _reroute(self, message: Any, source: Source, home: int, task_id: str) -> None:
         """Forward a record to the partition its task (or its session) maps to, keyed by

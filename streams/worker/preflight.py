@@ -86,13 +86,17 @@ def banner(settings: Settings, registry: PipelineRegistry, seen: Preflight) -> l
         for name, p in sorted(registry.pipelines.items())
     )
     host = "127.0.0.1" if settings.web_bind in ("0.0.0.0", "::") else settings.web_bind
+    sources = sorted(registry.sources())
+    sinks = sorted(registry.sinks())
     return [
         f"llm-streams worker {settings.app_id}: Kafka {settings.kafka.broker_url}, "
         f"{settings.processing_guarantee}",
         f"  LLM {seen.endpoint}{server}, model {llm.model}, window {window}{slots}",
         f"  pipelines: {pipelines}",
-        f"  reads {t.tasks} (live), {t.replay} (replay); writes {t.results}, "
-        f"{t.dead_letters}, {t.review}",
+        f"  reads {t.tasks} (live), {t.replay} (replay)"
+        + (f", sources {', '.join(sources)}" if sources else "")
+        + f"; writes {t.results}, {t.dead_letters}, {t.review}"
+        + (f", sinks {', '.join(sinks)}" if sinks else ""),
         f"  store {settings.store} in {settings.data_dir}",
         f"  status http://{host}:{settings.web_port}/status (metrics /metrics)",
     ]

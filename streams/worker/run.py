@@ -30,9 +30,10 @@ T = TypeVar("T")
 def run_worker(settings: Settings) -> None:
     from streams.kafka.limits import read_limits
     from streams.kafka.security import preflight
-    from streams.kafka.topics import ensure_sinks, ensure_topics, written_topics
+    from streams.kafka.topics import ensure_topics, written_topics
     from streams.pipelines.registry import PipelineRegistry
     from streams.worker.app import create_app
+    from streams.worker.sinks import prepare_sinks
     from streams.worker.sources import check_sources
 
     loop = _new_loop()
@@ -44,14 +45,14 @@ def run_worker(settings: Settings) -> None:
         # why not), the topics exist, co-partitioned with the task store.
         await preflight(settings)
         await ensure_topics(settings, written_topics(settings))
-        sinks = await ensure_sinks(settings, registry.sinks(), list(registry.sources()))
+        sinks = await prepare_sinks(settings, registry)
         if settings.processing_guarantee == "exactly_once":
             from streams.worker.eos import check_transactions
 
             await check_transactions(settings)  # or a clear ConfigError
-        limits = await read_limits(settings, [*written_topics(settings), *sinks])
+        limits = await read_limits(settings, [*written_topics(settings), *sinks.partitions])
         await check_sources(settings, registry.sources())
-        return replace(limits, partitions=sinks)
+        return replace(limits, partitions=sinks.partitions, schema_ids=sinks.schema_ids)
 
     limits = loop.run_until_complete(while_kafka_away(checks, settings.kafka.startup_wait_s))
     from streams.worker.preflight import banner, llm_preflight

@@ -22,15 +22,15 @@ import aiohttp
 import orjson
 
 from streams.assembly import SourceReader, uses_registry
-from streams.contract.headers import SOURCE_OF_HEADER, header_items
-from streams.contract.records import Source
+from streams.contract.headers import ERASE_HEADER, SOURCE_OF_HEADER, header_items
+from streams.contract.records import EraseRequest, Source
 from streams.core.processor import TaskProcessor
 from streams.errors import ConfigError, InvalidInput, TaskError
 from streams.kafka import clients
 from streams.kafka.limits import WriteLimits
 from streams.kafka.routing import partition_for
 from streams.observability.metrics import Metrics
-from streams.pipelines.sources import Skipped, SourceMapper
+from streams.pipelines.sources import Erase, Skipped, SourceMapper, jsonable
 from streams.schema_registry import RegistryClient, RegistryRefused
 from streams.settings import Settings
 from streams.worker.writer import Writer
@@ -78,6 +78,10 @@ class SourceIngest:
                 if isinstance(task, Skipped):
                     self.metrics.source_records.labels(mapper.pipeline, "skipped").inc()
                     continue
+                if isinstance(task, Erase):
+                    await self._erase(task, mapper.pipeline, where)
+                    self.metrics.source_records.labels(mapper.pipeline, "erased").inc()
+                    continue
                 if isinstance(kept := task.get("source_record"), dict):  # for the sink
                     kept.update(topic=source.topic, partition=source.partition,
                                 offset=source.offset)  # fmt: skip
@@ -100,6 +104,21 @@ class SourceIngest:
 
             await self.writer.write_or_stop(forward, what=f"the task mapped from {where}")
             count.inc()
+
+    async def _erase(self, erase: Erase, pipeline: str, where: str) -> None:
+        """A delete upstream: the request to erase its task, to the task's partition."""
+        request = EraseRequest(task_id=erase.task_id, pipeline=pipeline,
+                               source_key=jsonable(erase.key))  # fmt: skip
+        home = partition_for(erase.task_id, self.settings.kafka.partitions)
+        value = request.model_dump_json().encode()
+
+        def forward() -> Awaitable[int]:
+            return self.writer.send(
+                self.settings.topics.tasks, erase.task_id.encode(), value, home,
+                [(ERASE_HEADER, b"source"), (SOURCE_OF_HEADER, where.encode())],
+            )  # fmt: skip
+
+        await self.writer.write_or_stop(forward, what=f"the erasure asked by {where}")
 
     async def _dead_letter(
         self,

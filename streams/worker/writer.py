@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
+from functools import partial
 from typing import Any, NoReturn
 
 from aiokafka.errors import KafkaError
@@ -204,7 +205,11 @@ class Writer:
             await self._review(outcome, outcome.review_value, prep, partition, headers)
         elif name == "sink" and (sink := outcome.sink) is not None:
             count = self.limits.partitions.get(sink.topic, self.settings.kafka.partitions)
-            await self.send(sink.topic, sink.key, sink.value, partition_of(sink.key, count),
+            value = sink.value
+            schema_id = self.limits.schema_ids.get(sink.topic)
+            if schema_id is not None:  # the registry's wire format: 0, the id, the body
+                value = b"\x00" + schema_id.to_bytes(4, "big") + value
+            await self.send(sink.topic, sink.key, value, partition_of(sink.key, count),
                             [*headers, *sink.headers], via=partition)  # fmt: skip
 
     async def _review(
@@ -237,6 +242,39 @@ class Writer:
             return self.store.put_state(partition, state)
 
         await self._or_stop(write, f"the state of {state.task_id}")
+
+    async def erase(
+        self,
+        task_id: str,
+        partition: int,
+        result_keys: list[str],
+        sinks: list[tuple[str, bytes]],
+    ) -> None:
+        """Tombstones for what the worker wrote of a task: its results (and their review
+        copies) under each of `result_keys`, its dead letter, its records in the sink
+        topics (`sinks`: topic and key), then its state — last, so that a run killed on
+        the way finds the state and erases again."""
+        put, send = self.store.put, self.send
+        review = self.settings.topics.review
+        writes: list[tuple[str, Callable[[], Awaitable[object]]]] = []
+        for key in result_keys:
+            writes.append((f"the result {key}", partial(put, Kind.RESULTS, partition,
+                                                        key.encode(), None)))  # fmt: skip
+            writes.append((f"the review copy of {key}", partial(send, review, key.encode(), None,
+                                                                partition)))  # fmt: skip
+        letter = partial(put, Kind.DEAD_LETTERS, partition, task_id.encode(), None)
+        writes.append((f"the dead letter of {task_id}", letter))
+        for topic, sink_key in sinks:
+            count = self.limits.partitions.get(topic, self.settings.kafka.partitions)
+            where = partition_of(sink_key, count)
+            tombstone = partial(send, topic, sink_key, None, where, via=partition)
+            writes.append((f"the {topic} record of {task_id}", tombstone))
+        for what, write in writes:
+            await self._or_stop(write, f"the erasure of {what}")
+        await self._or_stop(
+            lambda: self.store.put(Kind.TASK_STATES, partition, task_id.encode(), None),
+            f"the erasure of the state of {task_id}",
+        )
 
     def _topic_of(self, name: str, outcome: Outcome) -> str:
         t = self.settings.topics

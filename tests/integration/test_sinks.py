@@ -1,7 +1,8 @@
 """Pipelines' sinks on real Kafka: a source topic's records come back in a topic of the
 user's, enriched with their answer and keyed as they were; a pipeline's dead letters get
 a copy of their own; with exactly-once, a SIGKILL mid-run leaves one sink record per
-task to a read_committed reader."""
+task to a read_committed reader; a delete upstream, or `llm-streams erase`, leaves no
+live record of a task in the sink, the results or the task store."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from streams.dev.simulator import SimulatorServer
 from streams.kafka import clients
 from streams.kafka.topics import ensure_topics
 from streams.settings import Settings
-from tests.integration.helpers import WorkerProcess, collect, produce, ready_within
+from tests.integration.helpers import WorkerProcess, collect, produce, ready_within, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -175,3 +176,128 @@ async def test_with_exactly_once_a_kill_mid_run_leaves_one_sink_record_per_task(
     keys = [r.key.decode() for r in records]
     assert sorted(keys) == sorted(t["task_id"] for t in tasks)  # each once, read committed
     assert all(orjson.loads(r.value)["sentiment"] for r in records)  # the answer alone
+
+
+async def _latest(settings: Settings, topic: str) -> dict[bytes, bytes | None]:
+    """The latest value per key: what compaction keeps (None: a tombstone, removed)."""
+    return {r.key: r.value for r in await _read(settings, topic)}
+
+
+async def test_deletes_upstream_and_by_hand_erase_the_answers_wherever_they_were_written(
+    make_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    """A Debezium delete of an analysed review, and `llm-streams erase` for another: no
+    live record of either in the sink, in llm-results or in the task store; the others
+    stay."""
+    pipelines = tmp_path / "pipelines"
+    shutil.copytree(ROOT / "pipelines", pipelines)
+    suffix = uuid.uuid4().hex[:8]
+    source, sink = f"shop.public.reviews-{suffix}", f"shop.reviews.analysed-{suffix}"
+    text = (ROOT / "examples" / "sources" / "reviews-cdc.yaml").read_text()
+    text = text.replace("[shop.public.reviews]", f"[{source}]")
+    (pipelines / "reviews-cdc.yaml").write_text(
+        text + f"sink:\n  topic: {sink}\n  key: source_key\n")  # fmt: skip
+    settings = make_settings(llm={"base_url": simulator.base_url, "api_key": "k",
+                                  "model": "sim-1"}, pipelines_dir=pipelines)  # fmt: skip
+    await ensure_topics(settings)
+    admin = clients.admin(settings)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(source, num_partitions=3, replication_factor=1)])
+    finally:
+        await admin.close()
+
+    def change(op: str, i: int) -> bytes:
+        row = {"id": i, "body": f"Review {i}: the strap broke after a week.",
+               "product_name": "Bag", "stars": 1}  # fmt: skip
+        before, after = (row, None) if op == "d" else (None, row)
+        return orjson.dumps({"schema": {}, "payload": {"op": op, "before": before,
+                                                       "after": after}})  # fmt: skip
+
+    producer = clients.producer(settings, acks="all")
+    await producer.start()
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    try:
+        await ready_within(worker, 90)
+        for i in range(10):
+            await producer.send_and_wait(source, key=orjson.dumps({"id": i}), value=change("c", i))
+        await _wait_for(settings, sink, 10, worker)
+        for i in range(4):  # deleted upstream: a delete event, then Debezium's tombstone
+            await producer.send_and_wait(source, key=orjson.dumps({"id": i}), value=change("d", i))
+            await producer.send_and_wait(source, key=orjson.dumps({"id": i}), value=None)
+        assert run_cli(settings, "erase", "--task-id", "review-9", "--pipeline", "reviews-cdc",
+                       "--source-key", '{"id":9}').returncode == 0  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            scrape = await worker.scrape()
+            if scrape.value("llm_streams_erasures_total") >= 5:
+                break
+            await asyncio.sleep(0.5)
+        states = {i: run_cli(settings, "status", f"review-{i}") for i in (0, 5, 9)}
+    finally:
+        await producer.stop()
+        worker.stop()
+
+    erased = {0, 1, 2, 3, 9}
+    assert scrape.value("llm_streams_erasures_total", pipeline="reviews-cdc", via="source") == 4
+    assert scrape.value("llm_streams_erasures_total", pipeline="reviews-cdc", via="command") == 1
+    in_sink = await _latest(settings, sink)
+    live = {orjson.loads(k)["id"] for k, v in in_sink.items() if v is not None}
+    assert live == set(range(10)) - erased  # the others stay
+    assert {orjson.loads(k)["id"] for k, v in in_sink.items() if v is None} == erased
+    results = await _latest(settings, settings.topics.results)
+    answered = [orjson.loads(v)["task_id"] for v in results.values() if v is not None]
+    assert sorted(answered) == sorted(f"review-{i}" for i in range(10) if i not in erased)
+    assert sum(v is None for v in results.values()) == len(erased)  # tombstones, one each
+    assert states[5].returncode == 0 and "succeeded" in states[5].stdout
+    for i in (0, 9):  # nothing of them in the task store either
+        assert states[i].returncode == 1 and "no state for task" in states[i].stderr
+
+
+def _registry_get(url: str, path: str) -> Any:
+    import urllib.request
+
+    with urllib.request.urlopen(url + path, timeout=10) as reply:
+        return orjson.loads(reply.read())
+
+
+async def test_a_json_schema_sink_is_framed_under_its_registered_schema_and_a_breaking_change_stops_the_start(
+    make_settings: Any, simulator: SimulatorServer, schema_registry: str, tmp_path: Path
+) -> None:
+    """Its consumers read it as they read their other registry topics: the registry's wire
+    format under the schema registered for `<topic>-value`, which its records meet. A
+    sink whose schema the subject's compatibility refuses does not start, said why."""
+    from jsonschema import Draft202012Validator
+
+    pipelines = tmp_path / "pipelines"
+    shutil.copytree(ROOT / "pipelines", pipelines)
+    sink = f"comments.scored-{uuid.uuid4().hex[:8]}"
+    path = pipelines / "comment-analysis.yaml"
+    original = path.read_text()
+    path.write_text(original + f"sink:\n  topic: {sink}\n  shape: output\n  format: json_schema\n")
+    settings = make_settings(llm={"base_url": simulator.base_url, "api_key": "k",
+                                  "model": "sim-1"}, pipelines_dir=pipelines,
+                             schema_registry={"url": schema_registry})  # fmt: skip
+    tasks = [{"task_id": f"j-{i}", "pipeline": "comment-analysis",
+              "input": {"text": f"Comment {i}: the lid is loud."}} for i in range(20)]  # fmt: skip
+    await produce(settings, [(t["task_id"].encode(), orjson.dumps(t)) for t in tasks])
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    try:
+        records = await _wait_for(settings, sink, len(tasks), worker)
+    finally:
+        worker.stop()
+    latest = _registry_get(schema_registry, f"/subjects/{sink}-value/versions/latest")
+    schema = orjson.loads(latest["schema"])
+    validator = Draft202012Validator(schema)
+    for record in records:
+        assert record.value[0] == 0 and int.from_bytes(record.value[1:5], "big") == latest["id"]
+        validator.validate(orjson.loads(record.value[5:]))
+    assert schema["required"] and "sentiment" in schema["properties"]  # the output's own
+
+    # The same sink made to carry the envelope: new required fields, which BACKWARD refuses.
+    path.write_text(
+        original + f"sink:\n  topic: {sink}\n  shape: envelope\n  format: json_schema\n"
+    )
+    refused = run_cli(settings, "worker", timeout_s=90)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "compatibility" in refused.stderr and f"{sink}-value" in refused.stderr

@@ -1,6 +1,6 @@
 """Existing topics as they are, on real Kafka: a Debezium-shaped CDC topic and a plain JSON
 topic with no envelope are analysed end to end (task ids from the mapping, results keyed
-as any task's); deletes and tombstones are skipped; what cannot be mapped ends as an
+as any task's); a delete erases its task, a tombstone is skipped; what cannot be mapped ends as an
 invalid_input dead letter, and so does one whose task is larger than `llm-tasks` takes."""
 
 from __future__ import annotations
@@ -78,7 +78,19 @@ async def test_a_cdc_topic_and_a_plain_topic_are_analysed_as_they_are(
         (orjson.dumps({"id": r["id"]}), _change("cru"[i % 3], r)) for i, r in enumerate(rows)
     ]
     cdc += [
-        (b'{"id": 99}', _change("d", None)),  # a delete: skipped
+        (
+            b'{"id": 99}',
+            orjson.dumps(
+                {
+                    "schema": {},
+                    "payload": {  # a delete: erased
+                        "op": "d",
+                        "before": {"id": 99},
+                        "after": None,
+                    },
+                }
+            ),
+        ),
         (b'{"id": 99}', None),  # its tombstone: skipped
         (b'{"id": 100}', b"{not json"),  # dead letter: source_not_json
         (b'{"id": 101}', _change("c", {"id": 101, "stars": 2})),  # no body: source_pointer
@@ -118,7 +130,10 @@ async def test_a_cdc_topic_and_a_plain_topic_are_analysed_as_they_are(
     assert count("llm_streams_source_records_total", pipeline="reviews-cdc",
                  outcome="forwarded") == 8  # fmt: skip
     assert count("llm_streams_source_records_total", pipeline="reviews-cdc",
-                 outcome="skipped") == 2  # fmt: skip
+                 outcome="skipped") == 1  # fmt: skip
+    assert count("llm_streams_source_records_total", pipeline="reviews-cdc",
+                 outcome="erased") == 1  # fmt: skip
+    assert count("llm_streams_erasures_total", pipeline="reviews-cdc", via="source") == 1
     assert count("llm_streams_source_records_total", pipeline="reviews-cdc",
                  outcome="dead_letter") == 2  # fmt: skip
     assert count("llm_streams_source_records_total", pipeline="plain-comments",

@@ -10,11 +10,13 @@ from typing import Any
 import orjson
 import pytest
 import yaml
+from jsonschema import Draft202012Validator
 from pydantic import ValidationError
 
 from streams.contract.headers import RESULT_KEY_HEADER, SOURCE_OF_HEADER, TASK_ID_HEADER
 from streams.contract.records import Source, Task, ValueLimits
-from streams.core.sinks import dead_letter_record, result_record
+from streams.core.sinks import dead_letter_record, result_record, value_schema
+from streams.errors import ConfigError
 from streams.pipelines.registry import PipelineRegistry
 from streams.pipelines.sinks import SinkSpec
 from tests.conftest import MakeProcessor
@@ -131,3 +133,34 @@ async def test_a_sink_record_over_its_topics_limit_makes_the_task_a_dead_letter(
     ok = await fits.process(orjson.dumps(task), b"t-1", Source(topic="t", partition=0, offset=2))
     assert ok.kind == "result" and ok.sink is not None and ok.sink.topic == "small"
     assert orjson.loads(ok.sink.value)["llm"]["output"]["sentiment"] == GOOD["sentiment"]
+
+
+@pytest.mark.parametrize("sink", [
+    {"topic": "out", "shape": "output"},
+    {"topic": "out", "shape": "envelope"},
+    {"topic": "out"},
+    {"topic": "out", "field": "analysis", "fields": {"sentiment": "/sentiment"}},
+])  # fmt: skip
+async def test_each_shape_has_a_value_schema_its_records_meet(
+    tmp_path: Path, make_processor: MakeProcessor, sink: dict[str, Any]
+) -> None:
+    """The schema a `json_schema` sink registers: derived from the pipeline's output schema,
+    met by the records the sink writes, refusing a record without the answer."""
+    registry = _registry(tmp_path, sink)
+    processor = make_processor(FakeLLM(lambda _r: answer(GOOD)), registry=registry)
+    task = {"task_id": "t-1", "pipeline": "comment-analysis",
+            "input": {"text": "Late again, sadly."}}  # fmt: skip
+    out = await processor.process(orjson.dumps(task), b"t-1", Source(topic="t", partition=0,
+                                                                      offset=1))  # fmt: skip
+    assert out.kind == "result" and out.sink is not None
+    pipeline = registry.get("comment-analysis")
+    assert pipeline.spec.sink is not None
+    schema = value_schema(pipeline.spec.sink, pipeline.output_schema)
+    validator = Draft202012Validator(schema)
+    validator.validate(orjson.loads(out.sink.value))
+    assert not validator.is_valid({"text": "no answer here"})
+
+
+def test_an_output_schema_with_definitions_cannot_be_nested_and_says_so() -> None:
+    with pytest.raises(ConfigError, match=r"\$defs"):
+        value_schema(SinkSpec(topic="out"), {"type": "object", "$defs": {"a": {}}})

@@ -11,7 +11,7 @@ import pytest
 
 from streams.errors import ConfigError, InvalidInput
 from streams.pipelines.registry import PipelineRegistry
-from streams.pipelines.sources import Skipped, SourceMapper, SourceSpec
+from streams.pipelines.sources import Erase, Skipped, SourceMapper, SourceSpec
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -28,7 +28,7 @@ def _change(op: str, after: dict[str, object] | None) -> bytes:
                                                    "source": {"table": "reviews"}}})  # fmt: skip
 
 
-def test_the_shipped_debezium_example_maps_changes_and_skips_deletes(
+def test_the_shipped_debezium_example_maps_changes_and_erases_deletes(
     registry: PipelineRegistry,
 ) -> None:
     (cdc,) = registry.sources()["shop.public.reviews"]
@@ -38,8 +38,13 @@ def test_the_shipped_debezium_example_maps_changes_and_skips_deletes(
             "task_id": "review-42", "pipeline": "reviews-cdc",
             "input": {"text": "The zip broke after two days.", "product": "Bag", "rating": "1"},
         }  # fmt: skip
-    assert cdc.task(_change("d", None), b"k") == Skipped("filter")
-    assert cdc.task(None, b"k") == Skipped("tombstone")  # Debezium's tombstone after a delete
+    # A delete erases the review's task; Debezium's tombstone after it is skipped.
+    delete = orjson.dumps({"schema": {}, "payload": {"op": "d", "before": row, "after": None}})
+    assert cdc.task(delete, b'{"id": 42}') == Erase("review-42", '{"id": 42}')
+    assert cdc.task(None, b'{"id": 42}') == Skipped("tombstone")
+    with pytest.raises(InvalidInput) as refused:  # a delete that names no row
+        cdc.task(_change("d", None), b"k")
+    assert refused.value.code == "source_erase"
     prompt = (
         registry.get("reviews-cdc")
         .versions["v1"]

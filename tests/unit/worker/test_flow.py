@@ -14,9 +14,15 @@ import pytest
 import yaml
 from aiokafka.errors import MessageSizeTooLargeError
 
-from streams.contract.headers import REROUTED_FROM_HEADER, RESULT_KEY_HEADER
+from streams.contract.headers import (
+    BACKTRACK_HEADER,
+    ERASE_HEADER,
+    FORCE_HEADER,
+    REROUTED_FROM_HEADER,
+    RESULT_KEY_HEADER,
+)
 from streams.contract.lanes import Lane
-from streams.contract.records import Source
+from streams.contract.records import EraseRequest, Source
 from streams.core.cache import ContentCache
 from streams.core.decide import Decider
 from streams.kafka.limits import WriteLimits
@@ -270,3 +276,80 @@ async def test_bad_input_of_a_pipeline_with_a_sink_is_copied_to_its_dead_letter_
     kind, _ = await run.handle(other, Source(topic="tasks", partition=other.partition,
                                              offset=1), Span())  # fmt: skip
     assert kind == "dead_letter" and sent[-2][0] == settings.topics.dead_letters
+
+
+async def test_an_erase_request_leaves_tombstones_where_the_task_was_written(
+    sink_flow: Any,
+) -> None:
+    """Its results under every result key its state knows (and their review copies), its
+    dead letter, its sink record and its dead letter's copy, then its state: the answers
+    quote the comment, so a deletion upstream must reach all of them."""
+    run, sent, llm, settings, _ = sink_flow
+    record = _record("t-7", _home_of("t-7"))
+    source = Source(topic="tasks", partition=record.partition, offset=0)
+    _, outcome = await run.handle(record, source, Span())
+    assert outcome is not None and run.store.result(record.partition, outcome.key) is not None
+    sent.clear()
+    request = EraseRequest(task_id="t-7", pipeline="comment-analysis")
+    erase = StoredRecord("tasks", record.partition, 1, b"t-7", request.model_dump_json().encode(),
+                         [(ERASE_HEADER, b"command")], None)  # fmt: skip
+    kind, nothing = await run.handle(erase, Source(topic="tasks", partition=record.partition,
+                                                   offset=1), Span())  # fmt: skip
+    assert (kind, nothing) == ("erased", None)
+    written = [(topic, key, value) for topic, key, value, _, _ in sent]
+    assert written == [
+        (settings.topics.results, outcome.key.encode(), None),
+        (settings.topics.review, outcome.key.encode(), None),
+        (settings.topics.dead_letters, b"t-7", None),
+        (SINK, b"t-7", None),
+        (f"{SINK}.dlq", b"t-7", None),
+        (state_topic(settings), b"t-7", None),  # last: a run killed before erases again
+    ]
+    assert run.store.result(record.partition, outcome.key) is None
+    assert run.store.state(record.partition, "t-7") is None
+    assert run.metrics.erasures.labels("comment-analysis", "command")._value.get() == 1
+    assert len(llm.requests) == 1  # nothing asked
+    again, _ = await run.handle(record, source, Span())  # the task sent again: a new answer
+    assert again == "result" and len(llm.requests) == 2  # asked again: nothing of it kept
+
+
+async def test_an_erase_request_away_from_its_task_is_forwarded_and_a_bad_one_dead_lettered(
+    sink_flow: Any,
+) -> None:
+    run, sent, _, _, _ = sink_flow
+    home = _home_of("t-8")
+    away = (home + 1) % PARTITIONS
+    value = EraseRequest(task_id="t-8", pipeline="comment-analysis").model_dump_json().encode()
+    erase = StoredRecord("tasks", away, 4, b"x", value, [(ERASE_HEADER, b"source")], None)
+    kind, _ = await run.handle(erase, Source(topic="tasks", partition=away, offset=4), Span())
+    assert kind == "rerouted"
+    ((topic, key, forwarded, partition, headers),) = sent
+    assert (topic, key, forwarded, partition) == ("tasks", b"t-8", value, home)
+    assert (ERASE_HEADER, b"source") in headers  # still an erase request there
+    bad = StoredRecord("tasks", away, 5, b"x", b'{"task_id": 1}', [(ERASE_HEADER, b"source")],
+                       None)  # fmt: skip
+    kind, letter = await run.handle(bad, Source(topic="tasks", partition=away, offset=5), Span())
+    assert kind == "dead_letter" and letter is not None and letter.error is not None
+    assert letter.error["code"] == "bad_erase_request"
+
+
+async def test_a_replayed_or_restored_answer_is_written_to_the_sink_under_the_same_key(
+    sink_flow: Any,
+) -> None:
+    """A compacted sink stays one record per task: a replay asked again (`--force`) and a
+    backtrack's restore write the answer again under the task's key."""
+    run, sent, llm, _, _ = sink_flow
+    record = _record("t-6", _home_of("t-6"))
+    await run.handle(record, Source(topic="tasks", partition=record.partition, offset=0), Span())
+    replayed = StoredRecord("tasks", record.partition, 1, b"t-6", record.value,
+                            [(FORCE_HEADER, b"1")], None)  # fmt: skip
+    kind, _ = await run.handle(replayed, Source(topic="tasks", partition=record.partition,
+                                                offset=1), Span())  # fmt: skip
+    assert kind == "result" and len(llm.requests) == 2  # asked again
+    restored = StoredRecord("tasks", record.partition, 2, b"t-6", record.value,
+                            [(BACKTRACK_HEADER, b"restore")], None)  # fmt: skip
+    kind, _ = await run.handle(restored, Source(topic="tasks", partition=record.partition,
+                                                offset=2), Span())  # fmt: skip
+    assert kind == "result" and len(llm.requests) == 2  # from the store: no call
+    keys = [key for topic, key, *_ in sent if topic == SINK]
+    assert keys == [b"t-6"] * 3

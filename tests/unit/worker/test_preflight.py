@@ -4,6 +4,7 @@ naming the setting, at once; an endpoint merely away is waited for, then given u
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -54,8 +55,8 @@ async def test_an_endpoint_away_at_start_is_waited_for_then_given_up_on() -> Non
         await asyncio.wait_for(llm_preflight(gone), 60)
 
 
-def test_the_banner_says_what_the_worker_is_and_where_to_look() -> None:
-    from pathlib import Path
+def test_the_banner_says_what_the_worker_is_and_where_to_look(tmp_path: Path) -> None:
+    import shutil
 
     from streams.llm.endpoint import EndpointFacts
     from streams.pipelines.registry import PipelineRegistry
@@ -72,3 +73,12 @@ def test_the_banner_says_what_the_worker_is_and_where_to_look() -> None:
     assert "comment-analysis v1 (default v1)" in text
     assert "at_least_once" in text and "reads llm-tasks (live), llm-tasks-replay" in text
     assert "status http://" in text and ":6070/status" in text
+    assert "sinks" not in text  # the shipped pipelines write only the project's topics
+    with_sink = tmp_path / "pipelines"
+    shutil.copytree(root / "pipelines", with_sink)
+    path = with_sink / "comment-analysis.yaml"
+    path.write_text(path.read_text() + "sink: {topic: shop.comments.analysed}\n")
+    text = "\n".join(banner(settings, PipelineRegistry.load(with_sink, root / "schemas"), seen))
+    assert (
+        "; writes llm-results, llm-dead-letters, llm-review, sinks shop.comments.analysed" in text
+    )
