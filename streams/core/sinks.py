@@ -4,12 +4,17 @@ outcome and sized to their topic like every record the worker writes."""
 
 from __future__ import annotations
 
+import io
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import fastavro
 import orjson
 
 from streams.contract.headers import RESULT_KEY_HEADER, SOURCE_OF_HEADER, TASK_ID_HEADER
+from streams.core.avro_schema import avro_schema
 from streams.errors import ConfigError
 from streams.pipelines.sinks import SinkSpec
 from streams.pipelines.sources import pointer_get
@@ -92,6 +97,32 @@ def _bare(schema: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in schema.items() if k not in ("$schema", "$id")}
 
 
+def registered_schema(spec: SinkSpec, output_schema: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The schema a sink registers (its type, as the registry names it, and the schema):
+    JSON Schema, or Avro derived from it (`core.avro_schema`)."""
+    schema = value_schema(spec, output_schema)
+    if spec.format == "avro":
+        namespace = "llm_streams." + re.sub(r"[^A-Za-z0-9_]", "_", spec.topic)
+        return "AVRO", avro_schema(schema, "Value", namespace)
+    return "JSON", schema
+
+
+def framing(kind: str, schema: dict[str, Any], schema_id: int) -> Callable[[bytes], bytes]:
+    """How a sink record's JSON value goes on the wire under `schema_id`: the registry's
+    framing (0, the id, the body), the body JSON or Avro."""
+    head = b"\x00" + schema_id.to_bytes(4, "big")
+    if kind != "AVRO":
+        return lambda value: head + value
+    parsed = fastavro.parse_schema(schema)
+
+    def avro(value: bytes) -> bytes:
+        out = io.BytesIO()
+        fastavro.schemaless_writer(out, parsed, orjson.loads(value))
+        return head + out.getvalue()
+
+    return avro
+
+
 def dead_letter_record(spec: SinkSpec, key: str, letter: bytes) -> SinkRecord | None:
     """The copy of a dead letter (`key`: its key in the dead-letter topic, its task id)
     for the pipeline's own dead-letter topic, if it has one."""
@@ -166,4 +197,12 @@ def _headers(spec: SinkSpec, task: Task, result: dict[str, Any]) -> tuple[tuple[
     return tuple(headers)
 
 
-__all__ = ["SinkRecord", "dead_letter_record", "erased", "result_record", "value_schema"]
+__all__ = [
+    "SinkRecord",
+    "dead_letter_record",
+    "erased",
+    "framing",
+    "registered_schema",
+    "result_record",
+    "value_schema",
+]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
@@ -55,9 +55,9 @@ class WriteLimits:
     # Partitions of the written topics that are not co-partitioned with the tasks (the
     # pipelines' sinks): their records are spread by key over them.
     partitions: Mapping[str, int] = field(default_factory=dict)
-    # The schema registry's id of a sink topic's value schema (`format: json_schema`):
-    # its values go in the registry's wire format under it.
-    schema_ids: Mapping[str, int] = field(default_factory=dict)
+    # How a sink topic's values go on the wire when its format is the schema registry's
+    # (`format: json_schema | avro`): the JSON value in, the framed record value out.
+    framing: Mapping[str, Callable[[bytes], bytes]] = field(default_factory=dict)
 
     def max_record(self, topic: str) -> int:
         topic_limit = self.topic_bytes.get(topic, KAFKA_DEFAULT_MAX_MESSAGE_BYTES)

@@ -39,12 +39,12 @@ class SinkSpec(BaseModel):
         description="enriched: top-level fields set from the answer by JSON pointer "
         "(`sentiment: /sentiment`); with them, `field` holds the provenance alone.",
     )
-    format: Literal["json", "json_schema"] = Field(
+    format: Literal["json", "json_schema", "avro"] = Field(
         "json",
-        description="json: the value as JSON; json_schema: JSON in the schema registry's "
+        description="json: the value as JSON; json_schema / avro: in the schema registry's "
         "wire format, under a schema derived from the pipeline's output schema, registered "
         "under `<topic>-value` at start (a change the subject's compatibility refuses stops "
-        "the start, said).",
+        "the start, said); avro for the output and envelope shapes.",
     )
     headers: list[str] = Field(
         default_factory=list,
@@ -68,6 +68,9 @@ class SinkSpec(BaseModel):
             raise ValueError(f"sink.fields {bad}: each must name a JSON pointer (`/path`)")
         if self.fields and self.field in self.fields:
             raise ValueError(f"sink.fields sets {self.field!r}, the provenance's field")
+        if self.format == "avro" and self.shape == "enriched":
+            raise ValueError("sink: format avro is for the output and envelope shapes (an "
+                             "enriched record's source fields have no schema here)")  # fmt: skip
         if self.dead_letters == self.topic:
             raise ValueError("sink.dead_letters must be another topic than sink.topic")
         return self

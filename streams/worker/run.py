@@ -52,7 +52,7 @@ def run_worker(settings: Settings) -> None:
             await check_transactions(settings)  # or a clear ConfigError
         limits = await read_limits(settings, [*written_topics(settings), *sinks.partitions])
         await check_sources(settings, registry.sources())
-        return replace(limits, partitions=sinks.partitions, schema_ids=sinks.schema_ids)
+        return replace(limits, partitions=sinks.partitions, framing=sinks.framing)
 
     limits = loop.run_until_complete(while_kafka_away(checks, settings.kafka.startup_wait_s))
     from streams.worker.preflight import banner, llm_preflight

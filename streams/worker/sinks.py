@@ -1,13 +1,16 @@
 """The pipelines' sinks at start: each sink topic made when missing and its partitions
 read (`kafka.topics.ensure_sinks`), and, for a sink with `format: json_schema`, its
-value schema registered under `<topic>-value` — a schema the subject's compatibility
-rule refuses (a changed output schema) stops the start with the registry's words."""
+value schema registered under `<topic>-value` (JSON Schema, or Avro for `format:
+avro`) — a schema the subject's compatibility rule refuses (a changed output schema)
+stops the start with the registry's words."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import aiohttp
 
-from streams.core.sinks import value_schema
+from streams.core.sinks import framing, registered_schema
 from streams.errors import ConfigError
 from streams.kafka.limits import WriteLimits
 from streams.kafka.topics import ensure_sinks
@@ -17,27 +20,33 @@ from streams.settings import Settings
 
 
 async def prepare_sinks(settings: Settings, registry: PipelineRegistry) -> WriteLimits:
-    """What the written sink topics take: their partition counts and schema ids (the
-    bytes each takes are read with the worker's other topics')."""
+    """What the written sink topics take: their partition counts and, for those in the
+    registry's format, their framing (the bytes each takes are read with the worker's
+    other topics')."""
     partitions = await ensure_sinks(settings, registry.sinks(), list(registry.sources()))
-    schema_ids = await register_schemas(settings, registry)
-    return WriteLimits(partitions=partitions, schema_ids=schema_ids)
+    return WriteLimits(partitions=partitions, framing=await register_schemas(settings, registry))
 
 
-async def register_schemas(settings: Settings, registry: PipelineRegistry) -> dict[str, int]:
-    """Sink topic -> the id of its value schema, for the sinks with format json_schema."""
-    wanted = {p.spec.sink.topic: value_schema(p.spec.sink, p.output_schema)
+async def register_schemas(
+    settings: Settings, registry: PipelineRegistry
+) -> dict[str, Callable[[bytes], bytes]]:
+    """Sink topic -> its framing, for the sinks with format json_schema or avro: their
+    value schemas registered under `<topic>-value`."""
+    wanted = {p.spec.sink.topic: registered_schema(p.spec.sink, p.output_schema)
               for p in registry.pipelines.values()
-              if p.spec.sink is not None and p.spec.sink.format == "json_schema"}  # fmt: skip
+              if p.spec.sink is not None and p.spec.sink.format != "json"}  # fmt: skip
     if not wanted:
         return {}
     if settings.schema_registry.url is None:
-        raise ConfigError(f"sinks {sorted(wanted)} have format json_schema: set "
+        raise ConfigError(f"sinks {sorted(wanted)} are in the schema registry's format: set "
                           "LLM_STREAMS_SCHEMA_REGISTRY__URL")  # fmt: skip
     client = RegistryClient(settings.schema_registry)
     try:
-        return {topic: await client.register(f"{topic}-value", schema)
-                for topic, schema in sorted(wanted.items())}  # fmt: skip
+        found = {}
+        for topic, (kind, schema) in sorted(wanted.items()):
+            schema_id = await client.register(f"{topic}-value", schema, kind)
+            found[topic] = framing(kind, schema, schema_id)
+        return found
     except RegistryRefused as exc:
         raise ConfigError(f"schema registry: {exc}") from exc
     except (aiohttp.ClientError, TimeoutError) as exc:

@@ -205,10 +205,8 @@ class Writer:
             await self._review(outcome, outcome.review_value, prep, partition, headers)
         elif name == "sink" and (sink := outcome.sink) is not None:
             count = self.limits.partitions.get(sink.topic, self.settings.kafka.partitions)
-            value = sink.value
-            schema_id = self.limits.schema_ids.get(sink.topic)
-            if schema_id is not None:  # the registry's wire format: 0, the id, the body
-                value = b"\x00" + schema_id.to_bytes(4, "big") + value
+            frame = self.limits.framing.get(sink.topic)  # the registry's wire format
+            value = frame(sink.value) if frame is not None else sink.value
             await self.send(sink.topic, sink.key, value, partition_of(sink.key, count),
                             [*headers, *sink.headers], via=partition)  # fmt: skip
 

@@ -261,12 +261,18 @@ def _registry_get(url: str, path: str) -> Any:
         return orjson.loads(reply.read())
 
 
-async def test_a_json_schema_sink_is_framed_under_its_registered_schema_and_a_breaking_change_stops_the_start(
-    make_settings: Any, simulator: SimulatorServer, schema_registry: str, tmp_path: Path
-) -> None:
+@pytest.mark.parametrize("fmt", ["json_schema", "avro"])
+async def test_a_registry_sink_is_framed_under_its_registered_schema_and_a_breaking_change_stops_the_start(
+    make_settings: Any, simulator: SimulatorServer, schema_registry: str, tmp_path: Path,
+    fmt: str,
+) -> None:  # fmt: skip
     """Its consumers read it as they read their other registry topics: the registry's wire
-    format under the schema registered for `<topic>-value`, which its records meet. A
-    sink whose schema the subject's compatibility refuses does not start, said why."""
+    format under the schema registered for `<topic>-value`, which its records meet (JSON
+    Schema) or are read back with (Avro). A sink whose schema the subject's compatibility
+    refuses does not start, said why."""
+    import io
+
+    import fastavro
     from jsonschema import Draft202012Validator
 
     pipelines = tmp_path / "pipelines"
@@ -274,7 +280,7 @@ async def test_a_json_schema_sink_is_framed_under_its_registered_schema_and_a_br
     sink = f"comments.scored-{uuid.uuid4().hex[:8]}"
     path = pipelines / "comment-analysis.yaml"
     original = path.read_text()
-    path.write_text(original + f"sink:\n  topic: {sink}\n  shape: output\n  format: json_schema\n")
+    path.write_text(original + f"sink:\n  topic: {sink}\n  shape: output\n  format: {fmt}\n")
     settings = make_settings(llm={"base_url": simulator.base_url, "api_key": "k",
                                   "model": "sim-1"}, pipelines_dir=pipelines,
                              schema_registry={"url": schema_registry})  # fmt: skip
@@ -288,16 +294,19 @@ async def test_a_json_schema_sink_is_framed_under_its_registered_schema_and_a_br
         worker.stop()
     latest = _registry_get(schema_registry, f"/subjects/{sink}-value/versions/latest")
     schema = orjson.loads(latest["schema"])
-    validator = Draft202012Validator(schema)
     for record in records:
         assert record.value[0] == 0 and int.from_bytes(record.value[1:5], "big") == latest["id"]
-        validator.validate(orjson.loads(record.value[5:]))
-    assert schema["required"] and "sentiment" in schema["properties"]  # the output's own
+        if fmt == "avro":
+            back = fastavro.schemaless_reader(io.BytesIO(record.value[5:]),
+                                              fastavro.parse_schema(schema))  # fmt: skip
+            assert back["sentiment"] in ("positive", "negative", "neutral", "mixed")  # type: ignore[index,call-overload]
+        else:
+            Draft202012Validator(schema).validate(orjson.loads(record.value[5:]))
+    names = [f["name"] for f in schema["fields"]] if fmt == "avro" else list(schema["properties"])
+    assert "sentiment" in names  # the output's own schema
 
     # The same sink made to carry the envelope: new required fields, which BACKWARD refuses.
-    path.write_text(
-        original + f"sink:\n  topic: {sink}\n  shape: envelope\n  format: json_schema\n"
-    )
+    path.write_text(original + f"sink:\n  topic: {sink}\n  shape: envelope\n  format: {fmt}\n")
     refused = run_cli(settings, "worker", timeout_s=90)
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert "compatibility" in refused.stderr and f"{sink}-value" in refused.stderr

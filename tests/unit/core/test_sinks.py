@@ -15,7 +15,14 @@ from pydantic import ValidationError
 
 from streams.contract.headers import RESULT_KEY_HEADER, SOURCE_OF_HEADER, TASK_ID_HEADER
 from streams.contract.records import Source, Task, ValueLimits
-from streams.core.sinks import dead_letter_record, result_record, value_schema
+from streams.core.avro_schema import avro_schema
+from streams.core.sinks import (
+    dead_letter_record,
+    framing,
+    registered_schema,
+    result_record,
+    value_schema,
+)
 from streams.errors import ConfigError
 from streams.pipelines.registry import PipelineRegistry
 from streams.pipelines.sinks import SinkSpec
@@ -164,3 +171,47 @@ async def test_each_shape_has_a_value_schema_its_records_meet(
 def test_an_output_schema_with_definitions_cannot_be_nested_and_says_so() -> None:
     with pytest.raises(ConfigError, match=r"\$defs"):
         value_schema(SinkSpec(topic="out"), {"type": "object", "$defs": {"a": {}}})
+
+
+@pytest.mark.parametrize("shape", ["output", "envelope"])
+async def test_an_avro_sink_writes_records_its_registered_schema_reads_back(
+    tmp_path: Path, make_processor: MakeProcessor, shape: str
+) -> None:
+    """The Avro schema derived from the output schema (and the result record's) takes the
+    sink's record, and a reader with that schema gets the same answer back."""
+    import io
+
+    import fastavro
+
+    registry = _registry(tmp_path, {"topic": "out.avro", "shape": shape, "format": "avro"})
+    processor = make_processor(FakeLLM(lambda _r: answer(GOOD)), registry=registry)
+    task = {"task_id": "t-1", "pipeline": "comment-analysis",
+            "input": {"text": "Late again, sadly."}}  # fmt: skip
+    out = await processor.process(orjson.dumps(task), b"t-1", Source(topic="t", partition=0,
+                                                                      offset=1))  # fmt: skip
+    assert out.sink is not None
+    pipeline = registry.get("comment-analysis")
+    assert pipeline.spec.sink is not None
+    kind, schema = registered_schema(pipeline.spec.sink, pipeline.output_schema)
+    assert kind == "AVRO" and schema["type"] == "record"
+    framed = framing(kind, schema, 7)(out.sink.value)
+    assert framed[:5] == b"\x00\x00\x00\x00\x07"
+    back = fastavro.schemaless_reader(io.BytesIO(framed[5:]), fastavro.parse_schema(schema))
+    expected = orjson.loads(out.sink.value)
+    assert back == expected
+
+
+def test_what_avro_cannot_say_is_refused_with_where_it_is() -> None:
+    with pytest.raises(ValidationError, match="output and envelope"):
+        SinkSpec(topic="out", format="avro")  # enriched: its source fields have no schema
+    loose = {"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "b": {"description": "anything"}}}}}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"at \.a\.b has no single type"):
+        avro_schema(loose, "Value", "ns")
+    with pytest.raises(ConfigError, match="a name Avro does not allow"):
+        avro_schema({"type": "object", "properties": {"a-b": {"type": "string"}}}, "V", "ns")
+    mixed = avro_schema({"type": "object", "required": ["e", "n"], "properties": {
+        "e": {"type": "string", "enum": ["ok", "not ok"]},  # not Avro names: a string
+        "n": {"type": ["integer", "null"]}, "o": {"type": "number"}}}, "V", "ns")  # fmt: skip
+    assert [f["type"] for f in mixed["fields"]] == ["string", ["null", "long"], ["null", "double"]]
+    assert mixed["fields"][2]["default"] is None
