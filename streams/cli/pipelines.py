@@ -175,38 +175,53 @@ def pipelines() -> None:
     """Pipeline files."""
 
 
+def _reported(name: str, p: Any) -> bool:
+    """A pipeline's lines of `pipelines validate`; False when it cannot run as it says."""
+    from streams.pipelines.structured import strict_dropped, strict_subset_issues
+    from streams.worker.sinks import sink_problem
+
+    versions = ", ".join(sorted(p.versions))
+    split = (
+        ", traffic " + " / ".join(f"{v} {w:g}" for v, w in sorted(p.spec.traffic.items()))
+        if p.spec.traffic
+        else ""
+    )
+    click.echo(f"ok  {name}: versions {versions} (default {p.spec.default_version}{split})")
+    for v, spec in sorted(p.spec.versions.items()):
+        for warning in spec.warnings():
+            click.echo(f"warn {name} {v}: {warning}")
+    strict = sorted(v for v, spec in p.spec.versions.items()
+                    if spec.response_format in ("json_schema", "tool_call"))  # fmt: skip
+    for issue in strict_subset_issues(p.output_schema) if strict else []:
+        note = "OpenAI refuses it in strict mode"
+        click.echo(f"warn {name} {', '.join(strict)}: output schema {issue} ({note})")
+    dropped = strict_dropped(p.output_schema) if strict else []
+    if dropped:
+        click.echo(f"note {name}: {len(dropped)} keyword(s) outside OpenAI's strict subset "
+                   "are checked here and left out of the request: "
+                   + ", ".join(dropped))  # fmt: skip
+    sink = p.spec.sink
+    if sink is None:
+        return True
+    click.echo(f"sink {name}: {sink.topic} ({sink.shape}, key {sink.key}, {sink.format})")
+    problem = sink_problem(sink, p.output_schema)
+    if problem is not None:
+        click.echo(f"invalid {name}: sink: {problem}")
+    return problem is None
+
+
 @pipelines.command("validate")
 @click.option("--dir", "directory", type=click.Path(path_type=Path), default=None)
 @click.option("--endpoint", is_flag=True,
               help="Also ask the configured LLM endpoint what it is (window, slots) and which "
               "structured-output modes it honours, for each version's model.")  # fmt: skip
 def pipelines_validate(directory: Path | None, endpoint: bool) -> None:
-    """Load every pipeline file, check slots, templates and output schemas."""
-    from streams.pipelines.structured import strict_dropped, strict_subset_issues
-
+    """Load every pipeline file, check slots, templates, output schemas and sinks."""
     settings = settings_or_exit()
     registry = registry_or_exit(settings, directory=directory)
-    for name, p in sorted(registry.pipelines.items()):
-        versions = ", ".join(sorted(p.versions))
-        split = (
-            ", traffic " + " / ".join(f"{v} {w:g}" for v, w in sorted(p.spec.traffic.items()))
-            if p.spec.traffic
-            else ""
-        )
-        click.echo(f"ok  {name}: versions {versions} (default {p.spec.default_version}{split})")
-        for v, spec in sorted(p.spec.versions.items()):
-            for warning in spec.warnings():
-                click.echo(f"warn {name} {v}: {warning}")
-        strict = sorted(v for v, spec in p.spec.versions.items()
-                        if spec.response_format in ("json_schema", "tool_call"))  # fmt: skip
-        for issue in strict_subset_issues(p.output_schema) if strict else []:
-            note = "OpenAI refuses it in strict mode"
-            click.echo(f"warn {name} {', '.join(strict)}: output schema {issue} ({note})")
-        dropped = strict_dropped(p.output_schema) if strict else []
-        if dropped:
-            click.echo(f"note {name}: {len(dropped)} keyword(s) outside OpenAI's strict subset "
-                       "are checked here and left out of the request: "
-                       + ", ".join(dropped))  # fmt: skip
+    broken = sum(not _reported(name, p) for name, p in sorted(registry.pipelines.items()))
+    if broken:
+        sys.exit(1)
     if endpoint:
         from streams.ops.endpoint import endpoint_report
 

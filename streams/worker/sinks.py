@@ -7,6 +7,7 @@ stops the start with the registry's words."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
@@ -15,8 +16,19 @@ from streams.errors import ConfigError
 from streams.kafka.limits import WriteLimits
 from streams.kafka.topics import ensure_sinks
 from streams.pipelines.registry import PipelineRegistry
+from streams.pipelines.sinks import SinkSpec
 from streams.schema_registry import RegistryClient, RegistryRefused
 from streams.settings import Settings
+
+
+def sink_problem(spec: SinkSpec, output_schema: dict[str, Any]) -> str | None:
+    """What keeps a sink's records from being written as it says (its value schema cannot
+    be derived: Avro cannot say the answer's schema), or None."""
+    try:
+        registered_schema(spec, output_schema)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 async def prepare_sinks(settings: Settings, registry: PipelineRegistry) -> WriteLimits:
@@ -56,4 +68,4 @@ async def register_schemas(
         await client.close()
 
 
-__all__ = ["prepare_sinks", "register_schemas"]
+__all__ = ["prepare_sinks", "register_schemas", "sink_problem"]

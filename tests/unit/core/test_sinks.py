@@ -215,3 +215,36 @@ def test_what_avro_cannot_say_is_refused_with_where_it_is() -> None:
         "n": {"type": ["integer", "null"]}, "o": {"type": "number"}}}, "V", "ns")  # fmt: skip
     assert [f["type"] for f in mixed["fields"]] == ["string", ["null", "long"], ["null", "double"]]
     assert mixed["fields"][2]["default"] is None
+
+
+def test_pipelines_validate_says_each_sink_and_refuses_one_avro_cannot_write(
+    tmp_path: Path,
+) -> None:
+    from click.testing import CliRunner
+
+    from streams.cli import cli
+
+    spec = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
+    spec["sink"] = {"topic": "shop.scored", "shape": "output", "format": "avro"}
+    (tmp_path / "comment-analysis.yaml").write_text(yaml.safe_dump(spec))
+    run = CliRunner().invoke(cli, ["pipelines", "validate", "--dir", str(tmp_path)])
+    assert run.exit_code == 0, run.output
+    assert "sink comment-analysis: shop.scored (output, key task_id, avro)" in run.output
+    schemas = tmp_path / "schemas"
+    schemas.mkdir()
+    loose = {"type": "object", "required": ["note"], "properties": {"note": {}}}  # any type
+    (schemas / "loose.schema.json").write_text(orjson.dumps(loose).decode())
+    pipelines = tmp_path / "loose"
+    pipelines.mkdir()
+    (pipelines / "notes.yaml").write_text(yaml.safe_dump({
+        "name": "notes", "default_version": "v1", "output_schema": "loose.schema.json",
+        "sink": {"topic": "notes.out", "shape": "output", "format": "avro"},
+        "versions": {"v1": {"params": {"max_tokens": 100}, "slots": {"text": {"type": "string"}},
+                            "system": "Note it.", "template": "{{ text }}"}},
+    }))  # fmt: skip
+    run = CliRunner().invoke(cli, ["pipelines", "validate", "--dir", str(pipelines)],
+                             env={"LLM_STREAMS_SCHEMAS_DIR": str(schemas)})  # fmt: skip
+    assert run.exit_code == 1, run.output
+    assert "invalid notes: sink: format avro: the answer's schema at .note has no single" in (
+        run.output
+    )
