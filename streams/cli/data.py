@@ -48,7 +48,11 @@ def publish(source: Any, pipeline: str, topic: str | None) -> None:
 @click.option("--pipeline", required=True, help="The pipeline the tasks belong to.")
 @click.option("--source-key", default=None,
               help="The source record's key, for a sink keyed by it (one task only).")  # fmt: skip
-def erase(task_ids: tuple[str, ...], pipeline: str, source_key: str | None) -> None:
+@click.option("--session-id", default=None,
+              help="The tasks' session, for a pipeline keeping sessions.")  # fmt: skip
+def erase(
+    task_ids: tuple[str, ...], pipeline: str, source_key: str | None, session_id: str | None
+) -> None:
     """Erase tasks' answers for a deletion request: their results (every prompt version's),
     dead letters, states, review copies and sink records get tombstones. The workers that
     own their partitions write them; compaction removes the data later, on the topics'
@@ -63,7 +67,7 @@ def erase(task_ids: tuple[str, ...], pipeline: str, source_key: str | None) -> N
     async def send() -> None:
         async with TaskPublisher(settings) as publisher:
             for task_id in task_ids:
-                await publisher.erase(task_id, pipeline, source_key)
+                await publisher.erase(task_id, pipeline, source_key, session_id=session_id)
 
     on_kafka(settings, send())
     click.echo(f"asked to erase {len(task_ids)} task(s) of {pipeline}", err=True)

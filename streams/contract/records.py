@@ -1,6 +1,6 @@
 """Wire models of the public record contract v1 (DESIGN.md) and the task decoder.
 
-`schemas/{task,result,dead-letter}.schema.json` are generated from these
+`schemas/{task,result,dead-letter,erase-request}.schema.json` are generated from these
 models and a test keeps them equal.
 """
 
@@ -52,6 +52,13 @@ class EraseRequest(_Record):
     pipeline: str = Field(min_length=1, max_length=128)
     source_key: Any = Field(
         None, description="The source record's key (a sink keyed by it is erased under it)."
+    )
+    session_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=512,
+        description="The task's session, for a pipeline that keeps sessions: the request "
+        "goes to its partition, and the task's turn leaves the session.",
     )
 
 
@@ -336,7 +343,9 @@ def error_info(category: Category, code: str, message: str, retryable: bool) -> 
 def contract_schemas() -> dict[str, dict[str, Any]]:
     """JSON Schemas of the record contract, as kept in `schemas/`."""
     out = {}
-    for name, model in (("task", Task), ("result", Result), ("dead-letter", DeadLetter)):
+    models = (("task", Task), ("result", Result), ("dead-letter", DeadLetter),
+              ("erase-request", EraseRequest))  # fmt: skip
+    for name, model in models:
         schema = model.model_json_schema()
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
         schema["$id"] = f"{name}.schema.json"

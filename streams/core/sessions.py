@@ -76,6 +76,16 @@ def add_turn(
     return value
 
 
+def without_turn(stored: bytes | None, task_id: str) -> bytes | None:
+    """The session's turns without the task's (its input was deleted upstream): None when
+    none is left (the session's entry goes), `stored` itself when it held no such turn."""
+    turns = _turns(stored)
+    kept = [t for t in turns if t.get("task_id") != task_id]
+    if len(kept) == len(turns):
+        return stored
+    return orjson.dumps({"turns": kept}) if kept else None
+
+
 def has_turn(stored: bytes | None, task_id: str) -> bool:
     return turn_position(stored, task_id) is not None
 

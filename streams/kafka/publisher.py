@@ -76,15 +76,23 @@ class TaskPublisher:
         return task
 
     async def erase(
-        self, task_id: str, pipeline: str, source_key: Any = None, *, via: str = "command"
+        self,
+        task_id: str,
+        pipeline: str,
+        source_key: Any = None,
+        *,
+        session_id: str | None = None,
+        via: str = "command",
     ) -> None:
         """Ask the workers to erase a task: its results, dead letter, state, review copies
         and sink records (a deletion request: the answers quote its input). Sent to its
         partition of the tasks topic with the `llm-streams-erase` header; the worker that
         owns the partition writes the tombstones."""
-        request = EraseRequest(task_id=task_id, pipeline=pipeline, source_key=source_key)
+        request = EraseRequest(task_id=task_id, pipeline=pipeline, source_key=source_key,
+                               session_id=session_id)  # fmt: skip
         await (await self._producer.send(
-            self.topic, key=task_id.encode(), value=request.model_dump_json().encode(),
+            self.topic, key=(session_id or task_id).encode(),
+            value=request.model_dump_json().encode(),
             headers=[(ERASE_HEADER, via.encode())],
         ))  # fmt: skip
 

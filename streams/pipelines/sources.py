@@ -64,6 +64,11 @@ class EraseSpec(BaseModel):
         description="The deleted task's id, a Jinja template like the source's (a delete "
         "event has no `after`); none: the source's own task_id rule.",
     )
+    session_id: str | None = Field(
+        None,
+        description="For a pipeline that keeps sessions: the deleted task's session, a "
+        "Jinja template (its turn leaves the session, on the session's partition).",
+    )
 
 
 class SourceSpec(BaseModel):
@@ -116,6 +121,7 @@ class Erase:
 
     task_id: str
     key: Any  # the source record's key (a sink keyed by it is erased under it)
+    session_id: str | None = None
 
 
 def pointer_get(document: Any, pointer: str) -> Any:
@@ -169,6 +175,9 @@ class SourceMapper:
             erase = spec.erase
             self._erase_when = ENV.compile_expression(erase.when) if erase else None
             self._erase_id = ENV.from_string(erase.task_id) if erase and erase.task_id else None
+            self._erase_session = (
+                ENV.from_string(erase.session_id) if erase and erase.session_id else None
+            )
         except TemplateError as exc:
             raise ConfigError(f"pipeline {pipeline}: source: {exc}") from exc
 
@@ -212,7 +221,11 @@ class SourceMapper:
             with over_record("source erase.when", "source_erase"):
                 deletes = bool(self._erase_when(**scope))
             if deletes:
-                return Erase(self._erased_id(document, key, scope), scope["key"])
+                session = None
+                if self._erase_session is not None:
+                    with over_record("source erase.session_id", "source_erase"):
+                        session = self._erase_session.render(**scope).strip() or None
+                return Erase(self._erased_id(document, key, scope), scope["key"], session)
             if document is None:
                 return Skipped("tombstone")
         if self._filter is not None:

@@ -37,7 +37,7 @@ from streams.contract.records import EraseRequest, Source, json_object
 from streams.core.decide import Asked, Decider, Decision, Ended
 from streams.core.outcome import Outcome, Prepared
 from streams.core.processor import TaskProcessor
-from streams.core.sessions import has_turn
+from streams.core.sessions import has_turn, without_turn
 from streams.core.sinks import erased
 from streams.errors import InvalidInput
 from streams.kafka.routing import partition_for
@@ -224,9 +224,10 @@ class RecordFlow:
         return Ended.of(letter), letter
 
     async def _erase(self, message: Any, source: Source, via: str) -> tuple[Ended, Outcome | None]:
-        """Erase a task on its partition (forwarded there when it is not this one): its
-        results under every result key its state knows, their review copies, its dead
-        letter, its records in its pipeline's sink, then its state. Counted."""
+        """Erase a task on its partition — its session's, for a task of a session —
+        (forwarded there when it is not this one): its results under every result key its
+        state knows, their review copies, its dead letter, its records in its pipeline's
+        sink, its turn in its session, then its state. Counted."""
         try:
             request = EraseRequest.model_validate_json(message.value or b"")
         except ValueError as exc:
@@ -234,7 +235,7 @@ class RecordFlow:
             return await self.dead_here(
                 self.processor.dead_letter(bad, message.value, message.key, source), source
             )
-        home = partition_for(request.task_id, self.partitions)
+        home = partition_for(request.session_id or request.task_id, self.partitions)
         if home != source.partition:
             await self._reroute(message, source, home, request.task_id)
             return Ended.REROUTED, None
@@ -244,7 +245,13 @@ class RecordFlow:
         )  # fmt: skip
         spec = self.processor.registry.sink_of(request.pipeline)
         sinks = [] if spec is None else erased(spec, request.task_id, request.source_key, keys)
-        await self.writer.erase(request.task_id, home, keys, sinks)
+        turns = None
+        if request.session_id is not None:  # the session without the task's turn
+            key = request.session_id.encode()
+            stored = self.store.get(Kind.SESSIONS, home, key)
+            if (left := without_turn(stored, request.task_id)) is not stored:
+                turns = (key, left)
+        await self.writer.erase(request.task_id, home, keys, sinks, turns)
         if state is not None and state.input_hash:  # nor handed to an identical input
             self.decider.cache.forget(state.input_hash)
         self.metrics.erasures.labels(request.pipeline, via).inc()

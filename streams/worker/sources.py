@@ -106,10 +106,13 @@ class SourceIngest:
             count.inc()
 
     async def _erase(self, erase: Erase, pipeline: str, where: str) -> None:
-        """A delete upstream: the request to erase its task, to the task's partition."""
-        request = EraseRequest(task_id=erase.task_id, pipeline=pipeline,
-                               source_key=jsonable(erase.key))  # fmt: skip
-        home = partition_for(erase.task_id, self.settings.kafka.partitions)
+        """A delete upstream: the request to erase its task, to the task's partition (its
+        session's, for a task of a session)."""
+        request = EraseRequest(
+            task_id=erase.task_id, pipeline=pipeline, source_key=jsonable(erase.key),
+            session_id=erase.session_id,
+        )  # fmt: skip
+        home = partition_for(erase.session_id or erase.task_id, self.settings.kafka.partitions)
         value = request.model_dump_json().encode()
 
         def forward() -> Awaitable[int]:

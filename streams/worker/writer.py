@@ -247,11 +247,13 @@ class Writer:
         partition: int,
         result_keys: list[str],
         sinks: list[tuple[str, bytes]],
+        session: tuple[bytes, bytes | None] | None = None,
     ) -> None:
         """Tombstones for what the worker wrote of a task: its results (and their review
         copies) under each of `result_keys`, its dead letter, its records in the sink
-        topics (`sinks`: topic and key), then its state — last, so that a run killed on
-        the way finds the state and erases again."""
+        topics (`sinks`: topic and key), its session's turns without its own (`session`:
+        the session's key and what is left, None for nothing), then its state — last, so
+        that a run killed on the way finds the state and erases again."""
         put, send = self.store.put, self.send
         review = self.settings.topics.review
         writes: list[tuple[str, Callable[[], Awaitable[object]]]] = []
@@ -267,6 +269,9 @@ class Writer:
             where = partition_of(sink_key, count)
             tombstone = partial(send, topic, sink_key, None, where, via=partition)
             writes.append((f"the {topic} record of {task_id}", tombstone))
+        if session is not None:
+            turns = partial(put, Kind.SESSIONS, partition, session[0], session[1])
+            writes.append((f"the turn of {task_id} in its session", turns))
         for what, write in writes:
             await self._or_stop(write, f"the erasure of {what}")
         await self._or_stop(

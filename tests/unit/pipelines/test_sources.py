@@ -163,3 +163,17 @@ def test_a_header_without_a_value_is_null_in_the_templates() -> None:
         "text": "{{ value.body }} {{ headers['trace'] is none }} {{ headers['shop'] }}"}))  # fmt: skip
     task = mapper.task(b'{"body": "ok"}', b"k", [("trace", None), ("shop", b"eu")])
     assert task["input"] == {"text": "ok True eu"}  # type: ignore[index]
+
+
+def test_a_delete_names_the_session_of_the_task_it_deletes() -> None:
+    spec = SourceSpec(topics=["t"], task_id="/id", slots={"text": "/t"},
+                      erase={"when": "value is not none and value.op == 'd'",
+                             "task_id": "{{ value.id }}", "session_id": "{{ value.chat }}"})  # fmt: skip
+    mapper = SourceMapper("p", spec)
+    assert mapper.task(b'{"op": "d", "id": "m-1", "chat": "c-9"}', b"k") == Erase(
+        "m-1", "k", "c-9")  # fmt: skip
+    assert mapper.task(None, b"k") == Skipped("tombstone")  # `when` says no
+    unguarded = SourceMapper("p", spec.model_copy(update={"erase": spec.erase.model_copy(  # type: ignore[union-attr]
+        update={"when": "value.op == 'd'"})}))  # fmt: skip
+    with pytest.raises(InvalidInput, match=r"erase\.when"):  # a tombstone's value is null
+        unguarded.task(None, b"k")

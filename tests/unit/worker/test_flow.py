@@ -111,6 +111,21 @@ async def sink_flow(
         yield made
 
 
+@pytest.fixture
+async def session_flow(
+    make_processor: MakeProcessor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Any:
+    """The shipped comment pipeline keeping sessions (the earlier turns' text and label)."""
+    spec = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
+    spec["versions"]["v1"]["session"] = {"budget_tokens": 2000,
+                                         "keep": {"slots": ["text"], "fields": ["sentiment"]}}  # fmt: skip
+    spec.pop("chunking", None)
+    (tmp_path / "comment-analysis.yaml").write_text(yaml.safe_dump(spec))
+    registry = PipelineRegistry.load(tmp_path, ROOT / "schemas")
+    async with _flow(make_processor, monkeypatch, registry) as made:
+        yield made
+
+
 def _record(task_id: str, partition: int, offset: int = 0, **extra: Any) -> StoredRecord:
     task = {"task_id": task_id, "pipeline": "comment-analysis",
             "input": {"text": "Great phone, works well."}, **extra}  # fmt: skip
@@ -353,3 +368,30 @@ async def test_a_replayed_or_restored_answer_is_written_to_the_sink_under_the_sa
     assert kind == "result" and len(llm.requests) == 2  # from the store: no call
     keys = [key for topic, key, *_ in sent if topic == SINK]
     assert keys == [b"t-6"] * 3
+
+
+async def test_an_erased_turn_leaves_its_session_and_the_last_one_the_session_itself(
+    session_flow: Any,
+) -> None:
+    run, *_ = session_flow
+    home = _home_of("s-1")  # a session's tasks live on its partition
+    for offset, task_id in enumerate(("s-1-a", "s-1-b")):
+        record = _record(task_id, home, offset, session_id="s-1")
+        record = StoredRecord("tasks", home, offset, b"s-1", record.value, [], None)
+        kind, _ = await run.handle(record, Source(topic="tasks", partition=home,
+                                                  offset=offset), Span())  # fmt: skip
+        assert kind == "result"
+    turns = run.store.get(Kind.SESSIONS, home, b"s-1")
+    assert [t["task_id"] for t in orjson.loads(turns)["turns"]] == ["s-1-a", "s-1-b"]
+    for offset, task_id in ((5, "s-1-a"), (6, "s-1-b")):
+        request = EraseRequest(task_id=task_id, pipeline="comment-analysis", session_id="s-1")
+        erase = StoredRecord("tasks", home, offset, b"s-1", request.model_dump_json().encode(),
+                             [(ERASE_HEADER, b"command")], None)  # fmt: skip
+        kind, _ = await run.handle(erase, Source(topic="tasks", partition=home, offset=offset),
+                                   Span())  # fmt: skip
+        assert kind == "erased"
+        assert run.store.state(home, task_id) is None
+        if task_id == "s-1-a":
+            left = run.store.get(Kind.SESSIONS, home, b"s-1")
+            assert [t["task_id"] for t in orjson.loads(left)["turns"]] == ["s-1-b"]
+    assert run.store.get(Kind.SESSIONS, home, b"s-1") is None  # no turn left: the entry goes
