@@ -51,20 +51,8 @@ def _at_start_and_every(
     app.timer(seconds)(run)
 
 
-def create_app(
-    settings: Settings,
-    limits: WriteLimits | None = None,
-    banner: list[str] | None = None,
-    registry: PipelineRegistry | None = None,
-) -> faust.App:
-    """The worker's Faust app. `limits`: what each written topic takes (read from the
-    broker at start by `run_worker`; without them, the producer's limit and Kafka's
-    default topic limit). `registry`: the pipelines as `run_worker` loaded them once
-    (without it, loaded here)."""
-    if registry is None:
-        registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
-    # The same processor as the Python API's (streams.api): the two cannot drift.
-    values = (limits or WriteLimits(settings.kafka.max_request_bytes)).value_limits(settings)
+def _faust_app(settings: Settings) -> ThreadedApp:
+    """The Faust app of `settings`: its broker, its consumer's pace and buffers, no tables."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # Faust makes only the last level
     buffer = max(settings.batch.buffer, settings.batch.size)
     app = (ThreadedApp if settings.kafka.consumer_thread else InLoopApp)(
@@ -100,31 +88,11 @@ def create_app(
         web_bind=settings.web_bind,
         autodiscover=False,
     )
-    app.wait_empty_s = settings.shutdown_grace_s  # no record holds a rebalance longer
-    app.llm_streams_settings = settings  # type: ignore[attr-defined]  # for CLI helpers
-    metrics = Metrics()
-    app.llm_streams_metrics = metrics  # type: ignore[attr-defined]
-    group = GroupShare()
-    schemas = {name: p.output_schema for name, p in registry.pipelines.items()}
-    drift = DriftMonitor(schemas, settings.drift.window)
-    metrics.watch_drift(drift.rows)
-    budgets = Budgets(group=group, metrics=metrics, saved=True)
-    agent = TaskAgent(
-        app, settings, processor_factory(settings, registry, metrics, values, group, budgets),
-        metrics, limits, sources=registry.sources(), group=group, drift=drift,
-    )  # fmt: skip
-    app.llm_streams_agent = agent  # type: ignore[attr-defined]  # for the worker's stop
+    return app
 
-    async def say_what_it_is() -> None:  # once the worker's logging is set up
-        for line in banner or ():
-            log.info("%s", line)
 
-    app.task(say_what_it_is)
-    # At start, then every `refresh_s`: what operators set while the workers run.
-    _at_start_and_every(app, "read_baselines", settings.drift.refresh_s,
-                        lambda: refresh_baselines(settings, drift))  # fmt: skip
-    _at_start_and_every(app, "sync_budgets", settings.budget.refresh_s,
-                        BudgetSync(settings, budgets).sync)  # fmt: skip
+def _pages(app: faust.App, metrics: Metrics, agent: TaskAgent) -> None:
+    """The worker's web pages: metrics, its status (JSON and the dashboard), its probes."""
 
     @app.page("/metrics")
     async def metrics_page(web: Any, request: Any) -> Any:
@@ -157,6 +125,49 @@ def create_app(
         readiness = agent.readiness()
         return web.json(readiness.as_json(), status=200 if readiness.ready else 503)
 
+
+def create_app(
+    settings: Settings,
+    limits: WriteLimits | None = None,
+    banner: list[str] | None = None,
+    registry: PipelineRegistry | None = None,
+) -> faust.App:
+    """The worker's Faust app. `limits`: what each written topic takes (read from the
+    broker at start by `run_worker`; without them, the producer's limit and Kafka's
+    default topic limit). `registry`: the pipelines as `run_worker` loaded them once
+    (without it, loaded here)."""
+    if registry is None:
+        registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+    # The same processor as the Python API's (streams.api): the two cannot drift.
+    values = (limits or WriteLimits(settings.kafka.max_request_bytes)).value_limits(settings)
+    app = _faust_app(settings)
+    app.wait_empty_s = settings.shutdown_grace_s  # no record holds a rebalance longer
+    app.llm_streams_settings = settings  # type: ignore[attr-defined]  # for CLI helpers
+    metrics = Metrics()
+    app.llm_streams_metrics = metrics  # type: ignore[attr-defined]
+    group = GroupShare()
+    schemas = {name: p.output_schema for name, p in registry.pipelines.items()}
+    drift = DriftMonitor(schemas, settings.drift.window)
+    metrics.watch_drift(drift.rows)
+    budgets = Budgets(group=group, metrics=metrics, saved=True)
+    agent = TaskAgent(
+        app, settings, processor_factory(settings, registry, metrics, values, group, budgets),
+        metrics, limits, sources=registry.sources(), group=group, drift=drift,
+    )  # fmt: skip
+    app.llm_streams_agent = agent  # type: ignore[attr-defined]  # for the worker's stop
+
+    async def say_what_it_is() -> None:  # once the worker's logging is set up
+        for line in banner or ():
+            log.info("%s", line)
+
+    app.task(say_what_it_is)
+    # At start, then every `refresh_s`: what operators set while the workers run.
+    _at_start_and_every(app, "read_baselines", settings.drift.refresh_s,
+                        lambda: refresh_baselines(settings, drift))  # fmt: skip
+    _at_start_and_every(app, "sync_budgets", settings.budget.refresh_s,
+                        BudgetSync(settings, budgets).sync)  # fmt: skip
+
+    _pages(app, metrics, agent)
     return app
 
 
