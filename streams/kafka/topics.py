@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -149,16 +150,37 @@ async def ensure_sinks(
         if wanted:
             response = await admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000))
             log.info("created sink topics %s", _created(response, [t.name for t in wanted]))
-        counts: dict[str, int] = {}
-        for description in await admin.describe_topics(sorted(sinks)):
-            if description.get("error_code", 0) == 0 and description["partitions"]:
-                counts[description["topic"]] = len(description["partitions"])
-        missing = sorted(set(sinks) - set(counts))
-        if missing:
-            raise ConfigError(f"cannot describe sink topics {missing}: grant DESCRIBE on them")
-        return counts
+        return await _partition_counts(admin, sorted(sinks), timeout_s)
     finally:
         await admin.close()
+
+
+async def _partition_counts(
+    admin: AIOKafkaAdminClient, names: list[str], timeout_s: float
+) -> dict[str, int]:
+    """Each topic's partition count, asked again while a topic just made is not yet in
+    the brokers' metadata (for up to `timeout_s`); one this principal may not describe is
+    a clear error at once."""
+    counts: dict[str, int] = {}
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        denied = []
+        for description in await admin.describe_topics([n for n in names if n not in counts]):
+            code = description.get("error_code", 0)
+            if code == 0 and description["partitions"]:
+                counts[description["topic"]] = len(description["partitions"])
+            elif code == _TOPIC_DENIED:
+                denied.append(description["topic"])
+        if denied:
+            raise ConfigError(f"this Kafka principal may not DESCRIBE topics {sorted(denied)}: "
+                              "grant DESCRIBE on them")  # fmt: skip
+        missing = sorted(set(names) - set(counts))
+        if not missing:
+            return counts
+        if asyncio.get_running_loop().time() >= deadline:
+            raise ConfigError(f"sink topics {missing} are not in the brokers' metadata "
+                              f"{timeout_s:g}s after they were made")  # fmt: skip
+        await asyncio.sleep(0.2)
 
 
 _EXISTS, _TOPIC_DENIED, _CLUSTER_DENIED = 36, 29, 31
