@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from streams.core.gathering import Gathering
 from streams.pipelines.render import RenderedPrompt, delimiter_guard
 
 log = logging.getLogger(__name__)
@@ -143,25 +144,15 @@ class Packer:
 
     def __init__(self, send: Callable[[Key, list[Item]], Awaitable[None]]) -> None:
         self._send = send
-        self._pending: dict[Key, list[Item]] = {}
-        self._timers: dict[Key, asyncio.TimerHandle] = {}
+        self._gathering: Gathering[Key, Item] = Gathering(self._ready)
         self._running: set[asyncio.Task[None]] = set()
 
     async def submit(self, key: Key, item: Item, max_items: int, linger_s: float) -> PackedAnswer:
-        waiting = self._pending.setdefault(key, [])
-        waiting.append(item)
-        if len(waiting) >= max_items:
-            self._flush(key)
-        elif key not in self._timers:
-            loop = asyncio.get_running_loop()
-            self._timers[key] = loop.call_later(linger_s, self._flush, key)
+        self._gathering.add(key, item, lambda items: len(items) >= max_items, linger_s)
         return await item.future
 
-    def _flush(self, key: Key) -> None:
-        timer = self._timers.pop(key, None)
-        if timer is not None:
-            timer.cancel()
-        items = [i for i in self._pending.pop(key, []) if not i.future.done()]
+    def _ready(self, key: Key, gathered: list[Item]) -> None:
+        items = [i for i in gathered if not i.future.done()]
         if not items:
             return
         task = asyncio.create_task(self._run(key, items))

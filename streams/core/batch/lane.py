@@ -17,17 +17,16 @@ import orjson
 from aiolimiter import AsyncLimiter
 
 from streams.core.batch.files import NO_LINES, BatchLines
+from streams.core.batch.handout import Handout
 from streams.core.batch.ledger import (
-    JOB_PREFIX,
     LEDGER_ITEM_BYTES,
     BatchRecord,
     Ledger,
     batch_key,
     item_key,
-    job_key,
 )
-from streams.core.batch.parking import Parked, Parking, Released, Resume
-from streams.core.batch.remote import MaybeCreated, RemoteBatches, answer_of
+from streams.core.batch.parking import Parked, Parker, Parking, Released, Resume
+from streams.core.batch.remote import MaybeCreated, RemoteBatches, answer_of, failure_of
 from streams.core.batch.wire import (
     RESUBMIT,
     Answer,
@@ -36,7 +35,8 @@ from streams.core.batch.wire import (
     request_line,
 )
 from streams.core.dispatch import parked
-from streams.errors import BadRequest, TaskError, UpstreamError
+from streams.core.gathering import Gathering
+from streams.errors import TaskError, UpstreamError
 from streams.llm.client import (
     LLMRequest,
     LLMResponse,
@@ -49,10 +49,6 @@ from streams.settings import BatchApiSettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# A batch recorded as being created is taken for never created only this long after:
-# its creator may be between the ledger write and the provider's answer.
-CREATE_GRACE_S = 120.0
 
 
 @dataclass
@@ -86,17 +82,14 @@ class BatchLane:
         self.settings = settings
         # A batch's ledger record lists its requests and must fit the ledger topic.
         self.ledger_bytes = ledger_bytes
+        self.parker = Parker(ledger, ledger_bytes, lambda: self._count_request("parked"))
         self.max_items = max(1, min(settings.max_items, (ledger_bytes - 1024) // LEDGER_ITEM_BYTES))
         self.metrics = metrics or Metrics()  # none given: one nobody scrapes
-        self._pending: dict[int, list[_Waiting]] = {}
+        self._gathering: Gathering[int, _Waiting] = Gathering(self._gathered)
         self._durable: dict[tuple[str, int], asyncio.Future[bool]] = {}
-        self._timers: dict[int, asyncio.TimerHandle] = {}
         self._waiters: dict[tuple[str, int], list[asyncio.Future[Answer]]] = {}
         self._followed: dict[str, asyncio.Task[None]] = {}  # local id -> its poller
         self._partition: dict[str, int] = {}  # local id -> its partition, while followed
-        self.resume: Resume | None = None  # the edge's, to run parked jobs again
-        self._resumes: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
-        self._resumer: asyncio.Task[None] | None = None
         self._creating: set[str] = set()  # local ids this worker is creating now
         self._tasks: set[asyncio.Task[Any]] = set()
         self._capacity = asyncio.Semaphore(settings.max_pending)
@@ -105,11 +98,18 @@ class BatchLane:
         self.remote = RemoteBatches(ops, settings, self.clock, self._spawn)
         self.files = self.remote.files  # finished batches' files, within a byte budget
         self._settled: OrderedDict[str, None] = OrderedDict()  # batches that handed out
-        # Answers go out at a pace: each wakes a task that writes its result.
-        self._deliveries: asyncio.Queue[tuple[asyncio.Future[Answer], Answer]] = asyncio.Queue()
-        self._pace = AsyncLimiter(max(1.0, settings.intake_per_s / 10), 0.1)
+        # Answers and resumed jobs go out at a pace: each wakes a task that writes.
+        self.handout = Handout(ledger, settings.intake_per_s, self._spawn)
         self._intake = AsyncLimiter(max(1.0, settings.intake_per_s / 10), 0.1)
-        self._deliverer: asyncio.Task[None] | None = None
+
+    @property
+    def resume(self) -> Resume | None:
+        """The edge's, to run parked jobs again."""
+        return self.handout.resume
+
+    @resume.setter
+    def resume(self, resume: Resume | None) -> None:
+        self.handout.resume = resume
 
     # -- the job's side ----------------------------------------------------------------
 
@@ -183,59 +183,27 @@ class BatchLane:
         else:  # queued by another run of the same request: parks once that is in the ledger
             durable = self._durable[key]
         async with parked():
-            if parking is not None and await self._park(partition, parking, future, durable):
+            if parking is not None and await self.parker.park(partition, parking, future, durable):
                 latest = self._ledger_batch(partition, custom_id, attempt)
                 if latest is not None and not self._ended(latest):
                     raise Parked  # its end resumes the job: the job's record is there now
                 return None  # it ended meanwhile (its resumes went out before): ask again
             return await future
 
+    def _latest(self, batch: BatchRecord) -> BatchRecord:
+        """The ledger's latest of `batch`."""
+        raw = self.ledger.get(batch.partition, batch_key(batch.local_id))
+        return BatchRecord.loads(raw) if raw is not None else batch
+
+    async def _record(self, batch: BatchRecord) -> None:
+        await self.ledger.put(batch.partition, batch_key(batch.local_id), batch.dumps())
+
     def _ended(self, batch: BatchRecord) -> bool:
         return batch.state in ("done", "abandoned") or batch.local_id in self._settled
 
-    async def _park(
-        self,
-        partition: int,
-        parking: Parking,
-        answer: asyncio.Future[Answer],
-        durable: asyncio.Future[bool] | None,
-    ) -> bool:
-        """True once the request and the job's record are durably in the ledger; False
-        (the job waits for its answer, unacked, as without parking) when the answer came
-        first or the ledger cannot take the record."""
-        if durable is not None:
-            waits: list[asyncio.Future[Any]] = [answer, durable]
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if answer.done() or not durable.result():
-                return False
-        if not self._fits(parking):
-            return False
-        key = job_key(parking.key)
-        try:
-            record = parking.packed
-            if self.ledger.get(partition, key) != record:
-                await self.ledger.put(partition, key, record)
-            await self.ledger.durable(partition)
-        except Exception as exc:  # the broker away, the partition lost: wait as before
-            log.warning("could not park job %s of partition %d: %r", parking.key, partition, exc)
-            return False
-        self._count_request("parked")
-        return True
-
     def takes(self, parking: Parking | None) -> bool:
-        """Whether a job's record may go into a batch: one the edge runs with a `parking`
-        whose record the ledger cannot take would wait for its batch unacked — up to its
-        24-h window, holding every rebalance of the group that long — so it is answered by
-        a call instead (at the full price, counted)."""
-        return parking is None or self._fits(parking)  # None: tests, tools wait as they may
-
-    def _fits(self, parking: Parking) -> bool:
-        """The ledger topic takes the record."""
-        try:
-            return len(parking.packed) + 1024 <= self.ledger_bytes
-        except Exception:  # a record that cannot be packed cannot be parked
-            log.exception("cannot pack the record of %s for the ledger", parking.key)
-            return False
+        """Whether a job's record may go into a batch (see `Parker.takes`)."""
+        return self.parker.takes(parking)
 
     def _prompt_tokens(self, request: LLMRequest) -> int:
         """Counted for an enqueued-token limit; otherwise bytes / 4 will do."""
@@ -254,21 +222,14 @@ class BatchLane:
     # -- gathering and sending ---------------------------------------------------------
 
     def _enqueue(self, waiting: _Waiting) -> None:
-        p = waiting.partition
-        queue = self._pending.setdefault(p, [])
-        queue.append(waiting)
-        size = sum(len(w.line) for w in queue)
-        if len(queue) >= self.max_items or size >= self.settings.max_bytes:
-            self._flush(p)
-        elif p not in self._timers:
-            loop = asyncio.get_running_loop()
-            self._timers[p] = loop.call_later(self.settings.linger_s, self._flush, p)
+        def full(queue: list[_Waiting]) -> bool:
+            return (len(queue) >= self.max_items
+                    or sum(len(w.line) for w in queue) >= self.settings.max_bytes)  # fmt: skip
 
-    def _flush(self, partition: int) -> None:
-        timer = self._timers.pop(partition, None)
-        if timer is not None:
-            timer.cancel()
-        queue = self._pending.pop(partition, [])
+        self._gathering.add(waiting.partition, waiting, full, self.settings.linger_s)
+
+    def _gathered(self, partition: int, queue: list[_Waiting]) -> None:
+        """The partition's gathered requests, in batches within the item and byte limits."""
         while queue:
             take: list[_Waiting] = []
             size = 0
@@ -303,7 +264,7 @@ class BatchLane:
         p = batch.partition
         try:
             # The ledger first: a worker that dies from here on finds the batch by its id.
-            await self.ledger.put(p, batch_key(batch.local_id), batch.dumps())
+            await self._record(batch)
             await asyncio.gather(*(
                 self.ledger.put(p, item_key(w.custom_id, w.attempt),
                                orjson.dumps({"batch": batch.local_id}))
@@ -333,7 +294,7 @@ class BatchLane:
         log.info("batch %s (%s): %d requests of partition %d submitted", batch.local_id,
                  batch.remote_id, len(batch.items), p)  # fmt: skip
         try:  # a ledger that misses it finds it by its metadata, as after a crash
-            await self.ledger.put(p, batch_key(batch.local_id), batch.dumps())
+            await self._record(batch)
         except Exception as exc:
             log.warning("batch %s: its submission not in the ledger (%r); it is followed "
                         "all the same", batch.local_id, exc)  # fmt: skip
@@ -357,7 +318,7 @@ class BatchLane:
 
     async def _record_not_submitted(self, batch: BatchRecord) -> None:
         with contextlib.suppress(Exception):
-            await self.ledger.put(batch.partition, batch_key(batch.local_id), batch.dumps())
+            await self._record(batch)
 
     def _durably_in(self, batch: BatchRecord, durable: bool) -> None:
         """The batch's requests are (or failed to be) durably in the ledger: no longer
@@ -421,67 +382,30 @@ class BatchLane:
 
     async def _watch_once(self, batch: BatchRecord, own: bool) -> None:
         if batch.state == "creating":
-            found = await self.remote.find(batch.local_id, batch.created_at)
-            while found is None and time.time() - batch.created_at < CREATE_GRACE_S:
-                # Its creator may still be creating it (a worker that lost the partition
-                # a moment ago): wait for the provider or the ledger to say more.
-                await self.clock.sleep(self.settings.poll_s)
-                raw = self.ledger.get(batch.partition, batch_key(batch.local_id))
-                latest = BatchRecord.loads(raw) if raw is not None else batch
-                if latest.state != "creating":
-                    batch = latest
-                    break
-                found = await self.remote.find(batch.local_id, batch.created_at)
-        if batch.state == "creating":
-            if found is None:  # never created: its requests go in a new batch
+            batch, found = await self.remote.found(batch, self._latest)
+            if batch.state == "creating" and found is None:  # never created: sent anew
                 batch.state = "abandoned"
-                await self.ledger.put(batch.partition,
-                                     batch_key(batch.local_id), batch.dumps())  # fmt: skip
+                await self._record(batch)
                 self._settle(batch, NO_LINES, RESUBMIT)
                 return
-            batch.state, batch.remote_id = "submitted", str(found["id"])
-            await self.ledger.put(batch.partition, batch_key(batch.local_id),
-                                 batch.dumps())  # fmt: skip
+            if found is not None:
+                batch.state, batch.remote_id = "submitted", str(found["id"])
+                await self._record(batch)
         if batch.state == "submitted":
-            assert batch.remote_id is not None
-            remote = await self.remote.poll(batch.remote_id)
-            batch.state, batch.status = "done", str(remote["status"])
-            batch.output_file_id = remote.get("output_file_id")
-            batch.error_file_id = remote.get("error_file_id")
+            await self.remote.ended(batch)
+            self._count_batch(batch.status or "")
+            await self._record(batch)
             if batch.status == "failed":
-                errors = (remote.get("errors") or {}).get("data") or [{}]
-                batch.error_code = str(errors[0].get("code") or "batch_failed")
-                log.warning("batch %s failed: %s", batch.remote_id, errors[0])
-            self._count_batch(batch.status)
-            await self.ledger.put(batch.partition, batch_key(batch.local_id),
-                                 batch.dumps())  # fmt: skip
-            if batch.status == "failed":
-                self._settle(batch, NO_LINES, self._failure(batch, self._enqueued - (
-                    batch.tokens if own else 0)))  # fmt: skip
+                others = self._enqueued - (batch.tokens if own else 0)
+                self._settle(batch, NO_LINES, failure_of(batch, others))
                 return
         await self.remote.with_lines(batch, lambda lines: self._settle(batch, lines, RESUBMIT))
-
-    def _failure(self, batch: BatchRecord, others: int) -> Answer:
-        """What a failed batch means for its requests. Over the enqueued-token limit: sent
-        again once earlier batches are done (`others`: tokens of this worker's other
-        batches) — unless none were running, then the batch alone is too big."""
-        code = batch.error_code or "batch_failed"
-        if code == "token_limit_exceeded" and others > 0:
-            return RESUBMIT
-        if code == "token_limit_exceeded":
-            return BadRequest(
-                f"batch {batch.remote_id} alone is over the provider's enqueued-token "
-                "limit: lower LLM_STREAMS_BATCH_API__MAX_ITEMS or set "
-                "__MAX_ENQUEUED_TOKENS to the limit",
-                code="token_limit_exceeded",
-            )
-        return UpstreamError(f"batch {batch.remote_id} failed: {code}", code="batch_failed")
 
     async def _answer_from(self, batch: BatchRecord, custom_id: str) -> Answer:
         """The answer a finished batch of the ledger holds for a request."""
         try:
             if batch.status == "failed":
-                answer = self._failure(batch, self._enqueued)
+                answer = failure_of(batch, self._enqueued)
             elif batch.status == "not_submitted":
                 answer = UpstreamError(f"batch {batch.local_id} was not submitted",
                                        code="batch_not_submitted")  # fmt: skip
@@ -511,11 +435,9 @@ class BatchLane:
                 answer = Resubmit(batch.local_id)
             for future in futures:
                 if isinstance(answer, LLMResponse):
-                    self._deliveries.put_nowait((future, answer))
+                    self.handout.answer(future, answer)
                 elif not future.done():
                     future.set_result(answer)
-        if self._deliverer is None or self._deliverer.done():
-            self._deliverer = self._spawn(self._deliver())
         self._resume_jobs(batch)
 
     # -- parked jobs -----------------------------------------------------------------------
@@ -526,20 +448,12 @@ class BatchLane:
         self._settled[batch.local_id] = None  # a job parking from now on asks again
         while len(self._settled) > 10_000:
             self._settled.popitem(last=False)
-        p = batch.partition
-        if self.resume is None or not self.ledger.owns(p):
-            return
-        for custom_id in dict.fromkeys(custom_id for custom_id, _ in batch.items):
-            if self.ledger.get(p, job_key(custom_id)) is not None:
-                self._resumes.put_nowait((p, custom_id))
-        self._start_resumer()
+        self.handout.resume_jobs(batch.partition, (custom_id for custom_id, _ in batch.items))
 
     def resume_parked(self, partition: int) -> None:
         """Run every job parked in `partition`'s ledger again (the partition is new to this
         worker): each follows its batches, and so every batch in flight is followed."""
-        for key in self.ledger.keys(partition, JOB_PREFIX):
-            self._resumes.put_nowait((partition, key[len(JOB_PREFIX) :].decode()))
-        self._start_resumer()
+        self.handout.resume_partition(partition)
 
     def keep(self, partitions: set[int]) -> None:
         """Only `partitions` are this worker's now: stop following the others' batches
@@ -548,29 +462,6 @@ class BatchLane:
             task = self._followed.get(local_id)
             if p not in partitions and task is not None:
                 task.cancel()
-
-    def _start_resumer(self) -> None:
-        if not self._resumes.empty() and (self._resumer is None or self._resumer.done()):
-            self._resumer = self._spawn(self._resume_paced())
-
-    async def _resume_paced(self) -> None:
-        """Parked jobs run again at `intake_per_s`, like the answers they write."""
-        while not self._resumes.empty():
-            partition, key = self._resumes.get_nowait()
-            async with self._pace:
-                record = self.ledger.get(partition, job_key(key))
-                if record is not None and self.resume is not None and self.ledger.owns(partition):
-                    self.resume(partition, key, record)
-
-    async def _deliver(self) -> None:
-        """Hand answers to their tasks at `intake_per_s`."""
-        while not self._deliveries.empty():
-            future, answer = self._deliveries.get_nowait()
-            if future.done():
-                continue
-            async with self._pace:
-                if not future.done():
-                    future.set_result(answer)
 
     # -- metrics and shutdown ------------------------------------------------------------
 
@@ -581,11 +472,10 @@ class BatchLane:
         self.metrics.batch_requests.labels(outcome).inc()
 
     async def close(self) -> None:
-        for timer in self._timers.values():
-            timer.cancel()
+        self._gathering.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-__all__ = ["CREATE_GRACE_S", "BatchLane"]
+__all__ = ["BatchLane"]

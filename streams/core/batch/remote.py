@@ -5,6 +5,7 @@ its files read — each asked again while the provider fails, on the lane's `Clo
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -12,8 +13,8 @@ import orjson
 
 from streams.core.batch.files import BatchFiles, BatchLines
 from streams.core.batch.ledger import BatchRecord
-from streams.core.batch.wire import TERMINAL, Answer, BatchOps, error_of
-from streams.errors import Permanent, RateLimited, Transient
+from streams.core.batch.wire import RESUBMIT, TERMINAL, Answer, BatchOps, error_of
+from streams.errors import BadRequest, Permanent, RateLimited, Transient, UpstreamError
 from streams.llm.client import parse_completion
 from streams.resilience.clock import Clock
 from streams.resilience.retry import retry_transient
@@ -23,6 +24,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 METADATA_KEY = "llm_streams_batch"
+# A batch recorded as being created is taken for never created only this long after:
+# its creator may be between the ledger write and the provider's answer.
+CREATE_GRACE_S = 120.0
 
 
 class MaybeCreated(Exception):  # a state, not an error of ours
@@ -37,6 +41,23 @@ def answer_of(line: dict[str, Any]) -> Answer:
         body = line["response"]["body"]
         return parse_completion(orjson.dumps(body), str(body.get("model") or ""))
     return error_of(line)
+
+
+def failure_of(batch: BatchRecord, others: int) -> Answer:
+    """What a failed batch means for its requests. Over the enqueued-token limit: sent
+    again once earlier batches are done (`others`: tokens of this worker's other
+    batches) — unless none were running, then the batch alone is too big."""
+    code = batch.error_code or "batch_failed"
+    if code == "token_limit_exceeded" and others > 0:
+        return RESUBMIT
+    if code == "token_limit_exceeded":
+        return BadRequest(
+            f"batch {batch.remote_id} alone is over the provider's enqueued-token "
+            "limit: lower LLM_STREAMS_BATCH_API__MAX_ITEMS or set "
+            "__MAX_ENQUEUED_TOKENS to the limit",
+            code="token_limit_exceeded",
+        )
+    return UpstreamError(f"batch {batch.remote_id} failed: {code}", code="batch_failed")
 
 
 class RemoteBatches:
@@ -101,6 +122,35 @@ class RemoteBatches:
         return await self.patiently(lambda: self._find_once(local_id, created_at),
                                     f"looking for batch {local_id}")  # fmt: skip
 
+    async def found(
+        self, batch: BatchRecord, latest: Callable[[BatchRecord], BatchRecord]
+    ) -> tuple[BatchRecord, dict[str, Any] | None]:
+        """A batch the ledger has as being created, and the provider's batch of it (None:
+        none). Its creator may still be creating it (a worker that lost the partition a
+        moment ago): up to `CREATE_GRACE_S` after its creation, the provider or the ledger
+        (`latest`) is asked again until one says more."""
+        found = await self.find(batch.local_id, batch.created_at)
+        while found is None and time.time() - batch.created_at < CREATE_GRACE_S:
+            await self.clock.sleep(self.settings.poll_s)
+            now = latest(batch)
+            if now.state != "creating":
+                return now, None
+            found = await self.find(batch.local_id, batch.created_at)
+        return batch, found
+
+    async def ended(self, batch: BatchRecord) -> None:
+        """A submitted batch followed to its end: `batch` then holds its status, files
+        and (failed) its error code."""
+        assert batch.remote_id is not None
+        remote = await self.poll(batch.remote_id)
+        batch.state, batch.status = "done", str(remote["status"])
+        batch.output_file_id = remote.get("output_file_id")
+        batch.error_file_id = remote.get("error_file_id")
+        if batch.status == "failed":
+            errors = (remote.get("errors") or {}).get("data") or [{}]
+            batch.error_code = str(errors[0].get("code") or "batch_failed")
+            log.warning("batch %s failed: %s", batch.remote_id, errors[0])
+
     async def _find_once(self, local_id: str, created_at: float) -> dict[str, Any] | None:
         after: str | None = None
         while True:
@@ -148,4 +198,11 @@ class RemoteBatches:
         )  # fmt: skip
 
 
-__all__ = ["METADATA_KEY", "MaybeCreated", "RemoteBatches", "answer_of"]
+__all__ = [
+    "CREATE_GRACE_S",
+    "METADATA_KEY",
+    "MaybeCreated",
+    "RemoteBatches",
+    "answer_of",
+    "failure_of",
+]

@@ -527,7 +527,7 @@ async def test_a_create_lost_before_the_provider_made_anything_is_sent_anew_afte
         return await real(file_id, metadata)
 
     monkeypatch.setattr(client, "create_batch", lost_on_the_way)
-    monkeypatch.setattr("streams.core.batch.lane.CREATE_GRACE_S", 0.3)
+    monkeypatch.setattr("streams.core.batch.remote.CREATE_GRACE_S", 0.3)
     store = LedgerStore()
     lane = BatchLane(client, store, SETTINGS, clock=QuickClock())  # type: ignore[arg-type]
     answer = await lane.complete(0, "rk-1", 1, _request("Fine."))
