@@ -21,35 +21,30 @@ from typing import Any, cast
 import faust
 
 from streams.contract.lanes import Lane
-from streams.contract.records import Source
-from streams.core.batch import BatchLane, Parked
-from streams.core.budget import Withdrawn
+from streams.core.batch import BatchLane
 from streams.core.cache import ContentCache
 from streams.core.decide import Decider, Ended
 from streams.core.dispatch import Dispatcher, LaneSlots
 from streams.core.drift import DriftMonitor
 from streams.core.offsets import InOrderAcks, Ticket
-from streams.core.processor import Outcome, TaskProcessor
-from streams.errors import InternalError
+from streams.core.processor import TaskProcessor
 from streams.kafka.limits import WriteLimits
 from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.llm.openai_client import OpenAIClient
 from streams.observability.health import Readiness, open_breakers
-from streams.observability.logs import current_task_id
 from streams.observability.metrics import Metrics
 from streams.pipelines.sources import SourceMapper
 from streams.resilience.limiter import GroupShare
 from streams.settings import Settings
-from streams.store.taskstore import Kind, MapView, PartitionLost, TaskStore
+from streams.store.taskstore import Kind, MapView, TaskStore
 from streams.worker import faust_private
 from streams.worker.eos import Transactions
 from streams.worker.flow import RecordFlow
-from streams.worker.observe import record_ended, record_span
 from streams.worker.parked import Resumer, StoredRecord
 from streams.worker.shutdown import Watchdog
 from streams.worker.sources import SourceIngest
 from streams.worker.take import take
-from streams.worker.writer import CannotWrite, Headers, Writer
+from streams.worker.writer import Headers, Writer
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +299,7 @@ class TaskAgent:
                 self._processor, decider, self.store, self.writer,
                 partitions=settings.kafka.partitions,
                 sessions_bytes=self.limits.value_bytes(sessions_topic(settings)),
-                lane_of=self.lane_of, metrics=self.metrics,
+                lane_of=self.lane_of, metrics=self.metrics, drift=self.drift,
             )  # fmt: skip
         self._running_lanes += 1
         return self._processor
@@ -444,7 +439,8 @@ class TaskAgent:
         taken_at: float,
     ) -> Callable[[], Any]:
         async def job() -> None:
-            kind = await self._process(ticket.item.message, processor, taken_at)
+            assert self._flow is not None  # made with the processor
+            kind = await self._flow.run(ticket.item.message, taken_at)
             if kind is Ended.RELEASED:  # not acked, nor waited for: its partition's owner runs it
                 with contextlib.suppress(Exception):  # no consumer (stopping)
                     faust_private.forget_unacked(self.app.consumer, [ticket.item.message])
@@ -457,56 +453,6 @@ class TaskAgent:
 
     async def _run_parked(self, message: StoredRecord) -> Ended | None:
         """A parked record run again; what it ended as (None: stopping, not run)."""
-        processor = self._processor
-        if processor is None:
+        if self._flow is None:
             return None
-        return await self._process(message, processor, time.monotonic())
-
-    async def _process(self, message: Any, processor: TaskProcessor, taken_at: float) -> Ended:
-        """One record (a Faust message, or a `StoredRecord` run again) answered and its
-        outcome written, in its span; what it ended as."""
-        m = self.metrics
-        # Log lines written for this record carry its task id (the key).
-        current_task_id.set(message.key.decode(errors="replace") if message.key else None)
-        source = Source(topic=message.topic, partition=message.partition, offset=message.offset)
-        lane_name = self.lane_of(message.topic).name.lower()
-        with record_span(message, lane_name) as span:
-            m.queue_wait.labels(lane_name).observe(time.monotonic() - taken_at)
-            m.in_flight.inc()
-            try:
-                await self.store.ready(message.partition)  # its answers loaded
-            except PartitionLost as exc:  # given away: its owner runs it (again)
-                log.info("record %s/%d/%d not run: %s", source.topic, source.partition,
-                         source.offset, exc)  # fmt: skip
-                m.in_flight.dec()
-                return Ended.RELEASED
-            try:
-                assert self._flow is not None  # made with the processor
-                kind, outcome = await self._flow.handle(message, source, span)
-            except (CannotWrite, asyncio.CancelledError):
-                raise  # unacked: the record runs again after the restart
-            except (Parked, Withdrawn) as exc:
-                # Parked: durably in the batch lane's ledger, which resumes it. Withdrawn:
-                # it waited at a spend cap and its partition was given away to its owner.
-                kind = Ended.PARKED if isinstance(exc, Parked) else Ended.RELEASED
-                span.set_attribute("llm_streams.outcome", kind)
-                return kind
-            except Exception as exc:  # a bug: the record still ends as one dead letter
-                log.exception("internal error on %s/%d/%d", source.topic, source.partition,
-                              source.offset)  # fmt: skip
-                kind, outcome = await self._internal_error(message, source, processor, exc)
-            finally:
-                m.in_flight.dec()
-            record_ended(m, self.drift, span, lane=lane_name, kind=kind, outcome=outcome,
-                         source=source, timestamp=message.timestamp)  # fmt: skip
-            return kind
-
-    async def _internal_error(
-        self, message: Any, source: Source, processor: TaskProcessor, exc: Exception
-    ) -> tuple[Ended, Outcome | None]:
-        """A bug met this record: it ends as a dead letter `internal_error` (not retried,
-        not redriven as a provider fault), written once."""
-        error = InternalError(f"internal error: {exc!r}", code="internal_error")
-        outcome = processor.dead_letter(error, message.value, message.key, source)
-        assert self._flow is not None  # made with the processor
-        return await self._flow.dead_here(outcome, source)
+        return await self._flow.run(message, time.monotonic())

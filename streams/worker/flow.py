@@ -1,7 +1,9 @@
 """A record's way through the worker, top to bottom, in one place.
 
-The agent runs it for each record it takes (and the parked-record resumer for each
-record it runs again); acking, in arrival order per partition, stays the agent's:
+The agent runs it (`RecordFlow.run`: the record's span, its metrics and drift once it
+ended, a bug as one `internal_error` dead letter) for each record it takes, and the
+parked-record resumer for each record it runs again; acking, in arrival order per
+partition, stays the agent's:
 
 1. **headers**: how the record asks to be answered (`asked`: forced, a tier, a
    backtrack's note) and where it first stood (`original_offset`, for a replay);
@@ -18,7 +20,9 @@ record it runs again); acking, in arrival order per partition, stays the agent's
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -34,17 +38,22 @@ from streams.contract.headers import (
 )
 from streams.contract.lanes import Lane, Tier
 from streams.contract.records import EraseRequest, Source, json_object
+from streams.core.batch import Parked
+from streams.core.budget import Withdrawn
 from streams.core.decide import Asked, Decider, Decision, Ended
+from streams.core.drift import DriftMonitor
 from streams.core.outcome import Outcome, Prepared
 from streams.core.processor import TaskProcessor
 from streams.core.sessions import has_turn, without_turn
 from streams.core.sinks import erased
-from streams.errors import InvalidInput
+from streams.errors import InternalError, InvalidInput
 from streams.kafka.routing import partition_for
+from streams.observability.logs import current_task_id
 from streams.observability.metrics import Metrics
-from streams.store.taskstore import Kind, TaskStore
+from streams.store.taskstore import Kind, PartitionLost, TaskStore
+from streams.worker.observe import record_ended, record_span
 from streams.worker.parked import StoredRecord
-from streams.worker.writer import Writer
+from streams.worker.writer import CannotWrite, Writer
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +107,7 @@ class RecordFlow:
         sessions_bytes: int,
         lane_of: Callable[[str], Lane],
         metrics: Metrics,
+        drift: DriftMonitor | None = None,
     ) -> None:
         self.processor = processor
         self.decider = decider
@@ -107,6 +117,55 @@ class RecordFlow:
         self.sessions_bytes = sessions_bytes  # bytes a session's turns may take
         self.lane_of = lane_of
         self.metrics = metrics
+        self.drift = drift  # fed every fresh answer (output drift per version)
+
+    async def run(self, message: Any, taken_at: float) -> Ended:
+        """One record (a Faust message, or a `StoredRecord` run again) answered and its
+        outcome written, in its span; what it ended as. Raises `CannotWrite` (and
+        cancellation): the record stays unacked and runs again after the restart."""
+        m = self.metrics
+        # Log lines written for this record carry its task id (the key).
+        current_task_id.set(message.key.decode(errors="replace") if message.key else None)
+        source = Source(topic=message.topic, partition=message.partition, offset=message.offset)
+        lane_name = self.lane_of(message.topic).name.lower()
+        with record_span(message, lane_name) as span:
+            m.queue_wait.labels(lane_name).observe(time.monotonic() - taken_at)
+            m.in_flight.inc()
+            try:
+                await self.store.ready(message.partition)  # its answers loaded
+            except PartitionLost as exc:  # given away: its owner runs it (again)
+                log.info("record %s/%d/%d not run: %s", source.topic, source.partition,
+                         source.offset, exc)  # fmt: skip
+                m.in_flight.dec()
+                return Ended.RELEASED
+            try:
+                kind, outcome = await self.handle(message, source, span)
+            except (CannotWrite, asyncio.CancelledError):
+                raise
+            except (Parked, Withdrawn) as exc:
+                # Parked: durably in the batch lane's ledger, which resumes it. Withdrawn:
+                # it waited at a spend cap and its partition was given away to its owner.
+                kind = Ended.PARKED if isinstance(exc, Parked) else Ended.RELEASED
+                span.set_attribute("llm_streams.outcome", kind)
+                return kind
+            except Exception as exc:  # a bug: the record still ends as one dead letter
+                log.exception("internal error on %s/%d/%d", source.topic, source.partition,
+                              source.offset)  # fmt: skip
+                kind, outcome = await self._internal_error(message, source, exc)
+            finally:
+                m.in_flight.dec()
+            record_ended(m, self.drift, span, lane=lane_name, kind=kind, outcome=outcome,
+                         source=source, timestamp=message.timestamp)  # fmt: skip
+            return kind
+
+    async def _internal_error(
+        self, message: Any, source: Source, exc: Exception
+    ) -> tuple[Ended, Outcome | None]:
+        """A bug met this record: it ends as a dead letter `internal_error` (not retried,
+        not redriven as a provider fault), written once."""
+        error = InternalError(f"internal error: {exc!r}", code="internal_error")
+        outcome = self.processor.dead_letter(error, message.value, message.key, source)
+        return await self.dead_here(outcome, source)
 
     async def handle(self, message: Any, source: Source, span: Any) -> tuple[Ended, Outcome | None]:
         """Answer one record and write its outcome: what it ended as (result, dead_letter,

@@ -216,10 +216,11 @@ async def test_records_of_a_partition_given_away_are_acked_by_no_earlier_run(
         async def ack(self, event: Any) -> None:
             self.acked.append(event)
 
-    async def released(*_: Any) -> Ended:
-        return Ended.RELEASED
+    class Released:  # the record's flow: its partition was given away meanwhile
+        async def run(self, *_: Any) -> Ended:
+            return Ended.RELEASED
 
-    monkeypatch.setattr(agent, "_process", released)
+    monkeypatch.setattr(agent, "_flow", Released())
     ticket = agent.acks.started(tps[0], Event(tps[0], 11))
     await agent._job(Stream(), ticket, None, 0.0)()  # type: ignore[arg-type]
     assert Stream.acked == [] and forgotten[-1] is ticket.item.message

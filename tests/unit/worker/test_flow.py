@@ -395,3 +395,27 @@ async def test_an_erased_turn_leaves_its_session_and_the_last_one_the_session_it
             left = run.store.get(Kind.SESSIONS, home, b"s-1")
             assert [t["task_id"] for t in orjson.loads(left)["turns"]] == ["s-1-b"]
     assert run.store.get(Kind.SESSIONS, home, b"s-1") is None  # no turn left: the entry goes
+
+
+async def test_a_bug_on_a_records_way_ends_as_one_internal_error_dead_letter(
+    flow: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run, sent, llm, settings, _ = flow
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(run.decider, "decide", broken)
+    record = _record("t-bug", _home_of("t-bug"))
+    assert await run.run(record, taken_at=0.0) == "dead_letter"
+    letters = [orjson.loads(s[2]) for s in sent if s[0] == settings.topics.dead_letters]
+    assert [(d["task_id"], d["error"]["code"]) for d in letters] == [("t-bug", "internal_error")]
+    assert letters[0]["error"]["retryable"] is False and llm.requests == []
+
+
+async def test_a_record_of_a_partition_given_away_is_released_unanswered(flow: Any) -> None:
+    run, sent, llm, _, _ = flow
+    home = _home_of("t-away")
+    run.store.assign(set(range(PARTITIONS)) - {home})  # the rebalance took its partition
+    assert await run.run(_record("t-away", home), taken_at=0.0) == "released"
+    assert sent == [] and llm.requests == []
