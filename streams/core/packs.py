@@ -4,15 +4,16 @@ gathers the packs and holds the wire format; this sends them and hands out the a
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
 import orjson
 from opentelemetry.trace import SpanKind
 
-from streams.contract.lanes import Lane
+from streams.contract.lanes import Lane, Tier
 from streams.core.calls import Calls
-from streams.core.outcome import Prepared
+from streams.core.outcome import Prepared, Spend
 from streams.core.packing import (
     Item,
     Key,
@@ -34,12 +35,54 @@ from streams.pipelines.render import RenderedPrompt
 from streams.pipelines.structured import structured_output
 from streams.resilience.retry import Attempts, call_with_retries
 
+log = logging.getLogger(__name__)
+
 
 class Packs:
     def __init__(self, calls: Calls, registry: PipelineRegistry) -> None:
         self.calls = calls
         self.registry = registry
         self.packer = Packer(self._send)
+
+    async def answer(
+        self,
+        prep: Prepared,
+        prompt: RenderedPrompt,
+        attempts: Attempts,
+        spend: Spend,
+        lane: Lane,
+        deadline_at: float,
+    ) -> dict[str, Any] | None:
+        """The task's answer from a pack, its share of the pack's spend taken in; None
+        when it is answered alone (its pipeline does not pack, it does not qualify, or
+        the pack had no valid answer for it)."""
+        pipeline, version = prep.pipeline, prep.version
+        packing = pipeline.spec.packing
+        if packing is None or len(str(prompt.variables.get(packing.slot) or "")) > (
+            packing.max_chars
+        ):
+            return None
+        # Not packed: in a batch (which already halves the price), nor a version whose
+        # schema is in its system message (a packed answer has another shape), nor a turn
+        # with earlier turns in its prompt (a pack item has no conversation).
+        if (
+            prep.context.messages
+            or spend.tier is Tier.BATCH
+            or version.spec.response_format == "schema_in_prompt"
+        ):
+            return None
+        packed = await self.ask(prep, prompt, lane, deadline_at)
+        spend.prompt_tokens += packed.prompt_tokens
+        spend.cached_prompt += packed.cached_prompt_tokens
+        spend.completion_tokens += packed.completion_tokens
+        spend.model = packed.model or spend.model
+        attempts.count = attempts.previous + packed.calls
+        attempts.previous = attempts.count
+        outcome = "packed" if packed.output is not None else "alone"
+        self.calls.metrics.packed.labels(pipeline.name, outcome).inc()
+        if packed.output is None:
+            log.info("task %s: %s; answering it alone", prep.task.task_id, packed.reason)
+        return packed.output
 
     async def ask(
         self, prep: Prepared, prompt: RenderedPrompt, lane: Lane, deadline_at: float

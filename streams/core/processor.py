@@ -1,6 +1,6 @@
 """One task from raw bytes to exactly one outcome: a result or a dead letter.
 
-`prepare` decodes and renders a record (or makes its dead letter); `answer`
+`prepare` decodes and renders a record (`core.intake`; or makes its dead letter); `answer`
 runs the task within its deadline — its first stage (in chunks when the input
 is over its budget, in a pack when the pipeline packs short inputs, shortened
 once when the provider says the prompt is over its window), then any later
@@ -18,26 +18,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import orjson
-
 from streams.contract.lanes import Lane, Tier
 from streams.contract.records import (
     Source,
-    Task,
     Usage,
     ValueLimits,
-    content_key,
-    decode_task,
-    result_key,
 )
 from streams.core.batch import BatchLane, Parking
 from streams.core.budget import Budgets
 from streams.core.calls import Calls, ClientFor
 from streams.core.chunks import Chunks
+from streams.core.intake import Intake
 from streams.core.outcome import Outcome, Outcomes, Prepared, Prices, Spend
 from streams.core.packs import Packs
-from streams.core.sessions import NONE as NO_CONTEXT
-from streams.core.sessions import context_of, turn_position, with_context
 from streams.core.stages import MAIN, StageFailed, run_stages
 from streams.core.window import chunk_plan, shorten
 from streams.errors import (
@@ -60,11 +53,6 @@ from streams.resilience.retry import Attempts, RetryPolicy
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-def _turn_tokens(messages: list[dict[str, str]]) -> int:
-    """Tokens a turn's messages add to a prompt (no reply priming: the prompt has it)."""
-    return count_messages(messages) - 3
 
 
 @dataclass(frozen=True)
@@ -133,7 +121,9 @@ class TaskProcessor:
         self.chunks = Chunks(self.calls, self.metrics, config.default_model)
         self.outcomes = Outcomes(config.limits, config.prices, self.metrics, config.default_model,
                                  sink_of=registry.sink_of)  # fmt: skip
-        self._sessions = registry.keeps_sessions
+        self.intake = Intake(registry, self.outcomes, self.metrics,
+                             default_model=config.default_model,
+                             max_task_bytes=config.max_task_bytes)  # fmt: skip
         self._close = close
 
     @property
@@ -164,55 +154,16 @@ class TaskProcessor:
         return await self.answer(prepared, lane)
 
     def route_of(self, raw: bytes | None) -> tuple[str, str] | None:
-        """A record's task id and what it is routed by (its session, else its task id),
-        read without validating it (a record is forwarded to its home before its prompt
-        is made there); None when it is no task to route (its dead letter is written
-        where it is)."""
-        if raw is None:
-            return None
-        try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return None
-        task_id = data.get("task_id") if isinstance(data, dict) else None
-        if not isinstance(task_id, str) or not task_id:
-            return None
-        pipeline = self.registry.pipelines.get(str(data.get("pipeline")))
-        session = pipeline.session_of(data) if pipeline is not None and self._sessions else None
-        return task_id, session or task_id
+        """See `Intake.route_of`."""
+        return self.intake.route_of(raw)
 
     def refusal(self, raw: bytes | None, key: bytes | None, source: Source) -> Outcome | None:
-        """The dead letter of a record that would be refused at its home (not a task, an
-        unknown pipeline or version, slots that do not fit), or None. Asked before a
-        record is forwarded: bad input ends where its producer wrote it, as any other,
-        not as a copy on another partition. The prompt is not made (its home makes it)."""
-        task: Task | None = None
-        try:
-            task = decode_task(raw, max_bytes=self.config.max_task_bytes)
-            pipeline = self.registry.get(task.pipeline)
-            version = pipeline.version(task.prompt_version,
-                                       pipeline.session_of(task) or task.task_id)  # fmt: skip
-            version.bind(task.input)
-        except TaskError as exc:
-            return self.outcomes.dead(exc, raw, key, task, source, Attempts(), Spend(),
-                                      time.monotonic())  # fmt: skip
-        except Exception:  # its home's prepare says what it is (a bug: its dead letter)
-            return None
-        return None
+        """See `Intake.refusal`."""
+        return self.intake.refusal(raw, key, source)
 
     def session_hint(self, raw: bytes | None) -> str | None:
-        """The session a record's task belongs to, read without validating it (to order
-        a session's records one after another); None when it names none or is not a task."""
-        if raw is None or not self._sessions:
-            return None
-        try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(data, dict):
-            return None
-        pipeline = self.registry.pipelines.get(str(data.get("pipeline")))
-        return pipeline.session_of(data) if pipeline is not None else None
+        """See `Intake.session_hint`."""
+        return self.intake.session_hint(raw)
 
     def prepare(
         self,
@@ -222,57 +173,8 @@ class TaskProcessor:
         history: Callable[[str], bytes | None] | None = None,
         position: int | None = None,
     ) -> Prepared | Outcome:
-        """Decode and render a record: a task ready to answer, or its dead letter.
-
-        A task of a session gets its version by its session's bucket and, when its
-        version keeps sessions and `history` (session id -> the stored turns) is given,
-        the earlier turns before `position` (default: the record's offset) in its prompt."""
-        started = time.monotonic()
-        task: Task | None = None
-        m = self.metrics
-        try:
-            task = decode_task(raw, max_bytes=self.config.max_task_bytes)
-            pipeline = self.registry.get(task.pipeline)
-            session = pipeline.session_of(task)
-            version = pipeline.version(task.prompt_version, session or task.task_id)
-            prompt = version.render(task.input, self.config.default_model)
-            context = NO_CONTEXT
-            at = source.offset if position is None else position
-            spec = version.spec.session
-            if session is not None and spec is not None and history is not None:
-                turns = history(session)
-                known = turn_position(turns, task.task_id)  # answered before: its place
-                at = at if known is None else known
-                context = context_of(turns, task.task_id, at, spec, _turn_tokens)
-                prompt = replace(prompt, messages=with_context(prompt.messages, context))
-            chosen_by = ("pinned" if task.prompt_version else
-                         "split" if pipeline.spec.traffic else "default")  # fmt: skip
-            m.versions_chosen.labels(pipeline.name, version.version, chosen_by).inc()
-            for kind, n in prompt.redactions.items():
-                m.redactions.labels(pipeline.name, kind).inc(n)
-            return Prepared(
-                task=task,
-                pipeline=pipeline,
-                version=version,
-                prompt=prompt,
-                result_key=result_key(pipeline.name, version.version, task.task_id, task.input,
-                                      context.digest),
-                content_key=content_key(pipeline.name, version.version, task.input,
-                                        context.digest),
-                raw=raw,
-                key=key,
-                source=source,
-                started=started,
-                session=session,
-                position=at,
-                context=context,
-            )  # fmt: skip
-        except TaskError as exc:
-            return self.outcomes.dead(exc, raw, key, task, source, Attempts(), Spend(), started)
-        except Exception as exc:  # a bug must not stop the worker or lose the record
-            log.exception("unexpected error preparing %s", source)
-            err = InternalError(f"internal error: {exc!r}", code="internal_error")
-            return self.outcomes.dead(err, raw, key, task, source, Attempts(), Spend(), started)
+        """See `Intake.prepare`."""
+        return self.intake.prepare(raw, key, source, history, position)
 
     def dead_letter(
         self,
@@ -343,7 +245,8 @@ class TaskProcessor:
     async def _answer(
         self, prep: Prepared, lane: Lane, earlier: dict[str, Any] | None, spend: Spend
     ) -> Outcome:
-        task, pipeline, version, prompt = prep.task, prep.pipeline, prep.version, prep.prompt
+        """The task answered within its deadline: a result, or its dead letter."""
+        pipeline, version = prep.pipeline, prep.version
         attempts = Attempts()
         deadline_s = self.config.deadline_s
         if spend.tier is Tier.BATCH:
@@ -357,30 +260,8 @@ class TaskProcessor:
         try:
             try:
                 async with asyncio.timeout(deadline_s):
-                    if MAIN in done:
-                        output = done[MAIN]
-                    else:
-                        with stage_span(MAIN, pipeline.name, version.version):
-                            output, prompt = await self._main(
-                                prep, prompt, attempts, spend, lane, deadline_at
-                            )
-                        done[MAIN] = output
-                    if pipeline.stages:
-
-                        async def call(
-                            p: Pipeline, v: PipelineVersion, r: RenderedPrompt
-                        ) -> dict[str, Any]:
-                            # A stage's attempts count on from the ones before it.
-                            attempts.previous, attempts.last_error = attempts.count, None
-                            return await self.calls.call(p, v, r, attempts, spend, lane,
-                                                         deadline_at)  # fmt: skip
-
-                        answers = await run_stages(
-                            pipeline.stages, variables=prompt.variables, output=output,
-                            done=done, task_id=task.task_id,
-                            default_model=self.config.default_model, call=call,
-                        )  # fmt: skip
-                        output = {**output, "stages": answers}
+                    output, prompt = await self._stages(prep, done, attempts, spend, lane,
+                                                        deadline_at)  # fmt: skip
             except TimeoutError:
                 last = attempts.last_error
                 cause = f"; last error: {last.category.value}: {last.message}" if last else ""
@@ -389,24 +270,16 @@ class TaskProcessor:
                     f"{attempts.count} attempt(s){cause}",
                     code="task_deadline",
                 ) from None
-            cost = self.outcomes.cost(pipeline.name, spend)
+            usage = Usage(prompt_tokens=spend.prompt_tokens,
+                          completion_tokens=spend.completion_tokens,
+                          cached_prompt_tokens=spend.cached_prompt)  # fmt: skip
             return self.outcomes.result(
-                prep,
-                output,
-                model=spend.model or prompt.model,
-                usage=Usage(
-                    prompt_tokens=spend.prompt_tokens,
-                    completion_tokens=spend.completion_tokens,
-                    cached_prompt_tokens=spend.cached_prompt,
-                ),
-                cost=cost,
-                attempts=attempts.count,
-                cached=False,
-                stages=kept,
-                rejected=spend.rejected,
-            )
+                prep, output, model=spend.model or prompt.model, usage=usage,
+                cost=self.outcomes.cost(pipeline.name, spend), attempts=attempts.count,
+                cached=False, stages=kept, rejected=spend.rejected,
+            )  # fmt: skip
         except TaskError as exc:
-            dead = self.outcomes.dead(exc, prep.raw, prep.key, task, prep.source, attempts,
+            dead = self.outcomes.dead(exc, prep.raw, prep.key, prep.task, prep.source, attempts,
                                       spend, prep.started, version.version)  # fmt: skip
             if kept is None:
                 return dead
@@ -415,8 +288,41 @@ class TaskProcessor:
         except Exception as exc:  # a bug must not stop the worker or lose the record
             log.exception("unexpected error processing %s", prep.source)
             err = InternalError(f"internal error: {exc!r}", code="internal_error")
-            return self.outcomes.dead(err, prep.raw, prep.key, task, prep.source, attempts,
+            return self.outcomes.dead(err, prep.raw, prep.key, prep.task, prep.source, attempts,
                                       spend, prep.started, version.version)  # fmt: skip
+
+    async def _stages(
+        self,
+        prep: Prepared,
+        done: dict[str, Any],
+        attempts: Attempts,
+        spend: Spend,
+        lane: Lane,
+        deadline_at: float,
+    ) -> tuple[dict[str, Any], RenderedPrompt]:
+        """The first stage's answer (unless `done` holds it), then the later stages'
+        (those not in `done`); the output and the prompt of the first stage."""
+        pipeline, version, prompt = prep.pipeline, prep.version, prep.prompt
+        if MAIN in done:
+            output = done[MAIN]
+        else:
+            with stage_span(MAIN, pipeline.name, version.version):
+                output, prompt = await self._main(prep, prompt, attempts, spend, lane,
+                                                  deadline_at)  # fmt: skip
+            done[MAIN] = output
+        if not pipeline.stages:
+            return output, prompt
+
+        async def call(p: Pipeline, v: PipelineVersion, r: RenderedPrompt) -> dict[str, Any]:
+            # A stage's attempts count on from the ones before it.
+            attempts.previous, attempts.last_error = attempts.count, None
+            return await self.calls.call(p, v, r, attempts, spend, lane, deadline_at)
+
+        answers = await run_stages(
+            pipeline.stages, variables=prompt.variables, output=output, done=done,
+            task_id=prep.task.task_id, default_model=self.config.default_model, call=call,
+        )  # fmt: skip
+        return {**output, "stages": answers}, prompt
 
     async def _main(
         self,
@@ -428,62 +334,55 @@ class TaskProcessor:
         deadline_at: float,
     ) -> tuple[dict[str, Any], RenderedPrompt]:
         """The first stage's answer, and the prompt it came from: in chunks when the
-        input is over the budget and the pipeline chunks; shortened when the prompt is
-        over the window and the version truncates."""
-        pipeline, version, task = prep.pipeline, prep.version, prep.task
+        input is over the budget and the pipeline chunks; in a pack when it is short and
+        the pipeline packs; shortened when the prompt is over the window and the version
+        truncates."""
+        pipeline, version = prep.pipeline, prep.version
         window = await self.client.context_window(prompt.model)
         chunks = chunk_plan(pipeline, prompt, window)
         if chunks is not None:
             output = await self.chunks.answer(prep, prompt, chunks, attempts, spend, lane,
                                               deadline_at)  # fmt: skip
             return output, prompt
-        packing = pipeline.spec.packing
-        short = packing is not None and len(str(prompt.variables.get(packing.slot) or "")) <= (
-            packing.max_chars
-        )
-        # Not packed: in a batch (which already halves the price), nor a version whose
-        # schema is in its system message (a packed answer has another shape), nor a turn
-        # with earlier turns in its prompt (a pack item has no conversation).
-        if (
-            short
-            and not prep.context.messages
-            and spend.tier is not Tier.BATCH
-            and version.spec.response_format != ("schema_in_prompt")
-        ):
-            packed = await self.packs.ask(prep, prompt, lane, deadline_at)
-            spend.prompt_tokens += packed.prompt_tokens
-            spend.cached_prompt += packed.cached_prompt_tokens
-            spend.completion_tokens += packed.completion_tokens
-            spend.model = packed.model or spend.model
-            attempts.count = attempts.previous + packed.calls
-            attempts.previous = attempts.count
-            outcome = "packed" if packed.output is not None else "alone"
-            self.metrics.packed.labels(pipeline.name, outcome).inc()
-            if packed.output is not None:
-                return packed.output, prompt
-            log.info("task %s: %s; answering it alone", task.task_id, packed.reason)
+        packed = await self.packs.answer(prep, prompt, attempts, spend, lane, deadline_at)
+        if packed is not None:
+            return packed, prompt
         try:
             return await self.calls.call(
                 pipeline, version, prompt, attempts, spend, lane, deadline_at
             ), prompt
         except ContextOverflow as exc:
-            # The refusal may have told a smaller window than assumed: the input in chunks
-            # of it when the pipeline chunks; else the pipeline's mitigation, if any:
-            # shorten, try once more.
-            learned = self.client.window.tokens()
-            chunks = chunk_plan(pipeline, prompt, learned) if learned < window else None
-            if chunks is not None:
-                attempts.previous, attempts.last_error = attempts.count, None
-                output = await self.chunks.answer(prep, prompt, chunks, attempts, spend, lane,
-                                                  deadline_at)  # fmt: skip
-                return output, prompt
-            prompt = shorten(version, task.input, prompt, exc, context_window=learned,
-                             default_model=self.config.default_model)  # fmt: skip
-            self.metrics.mitigations.labels(pipeline.name, "truncate").inc()
-            attempts.previous, attempts.last_error = attempts.count, None
-            return await self.calls.call(
-                pipeline, version, prompt, attempts, spend, lane, deadline_at
-            ), prompt
+            return await self._overflowed(prep, prompt, exc, window, attempts, spend, lane,
+                                          deadline_at)  # fmt: skip
+
+    async def _overflowed(
+        self,
+        prep: Prepared,
+        prompt: RenderedPrompt,
+        exc: ContextOverflow,
+        window: int,
+        attempts: Attempts,
+        spend: Spend,
+        lane: Lane,
+        deadline_at: float,
+    ) -> tuple[dict[str, Any], RenderedPrompt]:
+        """The provider refused the prompt as over its window, which may be smaller than
+        assumed: the input in chunks of it when the pipeline chunks; else the version's
+        mitigation (shorten, try once more), or the overflow's dead letter."""
+        pipeline, version = prep.pipeline, prep.version
+        learned = self.client.window.tokens()
+        chunks = chunk_plan(pipeline, prompt, learned) if learned < window else None
+        attempts.previous, attempts.last_error = attempts.count, None
+        if chunks is not None:
+            output = await self.chunks.answer(prep, prompt, chunks, attempts, spend, lane,
+                                              deadline_at)  # fmt: skip
+            return output, prompt
+        prompt = shorten(version, prep.task.input, prompt, exc, context_window=learned,
+                         default_model=self.config.default_model)  # fmt: skip
+        self.metrics.mitigations.labels(pipeline.name, "truncate").inc()
+        return await self.calls.call(
+            pipeline, version, prompt, attempts, spend, lane, deadline_at
+        ), prompt
 
 
 __all__ = ["Outcome", "Prepared", "Prices", "ProcessorConfig", "TaskProcessor"]

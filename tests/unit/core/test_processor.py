@@ -250,9 +250,13 @@ async def test_a_truncated_answer_is_retried_once_with_a_larger_budget(
 
 
 async def test_context_overflow_truncates_the_slot_and_retries_once(
-    processor: TaskProcessor, simulator: SimulatorServer, tmp_path: Path
+    processor: TaskProcessor,
+    simulator: SimulatorServer,
+    tmp_path: Path,
+    make_processor: MakeProcessor,
 ) -> None:
-    processor.registry = _without_chunking(tmp_path)  # the version's truncation, alone
+    # The version's truncation, alone.
+    processor = make_processor(guarded=processor.client, registry=_without_chunking(tmp_path))
     simulator.sim.config.context_window = 1000  # system prompt + 400 completion leave ~400
     words = " ".join(f"The blender part {i} was fine." for i in range(220))  # ~1,800 tokens
     text = "Arrived late. " + words
@@ -268,9 +272,12 @@ async def test_context_overflow_truncates_the_slot_and_retries_once(
 
 
 async def test_context_overflow_that_no_cut_can_fix_is_dead_lettered(
-    processor: TaskProcessor, simulator: SimulatorServer, tmp_path: Path
+    processor: TaskProcessor,
+    simulator: SimulatorServer,
+    tmp_path: Path,
+    make_processor: MakeProcessor,
 ) -> None:
-    processor.registry = _without_chunking(tmp_path)
+    processor = make_processor(guarded=processor.client, registry=_without_chunking(tmp_path))
     simulator.sim.config.context_window = 300  # smaller than the system prompt + budget
     out = await processor.process(_task("Fine. " * 100), b"t1", SRC)
     assert out.kind == "dead_letter"

@@ -107,13 +107,17 @@ async def test_a_failed_stage_keeps_the_answers_before_it_and_resumes_from_itsel
 @pytest.mark.parametrize("when", ["output.no_such_field.deeper == 1",
                                   "output.sentiment > 1"])  # fmt: skip
 async def test_a_stage_input_that_cannot_be_built_is_a_dead_letter(
-    simulator: SimulatorServer, tmp_path: Path, processor: TaskProcessor, when: str
+    simulator: SimulatorServer,
+    tmp_path: Path,
+    processor: TaskProcessor,
+    when: str,
+    make_processor: MakeProcessor,
 ) -> None:
     """Jinja's own errors and what Python raises on the answer's values alike (here a
     TypeError: the sentiment is text)."""
     folder = _pipelines(tmp_path, when=when)
     registry = PipelineRegistry.load(folder, ROOT / "schemas")
-    processor.registry = registry
+    processor = make_processor(guarded=processor.client, registry=registry)
     out = await processor.answer(prepared(processor, UNHAPPY))
     letter = orjson.loads(out.value)
     assert out.kind == "dead_letter" and out.stage == "reply"
