@@ -194,30 +194,9 @@ class Calls:
                         "with the schema in the prompt", code="json_schema_refused",
                     ) from exc  # fmt: skip
                 raise
-            took = response.duration_s
-            self.genai.attempt(
-                request_model=prompt.model, pipeline=pipeline.name, version=version,
-                seconds=time.monotonic() - sent if took is None else took,
-                response_model=response.model,
-                input_tokens=response.prompt_tokens, output_tokens=response.completion_tokens,
-                endpoint=where,
-            )  # fmt: skip
-            span.set_attributes({
-                "gen_ai.response.model": response.model,
-                "gen_ai.response.finish_reasons": [response.finish_reason],
-                "gen_ai.usage.input_tokens": response.prompt_tokens,
-                "gen_ai.usage.output_tokens": response.completion_tokens,
-            })  # fmt: skip
-            if request.tool is not None and not response.tool_called:
-                self.degraded(client, response.model, "tool_call", "content")
-            spend.last_prompt_tokens = response.prompt_tokens
-            spend.prompt_tokens += response.prompt_tokens
-            spend.cached_prompt += response.cached_prompt_tokens
-            spend.completion_tokens += response.completion_tokens
-            spend.model = response.model
-            spend.calls.append(response.content)
-            if repair:
-                spend.repair_tokens += response.prompt_tokens + response.completion_tokens
+            self._observed(span, response, request, client, sent, pipeline.name, version,
+                           where)  # fmt: skip
+            spend.took(response, repair=repair)
             try:
                 output = parse_output(response, pipeline, prompt.variables, prompt.originals)
             except InvalidOutput as exc:
@@ -227,6 +206,36 @@ class Calls:
                 raise
             self.count_output(response.model, ok=True)
             return output
+
+    def _observed(
+        self,
+        span: Any,
+        response: LLMResponse,
+        request: LLMRequest,
+        client: GuardedClient,
+        sent: float,
+        pipeline: str,
+        version: str,
+        where: dict[str, Any],
+    ) -> None:
+        """What an answered call tells: its GenAI metrics and span attributes, and an
+        endpoint that answered a forced tool call with plain content."""
+        took = response.duration_s
+        self.genai.attempt(
+            request_model=request.model, pipeline=pipeline, version=version,
+            seconds=time.monotonic() - sent if took is None else took,
+            response_model=response.model,
+            input_tokens=response.prompt_tokens, output_tokens=response.completion_tokens,
+            endpoint=where,
+        )  # fmt: skip
+        span.set_attributes({
+            "gen_ai.response.model": response.model,
+            "gen_ai.response.finish_reasons": [response.finish_reason],
+            "gen_ai.usage.input_tokens": response.prompt_tokens,
+            "gen_ai.usage.output_tokens": response.completion_tokens,
+        })  # fmt: skip
+        if request.tool is not None and not response.tool_called:
+            self.degraded(client, response.model, "tool_call", "content")
 
     def _next_request(
         self,

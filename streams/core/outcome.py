@@ -46,6 +46,7 @@ from streams.settings import Settings
 
 if TYPE_CHECKING:
     from streams.core.batch.parking import Parking
+    from streams.llm.client import LLMResponse
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,17 @@ class Spend:
     discounted_prompt: int = 0  # tokens billed at the batch/flex price
     discounted_completion: int = 0
     cached_prompt: int = 0  # prompt tokens the provider read from its cache
+
+    def took(self, response: LLMResponse, *, repair: bool = False) -> None:
+        """Take in one call's answer (`repair`: the call asked to repair an answer)."""
+        self.last_prompt_tokens = response.prompt_tokens
+        self.prompt_tokens += response.prompt_tokens
+        self.cached_prompt += response.cached_prompt_tokens
+        self.completion_tokens += response.completion_tokens
+        self.model = response.model
+        self.calls.append(response.content)
+        if repair:
+            self.repair_tokens += response.prompt_tokens + response.completion_tokens
 
     def add(self, other: Spend) -> None:
         """Take in a part's spend (a chunk's, a pack's share)."""

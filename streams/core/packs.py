@@ -102,7 +102,6 @@ class Packs:
 
     async def _send(self, key: Key, items: list[Item]) -> None:
         """One request for the items; each gets its own answer, or None to go alone."""
-        pipeline = self.registry.get(key[0])
         lane = Lane[key[3]]
         seen: set[str] = set()
         unique = []
@@ -113,11 +112,25 @@ class Packs:
                 seen.add(item.task_id)
                 unique.append(item)
         items = unique
+        attempts = Attempts()
+        try:
+            request = self._request(key, items)
+            response = await self._call(request, items, lane, attempts)
+        except TaskError as exc:
+            for item in items:
+                item.settle(PackedAnswer(None, reason=f"pack failed ({exc.category.value}: "
+                                         f"{exc.message})", calls=attempts.count))  # fmt: skip
+            return
+        self._hand_out(items, response, attempts)
+
+    def _request(self, key: Key, items: list[Item]) -> LLMRequest:
+        """The pack's request: the system prompt once, each item's message in its tags,
+        the answer's budget the items' together, asked for in the version's structure."""
+        pipeline = self.registry.get(key[0])
         first = items[0].prompt
         messages = packed_messages(
             key[4], [(i.task_id, i.prompt.messages[-1]["content"]) for i in items]
         )
-        per_item = completion_budget(first.params)
         # The version's way of asking for structure, for the packed answer's schema
         # (versions with the schema in their prompt are not packed).
         mode = ("tool_call" if first.tool is not None
@@ -126,39 +139,38 @@ class Packs:
         response_format, tool, _ = structured_output(
             mode, pipeline.name + "_packed", packed_schema(pipeline.output_schema)
         )
-        attempts = Attempts()
-        try:
-            asked = {**first.params, budget_key(first.params): per_item * len(items)}
-            window = self.calls.client.window.tokens()
-            params = fit_window(messages, asked, first.params, window)
-            request = LLMRequest(messages=messages, model=first.model, params=params,
-                                 response_format=response_format, tool=tool)  # fmt: skip
-            deadline_at = min(i.deadline_at for i in items)
+        asked = {**first.params, budget_key(first.params): completion_budget(first.params)
+                 * len(items)}  # fmt: skip
+        params = fit_window(messages, asked, first.params, self.calls.client.window.tokens())
+        return LLMRequest(messages=messages, model=first.model, params=params,
+                          response_format=response_format, tool=tool)  # fmt: skip
 
-            client = self.calls.client
-            where = endpoint_attributes(client.endpoint, client.server)
+    async def _call(
+        self, request: LLMRequest, items: list[Item], lane: Lane, attempts: Attempts
+    ) -> LLMResponse:
+        """The pack's call, retried as a task's are, by the first item's deadline."""
+        deadline_at = min(i.deadline_at for i in items)
+        client = self.calls.client
+        where = endpoint_attributes(client.endpoint, client.server)
 
-            async def attempt(a: Attempts) -> LLMResponse:
-                with child_span(
-                    f"chat {first.model}", kind=SpanKind.CLIENT,
-                    attributes={"gen_ai.operation.name": "chat", **where,
-                                "gen_ai.request.model": first.model,
-                                "llm_streams.pack_size": len(items),
-                                "llm_streams.attempt": a.count},
-                ):  # fmt: skip
-                    response = await self.calls.client.complete(
-                        request, lane=lane, deadline_at=deadline_at
-                    )
-                if response.finish_reason == "length":
-                    raise OutputRejected("pack answer cut at max_tokens", code="truncated")
-                return response
+        async def attempt(a: Attempts) -> LLMResponse:
+            with child_span(
+                f"chat {request.model}", kind=SpanKind.CLIENT,
+                attributes={"gen_ai.operation.name": "chat", **where,
+                            "gen_ai.request.model": request.model,
+                            "llm_streams.pack_size": len(items),
+                            "llm_streams.attempt": a.count},
+            ):  # fmt: skip
+                response = await client.complete(request, lane=lane, deadline_at=deadline_at)
+            if response.finish_reason == "length":
+                raise OutputRejected("pack answer cut at max_tokens", code="truncated")
+            return response
 
-            response = await call_with_retries(attempt, self.calls.policy, attempts)
-        except TaskError as exc:
-            for item in items:
-                item.settle(PackedAnswer(None, reason=f"pack failed ({exc.category.value}: "
-                                         f"{exc.message})", calls=attempts.count))  # fmt: skip
-            return
+        return await call_with_retries(attempt, self.calls.policy, attempts)
+
+    def _hand_out(self, items: list[Item], response: LLMResponse, attempts: Attempts) -> None:
+        """Each item its answer, matched by its task id and checked on its own, and its
+        share of the pack's tokens (by what it sent and got back)."""
         ids = [i.task_id for i in items]
         answers = split_answers(response.content, ids)
         weights = [len(i.prompt.messages[-1]["content"]) for i in items]
