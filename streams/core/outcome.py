@@ -296,25 +296,29 @@ class Outcomes:
             rejected=rejected,
             cached=cached,
         )
-        if len(value) > self.limits.result:
-            too_large = OutputTooLarge(
-                f"the result is {len(value)} bytes, over the {self.limits.result} bytes the "
-                "results topic takes (its max.message.bytes and the producer's limit)",
-                code="result_too_large",
-            )
-            return self.failed(prep, too_large, outcome)
+        return self._sized(prep, outcome, record)
+
+    def _sized(self, prep: Prepared, outcome: Outcome, record: dict[str, Any]) -> Outcome:
+        """The result with its sink record, each within what its topic takes (its
+        max.message.bytes and the producer's limit); else the task's dead letter."""
+        if len(outcome.value) > self.limits.result:
+            return self.failed(prep, OutputTooLarge(
+                f"the result is {len(outcome.value)} bytes, over the "
+                f"{self.limits.result} bytes the results topic takes (its max.message.bytes "
+                "and the producer's limit)", code="result_too_large",
+            ), outcome)  # fmt: skip
         spec = prep.pipeline.spec.sink
-        if spec is not None:
-            sink = result_record(spec, prep.task, record)
-            room = self.limits.of(sink.topic)
-            if len(sink.value) > room:
-                return self.failed(prep, OutputTooLarge(
-                    f"the sink record is {len(sink.value)} bytes, over the {room} bytes "
-                    f"{sink.topic} takes (its max.message.bytes and the producer's limit)",
-                    code="sink_too_large",
-                ), outcome)  # fmt: skip
-            outcome = replace(outcome, sink=sink)
-        return outcome
+        if spec is None:
+            return outcome
+        sink = result_record(spec, prep.task, record)
+        limit = self.limits.of(sink.topic)
+        if len(sink.value) > limit:
+            return self.failed(prep, OutputTooLarge(
+                f"the sink record is {len(sink.value)} bytes, over the {limit} bytes "
+                f"{sink.topic} takes (its max.message.bytes and the producer's limit)",
+                code="sink_too_large",
+            ), outcome)  # fmt: skip
+        return replace(outcome, sink=sink)
 
     def cached(self, prep: Prepared, output: dict[str, Any], model: str) -> Outcome:
         """A result answered without an LLM call (same input answered before): no cost."""
