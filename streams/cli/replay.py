@@ -72,9 +72,18 @@ def run_replay_command(
             progress.stop()
             console.print(f"replay: {exc}", highlight=False)
             return 2
+    _summary(settings, replayer, cp, dry_run=dry_run, tier=tier)
+    return 0
+
+
+def _summary(
+    settings: Settings, replayer: Replayer, cp: Checkpoint, *, dry_run: bool, tier: str | None
+) -> None:
+    """What the replay read, sent and skipped, and what it is estimated to cost per lane:
+    one line per fact, for people and scripts."""
     c = cp.counts
     verb = "would send" if dry_run else "sent"
-    out = Console(soft_wrap=True)  # one line per fact, for people and scripts
+    out = Console(soft_wrap=True)
     out.print(
         f"replay {cp.replay_id} of {cp.source}: {c.read} record(s) read, {verb} {c.published} "
         f"to {settings.topics.replay}; skipped {c.answered} already answered, {c.filtered} "
@@ -98,4 +107,3 @@ def run_replay_command(
         out.print(f"(replay {cp.replay_id} had finished before; nothing sent now)", highlight=False)
     elif replayer.resumed_at:
         out.print(f"(resumed from its checkpoint at {replayer.resumed_at})", highlight=False)
-    return 0
