@@ -49,6 +49,12 @@ class LaneSlots:
             Lane.LIVE: deque(), Lane.REPLAY: deque()
         }  # fmt: skip
 
+    @classmethod
+    def sharing(cls, limit: int, live_share: float) -> LaneSlots:
+        """`limit` slots of which `live_share` (rounded, leaving replay one at least) is
+        the live lane's alone."""
+        return cls(limit, min(limit - 1, round(limit * live_share)))
+
     def idle_for(self, lane: Lane) -> bool:
         """Whether `lane` has a quarter of the slots free (none waiting): a worker far from
         busy, where a record's call should start at once; nearer the limit its records

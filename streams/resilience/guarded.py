@@ -186,16 +186,10 @@ class GuardedClient:
         started = self.clock.now()
         try:
             response = await self._call(self._timed(request, estimate), deadline_at, started)
-        except RateLimited as exc:
-            if exc.headers:
-                self.limiter.observe(exc.headers, permit)
-                self.concurrency.open()
-            if exc.code not in CAPACITY_CODES:  # a tier without capacity is no rate limit
-                self.limiter.throttled(exc.retry_after, permit)
-            permit.reconcile(0)  # refused before any token was used
+        except RateLimited as exc:  # throttling says nothing about the endpoint's health
+            self._throttled(request, exc, permit)
             self._count(request.model, lane, permit.waited_s, started, exc)
-            self.metrics.limiter_throttled.labels(request.model).inc()
-            raise  # throttling says nothing about the endpoint's health
+            raise
         except (Timeout, UpstreamError) as exc:
             # A call cut at its task's deadline soon after it began says nothing.
             if exc.code != CUT_SHORT or self.clock.now() - started >= self.slow_call_s:
@@ -232,6 +226,17 @@ class GuardedClient:
         self._learn(request, response, permit, estimate)
         self._count(request.model, lane, permit.waited_s, started, None, response)
         return replace(response, duration_s=took)
+
+    def _throttled(self, request: LLMRequest, exc: RateLimited, permit: Permit) -> None:
+        """What a 429 teaches the limiter: the limits its headers tell, and to wait
+        (unless it is a tier without capacity, no rate limit); no token was used."""
+        if exc.headers:
+            self.limiter.observe(exc.headers, permit)
+            self.concurrency.open()
+        if exc.code not in CAPACITY_CODES:
+            self.limiter.throttled(exc.retry_after, permit)
+        permit.reconcile(0)
+        self.metrics.limiter_throttled.labels(request.model).inc()
 
     def _learn(
         self, request: LLMRequest, response: LLMResponse, permit: Permit, estimate: int

@@ -71,9 +71,7 @@ class TaskAgent:
         self.metrics = metrics or Metrics()
         self.limits = limits or WriteLimits(settings.kafka.max_request_bytes)
         self._streams: dict[Lane, faust.Stream[Any]] = {}
-        batch = settings.batch
-        reserve = min(batch.concurrency - 1, round(batch.concurrency * batch.live_reserve))
-        self.slots = LaneSlots(batch.concurrency, reserve)
+        self.slots = LaneSlots.sharing(settings.batch.concurrency, settings.batch.live_reserve)
         self._processor: TaskProcessor | None = None
         self._running_lanes = 0
         # The written topics are the producer's alone (`_topic_send`): no Faust topics.
@@ -84,12 +82,8 @@ class TaskAgent:
         self._dispatchers: dict[Lane, Dispatcher] = {}
         self._finishing: asyncio.Future[None] | None = None
         self._left_at_stop = 0  # records taken and, the stop begun, not started
-        self.store = TaskStore(
-            settings,
-            self._send,
-            self.metrics,
-            state_bytes=self.limits.value_bytes(state_topic(settings)),
-        )
+        state_bytes = self.limits.value_bytes(state_topic(settings))
+        self.store = TaskStore(settings, self._send, self.metrics, state_bytes=state_bytes)
         # Exactly-once: every write of partition p in p's transaction with its offsets.
         self.eos: Transactions | None = None
         if settings.processing_guarantee == "exactly_once":
