@@ -26,11 +26,9 @@ import orjson
 from aiohttp import web
 
 from streams.dev import sim_batch, sim_content
+from streams.dev.sim_limits import SimLimits, duration
 from streams.llm.client import SCHEMA_IN_PROMPT
 from streams.llm.tokens import count_messages, counter
-
-# The request limit said when none is configured (OpenAI always says one).
-UNLIMITED_RPM = 1_000_000  # as many as the worker takes for a limit nobody said
 
 
 @dataclass
@@ -110,92 +108,6 @@ class SimConfig:
             setattr(self, key, value)
 
 
-class _Bucket:
-    """Token bucket refilling at limit/60 per second, holding `burst_s` seconds of it."""
-
-    def __init__(self) -> None:
-        self.level = 0.0
-        self.stamp = time.monotonic()
-        self.limit = 0
-
-    def configure(self, limit: int, burst_s: float) -> None:
-        if limit != self.limit:
-            self.limit = limit
-            self.level = self.capacity(burst_s)
-            self.stamp = time.monotonic()
-
-    def capacity(self, burst_s: float) -> float:
-        return max(1.0, self.limit * burst_s / 60.0)
-
-    def refill(self, burst_s: float) -> None:
-        now = time.monotonic()
-        self.level = min(self.capacity(burst_s), self.level + (now - self.stamp) * self.limit / 60)
-        self.stamp = now
-
-    def wait_for(self, amount: float) -> float:
-        """Seconds until `amount` is available (0 when it is)."""
-        missing = max(0.0, amount - self.level)
-        return missing * 60 / self.limit if self.limit else 0.0
-
-    def remaining(self, burst_s: float, window_s: float) -> int:
-        """What is left, counted against `window_s` (60: as a share of the minute)."""
-        return max(0, int(self.level * window_s / burst_s))
-
-    def reset_s(self, burst_s: float) -> float:
-        return max(0.0, (self.capacity(burst_s) - self.level) * 60 / self.limit)
-
-
-class _Window:
-    """A fixed budget of limit * window_s / 60 per window, reset when each window ends."""
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        self.limit = 0
-        self.used = 0.0
-        self.start = time.monotonic()
-
-    def configure(self, limit: int, burst_s: float) -> None:
-        if limit != self.limit:
-            self.limit = limit
-            self.used = 0.0
-            self.start = time.monotonic()
-
-    def capacity(self, burst_s: float) -> float:
-        return max(1.0, self.limit * self.window_s / 60.0)
-
-    def refill(self, burst_s: float) -> None:
-        now = time.monotonic()
-        if now >= self.start + self.window_s:
-            self.start += (now - self.start) // self.window_s * self.window_s
-            self.used = 0.0
-
-    @property
-    def level(self) -> float:
-        return self.capacity(0.0) - self.used
-
-    @level.setter
-    def level(self, value: float) -> None:
-        self.used = self.capacity(0.0) - value
-
-    def wait_for(self, amount: float) -> float:
-        return 0.0 if self.level >= amount else self.start + self.window_s - time.monotonic()
-
-    def remaining(self, burst_s: float, window_s: float) -> int:
-        return max(0, int(self.level * window_s / self.window_s))
-
-    def reset_s(self, burst_s: float) -> float:
-        return max(0.0, self.start + self.window_s - time.monotonic())
-
-
-def _duration(seconds: float) -> str:
-    """OpenAI's reset format: `20ms`, `1.5s`, `6m0s`."""
-    if seconds < 1:
-        return f"{int(seconds * 1000)}ms"
-    if seconds < 60:
-        return f"{seconds:.3g}s"
-    return f"{int(seconds // 60)}m{int(seconds % 60)}s"
-
-
 def _error(
     status: int, message: str, etype: str, code: str | None, headers: dict[str, str]
 ) -> web.Response:
@@ -211,9 +123,7 @@ class Simulator:
     def __init__(self, config: SimConfig | None = None) -> None:
         self.config = config or SimConfig()
         self.rng = random.Random(self.config.seed)
-        self.requests: _Bucket | _Window = _Bucket()
-        self.tokens: _Bucket | _Window = _Bucket()
-        self._shape_now: tuple[str, float] | None = ("bucket", self.config.window_s)
+        self.limits = SimLimits(self.config.window_s)  # rpm and tpm, as configured
         self.by_status: Counter[int] = Counter()
         self.by_outcome: Counter[str] = Counter()
         self.answered: Counter[str] = Counter()
@@ -284,7 +194,7 @@ class Simulator:
         self.per_second.clear()
         # The limits start afresh too (full buckets, a new window): a bench phase after a
         # reset does not inherit the last phase's spent capacity.
-        self._shape_now = None  # the next request makes them (`_shape`), full
+        self.limits.reset()
         return web.json_response(self.snapshot())
 
     @property
@@ -340,59 +250,16 @@ class Simulator:
             del self.per_second[min(self.per_second)]
 
     def _limit_headers(self) -> dict[str, str]:
-        cfg = self.config
-        headers: dict[str, str] = self._server()
-        if self.llama:
-            return headers  # it sends no rate-limit headers
-        window = cfg.remaining_window_s
-        if not cfg.rpm and not cfg.tpm:
-            # OpenAI sends its limits on every answer; with none configured here, a limit
-            # nobody reaches: an endpoint that has rate limits, not one to learn slots of.
-            headers["x-ratelimit-limit-requests"] = str(UNLIMITED_RPM)
-        if cfg.rpm:
-            left = self.requests.remaining(cfg.burst_s, window)
-            headers["x-ratelimit-limit-requests"] = str(cfg.rpm)
-            headers["x-ratelimit-remaining-requests"] = str(left)
-            headers["x-ratelimit-reset-requests"] = _duration(self.requests.reset_s(cfg.burst_s))
-        if cfg.tpm:
-            left = self.tokens.remaining(cfg.burst_s, window)
-            headers["x-ratelimit-limit-tokens"] = str(cfg.tpm)
-            headers["x-ratelimit-remaining-tokens"] = str(left)
-            headers["x-ratelimit-reset-tokens"] = _duration(self.tokens.reset_s(cfg.burst_s))
-        return headers
-
-    def _shape(self) -> None:
-        """The limits' shape follows the config (changed while running: fresh limits)."""
-        cfg = self.config
-        shape = (cfg.limit_shape, cfg.window_s)
-        if shape != self._shape_now:
-            if cfg.limit_shape not in ("bucket", "window"):
-                raise ValueError(f"limit_shape {cfg.limit_shape!r}: bucket or window")
-            self._shape_now = shape
-            make = (lambda: _Window(cfg.window_s)) if cfg.limit_shape == "window" else _Bucket
-            self.requests, self.tokens = make(), make()
+        """The server's headers and, as OpenAI sends them, its limits (llama.cpp: none)."""
+        headers = self._server()
+        return headers if self.llama else {**headers, **self.limits.headers(self.config)}
 
     def _admit(self, tokens: int) -> tuple[float, str] | None:
         """Take capacity for one request, or say how long to wait and which limit hit."""
-        cfg = self.config
-        self._shape()
-        self.requests.configure(cfg.rpm, cfg.burst_s)
-        self.tokens.configure(cfg.tpm, cfg.burst_s)
-        if cfg.rpm:
-            self.requests.refill(cfg.burst_s)
-            if self.requests.level < 1:
-                return self.requests.wait_for(1), "requests"
-        if cfg.tpm:
-            self.tokens.refill(cfg.burst_s)
-            need = min(tokens, self.tokens.capacity(cfg.burst_s))
-            if self.tokens.level < need:
-                return self.tokens.wait_for(need), "tokens"
-        if cfg.rpm:
-            self.requests.level -= 1
-        if cfg.tpm:
-            self.tokens.level -= tokens
-        self.charged_tokens += tokens
-        return None
+        limited = self.limits.admit(self.config, tokens)
+        if limited is None:
+            self.charged_tokens += tokens
+        return limited
 
     async def _sleep_latency(self, factor: float = 1.0) -> None:
         cfg = self.config
@@ -449,80 +316,21 @@ class Simulator:
         try:
             prompt_tokens = count_messages(messages)
             max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 256)
-            limited = self._admit(prompt_tokens + max_tokens)
-            if limited is not None:
-                wait, kind = limited
-                headers = self._limit_headers()
-                headers["retry-after"] = str(max(1, math.ceil(wait)))
-                headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
-                self._count(429, f"rate_limited_{kind}")
-                limit = cfg.rpm if kind == "requests" else cfg.tpm
-                return _error(
-                    429,
-                    f"Rate limit reached for {model} on {kind} per min: Limit {limit}. "
-                    f"Please try again in {_duration(wait)}.",
-                    kind,
-                    "rate_limit_exceeded",
-                    headers,
-                )
-            headers = self._limit_headers()
-            fmt = body.get("response_format") or {}
-            if cfg.refuses_json_schema and fmt.get("type") == "json_schema":
-                self._count(500, "json_schema_refused")
-                return _error(500, "Unsupported response_format type: json_schema",
-                              "server_error", None, headers)  # fmt: skip
-            refused = self._over_window(prompt_tokens, max_tokens, headers)
+            flex = body.get("service_tier") == "flex" and not self.llama  # llama.cpp: ignored
+            refused, headers = self._refused(body, model, prompt_tokens, max_tokens, flex)
             if refused is not None:
                 return refused
-            flex = body.get("service_tier") == "flex" and not self.llama  # llama.cpp: ignored
-            if flex and self.rng.random() < cfg.flex_unavailable_rate:
-                self._count(429, "flex_unavailable")
-                return _error(
-                    429,
-                    "Resource unavailable: flex processing has no capacity right now.",
-                    "server_error",
-                    "resource_unavailable",
-                    headers,
-                )
             began = time.monotonic()
             await self._sleep_latency(cfg.flex_latency_factor if flex else 1.0)
             worked_ms = (time.monotonic() - began) * 1000
             roll = self.rng.random()
-            if roll < cfg.hang_rate:
-                self.by_outcome["hang"] += 1
-                await asyncio.sleep(cfg.hang_s)
-            roll -= cfg.hang_rate
-            if 0 <= roll < cfg.error_500_rate or model in cfg.error_500_models:
-                self._count(500, "error_500")
-                return _error(
-                    500,
-                    "The server had an error while processing your request.",
-                    "server_error",
-                    None,
-                    headers,
-                )
-            roll -= cfg.error_500_rate
-            if 0 <= roll < cfg.error_503_rate:
-                self._count(503, "error_503")
-                return _error(
-                    503,
-                    "The engine is currently overloaded, please try again later.",
-                    "server_error",
-                    None,
-                    headers,
-                )
-            roll -= cfg.error_503_rate
-            content = self._content(body, messages)
-            if 0 <= roll < self._malformed_rate(messages):
-                content = content[: max(1, len(content) // 2)]
-                self.by_outcome["malformed"] += 1
-            finish_reason = "stop"
-            completion_tokens = self.count_tokens(content)
-            if completion_tokens > max_tokens:  # cut at the budget, as models do
-                content = content[: max(1, len(content) * max_tokens // completion_tokens)]
-                completion_tokens = max_tokens
-                finish_reason = "length"
-                self.by_outcome["truncated"] += 1
+            failed = await self._fault(roll, model, headers)
+            if failed is not None:
+                return failed
+            roll -= cfg.hang_rate + cfg.error_500_rate + cfg.error_503_rate
+            content, finish_reason, completion_tokens = self._content_within(
+                body, messages, max_tokens, malformed=0 <= roll < self._malformed_rate(messages)
+            )
             fingerprint = hashlib.sha256(orjson.dumps([model, messages])).hexdigest()
             self.answered[fingerprint] += 1
             self.prompt_tokens += prompt_tokens
@@ -536,6 +344,76 @@ class Simulator:
             )
         finally:
             self.in_flight -= 1
+
+    def _refused(
+        self, body: dict[str, Any], model: str, prompt_tokens: int, max_tokens: int, flex: bool
+    ) -> tuple[web.Response | None, dict[str, str]]:
+        """A refusal before any work (rate limited, json_schema unsupported, over the
+        window, no flex capacity), or None; and the answer's headers."""
+        cfg = self.config
+        limited = self._admit(prompt_tokens + max_tokens)
+        headers = self._limit_headers()
+        if limited is not None:
+            wait, kind = limited
+            headers["retry-after"] = str(max(1, math.ceil(wait)))
+            headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
+            self._count(429, f"rate_limited_{kind}")
+            limit = cfg.rpm if kind == "requests" else cfg.tpm
+            return _error(
+                429,
+                f"Rate limit reached for {model} on {kind} per min: Limit {limit}. "
+                f"Please try again in {duration(wait)}.",
+                kind, "rate_limit_exceeded", headers,
+            ), headers  # fmt: skip
+        fmt = body.get("response_format") or {}
+        if cfg.refuses_json_schema and fmt.get("type") == "json_schema":
+            self._count(500, "json_schema_refused")
+            return _error(500, "Unsupported response_format type: json_schema",
+                          "server_error", None, headers), headers  # fmt: skip
+        over = self._over_window(prompt_tokens, max_tokens, headers)
+        if over is not None:
+            return over, headers
+        if flex and self.rng.random() < cfg.flex_unavailable_rate:
+            self._count(429, "flex_unavailable")
+            return _error(429, "Resource unavailable: flex processing has no capacity right now.",
+                          "server_error", "resource_unavailable", headers), headers  # fmt: skip
+        return None, headers
+
+    async def _fault(self, roll: float, model: str, headers: dict[str, str]) -> web.Response | None:
+        """The fault `roll` falls on, after the work: a hang (then the answer), a 500 or
+        a 503; None: no fault."""
+        cfg = self.config
+        if roll < cfg.hang_rate:
+            self.by_outcome["hang"] += 1
+            await asyncio.sleep(cfg.hang_s)
+        roll -= cfg.hang_rate
+        if 0 <= roll < cfg.error_500_rate or model in cfg.error_500_models:
+            self._count(500, "error_500")
+            return _error(500, "The server had an error while processing your request.",
+                          "server_error", None, headers)  # fmt: skip
+        roll -= cfg.error_500_rate
+        if 0 <= roll < cfg.error_503_rate:
+            self._count(503, "error_503")
+            return _error(503, "The engine is currently overloaded, please try again later.",
+                          "server_error", None, headers)  # fmt: skip
+        return None
+
+    def _content_within(
+        self, body: dict[str, Any], messages: list[dict[str, Any]], max_tokens: int,
+        *, malformed: bool,
+    ) -> tuple[str, str, int]:  # fmt: skip
+        """The answer's content (cut in half when `malformed`), cut at the budget as models
+        do; its finish reason and its tokens."""
+        content = self._content(body, messages)
+        if malformed:
+            content = content[: max(1, len(content) // 2)]
+            self.by_outcome["malformed"] += 1
+        completion_tokens = self.count_tokens(content)
+        if completion_tokens <= max_tokens:
+            return content, "stop", completion_tokens
+        self.by_outcome["truncated"] += 1
+        cut = content[: max(1, len(content) * max_tokens // completion_tokens)]
+        return cut, "length", max_tokens
 
     def _cached(self, messages: list[dict[str, Any]]) -> int:
         """Tokens of the first message read from the prompt cache (0: a miss or no cache)."""
