@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -36,8 +35,10 @@ from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.observability.metrics import Metrics
 from streams.resilience.retry import retry_transient
 from streams.settings import Settings
-from streams.store.local import Kind, LocalStore, Maps, now_ms
+from streams.store.local import Kind, LocalStore, now_ms
+from streams.store.partition import Position, StorePartition
 from streams.store.restore import load_partition, readable
+from streams.store.retention import expire
 
 log = logging.getLogger(__name__)
 
@@ -50,66 +51,6 @@ class PartitionLost(KafkaError):  # type: ignore[misc]  # aiokafka is untyped he
 Send = Callable[
     [str, bytes, bytes | None, int, list[tuple[str, bytes]] | None], Awaitable[int | None]
 ]  # a write, returned once acked, with its offset (None: not known)
-
-EXPIRE_CHUNK = 500  # tombstones in flight at once
-
-
-class Position:
-    """How far the local maps hold one changelog partition: every record before `safe()`
-    is in them. A write in flight may land below the highest offset written so far only
-    if it started before that one was acked, so each write in flight holds the
-    checkpoint at the top it saw when it began; a write that failed (it may be in the
-    topic all the same) holds it until its key is written again."""
-
-    def __init__(self, top: int) -> None:
-        self.top = top  # past the highest record in the maps
-        self._floors: dict[int, tuple[int, bytes]] = {}  # ticket -> (floor, key)
-        self._uncertain: dict[bytes, int] = {}
-        self._writing: Counter[bytes] = Counter()
-        self._next = 0
-
-    def begin(self, key: bytes) -> int:
-        ticket, self._next = self._next, self._next + 1
-        self._floors[ticket] = (self.top, key)
-        self._writing[key] += 1
-        return ticket
-
-    def done(self, ticket: int, offset: int | None) -> None:
-        _, key = self._end(ticket)
-        self._uncertain.pop(key, None)  # a later write of the key supersedes a failed one
-        if offset is not None:
-            self.top = max(self.top, offset + 1)
-
-    def failed(self, ticket: int) -> None:
-        floor, key = self._end(ticket)
-        self._uncertain.setdefault(key, floor)
-
-    def writing(self, key: bytes) -> bool:
-        """Is a write of `key` in flight?"""
-        return key in self._writing
-
-    def _end(self, ticket: int) -> tuple[int, bytes]:
-        floor, key = self._floors.pop(ticket)
-        self._writing[key] -= 1
-        if self._writing[key] <= 0:
-            del self._writing[key]
-        return floor, key
-
-    def safe(self) -> int:
-        floors = [floor for floor, _ in self._floors.values()]
-        return min([self.top, *floors, *self._uncertain.values()])
-
-
-class _Partition:
-    def __init__(self, maps: Maps) -> None:
-        self.maps = maps
-        self.positions = {kind: Position(0) for kind in Kind}
-        self.ready = asyncio.Event()
-        self.loading: asyncio.Task[None] | None = None
-        self.gone = False  # released: its waiters are woken and told
-
-    def checkpoint(self) -> dict[Kind, int]:
-        return {kind: position.safe() for kind, position in self.positions.items()}
 
 
 class TaskStore:
@@ -153,7 +94,7 @@ class TaskStore:
         self.local = LocalStore(rocks_dir(settings), settings.store_cache_mb << 20)
         # Exactly-once: the local copy takes only what committed (`committed`).
         self.transactional = settings.processing_guarantee == "exactly_once"
-        self._parts: dict[int, _Partition] = {}
+        self._parts: dict[int, StorePartition] = {}
         # Given away (revoked, or dropped after a fence) and not assigned again since: a
         # record of one is not this worker's to answer.
         self._gone: set[int] = set()
@@ -174,7 +115,7 @@ class TaskStore:
             self._release(p, keep=not self.transactional)
             self._gone.add(p)
         for p in sorted(partitions - set(self._parts)):
-            part = _Partition(self.local.open(p))
+            part = StorePartition(self.local.open(p))
             self._parts[p] = part
             part.loading = asyncio.create_task(self._load(p, part), name=f"load-state-{p}")
         for p in self.local.stale(set(self._parts), self.settings.store_cleanup_after_s):
@@ -214,7 +155,7 @@ class TaskStore:
         if part is not None:
             self._flush(partition, part)
 
-    def _flush(self, partition: int, part: _Partition) -> None:
+    def _flush(self, partition: int, part: StorePartition) -> None:
         """The staged writes and the checkpoint to disk; when the disk fails (full?), they
         stay staged for the next flush (the topics hold them meanwhile)."""
         if not part.ready.is_set():
@@ -288,56 +229,17 @@ class TaskStore:
                 self.metrics.store_entries.labels(kind.value).set(total)
 
     async def expire(self, partition: int, now: int | None = None) -> dict[Kind, int]:
-        """Delete `partition`'s entries past their map's retention (settings.retention):
-        from the local copy, and with a tombstone from their compacted topic (dead letters
-        leave the local copy only: their topic is not compacted). An entry written again
-        meanwhile stays. Returns how many went, per map."""
+        """Delete `partition`'s entries past their map's retention (see
+        `store.retention.expire`); how many went, per map."""
         part = self._parts.get(partition)
         if part is None or not part.ready.is_set():
             return {}
-        now = now_ms() if now is None else now
-        gone: dict[Kind, int] = {}
-        for name, (days, keep) in self.settings.retention.limits().items():
-            kind = Kind(name)
-            before = now - int(days * 86_400_000) if days else None
-            gone[kind] = 0
-            chunk: list[tuple[int, bytes]] = []
-            for entry in part.maps.expired(kind, before, keep or None):
-                chunk.append(entry)
-                if len(chunk) >= EXPIRE_CHUNK:
-                    gone[kind] += await self._expire_chunk(kind, partition, part, chunk)
-                    chunk = []
-                if self._parts.get(partition) is not part:
-                    return gone  # revoked meanwhile
-            gone[kind] += await self._expire_chunk(kind, partition, part, chunk)
-            self.metrics.store_expired.labels(kind.value).inc(gone[kind])
-        if any(gone.values()):
-            log.info("partition %d: expired %s", partition,
-                     {k.value: n for k, n in gone.items() if n})  # fmt: skip
-        return gone
+        return await expire(
+            part, partition, self.settings.retention.limits(), self.put, self.metrics,
+            still=lambda: self._parts.get(partition) is part, now=now,
+        )  # fmt: skip
 
-    async def _expire_chunk(
-        self, kind: Kind, partition: int, part: _Partition, chunk: list[tuple[int, bytes]]
-    ) -> int:
-        async def one(at: int, key: bytes) -> bool:
-            # Checked and begun with no await between: a write of the key that starts
-            # after this check goes after the tombstone.
-            if part.maps.settled_at(kind, key) != at or part.positions[kind].writing(key):
-                return False  # written again meanwhile: not that old any more
-            if kind is Kind.DEAD_LETTERS:
-                part.maps.stage(kind, key, None, now_ms())
-            else:
-                await self.put(kind, partition, key, None)
-            return True
-
-        done = await asyncio.gather(*(one(at, key) for at, key in chunk), return_exceptions=True)
-        failed = [d for d in done if isinstance(d, BaseException)]
-        if failed:
-            log.warning("%d tombstone(s) of %s in partition %d failed (next round): %r",
-                        len(failed), kind.value, partition, failed[0])  # fmt: skip
-        return sum(1 for d in done if d is True)
-
-    async def _load(self, partition: int, part: _Partition) -> None:
+    async def _load(self, partition: int, part: StorePartition) -> None:
         started = time.monotonic()
         counts = await self._read(partition, part)
         if counts is None:  # the local copy is ahead of its topics: they were made again
@@ -358,7 +260,7 @@ class TaskStore:
         part.loading = None
         part.ready.set()
 
-    async def _read(self, partition: int, part: _Partition) -> dict[Kind, int] | None:
+    async def _read(self, partition: int, part: StorePartition) -> dict[Kind, int] | None:
         """What the topics gained since the local checkpoint, read into the maps; while
         the broker is away, again (the partition's records wait) until revoked."""
 

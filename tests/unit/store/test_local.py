@@ -13,7 +13,7 @@ import pytest
 from streams.errors import ConfigError
 from streams.store import local
 from streams.store.local import Kind, LocalStore, Maps
-from streams.store.taskstore import Position
+from streams.store.partition import Position
 
 
 @pytest.fixture(params=["memory", "rocksdb"])
