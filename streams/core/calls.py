@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanKind
 
 from streams.contract.lanes import Lane, Tier
 from streams.core.batch import BatchLane
-from streams.core.outcome import Spend
+from streams.core.spend import Spend
 from streams.core.window import check_repair_cap, fit_window
 from streams.errors import (
     BadRequest,

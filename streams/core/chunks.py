@@ -12,7 +12,8 @@ from typing import Any
 from streams.contract.lanes import Lane
 from streams.core.calls import Calls
 from streams.core.chunking import reduce_outputs
-from streams.core.outcome import Prepared, Spend
+from streams.core.outcome import Prepared
+from streams.core.spend import Spend
 from streams.core.window import chunk_plan
 from streams.errors import ContextOverflow, OutputRejected, TaskError
 from streams.observability.metrics import Metrics

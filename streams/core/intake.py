@@ -13,9 +13,10 @@ from dataclasses import replace
 import orjson
 
 from streams.contract.records import Source, Task, content_key, decode_task, result_key
-from streams.core.outcome import Outcome, Outcomes, Prepared, Spend
+from streams.core.outcome import Outcome, Outcomes, Prepared
 from streams.core.sessions import NONE as NO_CONTEXT
 from streams.core.sessions import context_of, turn_position, with_context
+from streams.core.spend import Spend
 from streams.errors import InternalError, TaskError
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics

@@ -13,7 +13,7 @@ from opentelemetry.trace import SpanKind
 
 from streams.contract.lanes import Lane, Tier
 from streams.core.calls import Calls
-from streams.core.outcome import Prepared, Spend
+from streams.core.outcome import Prepared
 from streams.core.packing import (
     Item,
     Key,
@@ -24,6 +24,7 @@ from streams.core.packing import (
     shares,
     split_answers,
 )
+from streams.core.spend import Spend
 from streams.core.window import fit_window
 from streams.errors import InvalidOutput, OutputRejected, TaskError
 from streams.llm.client import LLMRequest, LLMResponse, budget_key, completion_budget

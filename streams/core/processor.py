@@ -29,8 +29,9 @@ from streams.core.budget import Budgets
 from streams.core.calls import Calls, ClientFor
 from streams.core.chunks import Chunks
 from streams.core.intake import Intake
-from streams.core.outcome import Outcome, Outcomes, Prepared, Prices, Spend
+from streams.core.outcome import Outcome, Outcomes, Prepared
 from streams.core.packs import Packs
+from streams.core.spend import Prices, Spend
 from streams.core.stages import MAIN, StageFailed, run_stages
 from streams.core.window import chunk_plan, shorten
 from streams.errors import (

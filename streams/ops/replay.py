@@ -31,7 +31,7 @@ from aiokafka.structs import ConsumerRecord
 from streams.contract.headers import FORCE_HEADER, REPLAY_ID_HEADER, REPLAY_OF_HEADER, TIER_HEADER
 from streams.contract.lanes import Tier
 from streams.contract.records import decode_task, json_object, now_iso, result_key
-from streams.core.outcome import Prices
+from streams.core.spend import Prices
 from streams.errors import ConfigError, TaskError
 from streams.kafka import clients
 from streams.kafka.clients import partitions_of, reader

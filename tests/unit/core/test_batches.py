@@ -24,7 +24,7 @@ from streams.core.batch import (
     job_key,
 )
 from streams.core.outcome import Prepared
-from streams.core.processor import Prices
+from streams.core.spend import Prices
 from streams.dev.simulator import SimulatorServer
 from streams.errors import BadRequest, Timeout, UpstreamError
 from streams.llm.client import LLMRequest

@@ -16,7 +16,7 @@ import yaml
 from streams.contract.lanes import Lane
 from streams.contract.records import Source
 from streams.core.budget import Budgets, SpendMark, Withdrawn
-from streams.core.processor import Prices
+from streams.core.spend import Prices
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
 from streams.pipelines.specs import BudgetSpec, Caps

@@ -12,7 +12,7 @@ import pytest
 from streams.contract.lanes import Lane, Tier
 from streams.contract.records import Source
 from streams.core.outcome import Prepared
-from streams.core.processor import Prices
+from streams.core.spend import Prices
 from streams.dev.simulator import SimulatorServer
 from streams.llm.openai_client import OpenAIClient
 from streams.pipelines.registry import PipelineRegistry

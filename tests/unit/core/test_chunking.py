@@ -11,7 +11,8 @@ import pytest
 
 from streams.contract.records import Source
 from streams.core.chunking import reduce_outputs, split_text
-from streams.core.processor import Prices, TaskProcessor
+from streams.core.processor import TaskProcessor
+from streams.core.spend import Prices
 from streams.dev.simulator import SimulatorServer
 from streams.errors import ConfigError
 from streams.llm.openai_client import OpenAIClient

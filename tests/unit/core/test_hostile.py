@@ -8,7 +8,8 @@ import orjson
 import pytest
 
 from streams.contract.records import Source, ValueLimits
-from streams.core.processor import Outcome, Prices
+from streams.core.processor import Outcome
+from streams.core.spend import Prices
 from streams.errors import REDRIVABLE, Category
 from tests.conftest import MakeProcessor
 from tests.fakes import FakeLLM, answer

@@ -21,7 +21,8 @@ from streams.core.packing import (
     shares,
     split_answers,
 )
-from streams.core.processor import Outcome, Prices, TaskProcessor
+from streams.core.processor import Outcome, TaskProcessor
+from streams.core.spend import Prices
 from streams.dev.simulator import SimulatorServer
 from streams.llm.openai_client import OpenAIClient
 from streams.pipelines.registry import PipelineRegistry

@@ -11,7 +11,8 @@ import orjson
 import pytest
 
 from streams.contract.records import Source, result_key
-from streams.core.processor import Prices, TaskProcessor
+from streams.core.processor import TaskProcessor
+from streams.core.spend import Prices
 from streams.core.window import WINDOW_SHARE
 from streams.dev.simulator import SimulatorServer
 from streams.llm.openai_client import OpenAIClient

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from streams.contract.records import Source
-from streams.core.processor import Prepared, Prices, TaskProcessor
+from streams.core.processor import Prepared, TaskProcessor
+from streams.core.spend import Prices
 from streams.dev.simulator import SimulatorServer
 from streams.errors import ConfigError
 from streams.llm.openai_client import OpenAIClient

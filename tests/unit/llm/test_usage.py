@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from streams.contract.lanes import Tier
-from streams.core.outcome import Prices, Spend
+from streams.core.spend import Prices, Spend
 from streams.llm.client import parse_completion
 
 
