@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import faust
 
@@ -153,22 +153,7 @@ class TaskAgent:
 
     def stream_state(self) -> dict[str, Any]:
         """Lag per partition, partitions paused by backpressure, records buffered."""
-        consumer = self.app.consumer
-        committed_offsets = faust_private.committed_offsets(consumer)
-        lag: dict[tuple[str, int], int] = {}
-        for tp in consumer.assignment():
-            highwater = consumer.highwater(tp)
-            if highwater is None:
-                continue
-            committed = committed_offsets.get(tp)
-            lag[(tp.topic, tp.partition)] = max(0, highwater - (committed or 0))
-        return {
-            "lag": lag,
-            "paused": faust_private.paused_partitions(consumer),
-            "buffered": sum(
-                cast(Any, stream.channel).queue.qsize() for stream in self._streams.values()
-            ),
-        }
+        return faust_private.stream_state(self.app.consumer, self._streams.values())
 
     async def _on_assigned(self, sender: Any, assigned: set[Any], **kwargs: Any) -> None:
         """Faust's rebalance signal: own the store partitions of the task partitions."""
@@ -246,13 +231,7 @@ class TaskAgent:
     async def _topic_send(
         self, topic: str, key: bytes, value: bytes | None, partition: int, headers: Headers | None
     ) -> int:
-        """One write through the aiokafka producer under Faust's, returned with its offset
-        once acked. Not through Faust's `Topic.send`: its start check, buffer and sensors
-        cost ~10 event-loop steps per write, and a thin stream pays them per task."""
-        producer = await faust_private.kafka_producer(self.app)
-        pending = await producer.send(topic, value, key=key, partition=partition, headers=headers)
-        metadata = await pending
-        return int(metadata.offset)
+        return await faust_private.send(self.app, topic, key, value, partition, headers)
 
     async def _crash(self, exc: BaseException) -> None:
         await self.writer.crash(exc)

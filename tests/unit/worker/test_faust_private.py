@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 
+from faust.types import TP
+
+from streams.worker import faust_private
 from streams.worker.app import InLoopApp, ThreadedApp
 
 
@@ -53,3 +57,24 @@ async def test_records_acked_within_the_bound_are_waited_for_as_faust_does() -> 
     await asyncio.wait_for(app._consumer_wait_empty(consumer, logging.getLogger("t")), 5)
     await acking
     assert consumer._unacked_messages == set()
+
+
+async def test_what_the_status_reads_of_faust_is_where_faust_keeps_it() -> None:
+    """`stream_state` reads Faust's committed offsets, its paused partitions and each
+    stream's channel queue; `send` the aiokafka producer under Faust's: an upgrade that
+    moves one fails here, not as a status page that says nothing."""
+    app = InLoopApp("status-test", broker="kafka://127.0.0.1:1", autodiscover=False)
+    consumer = app.consumer
+    assert isinstance(consumer._committed_offset, Mapping)
+    assert isinstance(consumer._buffered_partitions, set)
+    assert app.producer._producer is None  # made when Faust's producer starts
+    stream = app.stream(app.topic("tasks", key_serializer="raw", value_serializer="raw"))
+    assert stream.channel.queue.qsize() == 0
+    tp = TP("tasks", 0)
+    consumer._committed_offset[tp] = 7
+    consumer._buffered_partitions.add(tp)
+    consumer.assignment = lambda: {tp}  # type: ignore[method-assign]  # not started here
+    consumer.highwater = lambda _tp: 10  # type: ignore[method-assign]
+    assert faust_private.stream_state(consumer, [stream]) == {
+        "lag": {("tasks", 0): 3}, "paused": 1, "buffered": 0,
+    }  # fmt: skip
