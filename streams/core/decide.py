@@ -99,6 +99,11 @@ class Decider:
         state = self.store.state(source.partition, task_id)
         if state is not None and state.wrote(source):  # this very record, before a crash
             return Decision(Ended.ALREADY_DONE)
+        if (state is not None and prep.origin is not None and not asked.force
+                and state.came_from(prep.origin, prep.result_key)):  # fmt: skip
+            # Its source record forwarded again (its forwarder died before its offset
+            # committed): answered once, its sink record written once.
+            return Decision(Ended.ALREADY_DONE)
         outcome, written = await self._answer(prep, lane, asked)
         if not written:
             return Decision(Ended.of(outcome), outcome)
@@ -188,6 +193,7 @@ class Decider:
             result_topic=self.results_topic if result else before.result_topic,
             result_partition=source.partition if result else before.result_partition,
             source=source,
+            origin=prep.origin,
             last_error=None if result else outcome.error,
             stage=outcome.stage,
             stage_outputs=None if result else outcome.stages,

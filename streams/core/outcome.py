@@ -65,6 +65,9 @@ class Prepared:
     # The record as the edge runs it again, packed when a batch-tier job parks
     # (`core.batch.parking`); None (tests, tools): such a job waits for its batch.
     record: Callable[[], bytes] | None = None
+    # A task forwarded from a source record: that record (`topic/partition/offset`, the
+    # `llm-streams-source-of` header), the same however often it was forwarded.
+    origin: str | None = None
 
     def session_turns(
         self, stored: bytes | None, output: dict[str, Any], max_bytes: int = 1_000_000

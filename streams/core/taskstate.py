@@ -51,6 +51,8 @@ class HistoryEntry(BaseModel):
     at: str
     note: str | None = None
     source: StoredSource | None = None  # the record whose run made this move
+    # A task forwarded from a source record: that record (`topic/partition/offset`).
+    origin: str | None = None
 
 
 class TaskState(BaseModel):
@@ -99,8 +101,11 @@ class TaskState(BaseModel):
                 return raw
         return raw  # what is left (ids, keys) is small; the write path refuses the rest
 
-    def moved(self, status: Status, note: str | None = None, **changes: Any) -> TaskState:
-        """This state moved to `status`, with the move appended to its history."""
+    def moved(
+        self, status: Status, note: str | None = None, origin: str | None = None, **changes: Any
+    ) -> TaskState:
+        """This state moved to `status`, with the move appended to its history (`origin`:
+        the source record the moving record was forwarded from)."""
         at = now_iso()
         source = changes.get("source")
         if isinstance(source, Source):
@@ -112,6 +117,7 @@ class TaskState(BaseModel):
             at=at,
             note=note,
             source=source,
+            origin=origin,
         )
         history = [*self.history, entry][-HISTORY_LIMIT:]
         return self.model_copy(
@@ -127,6 +133,15 @@ class TaskState(BaseModel):
             e.status in done
             and e.source is not None
             and (e.source.topic, e.source.partition, e.source.offset) == where
+            for e in self.history
+        )
+
+    def came_from(self, origin: str, result_key: str) -> bool:
+        """Did a record forwarded from the source record `origin` write this task's
+        result under `result_key`? (A source record forwarded again after a crash is the
+        same task, answered once.)"""
+        return any(
+            e.status is Status.SUCCEEDED and e.origin == origin and e.result_key == result_key
             for e in self.history
         )
 

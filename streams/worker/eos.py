@@ -28,8 +28,10 @@ attribute this module touches).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
@@ -42,6 +44,11 @@ from streams.store.taskstore import PartitionLost
 from streams.worker import faust_private
 
 log = logging.getLogger(__name__)
+
+# The task partitions whose transaction the current write is held in (`Transactions.held`):
+# its sends go in at once, where others wait for the commit under way (which waits for
+# the hold). Set and read here only.
+_HELD: ContextVar[frozenset[int]] = ContextVar("llm_streams_eos_held", default=frozenset())
 
 
 class _Partition:
@@ -157,6 +164,30 @@ class Transactions:
         if starting is not None:
             await asyncio.shield(starting)
 
+    @contextlib.asynccontextmanager
+    async def held(self, partition: int) -> AsyncIterator[None]:
+        """Writes made inside go into one transaction of `partition`: its commit waits for
+        the hold to end, so one outcome's writes — its result, its sink record, the task's
+        state — commit together or not at all (a commit between them, then a crash, would
+        leave a result and a sink record without the state that says so, and the record's
+        next run would write its sink record a second time)."""
+        await self.ready(partition)
+        part = self._parts.get(partition)
+        if part is None or part.lost:  # not this worker's: the writes inside are told so
+            yield
+            return
+        await part.open.wait()
+        part.sending += 1
+        part.idle.clear()
+        token = _HELD.set(_HELD.get() | {partition})
+        try:
+            yield
+        finally:
+            _HELD.reset(token)
+            part.sending -= 1
+            if part.sending == 0:
+                part.idle.set()
+
     async def durable(self, partition: int) -> None:
         """Return once what was written so far into partition's transaction is committed;
         raise PartitionLost if it never will be."""
@@ -193,7 +224,8 @@ class Transactions:
         part = self._parts.get(owner)
         if part is None or part.lost:
             raise PartitionLost(f"partition {owner} is not this worker's")
-        await part.open.wait()
+        if owner not in _HELD.get():  # held: the commit waits for this write's hold
+            await part.open.wait()
         if part.lost:
             raise PartitionLost(f"partition {owner} is not this worker's")
         part.sending += 1
@@ -227,10 +259,18 @@ class Transactions:
         return True
 
     def hook_consumer(self, consumer: Any) -> None:
-        """Route Faust's offset commits into the transactions."""
+        """Route Faust's offset commits of the task topics into the transactions; those of
+        source topics (a pipeline's `source:`, whose partitions are no task partitions)
+        are committed by Faust as at-least-once: their records' forwards are written
+        outside the transactions, and a forward made twice is answered once (see
+        `worker.sources`)."""
+        inputs = {self.settings.topics.tasks, self.settings.topics.replay}
 
-        async def commit(offsets: Mapping[Any, int]) -> bool:
-            return self.record_offsets(offsets)
+        async def commit(offsets: Mapping[Any, int], own: faust_private.Commit) -> bool:
+            tasks = {tp: o for tp, o in offsets.items() if tp.topic in inputs}
+            others = {tp: o for tp, o in offsets.items() if tp.topic not in inputs}
+            recorded = self.record_offsets(tasks)
+            return (await own(others) if others else True) and recorded
 
         faust_private.route_commits(consumer, commit)
 

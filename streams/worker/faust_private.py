@@ -21,12 +21,20 @@ from mode.utils.futures import maybe_async
 Commit = Callable[[Mapping[Any, int]], Awaitable[bool]]
 
 
-def route_commits(consumer: Any, commit: Commit) -> None:
+def route_commits(
+    consumer: Any, commit: Callable[[Mapping[Any, int], Commit], Awaitable[bool]]
+) -> None:
     """Faust calls `consumer._commit(offsets)` with the offsets it found safe to commit;
-    send them to `commit` instead (exactly-once: into the partitions' transactions)."""
+    send them to `commit` instead (exactly-once: into the partitions' transactions),
+    with Faust's own commit for the offsets that go no transaction's way."""
     if getattr(consumer, "_llm_streams_commit", False):
         return
-    consumer._commit = commit
+    own: Commit = consumer._commit
+
+    async def routed(offsets: Mapping[Any, int]) -> bool:
+        return await commit(offsets, own)
+
+    consumer._commit = routed
     consumer._llm_streams_commit = True
 
 

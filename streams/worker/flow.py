@@ -33,6 +33,7 @@ from streams.contract.headers import (
     FORCE_HEADER,
     REPLAY_OF_HEADER,
     REROUTED_FROM_HEADER,
+    SOURCE_OF_HEADER,
     TIER_HEADER,
     header_items,
 )
@@ -176,16 +177,9 @@ class RecordFlow:
         if via is not None:  # not a task: the request to erase one
             return await self._erase(message, source, via.decode(errors="replace"))
         # 2. route: its home, read from the record as it is (its prompt is its home's work)
-        route = processor.route_of(message.value)
-        if route is not None:
-            task_id, routed_by = route
-            home = partition_for(routed_by, self.partitions)
-            if home != message.partition:  # keyed otherwise by its producer: answer it there
-                refused = processor.refusal(message.value, message.key, source)
-                if refused is not None:  # bad input: its dead letter where it stands
-                    return await self.dead_here(refused, source)
-                await self._reroute(message, source, home, task_id)
-                return Ended.REROUTED, None
+        routed = await self._route(message, source)
+        if routed is not None:
+            return routed
         # 3. prepare
         prep = processor.prepare(
             message.value, message.key, source,
@@ -206,8 +200,7 @@ class RecordFlow:
         })  # fmt: skip
         # 1. its headers; a batch-tier request parks the job once it waits in a batch
         how = asked(message)
-        if lane is Lane.REPLAY and processor.batches is not None:
-            prep = replace(prep, record=StoredRecord.of(message).pack)
+        prep = self._as_run(prep, message, lane)
         # 4. decide
         decision = await decider.decide(prep, lane, how)
         if decision.outcome is None:  # an earlier run wrote it: what it may have left
@@ -219,6 +212,31 @@ class RecordFlow:
         if written.output is not None:
             await self._add_turn(source.partition, prep, written.output)
         return Ended.of(written), written
+
+    async def _route(self, message: Any, source: Source) -> tuple[Ended, Outcome | None] | None:
+        """A record away from its task's home (keyed otherwise by its producer) forwarded
+        there — or, bad input, its dead letter where it stands; None: it is at home."""
+        route = self.processor.route_of(message.value)
+        if route is None:
+            return None
+        task_id, routed_by = route
+        home = partition_for(routed_by, self.partitions)
+        if home == message.partition:
+            return None
+        refused = self.processor.refusal(message.value, message.key, source)
+        if refused is not None:
+            return await self.dead_here(refused, source)
+        await self._reroute(message, source, home, task_id)
+        return Ended.REROUTED, None
+
+    def _as_run(self, prep: Prepared, message: Any, lane: Lane) -> Prepared:
+        """The task as this record runs it: in the replay lane with its record, for a
+        batch-tier job to park with; forwarded from a source record, with that record."""
+        if lane is Lane.REPLAY and self.processor.batches is not None:
+            prep = replace(prep, record=StoredRecord.of(message).pack)
+        if (origin := header(message, SOURCE_OF_HEADER)) is not None:
+            prep = replace(prep, origin=origin.decode(errors="replace"))
+        return prep
 
     async def _finish_earlier(self, decision: Decision, prep: Prepared, note: str | None) -> None:
         """What a run killed after writing the outcome left undone: its sink record and

@@ -5,11 +5,20 @@
 mapped, or whose task is too large for `llm-tasks`, becomes an `invalid_input` dead
 letter (again if the record runs again after a crash: at-least-once); one that is not
 for the pipeline is skipped. Each outcome is counted (`llm_streams_source_records_total`).
-The source record is acked once all this is written (at-least-once: a task forwarded
-twice is answered once, under one result key). Records of sources with `format:
-registry` (and keys with `key_format: registry`) are decoded first with the schema
-registry's schemas (`streams.assembly.SourceReader`): once per record, whichever pipelines
-read it; a record that does not decode is a dead letter of each of them.
+Records of sources with `format: registry` (and keys with `key_format: registry`) are
+decoded first with the schema registry's schemas (`streams.assembly.SourceReader`): once
+per record, whichever pipelines read it; a record that does not decode is a dead letter
+of each of them.
+
+The guarantee: the source record is acked once all this is written, so a crash before
+its offset commits forwards it again — and its task is answered once all the same. Its
+home finds the result of the earlier forward of the same source record in the task's
+state (`TaskState.came_from`, the `llm-streams-source-of` header) and writes nothing
+more: one result, one sink record. With `exactly_once` the answer, its sink record and
+the forwarded record's offset are one transaction of the task partition; the forward
+itself and the source offset are written outside every transaction (`plain`: a source
+partition is no task partition, and its task's home may be another worker's), which the
+home's check makes safe. A source record's own dead letter stays at-least-once.
 """
 
 from __future__ import annotations
@@ -100,7 +109,8 @@ class SourceIngest:
             def forward(task_id: str = task_id, value: bytes = value,
                         home: int = home) -> Awaitable[int]:  # fmt: skip
                 return self.writer.send(self.settings.topics.tasks, task_id.encode(), value,
-                                        home, [(SOURCE_OF_HEADER, where.encode())])  # fmt: skip
+                                        home, [(SOURCE_OF_HEADER, where.encode())],
+                                        plain=True)  # fmt: skip
 
             await self.writer.write_or_stop(forward, what=f"the task mapped from {where}")
             count.inc()
@@ -118,7 +128,7 @@ class SourceIngest:
         def forward() -> Awaitable[int]:
             return self.writer.send(
                 self.settings.topics.tasks, erase.task_id.encode(), value, home,
-                [(ERASE_HEADER, b"source"), (SOURCE_OF_HEADER, where.encode())],
+                [(ERASE_HEADER, b"source"), (SOURCE_OF_HEADER, where.encode())], plain=True,
             )  # fmt: skip
 
         await self.writer.write_or_stop(forward, what=f"the erasure asked by {where}")
@@ -137,7 +147,7 @@ class SourceIngest:
         partition = partition_for(key, self.settings.kafka.partitions)
         log.info("source record %s/%d/%d: %s", source.topic, source.partition, source.offset,
                  exc.message)  # fmt: skip
-        await self.writer.deliver(outcome, partition)
+        await self.writer.deliver(outcome, partition, plain=True)
 
 
 async def check_sources(settings: Settings, mappers: dict[str, list[SourceMapper]]) -> None:
@@ -151,12 +161,6 @@ async def check_sources(settings: Settings, mappers: dict[str, list[SourceMapper
     registry = sorted({m.pipeline for ms in mappers.values() for m in ms if uses_registry(m)})
     if registry:
         await check_registry(settings, registry)
-    if settings.processing_guarantee == "exactly_once":
-        raise ConfigError(
-            "pipelines with `source:` topics run at-least-once only for now (their tasks are "
-            "forwarded to llm-tasks outside the partition transactions): set "
-            "LLM_STREAMS_PROCESSING_GUARANTEE=at_least_once, or publish tasks to llm-tasks"
-        )
     admin = clients.admin(settings)
     await admin.start()
     try:

@@ -17,6 +17,7 @@ write stops without acking (`CannotWrite`), so the record runs again after the r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
@@ -81,11 +82,13 @@ class Writer:
         headers: Headers | None = None,
         *,
         via: int | None = None,
+        plain: bool = False,
     ) -> int:
         """One write to `partition` of `topic`, returned with its offset once the broker
         acked it. `via`: the task partition whose record caused it, when that is another
-        (exactly-once: the write goes into that partition's transaction)."""
-        if self.eos is not None:  # into the partition's transaction
+        (exactly-once: the write goes into that partition's transaction). `plain`: outside
+        every transaction (a source record's writes: its partition is no task partition)."""
+        if self.eos is not None and not plain:  # into the partition's transaction
             return await self.eos.send(topic, key, value, partition, headers, via=via)
         return await self._topic_send(topic, key, value, partition, headers)
 
@@ -97,13 +100,15 @@ class Writer:
         prep: Prepared | None = None,
         state: TaskState | None = None,
         written: bool = False,
+        plain: bool = False,
     ) -> WriteRefused | None:
         """Write `outcome` to `partition`, then its sink record (and review copy), then the
         task's `state` after it: a state that says the record was answered is never ahead
         of the sink. A result the results topic or its sink refuses for good is not
         written, nor is anything after it: the reason comes back (the caller writes the
         task's dead letter instead). `written`: the outcome is written already (by a run
-        killed before the rest), only what follows it is."""
+        killed before the rest), only what follows it is. `plain`: a source record's dead
+        letter, no task's — written outside the transactions and the task store."""
         pending = set() if written else {"outcome"}
         if outcome.sink is not None:
             pending.add("sink")
@@ -115,9 +120,14 @@ class Writer:
 
         async def write_pending() -> None:
             while pending and not refused:
-                await self._write_round(outcome, pending, partition, prep, state, refused)
+                await self._write_round(outcome, pending, partition, prep, state, refused,
+                                        plain)  # fmt: skip
 
-        await self._or_stop(write_pending, f"the {outcome.kind} {outcome.key}")
+        # Exactly-once: every write of the outcome in one transaction of the partition,
+        # however often a round is tried again.
+        held = self.eos.held(partition) if self.eos is not None and not plain else None
+        async with held or contextlib.nullcontext():
+            await self._or_stop(write_pending, f"the {outcome.kind} {outcome.key}")
         return refused[0] if refused else None
 
     async def _write_round(
@@ -128,6 +138,7 @@ class Writer:
         prep: Prepared | None,
         state: TaskState | None,
         refused: list[WriteRefused],
+        plain: bool = False,
     ) -> None:
         """The pending writes due now (the outcome first, then the others together); the
         ones that succeed leave `pending`; raises a failure the broker may mend."""
@@ -139,7 +150,7 @@ class Writer:
             names = sorted(pending)
         # The trace goes on in the outcome's headers (the task's span is current).
         trace = headers_for()
-        writes = [self._write(n, outcome, partition, prep, state, trace) for n in names]
+        writes = [self._write(n, outcome, partition, prep, state, trace, plain) for n in names]
         done: list[BaseException | None]
         if len(writes) == 1:  # awaited here: a task of its own costs a thin stream per task
             try:
@@ -195,10 +206,16 @@ class Writer:
         prep: Prepared | None,
         state: TaskState | None,
         headers: Headers,
+        plain: bool = False,
     ) -> None:
         if name == "outcome":
             kind = Kind.RESULTS if outcome.kind == "result" else Kind.DEAD_LETTERS
-            await self.store.put(kind, partition, outcome.key.encode(), outcome.value, headers)
+            key = outcome.key.encode()
+            if plain:
+                await self.send(self.store.topics[kind], key, outcome.value, partition, headers,
+                                plain=True)  # fmt: skip
+            else:
+                await self.store.put(kind, partition, key, outcome.value, headers)
         elif name == "state" and state is not None:
             await self.store.put_state(partition, state)
         elif name == "review" and outcome.review_value is not None:
@@ -208,7 +225,7 @@ class Writer:
             frame = self.limits.framing.get(sink.topic)  # the registry's wire format
             value = frame(sink.value) if frame is not None else sink.value
             await self.send(sink.topic, sink.key, value, partition_of(sink.key, count),
-                            [*headers, *sink.headers], via=partition)  # fmt: skip
+                            [*headers, *sink.headers], via=partition, plain=plain)  # fmt: skip
 
     async def _review(
         self,

@@ -1,7 +1,7 @@
 """Pipelines' sinks on real Kafka: a source topic's records come back in a topic of the
 user's, enriched with their answer and keyed as they were; a pipeline's dead letters get
 a copy of their own; with exactly-once, a SIGKILL mid-run leaves one sink record per
-task to a read_committed reader; a delete upstream, or `llm-streams erase`, leaves no
+task to a read_committed reader, from a source topic too; a delete upstream, or `llm-streams erase`, leaves no
 live record of a task in the sink, the results or the task store."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import asyncio
 import shutil
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,79 @@ async def test_with_exactly_once_a_kill_mid_run_leaves_one_sink_record_per_task(
     keys = [r.key.decode() for r in records]
     assert sorted(keys) == sorted(t["task_id"] for t in tasks)  # each once, read committed
     assert all(orjson.loads(r.value)["sentiment"] for r in records)  # the answer alone
+
+
+async def test_with_exactly_once_a_source_killed_while_it_forwards_leaves_one_answer_each(
+    make_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    """Exactly-once with a source topic: two SIGKILLs while its records are forwarded
+    (each forwards again what its offsets had not committed), and a read_committed reader
+    of the sink and of llm-results finds every source record answered exactly once."""
+    simulator.sim.config.latency_ms, simulator.sim.config.latency_dist = 50, "fixed"
+    pipelines = tmp_path / "pipelines"
+    shutil.copytree(ROOT / "pipelines", pipelines)
+    suffix = uuid.uuid4().hex[:8]
+    source, sink = f"app.comments-{suffix}", f"app.comments.answers-{suffix}"
+    text = (ROOT / "examples" / "sources" / "plain-comments.yaml").read_text()
+    text = text.replace("[app.comments]", f"[{source}]")
+    text += f"sink:\n  topic: {sink}\n  shape: output\n  key: source_key\n"
+    (pipelines / "plain-comments.yaml").write_text(text)
+    settings = make_settings(
+        llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
+        batch={"size": 50, "concurrency": 16}, pipelines_dir=pipelines,
+        # Offsets (the source's, and the transactions) every 2 s: a kill forwards again
+        # up to 2 s of source records.
+        kafka={"session_timeout_s": 6, "commit_interval_s": 2.0},
+        processing_guarantee="exactly_once",
+    )  # fmt: skip
+    await ensure_topics(settings)
+    admin = clients.admin(settings)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(source, num_partitions=3, replication_factor=1)])
+    finally:
+        await admin.close()
+    n = 600
+    keys = [f"c-{i:04d}" for i in range(n)]
+
+    async def publish() -> None:  # while the workers run: ~40 records a second
+        producer = clients.producer(settings, acks="all")
+        await producer.start()
+        try:
+            for i, key in enumerate(keys):
+                value = {"comment": {"text": f"Comment {i}: fine kettle, loud lid."}}
+                await producer.send_and_wait(source, key=key.encode(), value=orjson.dumps(value))
+                await asyncio.sleep(0.025)
+        finally:
+            await producer.stop()
+
+    publishing: asyncio.Task[None] | None = None
+    for run in range(2):  # killed mid-run, twice
+        worker = WorkerProcess(settings, tmp_path / f"run{run}.log").start()
+        try:
+            await ready_within(worker, 90)
+            if publishing is None:
+                publishing = asyncio.create_task(publish())
+            await asyncio.sleep(4)  # forwarding and answering
+            assert worker.alive(), worker.log_tail()
+            worker.kill()
+        finally:
+            worker.stop()
+    last = WorkerProcess(settings, tmp_path / "last.log").start()
+    try:
+        assert publishing is not None
+        await publishing
+        await _wait_for(settings, sink, n, last, committed=True, timeout_s=240)
+        await asyncio.sleep(3)  # anything written twice would show by now
+        records = await _read(settings, sink, committed=True)
+        results = await _read(settings, settings.topics.results, committed=True)
+    finally:
+        last.stop()
+    twice = [k for k, c in Counter(r.key for r in records).items() if c > 1]
+    assert sorted(r.key.decode() for r in records) == keys, twice  # each exactly once
+    assert all(orjson.loads(r.value)["sentiment"] for r in records)
+    answered = [orjson.loads(r.value)["task_id"] for r in results if r.value is not None]
+    assert sorted(answered) == keys  # one envelope each in llm-results too
 
 
 async def _latest(settings: Settings, topic: str) -> dict[bytes, bytes | None]:

@@ -10,8 +10,10 @@ from collections.abc import Mapping
 
 from faust.types import TP
 
+from streams.settings import load_settings
 from streams.worker import faust_private
 from streams.worker.app import InLoopApp, ThreadedApp
+from streams.worker.eos import Transactions
 
 
 class Message:
@@ -78,3 +80,26 @@ async def test_what_the_status_reads_of_faust_is_where_faust_keeps_it() -> None:
     assert faust_private.stream_state(consumer, [stream]) == {
         "lag": {("tasks", 0): 3}, "paused": 1, "buffered": 0,
     }  # fmt: skip
+
+
+async def test_exactly_once_commits_source_offsets_as_faust_does_and_task_offsets_not() -> None:
+    """The task topics' offsets go with their partitions' transactions; a source topic's
+    (no task partition: its forwards are written outside the transactions) through Faust's
+    own commit, or they would never be committed at all."""
+    settings = load_settings(processing_guarantee="exactly_once")
+    committed: list[dict[TP, int]] = []
+
+    class Consumer:
+        async def _commit(self, offsets: Mapping[TP, int]) -> bool:
+            committed.append(dict(offsets))
+            return True
+
+    consumer = Consumer()
+    eos = Transactions(settings)
+    eos.hook_consumer(consumer)
+    eos.hook_consumer(consumer)  # every rebalance hooks it: once is what counts
+    tasks, source = TP(settings.topics.tasks, 0), TP("shop.reviews", 0)
+    assert await consumer._commit({tasks: 5, source: 7})
+    assert committed == [{source: 7}]
+    assert await consumer._commit({TP(settings.topics.replay, 1): 3})
+    assert committed == [{source: 7}]  # nothing of a source: Faust's commit not called

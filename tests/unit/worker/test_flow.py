@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from streams.contract.headers import (
     FORCE_HEADER,
     REROUTED_FROM_HEADER,
     RESULT_KEY_HEADER,
+    SOURCE_OF_HEADER,
 )
 from streams.contract.lanes import Lane
 from streams.contract.records import EraseRequest, Source
@@ -419,3 +421,34 @@ async def test_a_record_of_a_partition_given_away_is_released_unanswered(flow: A
     run.store.assign(set(range(PARTITIONS)) - {home})  # the rebalance took its partition
     assert await run.run(_record("t-away", home), taken_at=0.0) == "released"
     assert sent == [] and llm.requests == []
+
+
+def _forwarded(task_id: str, offset: int, origin: bytes) -> StoredRecord:
+    """A task as the sources agent forwards it: its source record in a header."""
+    record = _record(task_id, _home_of(task_id), offset)
+    return replace(record, headers=[(SOURCE_OF_HEADER, origin)])
+
+
+async def test_a_source_record_forwarded_twice_is_answered_and_written_to_its_sink_once(
+    sink_flow: Any,
+) -> None:
+    """Its forwarder died before the source offset committed, so the same source record
+    came twice (at two offsets of llm-tasks): the second finds the first's answer."""
+    run, sent, llm, _settings, _ = sink_flow
+    first = _forwarded("t-src", 4, b"shop.reviews/2/17")
+    kind, _ = await run.handle(first, Source(topic="tasks", partition=first.partition,
+                                             offset=4), Span())  # fmt: skip
+    assert kind == "result" and [s[0] for s in sent].count(SINK) == 1
+    state = orjson.loads(sent[-1][2])
+    assert state["history"][-1]["origin"] == "shop.reviews/2/17"
+    sent.clear()
+    again = _forwarded("t-src", 9, b"shop.reviews/2/17")
+    kind, outcome = await run.handle(again, Source(topic="tasks", partition=again.partition,
+                                                   offset=9), Span())  # fmt: skip
+    assert (kind, outcome) == ("already_done", None) and sent == [] and len(llm.requests) == 1
+    # Another source record of the same task is a record of its own: answered (from the
+    # store, no call) and written again, as a task published twice is.
+    other = _forwarded("t-src", 12, b"shop.reviews/2/30")
+    kind, _ = await run.handle(other, Source(topic="tasks", partition=other.partition,
+                                             offset=12), Span())  # fmt: skip
+    assert kind == "result" and SINK in [s[0] for s in sent] and len(llm.requests) == 1

@@ -35,21 +35,24 @@ class Message:
 
 
 class Writer:
-    """What the ingest writes: tasks forwarded, dead letters delivered."""
+    """What the ingest writes: tasks forwarded, dead letters delivered — each outside
+    every transaction (`plain`: a source partition is no task partition)."""
 
     def __init__(self) -> None:
         self.forwarded: list[dict[str, Any]] = []
         self.dead: list[StreamsError] = []
 
     async def send(self, topic: str, key: bytes, value: bytes, partition: int,
-                   headers: list[tuple[str, bytes]]) -> int:  # fmt: skip
+                   headers: list[tuple[str, bytes]], *, plain: bool = False) -> int:  # fmt: skip
+        assert plain, "a source record's forward in a task partition's transaction"
         self.forwarded.append(orjson.loads(value))
         return 0
 
     async def write_or_stop(self, write: Callable[[], Awaitable[int]], *, what: str) -> int:
         return await write()
 
-    async def deliver(self, outcome: StreamsError, partition: int) -> None:
+    async def deliver(self, outcome: StreamsError, partition: int, *, plain: bool = False) -> None:
+        assert plain, "a source record's dead letter through the task store"
         self.dead.append(outcome)
 
 
