@@ -194,6 +194,17 @@ class RegistryClient:
             await asyncio.sleep(wait)
             wait = min(wait * 2, self.settings.retry_max_s)
 
+    async def latest(self, subject: str) -> tuple[str, dict[str, Any]]:
+        """The type (AVRO, JSON, PROTOBUF) and the schema of `subject`'s latest version.
+        Raises UnknownSchema when the subject has none."""
+        found = await self._get(f"/subjects/{quote(subject, safe='')}/versions/latest")
+        kind = str(found.get("schemaType") or "AVRO")
+        try:
+            schema = orjson.loads(str(found.get("schema")))
+        except orjson.JSONDecodeError as exc:
+            raise RegistryRefused(f"{subject}: its latest schema is no JSON: {exc}") from exc
+        return kind, schema if isinstance(schema, dict) else {"type": schema}
+
     async def register(self, subject: str, schema: dict[str, Any], kind: str = "JSON") -> int:
         """The id of `schema` under `subject`, registered when it is new there. Raises
         RegistryRefused when the subject's compatibility rule refuses it (with what the

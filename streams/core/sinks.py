@@ -15,6 +15,7 @@ import orjson
 
 from streams.contract.headers import RESULT_KEY_HEADER, SOURCE_OF_HEADER, TASK_ID_HEADER
 from streams.core.avro_schema import avro_schema
+from streams.core.avro_values import avro_datum
 from streams.errors import ConfigError
 from streams.pipelines.sinks import SinkSpec
 from streams.pipelines.sources import pointer_get
@@ -97,14 +98,65 @@ def _bare(schema: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in schema.items() if k not in ("$schema", "$id")}
 
 
-def registered_schema(spec: SinkSpec, output_schema: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def registered_schema(
+    spec: SinkSpec, output_schema: dict[str, Any], source_schema: dict[str, Any] | None = None
+) -> tuple[str, dict[str, Any]]:
     """The schema a sink registers (its type, as the registry names it, and the schema):
-    JSON Schema, or Avro derived from it (`core.avro_schema`)."""
+    JSON Schema, or Avro derived from it (`core.avro_schema`) — for an enriched record,
+    the source's own Avro record schema (`source_schema`, its subject's latest) with the
+    answer's fields added."""
     schema = value_schema(spec, output_schema)
+    namespace = "llm_streams." + re.sub(r"[^A-Za-z0-9_]", "_", spec.topic)
+    if spec.format == "avro" and spec.shape == "enriched":
+        return "AVRO", _enriched_avro(spec, output_schema, source_schema, namespace)
     if spec.format == "avro":
-        namespace = "llm_streams." + re.sub(r"[^A-Za-z0-9_]", "_", spec.topic)
         return "AVRO", avro_schema(schema, "Value", namespace)
     return "JSON", schema
+
+
+def _enriched_avro(
+    spec: SinkSpec,
+    output_schema: dict[str, Any],
+    source: dict[str, Any] | None,
+    namespace: str,
+) -> dict[str, Any]:
+    """The source's record schema with the provenance field and the `fields` set from the
+    answer (each a union with null: the answer may have none there)."""
+    if source is None:  # offline (`pipelines validate`): known at start
+        raise ConfigError("an enriched Avro sink takes its source topic's Avro schema from the "
+                          "registry at start")  # fmt: skip
+    if source.get("type") != "record" or not isinstance(source.get("fields"), list):
+        raise ConfigError("an enriched Avro sink needs its source's values to be Avro records; "
+                          f"the source's schema is {str(source)[:120]}")  # fmt: skip
+    json_schema = value_schema(spec, output_schema)
+    answer = {"type": "object", "required": [spec.field],
+              "properties": {spec.field: json_schema["properties"][spec.field]}}  # fmt: skip
+    added = avro_schema(answer, "Llm", namespace)["fields"]
+    for name, pointer in spec.fields.items():
+        at = _schema_at(output_schema, pointer, name)
+        avro = avro_schema({"type": "object", "required": ["v"], "properties": {"v": at}},
+                           f"Field_{name}", namespace)["fields"][0]["type"]  # fmt: skip
+        members = avro if isinstance(avro, list) else [avro]
+        added.append({"name": name, "type": ["null", *[m for m in members if m != "null"]],
+                      "default": None})  # fmt: skip
+    taken = {f.get("name") for f in source["fields"]} & {f["name"] for f in added}
+    if taken:
+        raise ConfigError(f"an enriched Avro sink adds {sorted(taken)}, which the source's "
+                          "record has: name sink.field / sink.fields otherwise")  # fmt: skip
+    return {**source, "fields": [*source["fields"], *added]}
+
+
+def _schema_at(schema: dict[str, Any], pointer: str, name: str) -> dict[str, Any]:
+    """The answer's schema where `pointer` points (through properties and items)."""
+    node: Any = schema
+    for part in pointer.lstrip("/").split("/"):
+        if isinstance(node, dict) and part in (node.get("properties") or {}):
+            node = node["properties"][part]
+        elif isinstance(node, dict) and part.isdigit() and isinstance(node.get("items"), dict):
+            node = node["items"]
+        else:
+            raise ConfigError(f"sink.fields.{name}: the answer's schema has nothing at {pointer}")
+    return node if isinstance(node, dict) else {}
 
 
 def framing(kind: str, schema: dict[str, Any], schema_id: int) -> Callable[[bytes], bytes]:
@@ -114,10 +166,11 @@ def framing(kind: str, schema: dict[str, Any], schema_id: int) -> Callable[[byte
     if kind != "AVRO":
         return lambda value: head + value
     parsed = fastavro.parse_schema(schema)
+    expanded = fastavro.parse_schema(schema, expand=True)
 
     def avro(value: bytes) -> bytes:
         out = io.BytesIO()
-        fastavro.schemaless_writer(out, parsed, orjson.loads(value))
+        fastavro.schemaless_writer(out, parsed, avro_datum(orjson.loads(value), expanded))
         return head + out.getvalue()
 
     return avro

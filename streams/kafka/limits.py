@@ -129,6 +129,11 @@ async def _topic_limits(settings: Settings, topics: list[str]) -> dict[str, int]
         await client.close()
 
 
+class Unencodable(KafkaError):  # type: ignore[misc]  # aiokafka is untyped here
+    """A record its topic's registered schema cannot hold (a sink's framing refused it):
+    no retry mends it."""
+
+
 def refused_for_good(exc: BaseException) -> str | None:
     """The code of a write refusal that no retry can mend (the record is too large or
     invalid, or this client may not write there), or None: worth another try."""
@@ -136,6 +141,8 @@ def refused_for_good(exc: BaseException) -> str | None:
         return "record_too_large"
     if isinstance(exc, CorruptRecordException | InvalidTopicError):
         return "invalid_record"
+    if isinstance(exc, Unencodable):
+        return "unencodable"
     if isinstance(exc, KafkaError) and getattr(exc, "errno", None) == _INVALID_RECORD:
         return "invalid_record"
     if isinstance(

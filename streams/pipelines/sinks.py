@@ -44,7 +44,8 @@ class SinkSpec(BaseModel):
         description="json: the value as JSON; json_schema / avro: in the schema registry's "
         "wire format, under a schema derived from the pipeline's output schema, registered "
         "under `<topic>-value` at start (a change the subject's compatibility refuses stops "
-        "the start, said); avro for the output and envelope shapes.",
+        "the start, said); avro enriched: the source's own Avro schema (its registry "
+        "subject's latest, read at start) with the answer's fields added.",
     )
     headers: list[str] = Field(
         default_factory=list,
@@ -68,9 +69,6 @@ class SinkSpec(BaseModel):
             raise ValueError(f"sink.fields {bad}: each must name a JSON pointer (`/path`)")
         if self.fields and self.field in self.fields:
             raise ValueError(f"sink.fields sets {self.field!r}, the provenance's field")
-        if self.format == "avro" and self.shape == "enriched":
-            raise ValueError("sink: format avro is for the output and envelope shapes (an "
-                             "enriched record's source fields have no schema here)")  # fmt: skip
         if self.dead_letters == self.topic:
             raise ValueError("sink.dead_letters must be another topic than sink.topic")
         return self

@@ -413,6 +413,20 @@ class PipelineSpec(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _avro_enriched_has_a_schema(self) -> PipelineSpec:
+        sink = self.sink
+        if sink is None or sink.format != "avro" or sink.shape != "enriched":
+            return self
+        if self.source is None or self.source.format != "registry":
+            raise ValueError("sink: an enriched Avro record is the source record with the "
+                             "answer added, its schema the source's: the source must be read "
+                             "with `format: registry`")  # fmt: skip
+        if len(self.source.topics) != 1:
+            raise ValueError("sink: an enriched Avro record takes its source topic's schema: "
+                             "one source topic")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
     def _default_exists(self) -> PipelineSpec:
         if self.default_version not in self.versions:
             raise ValueError(f"default_version {self.default_version!r} is not in versions")

@@ -28,7 +28,7 @@ from aiokafka.errors import KafkaError
 from streams.core.outcome import Outcome, Prepared
 from streams.core.taskstate import TaskState
 from streams.errors import WriteRefused
-from streams.kafka.limits import WriteLimits, refused_for_good
+from streams.kafka.limits import Unencodable, WriteLimits, refused_for_good
 from streams.kafka.routing import partition_of
 from streams.kafka.topics import state_topic
 from streams.observability.metrics import Metrics
@@ -223,7 +223,11 @@ class Writer:
         elif name == "sink" and (sink := outcome.sink) is not None:
             count = self.limits.partitions.get(sink.topic, self.settings.kafka.partitions)
             frame = self.limits.framing.get(sink.topic)  # the registry's wire format
-            value = frame(sink.value) if frame is not None else sink.value
+            try:
+                value = frame(sink.value) if frame is not None else sink.value
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                raise Unencodable(f"{sink.topic}'s registered schema cannot hold the record: "
+                                  f"{exc}") from exc  # fmt: skip
             await self.send(sink.topic, sink.key, value, partition_of(sink.key, count),
                             [*headers, *sink.headers], via=partition, plain=plain)  # fmt: skip
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
 import subprocess
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import fastavro
 import orjson
 from aiokafka import TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
@@ -273,3 +276,28 @@ async def collect(
         return got
     finally:
         await consumer.stop()
+
+
+async def register_schema(
+    url: str, subject: str, schema: dict[str, Any], kind: str = "AVRO"
+) -> int:
+    """Register `schema` under `subject` as a producer of the user's would; its id."""
+    body = {"schema": orjson.dumps(schema).decode(), "schemaType": kind}
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{url}/subjects/{subject}/versions", json=body,
+        headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
+    ) as reply:  # fmt: skip
+        assert reply.status == 200, await reply.text()
+        return int((await reply.json())["id"])
+
+
+def registry_framed(schema_id: int, schema: dict[str, Any] | None, record: Any) -> bytes:
+    """`record` in the registry's wire format: 0, the schema id, then Avro (`schema`) or
+    JSON (None: a JSON Schema subject)."""
+    if schema is None:  # JSON Schema: the JSON itself after the header
+        body = orjson.dumps(record)
+    else:
+        out = io.BytesIO()
+        fastavro.schemaless_writer(out, fastavro.parse_schema(schema), record)
+        body = out.getvalue()
+    return b"\x00" + schema_id.to_bytes(4, "big") + body

@@ -7,6 +7,7 @@ live record of a task in the sink, the results or the task store."""
 from __future__ import annotations
 
 import asyncio
+import io
 import shutil
 import time
 import uuid
@@ -14,6 +15,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import fastavro
 import orjson
 import pytest
 from aiokafka.admin import NewTopic
@@ -24,7 +27,16 @@ from streams.dev.simulator import SimulatorServer
 from streams.kafka import clients
 from streams.kafka.topics import ensure_topics
 from streams.settings import Settings
-from tests.integration.helpers import WorkerProcess, collect, produce, ready_within, run_cli
+from tests.integration.helpers import (
+    WorkerProcess,
+    collect,
+    produce,
+    ready_within,
+    register_schema,
+    registry_framed,
+    run_cli,
+)
+from tests.integration.test_sources import ENVELOPE, KEY, _publish
 
 pytestmark = pytest.mark.integration
 
@@ -250,6 +262,59 @@ async def test_with_exactly_once_a_source_killed_while_it_forwards_leaves_one_an
     assert all(orjson.loads(r.value)["sentiment"] for r in records)
     answered = [orjson.loads(r.value)["task_id"] for r in results if r.value is not None]
     assert sorted(answered) == keys  # one envelope each in llm-results too
+
+
+async def test_a_debezium_avro_source_comes_back_enriched_in_avro_under_its_own_schema(
+    make_settings: Any, simulator: SimulatorServer, schema_registry: str, tmp_path: Path
+) -> None:
+    """A Debezium change stream in Avro through the registry, written back enriched in
+    Avro: the source's own schema with the answer added, registered under the sink's
+    subject; a plain consumer reads each record with the schema its id names."""
+    pipelines = tmp_path / "pipelines"
+    shutil.copytree(ROOT / "pipelines", pipelines)
+    suffix = uuid.uuid4().hex[:8]
+    source, sink = f"shop.reviews.avro-{suffix}", f"shop.reviews.analysed-{suffix}"
+    text = (ROOT / "examples" / "sources" / "reviews-avro.yaml").read_text()
+    text = text.replace("[shop.public.reviews.avro]", f"[{source}]")
+    text += (f"sink:\n  topic: {sink}\n  key: source_key\n  format: avro\n"
+             "  fields: {sentiment: /sentiment}\n")  # fmt: skip
+    (pipelines / "reviews-avro.yaml").write_text(text)
+    settings = make_settings(llm={"base_url": simulator.base_url, "api_key": "k",
+                                  "model": "sim-1"}, pipelines_dir=pipelines,
+                             schema_registry={"url": schema_registry})  # fmt: skip
+    await ensure_topics(settings)
+    key_id = await register_schema(schema_registry, f"{source}-key", KEY)
+    value_id = await register_schema(schema_registry, f"{source}-value", ENVELOPE)
+    rows = {i: {"id": i, "body": f"The strap broke after {i} weeks.", "product_name": "Bag",
+                "stars": 1 + i % 5} for i in range(1, 9)}  # fmt: skip
+    records = [(registry_framed(key_id, KEY, {"id": i}),
+                registry_framed(value_id, ENVELOPE, {"before": None, "after": row, "op": "c",
+                                                     "ts_ms": 1_764_500_000_000 + i}))
+               for i, row in rows.items()]  # fmt: skip
+    await _publish(settings, source, records)  # the user's topic, there before the worker
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    try:
+        await ready_within(worker, 90)  # its sink made (a reader before would auto-create it)
+        written = await _wait_for(settings, sink, len(rows), worker)
+    finally:
+        worker.stop()
+    assert len(written) == len(rows)
+    async with aiohttp.ClientSession() as session:
+        schemas: dict[int, Any] = {}
+        for record in written:
+            assert record.value[:1] == b"\x00"
+            schema_id = int.from_bytes(record.value[1:5], "big")
+            if schema_id not in schemas:
+                async with session.get(f"{schema_registry}/schemas/ids/{schema_id}") as reply:
+                    schemas[schema_id] = fastavro.parse_schema(
+                        orjson.loads((await reply.json())["schema"]))  # fmt: skip
+            value = fastavro.schemaless_reader(io.BytesIO(record.value[5:]), schemas[schema_id])
+            key = orjson.loads(record.key)  # the source record's decoded key, as JSON
+            assert value["after"] == rows[key["id"]] and value["op"] == "c"  # as it was
+            assert value["sentiment"] in ("positive", "negative", "neutral", "mixed")
+            assert value["llm"]["prompt_version"] == "v1" and value["llm"]["result_key"]
+    (schema,) = schemas.values()
+    assert schema["name"] == "shop.public.reviews.Envelope"  # the source's record, extended
 
 
 async def _latest(settings: Settings, topic: str) -> dict[bytes, bytes | None]:

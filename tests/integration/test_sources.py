@@ -18,7 +18,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from streams.dev.simulator import SimulatorServer
 from streams.kafka import clients
 from streams.kafka.topics import ensure_topics
-from tests.integration.helpers import WorkerProcess, collect
+from tests.integration.helpers import WorkerProcess, collect, register_schema, registry_framed
 
 pytestmark = pytest.mark.integration
 
@@ -179,32 +179,6 @@ versions:
 """
 
 
-async def _register(url: str, subject: str, schema: dict[str, Any], kind: str = "AVRO") -> int:
-    import aiohttp
-
-    body = {"schema": orjson.dumps(schema).decode(), "schemaType": kind}
-    async with aiohttp.ClientSession() as session, session.post(
-        f"{url}/subjects/{subject}/versions", json=body,
-        headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
-    ) as reply:  # fmt: skip
-        assert reply.status == 200, await reply.text()
-        return int((await reply.json())["id"])
-
-
-def _framed(schema_id: int, schema: dict[str, Any] | None, record: Any) -> bytes:
-    import io
-
-    import fastavro
-
-    if schema is None:  # JSON Schema: the JSON itself after the header
-        body = orjson.dumps(record)
-    else:
-        out = io.BytesIO()
-        fastavro.schemaless_writer(out, fastavro.parse_schema(schema), record)
-        body = out.getvalue()
-    return b"\x00" + schema_id.to_bytes(4, "big") + body
-
-
 async def test_avro_and_json_schema_topics_are_read_through_a_real_schema_registry(
     make_settings: Any, simulator: SimulatorServer, schema_registry: str, tmp_path: Path
 ) -> None:
@@ -220,17 +194,17 @@ async def test_avro_and_json_schema_topics_are_read_through_a_real_schema_regist
                                   "model": "sim-1"}, pipelines_dir=pipelines,
                              schema_registry={"url": schema_registry})  # fmt: skip
     await ensure_topics(settings)
-    key_id = await _register(schema_registry, f"{avro_topic}-key", KEY)
-    value_id = await _register(schema_registry, f"{avro_topic}-value", ENVELOPE)
-    comment_id = await _register(schema_registry, f"{json_topic}-value", COMMENT, "JSON")
+    key_id = await register_schema(schema_registry, f"{avro_topic}-key", KEY)
+    value_id = await register_schema(schema_registry, f"{avro_topic}-value", ENVELOPE)
+    comment_id = await register_schema(schema_registry, f"{json_topic}-value", COMMENT, "JSON")
 
     def change(op: str, i: int, body: str | None = "The strap broke after a week.") -> bytes:
         row = {"id": i, "body": body, "product_name": "Bag", "stars": 1 + i % 5}
-        return _framed(value_id, ENVELOPE, {"before": None, "after": None if op == "d" else row,
+        return registry_framed(value_id, ENVELOPE, {"before": None, "after": None if op == "d" else row,
                                             "op": op, "ts_ms": 1_764_500_000_000})  # fmt: skip
 
     def key(i: int) -> bytes:
-        return _framed(key_id, KEY, {"id": i})
+        return registry_framed(key_id, KEY, {"id": i})
 
     avro: list[tuple[bytes | None, bytes | None]] = [
         (key(i), change("cru"[i % 3], i)) for i in range(1, 7)
@@ -244,10 +218,12 @@ async def test_avro_and_json_schema_topics_are_read_through_a_real_schema_regist
         (key(63), change("c", 63, body=None)),  # no text (wrong type for the slot)
     ]
     plain: list[tuple[bytes | None, bytes | None]] = [
-        (f"j-{i}".encode(), _framed(comment_id, None, {"text": f"Great blender {i}!"}))
+        (f"j-{i}".encode(), registry_framed(comment_id, None, {"text": f"Great blender {i}!"}))
         for i in range(3)
     ]
-    plain.append((b"j-bad", _framed(comment_id, None, {"text": 42})))  # source_schema_mismatch
+    plain.append(
+        (b"j-bad", registry_framed(comment_id, None, {"text": 42}))
+    )  # source_schema_mismatch
     worker = WorkerProcess(settings, tmp_path / "worker.log").start()
     try:
         await _publish(settings, avro_topic, avro)

@@ -202,8 +202,9 @@ async def test_an_avro_sink_writes_records_its_registered_schema_reads_back(
 
 
 def test_what_avro_cannot_say_is_refused_with_where_it_is() -> None:
-    with pytest.raises(ValidationError, match="output and envelope"):
-        SinkSpec(topic="out", format="avro")  # enriched: its source fields have no schema
+    spec = SinkSpec(topic="out", format="avro")  # enriched: its source's schema, at start
+    with pytest.raises(ConfigError, match="source topic's Avro schema from the registry"):
+        registered_schema(spec, {"type": "object", "properties": {"a": {"type": "string"}}})
     loose = {"type": "object", "properties": {"a": {"type": "object", "properties": {
         "b": {"description": "anything"}}}}}  # fmt: skip
     with pytest.raises(ConfigError, match=r"at \.a\.b has no single type"):
@@ -248,3 +249,77 @@ def test_pipelines_validate_says_each_sink_and_refuses_one_avro_cannot_write(
     assert "invalid notes: sink: format avro: the answer's schema at .note has no single" in (
         run.output
     )
+
+
+# A source's Avro schema as a registry holds it: a Debezium change event of a row whose
+# columns include bytes, a decimal and a timestamp (JSON holds them as base64, an exact
+# string and ISO 8601 on their way through llm-tasks).
+ROW = {"type": "record", "name": "Value", "namespace": "shop.public.reviews", "fields": [
+    {"name": "id", "type": "int"},
+    {"name": "body", "type": ["null", "string"], "default": None},
+    {"name": "photo", "type": ["null", "bytes"], "default": None},
+    {"name": "price", "type": {"type": "bytes", "logicalType": "decimal", "precision": 8,
+                               "scale": 2}},
+    {"name": "at", "type": {"type": "long", "logicalType": "timestamp-millis"}}]}  # fmt: skip
+ENVELOPE = {"type": "record", "name": "Envelope", "namespace": "shop.public.reviews",
+            "fields": [{"name": "before", "type": ["null", ROW], "default": None},
+                       {"name": "after", "type": ["null", "shop.public.reviews.Value"],
+                        "default": None},
+                       {"name": "op", "type": "string"}]}  # fmt: skip
+
+
+def test_an_enriched_avro_record_is_the_source_record_with_the_answer_in_its_schema() -> None:
+    """The source's own schema with the provenance and the fields by pointer added; the
+    record, as JSON holds it, framed in that schema and read back with the source's
+    values as the source wrote them."""
+    import base64
+    import datetime as dt
+    import io
+    from decimal import Decimal
+
+    import fastavro
+
+    from streams.schema_registry import jsonable
+
+    output = orjson.loads((ROOT / "schemas" / "comment-analysis.output.schema.json").read_text())
+    spec = SinkSpec(topic="shop.reviews.analysed", format="avro",
+                    fields={"sentiment": "/sentiment", "first_topic": "/topics/0"})  # fmt: skip
+    kind, schema = registered_schema(spec, output, ENVELOPE)
+    assert kind == "AVRO" and schema["name"] == "Envelope"  # the source's record, named so
+    names = [f["name"] for f in schema["fields"]]
+    assert names == ["before", "after", "op", "llm", "sentiment", "first_topic"]
+    assert schema["fields"][4]["type"][0] == "null"  # the answer may have none there
+    row = {"id": 7, "body": "Late again.", "photo": b"\x89PNG", "price": Decimal("19.90"),
+           "at": dt.datetime(2026, 12, 2, 3, 0, tzinfo=dt.UTC)}  # fmt: skip
+    event = {"before": None, "after": row, "op": "u"}
+    task = Task.model_validate({
+        "task_id": "r-7", "pipeline": "reviews", "input": {"text": "Late again."},
+        "source_record": {"topic": "shop.public.reviews", "partition": 0, "offset": 3,
+                          "key": {"id": 7}, "value": jsonable(event)},
+    })  # fmt: skip
+    assert task.source_record is not None
+    assert task.source_record.value["after"]["photo"] == base64.b64encode(b"\x89PNG").decode()
+    sink = result_record(spec, task, RESULT)
+    framed = framing(kind, schema, 11)(sink.value)
+    back = fastavro.schemaless_reader(io.BytesIO(framed[5:]), fastavro.parse_schema(schema))
+    assert back["after"] == row and back["op"] == "u" and back["before"] is None
+    assert back["llm"]["result_key"] == "rk-1" and back["llm"]["model"] == "m"
+    assert back["sentiment"] == "negative"  # the answer's fields beside the record's
+    assert back["first_topic"] == "delivery"
+
+
+def test_an_enriched_avro_sink_refuses_what_the_source_schema_cannot_take() -> None:
+    output = orjson.loads((ROOT / "schemas" / "comment-analysis.output.schema.json").read_text())
+    with pytest.raises(ConfigError, match=r"adds \['op'\], which the source's record has"):
+        registered_schema(SinkSpec(topic="o", format="avro", field="op"), output, ENVELOPE)
+    with pytest.raises(ConfigError, match="nothing at /no/such"):
+        registered_schema(SinkSpec(topic="o", format="avro", fields={"x": "/no/such"}), output,
+                          ENVELOPE)  # fmt: skip
+    with pytest.raises(ConfigError, match="values to be Avro records"):
+        registered_schema(SinkSpec(topic="o", format="avro"), output, {"type": "string"})
+    spec = SinkSpec(topic="o", format="avro")
+    kind, schema = registered_schema(spec, output, ENVELOPE)
+    value = orjson.dumps({"before": None, "after": {"id": "seven"}, "op": "c",
+                          "llm": {}})  # fmt: skip
+    with pytest.raises((ValueError, TypeError, KeyError)):  # the writer: Unencodable
+        framing(kind, schema, 1)(value)

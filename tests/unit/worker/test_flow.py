@@ -452,3 +452,24 @@ async def test_a_source_record_forwarded_twice_is_answered_and_written_to_its_si
     kind, _ = await run.handle(other, Source(topic="tasks", partition=other.partition,
                                              offset=12), Span())  # fmt: skip
     assert kind == "result" and SINK in [s[0] for s in sent] and len(llm.requests) == 1
+
+
+async def test_a_sink_record_its_registered_schema_cannot_hold_makes_the_tasks_dead_letter(
+    sink_flow: Any,
+) -> None:
+    """The sink's framing (its schema in the registry) refuses the record: no retry mends
+    that, so the task ends as a dead letter saying so, and the worker goes on."""
+    run, sent, _llm, _settings, _ = sink_flow
+
+    def framing(value: bytes) -> bytes:
+        raise TypeError("an integer is required on field stars")
+
+    run.writer.limits = replace(run.writer.limits, framing={SINK: framing})
+    record = _record("t-frame", _home_of("t-frame"))
+    source = Source(topic="tasks", partition=record.partition, offset=0)
+    kind, outcome = await run.handle(record, source, Span())
+    assert kind == "dead_letter" and outcome is not None and outcome.category == "write_refused"
+    assert outcome.error is not None and outcome.error["code"] == "unencodable"
+    assert "registered schema cannot hold" in outcome.error["message"]
+    assert SINK not in [s[0] for s in sent]  # nothing half-written there
+    assert orjson.loads(sent[-1][2])["status"] == "dead_lettered"
