@@ -158,11 +158,11 @@ class Analyzer:
 
     async def _answer(self, raw: bytes, key: bytes | None, source: Source, lane: Lane) -> Outcome:
         processor = self.processor
-        session = processor.session_hint(raw)
+        session = processor.intake.session_hint(raw)
         if session is None:
             return await processor.process(raw, key, source, lane)
         async with self.sessions.turn(session):
-            prep = processor.prepare(raw, key, source, history=self.sessions.get,
+            prep = processor.intake.prepare(raw, key, source, history=self.sessions.get,
                                      position=next(self._positions))  # fmt: skip
             if isinstance(prep, Outcome):
                 return prep

@@ -149,33 +149,10 @@ class TaskProcessor:
         self, raw: bytes | None, key: bytes | None, source: Source, lane: Lane = Lane.LIVE
     ) -> Outcome:
         """Prepare, then answer with the LLM: one outcome for one record."""
-        prepared = self.prepare(raw, key, source)
+        prepared = self.intake.prepare(raw, key, source)
         if isinstance(prepared, Outcome):
             return prepared
         return await self.answer(prepared, lane)
-
-    def route_of(self, raw: bytes | None) -> tuple[str, str] | None:
-        """See `Intake.route_of`."""
-        return self.intake.route_of(raw)
-
-    def refusal(self, raw: bytes | None, key: bytes | None, source: Source) -> Outcome | None:
-        """See `Intake.refusal`."""
-        return self.intake.refusal(raw, key, source)
-
-    def session_hint(self, raw: bytes | None) -> str | None:
-        """See `Intake.session_hint`."""
-        return self.intake.session_hint(raw)
-
-    def prepare(
-        self,
-        raw: bytes | None,
-        key: bytes | None,
-        source: Source,
-        history: Callable[[str], bytes | None] | None = None,
-        position: int | None = None,
-    ) -> Prepared | Outcome:
-        """See `Intake.prepare`."""
-        return self.intake.prepare(raw, key, source, history, position)
 
     def dead_letter(
         self,

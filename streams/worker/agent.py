@@ -348,7 +348,7 @@ class TaskAgent:
                     m.unfinished.inc()
                     # One at a time per task, and per session: a turn's prompt needs the
                     # turns before it answered.
-                    order_key = processor.session_hint(message.value) or (
+                    order_key = processor.intake.session_hint(message.value) or (
                         message.key.decode(errors="replace")
                         if message.key
                         else f"{message.tp.partition}/{message.offset}"

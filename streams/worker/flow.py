@@ -181,7 +181,7 @@ class RecordFlow:
         if routed is not None:
             return routed
         # 3. prepare
-        prep = processor.prepare(
+        prep = processor.intake.prepare(
             message.value, message.key, source,
             history=lambda session: self.store.get(Kind.SESSIONS, source.partition,
                                                    session.encode()),
@@ -216,14 +216,14 @@ class RecordFlow:
     async def _route(self, message: Any, source: Source) -> tuple[Ended, Outcome | None] | None:
         """A record away from its task's home (keyed otherwise by its producer) forwarded
         there — or, bad input, its dead letter where it stands; None: it is at home."""
-        route = self.processor.route_of(message.value)
+        route = self.processor.intake.route_of(message.value)
         if route is None:
             return None
         task_id, routed_by = route
         home = partition_for(routed_by, self.partitions)
         if home == message.partition:
             return None
-        refused = self.processor.refusal(message.value, message.key, source)
+        refused = self.processor.intake.refusal(message.value, message.key, source)
         if refused is not None:
             return await self.dead_here(refused, source)
         await self._reroute(message, source, home, task_id)

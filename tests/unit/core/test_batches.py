@@ -250,7 +250,7 @@ async def test_the_processor_answers_a_batch_tier_task_at_the_batch_price(
     processor.batches = BatchLane(client, LedgerStore(), SETTINGS)  # type: ignore[arg-type]
     raw = orjson.dumps({"task_id": "b1", "pipeline": "comment-analysis",
                         "input": {"text": "Arrived late, works great."}})  # fmt: skip
-    prep = processor.prepare(raw, None, Source(topic="r", partition=0, offset=1))
+    prep = processor.intake.prepare(raw, None, Source(topic="r", partition=0, offset=1))
     assert not isinstance(prep, type(None))
     batch_out = await processor.answer(prep, Lane.REPLAY, None, Tier.BATCH)
     assert batch_out.kind == "result", orjson.loads(batch_out.value)
@@ -283,7 +283,7 @@ async def test_the_flex_tier_calls_at_the_batch_price_and_falls_back_when_it_has
     )  # fmt: skip
     raw = orjson.dumps({"task_id": "f1", "pipeline": "comment-analysis",
                         "input": {"text": "Works great."}})  # fmt: skip
-    prep = processor.prepare(raw, None, Source(topic="r", partition=0, offset=1))
+    prep = processor.intake.prepare(raw, None, Source(topic="r", partition=0, offset=1))
     flex = await processor.answer(prep, Lane.REPLAY, None, Tier.FLEX)
     result = orjson.loads(flex.value)
     full = Prices(1.0, 2.0).cost(
@@ -578,7 +578,7 @@ async def test_a_batch_tier_record_too_large_to_park_is_answered_by_a_call(
     processor.batches = BatchLane(client, LedgerStore(), SETTINGS, ledger_bytes=4096)  # type: ignore[arg-type]
     raw = orjson.dumps({"task_id": "b1", "pipeline": "comment-analysis",
                         "input": {"text": "Arrived late, works great."}})  # fmt: skip
-    prep = processor.prepare(raw, None, Source(topic="r", partition=0, offset=1))
+    prep = processor.intake.prepare(raw, None, Source(topic="r", partition=0, offset=1))
     assert isinstance(prep, Prepared)
     prep = replace(prep, record=lambda: b"x" * 5000)  # the edge's record, over the ledger's room
     out = await processor.answer(prep, Lane.REPLAY, None, Tier.BATCH)

@@ -61,7 +61,7 @@ async def test_a_flex_call_the_server_does_not_confirm_is_priced_in_full(
     raw = orjson.dumps({"task_id": "f1", "pipeline": "comment-analysis",
                         "input": {"text": "Works great."}})  # fmt: skip
     try:
-        prep = processor.prepare(raw, None, SRC)
+        prep = processor.intake.prepare(raw, None, SRC)
         assert isinstance(prep, Prepared)
         out = await processor.answer(prep, Lane.REPLAY, None, Tier.FLEX)
     finally:

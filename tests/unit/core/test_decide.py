@@ -47,7 +47,7 @@ class Store:
 
 
 def prepared(processor: object, offset: int) -> Prepared:
-    prep = processor.prepare(RAW, b"t1", Source(topic="tasks", partition=0, offset=offset))  # type: ignore[attr-defined]
+    prep = processor.intake.prepare(RAW, b"t1", Source(topic="tasks", partition=0, offset=offset))  # type: ignore[attr-defined]
     assert isinstance(prep, Prepared)
     return prep
 

@@ -46,7 +46,7 @@ async def test_an_oversized_input_is_dead_lettered_with_a_head_that_fits(
     raw = task("x" * 3_000_000)
     out = make_processor(
         FakeLLM(), limits=ValueLimits(dead_letter=50_000), max_task_bytes=65_536
-    ).prepare(raw, b"t1", SRC)
+    ).intake.prepare(raw, b"t1", SRC)
     assert isinstance(out, Outcome) and out.category == "invalid_input"
     letter = orjson.loads(out.value)
     assert len(out.value) <= 50_000 and letter["error"]["code"] == "too_large"

@@ -123,9 +123,9 @@ def test_prepare_puts_the_earlier_turns_in_the_prompt_and_the_key(
     history = stored(turn_of("a", 3, {"text": "Where is my order?"}, {"summary": "asks"}, spec),
                      spec=spec)  # fmt: skip
     src = Source(topic="tasks", partition=0, offset=9)
-    prep = processor.prepare(record("b", "s-1", "It is late."), b"s-1", src,
+    prep = processor.intake.prepare(record("b", "s-1", "It is late."), b"s-1", src,
                              history=lambda s: history if s == "s-1" else None)  # fmt: skip
-    alone = processor.prepare(record("b", "s-1", "It is late."), b"s-1", src)
+    alone = processor.intake.prepare(record("b", "s-1", "It is late."), b"s-1", src)
     assert isinstance(prep, Prepared) and isinstance(alone, Prepared)
     roles = [m["role"] for m in prep.prompt.messages]
     assert roles == ["system", "user", "assistant", "user"]
@@ -136,7 +136,7 @@ def test_prepare_puts_the_earlier_turns_in_the_prompt_and_the_key(
     assert alone.result_key == result_key("comment-analysis", alone.version.version, "b",
                                           {"text": "It is late."})  # fmt: skip
     # The record's own turn (or a later one) is never its context.
-    again = processor.prepare(record("a", "s-1", "Where is my order?"), b"s-1",
+    again = processor.intake.prepare(record("a", "s-1", "Where is my order?"), b"s-1",
                               Source(topic="tasks", partition=0, offset=3),
                               history=lambda s: history)  # fmt: skip
     assert isinstance(again, Prepared) and again.context.turns == 0
@@ -150,15 +150,17 @@ def test_a_session_keeps_its_version_and_is_read_for_ordering(
     for session in (f"s-{i}" for i in range(20)):
         versions = set()
         for n in range(5):
-            prep = processor.prepare(record(f"{session}-{n}", session, f"turn {n}"), None, src)
+            prep = processor.intake.prepare(
+                record(f"{session}-{n}", session, f"turn {n}"), None, src
+            )
             assert isinstance(prep, Prepared)
             versions.add(prep.version.version)
         assert len(versions) == 1, session
-    chosen = {processor.prepare(record(f"x-{i}", f"s-{i}", "hi"), None, src).version.version  # type: ignore[union-attr]
+    chosen = {processor.intake.prepare(record(f"x-{i}", f"s-{i}", "hi"), None, src).version.version  # type: ignore[union-attr]
               for i in range(20)}  # fmt: skip
     assert chosen == {"v1", "v2"}  # the split still splits, by session
-    assert processor.session_hint(record("t", "s-7", "hi")) == "s-7"
-    assert processor.session_hint(b"{oops") is None
+    assert processor.intake.session_hint(record("t", "s-7", "hi")) == "s-7"
+    assert processor.intake.session_hint(b"{oops") is None
 
 
 def test_a_session_key_must_name_a_place() -> None:
@@ -181,7 +183,7 @@ def test_a_duplicate_of_an_earlier_turn_after_later_ones_gets_its_first_prompt_a
     spec = registry.get("comment-analysis").versions["v1"].spec.session
     assert spec is not None
     before_a = stored(turn_of("z", 1, {"text": "Hello."}, {"summary": "greets"}, spec), spec=spec)
-    first = processor.prepare(record("a", "s-1", "Where is my order?"), b"s-1",
+    first = processor.intake.prepare(record("a", "s-1", "Where is my order?"), b"s-1",
                               Source(topic="tasks", partition=0, offset=3),
                               history=lambda s: before_a)  # fmt: skip
     assert isinstance(first, Prepared)
@@ -189,7 +191,7 @@ def test_a_duplicate_of_an_earlier_turn_after_later_ones_gets_its_first_prompt_a
                                          {"summary": "asks"}, spec), spec)  # fmt: skip
     history = add_turn(history, turn_of("b", 9, {"text": "It is late."}, {"summary": "late"},
                                         spec), spec)  # fmt: skip
-    again = processor.prepare(record("a", "s-1", "Where is my order?"), b"s-1",
+    again = processor.intake.prepare(record("a", "s-1", "Where is my order?"), b"s-1",
                               Source(topic="tasks", partition=0, offset=12),
                               history=lambda s: history)  # fmt: skip
     assert isinstance(again, Prepared)

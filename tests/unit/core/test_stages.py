@@ -49,7 +49,7 @@ async def processor(
 
 def prepared(processor: TaskProcessor, text: str) -> Prepared:
     task = {"task_id": "t1", "pipeline": "comment-triage", "input": {"text": text}}
-    prep = processor.prepare(orjson.dumps(task), b"t1", SRC)
+    prep = processor.intake.prepare(orjson.dumps(task), b"t1", SRC)
     assert isinstance(prep, Prepared)
     return prep
 

@@ -156,7 +156,7 @@ async def test_a_record_away_from_home_is_forwarded_before_its_prompt_is_made(
     home = _home_of("t-2")
     away = (home + 1) % PARTITIONS
     prepared: list[Any] = []
-    monkeypatch.setattr(run.processor, "prepare", lambda *a, **k: prepared.append(a))
+    monkeypatch.setattr(run.processor.intake, "prepare", lambda *a, **k: prepared.append(a))
     kind, outcome = await run.handle(_record("t-2", away, 7), Source(topic="tasks",
                                                                   partition=away, offset=7),
                                      Span())  # fmt: skip

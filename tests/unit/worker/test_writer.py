@@ -122,7 +122,7 @@ def prepared(make_processor: MakeProcessor) -> tuple[Any, Prepared, Outcome]:
     processor = make_processor(FakeLLM())
     raw = orjson.dumps({"task_id": "t1", "pipeline": "comment-analysis",
                         "input": {"text": "Great phone."}})  # fmt: skip
-    prep = processor.prepare(raw, b"t1", SOURCE)
+    prep = processor.intake.prepare(raw, b"t1", SOURCE)
     assert not isinstance(prep, Outcome)
     return processor, prep, processor.from_cache(prep, GOOD, "fake-1")
 
