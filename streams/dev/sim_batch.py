@@ -202,36 +202,9 @@ class BatchAPI:
         )
         batch.counts["total"] = len(lines)
         ids = [str(line.get("custom_id")) for line in lines]
-        enqueued = sum(
-            b.tokens for b in self.batches.values() if b.status in ("in_progress", "finalizing")
-        )
-        if len(set(ids)) != len(ids):
-            batch.status, batch.errors = (
-                "failed",
-                {
-                    "object": "list",
-                    "data": [
-                        {
-                            "code": "duplicate_custom_id",
-                            "message": "custom_id values must be unique",
-                        }
-                    ],
-                },
-            )
-        elif cfg.batch_token_limit and enqueued + tokens > cfg.batch_token_limit:
-            batch.status, batch.errors = (
-                "failed",
-                {
-                    "object": "list",
-                    "data": [
-                        {
-                            "code": "token_limit_exceeded",
-                            "message": f"Enqueued token limit reached: "
-                            f"{enqueued} enqueued, limit {cfg.batch_token_limit}.",
-                        }
-                    ],
-                },
-            )
+        refused = self._refusal(ids, tokens)
+        if refused is not None:
+            batch.status, batch.errors = "failed", {"object": "list", "data": [refused]}
         else:
             for custom_id in ids:
                 self.submissions[custom_id] += 1
@@ -243,6 +216,20 @@ class BatchAPI:
             return web.json_response({"error": {"message": "Bad gateway", "type": "server_error",
                                                 "code": None}}, status=502)  # fmt: skip
         return web.json_response(batch.view())
+
+    def _refusal(self, ids: list[str], tokens: int) -> dict[str, str] | None:
+        """Why the provider fails a new batch at once (a custom_id twice, the enqueued-token
+        limit passed), or None."""
+        if len(set(ids)) != len(ids):
+            return {"code": "duplicate_custom_id", "message": "custom_id values must be unique"}
+        limit = self.sim.config.batch_token_limit
+        enqueued = sum(
+            b.tokens for b in self.batches.values() if b.status in ("in_progress", "finalizing")
+        )
+        if limit and enqueued + tokens > limit:
+            why = f"Enqueued token limit reached: {enqueued} enqueued, limit {limit}."
+            return {"code": "token_limit_exceeded", "message": why}
+        return None
 
     async def _finish(self, batch: _Batch) -> None:
         """Answer the batch's lines (all, or the share an expiring batch gets to),
@@ -288,35 +275,7 @@ class BatchAPI:
                 batch.counts["failed"] += 1
                 self.outcomes.setdefault(custom_id, []).append("error")
                 continue
-            request = line["body"]
-            messages = request["messages"]
-            text = self.content(request, messages)
-            prompt_tokens = count_messages(messages)
-            completion_tokens = self.sim.count_tokens(text)
-            self.sim.prompt_tokens += prompt_tokens
-            self.sim.completion_tokens += completion_tokens
-            entry["response"] = {
-                "status_code": 200,
-                "request_id": uuid.uuid4().hex,
-                "body": {
-                    "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
-                    "object": "chat.completion",
-                    "created": int(time.time()),
-                    "model": request.get("model"),
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": text},
-                            "finish_reason": "stop",
-                        }
-                    ],
-                    "usage": {
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": completion_tokens,
-                        "total_tokens": prompt_tokens + completion_tokens,
-                    },
-                },
-            }
+            entry["response"] = self._answered(line["body"])
             out.append(entry)
             batch.counts["completed"] += 1
             self.outcomes.setdefault(custom_id, []).append("ok")
@@ -330,6 +289,23 @@ class BatchAPI:
         batch.status = "expired" if batch.expire else "completed"
         batch.finished_at = time.time()
         self.sim.by_outcome[f"batch_{batch.status}"] += 1
+
+    def _answered(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A batch line's 200 answer: the completion the chat endpoint would give."""
+        messages = request["messages"]
+        text = self.content(request, messages)
+        prompt_tokens = count_messages(messages)
+        completion_tokens = self.sim.count_tokens(text)
+        self.sim.prompt_tokens += prompt_tokens
+        self.sim.completion_tokens += completion_tokens
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": "stop"}  # fmt: skip
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+        body = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion",
+                "created": int(time.time()), "model": request.get("model"),
+                "choices": [choice], "usage": usage}  # fmt: skip
+        return {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body}
 
     async def _advance(self, batch: _Batch) -> None:
         if batch.status == "in_progress" and time.time() >= batch.due_at:
