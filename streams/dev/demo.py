@@ -36,7 +36,7 @@ from streams.kafka.publisher import TaskPublisher
 from streams.kafka.security import preflight
 from streams.kafka.topics import ensure_topics
 from streams.ops.render import describe
-from streams.settings import load_settings
+from streams.settings import Settings, load_settings
 
 # Records that break the contract, to show where bad input goes.
 POISON: list[tuple[bytes | None, bytes]] = [
@@ -142,18 +142,7 @@ async def _demo(*, count: int, timeout_s: float, quiet: bool, external: bool, ke
     demo_id = f"llm-streams-demo-{uuid.uuid4().hex[:6]}"
     try:
         env = _environment(broker, workdir, demo_id)
-        if real_llm:
-            where = os.environ.get("OPENAI_BASE_URL") or "api.openai.com"
-            console.print(f"[bold]LLM:[/bold] your endpoint {where} (OPENAI_* set)")
-        else:
-            sim = await SimulatorServer(SimConfig(latency_ms=250, latency_jitter_ms=150)).start()
-            env["LLM_STREAMS_LLM__BASE_URL"] = sim.base_url
-            env["LLM_STREAMS_LLM__API_KEY"] = "sim-key"
-            env["LLM_STREAMS_LLM__MODEL"] = "sim-1"
-            console.print(
-                f"[bold]LLM:[/bold] local simulator at {sim.base_url} "
-                "(set OPENAI_API_KEY / OPENAI_BASE_URL to use a real endpoint)"
-            )
+        sim = await _llm(console, env, real_llm)
         os.environ.update({k: v for k, v in env.items() if k.startswith("LLM_STREAMS_")})
         settings = load_settings()
         if broker is not None:
@@ -171,24 +160,9 @@ async def _demo(*, count: int, timeout_s: float, quiet: bool, external: bool, ke
                       f"http://127.0.0.1:{env['LLM_STREAMS_WEB_PORT']}/status, "
                       f"log {log_path}")  # fmt: skip
 
-        comments = sample_comments()
-        if count:
-            comments = comments[:count]
-        expected: set[str] = set()
-        async with TaskPublisher(settings) as pub:
-            for i, comment in enumerate(comments):
-                task_id = f"demo-{i:04d}"
-                expected.add(task_id)
-                await pub.publish(
-                    {"task_id": task_id, "pipeline": "comment-analysis", "input": comment},
-                    wait=False,
-                )
-            for key, value in POISON:
-                expected.add(key.decode() if key else "")
-                await pub.publish_raw(key, value)
-            await pub.flush()
+        expected, published = await _publish_samples(settings, count)
         console.print(
-            f"published {len(comments)} sample comments and {len(POISON)} malformed records\n"
+            f"published {published} sample comments and {len(POISON)} malformed records\n"
         )
         status = await _watch(
             console, settings, expected, worker, started, timeout_s, quiet, real_llm
@@ -205,6 +179,82 @@ async def _demo(*, count: int, timeout_s: float, quiet: bool, external: bool, ke
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             console.print(f"logs kept in {workdir}")
+
+
+def _summary(
+    done: dict[str, dict[str, Any]],
+    expected: set[str],
+    started: float,
+    first_at: float | None,
+    real_llm: bool,
+) -> Table:
+    """The demo's summary: what was published, answered and dead-lettered, latency,
+    tokens, cost, sentiments, timings."""
+    results = [d for d in done.values() if "output" in d]
+    letters = [d for d in done.values() if "error" in d]
+    latencies = [float(d["latency_ms"]) for d in results]
+    table = Table(title="llm-streams demo summary", show_header=False)
+    table.add_row("LLM", "real endpoint" if real_llm else "local simulator")
+    table.add_row("records published", str(len(expected)))
+    table.add_row("results", str(len(results)))
+    by_cat = Counter(d["error"]["category"] for d in letters)
+    table.add_row("dead letters", ", ".join(f"{c}: {n}" for c, n in by_cat.items()) or "0")
+    table.add_row("missing", str(len(expected - done.keys())))
+    table.add_row(
+        "latency p50 / p95", f"{_pct(latencies, 50):.0f} ms / {_pct(latencies, 95):.0f} ms"
+    )
+    table.add_row(
+        "tokens prompt / completion",
+        f"{sum(d['usage']['prompt_tokens'] for d in results)} / "
+        f"{sum(d['usage']['completion_tokens'] for d in results)}",
+    )
+    table.add_row("cost (price table)", f"${sum(d['cost_usd'] for d in results):.4f}")
+    sentiments = Counter(d["output"].get("sentiment") for d in results)
+    table.add_row("sentiment", ", ".join(f"{k}: {v}" for k, v in sentiments.most_common()))
+    if first_at is not None:
+        table.add_row("first result after", f"{first_at - started:.1f} s")
+    table.add_row("wall time", f"{time.monotonic() - started:.1f} s")
+    return table
+
+
+async def _llm(console: Console, env: dict[str, str], real_llm: bool) -> SimulatorServer | None:
+    """The LLM the demo's worker calls: the user's endpoint (OPENAI_* set), or the local
+    simulator, started and set in `env`."""
+    if real_llm:
+        where = os.environ.get("OPENAI_BASE_URL") or "api.openai.com"
+        console.print(f"[bold]LLM:[/bold] your endpoint {where} (OPENAI_* set)")
+        return None
+    sim = await SimulatorServer(SimConfig(latency_ms=250, latency_jitter_ms=150)).start()
+    env["LLM_STREAMS_LLM__BASE_URL"] = sim.base_url
+    env["LLM_STREAMS_LLM__API_KEY"] = "sim-key"
+    env["LLM_STREAMS_LLM__MODEL"] = "sim-1"
+    console.print(
+        f"[bold]LLM:[/bold] local simulator at {sim.base_url} "
+        "(set OPENAI_API_KEY / OPENAI_BASE_URL to use a real endpoint)"
+    )
+    return sim
+
+
+async def _publish_samples(settings: Settings, count: int) -> tuple[set[str], int]:
+    """The sample comments (the first `count`, 0: all) and the malformed records,
+    published; the task ids (and keys) the demo waits for, and the comments' count."""
+    comments = sample_comments()
+    if count:
+        comments = comments[:count]
+    expected: set[str] = set()
+    async with TaskPublisher(settings) as pub:
+        for i, comment in enumerate(comments):
+            task_id = f"demo-{i:04d}"
+            expected.add(task_id)
+            await pub.publish(
+                {"task_id": task_id, "pipeline": "comment-analysis", "input": comment},
+                wait=False,
+            )
+        for key, value in POISON:
+            expected.add(key.decode() if key else "")
+            await pub.publish_raw(key, value)
+        await pub.flush()
+    return expected, len(comments)
 
 
 async def _stop(
@@ -264,30 +314,7 @@ async def _watch(
                         console.print(describe(rec.topic, rec.key, rec.value), highlight=False)
     finally:
         await consumer.stop()
-    results = [d for d in done.values() if "output" in d]
-    letters = [d for d in done.values() if "error" in d]
-    latencies = [float(d["latency_ms"]) for d in results]
-    table = Table(title="llm-streams demo summary", show_header=False)
-    table.add_row("LLM", "real endpoint" if real_llm else "local simulator")
-    table.add_row("records published", str(len(expected)))
-    table.add_row("results", str(len(results)))
-    by_cat = Counter(d["error"]["category"] for d in letters)
-    table.add_row("dead letters", ", ".join(f"{c}: {n}" for c, n in by_cat.items()) or "0")
-    table.add_row("missing", str(len(expected - done.keys())))
-    table.add_row(
-        "latency p50 / p95", f"{_pct(latencies, 50):.0f} ms / {_pct(latencies, 95):.0f} ms"
-    )
-    table.add_row(
-        "tokens prompt / completion",
-        f"{sum(d['usage']['prompt_tokens'] for d in results)} / "
-        f"{sum(d['usage']['completion_tokens'] for d in results)}",
-    )
-    table.add_row("cost (price table)", f"${sum(d['cost_usd'] for d in results):.4f}")
-    sentiments = Counter(d["output"].get("sentiment") for d in results)
-    table.add_row("sentiment", ", ".join(f"{k}: {v}" for k, v in sentiments.most_common()))
-    if first_at is not None:
-        table.add_row("first result after", f"{first_at - started:.1f} s")
-    table.add_row("wall time", f"{time.monotonic() - started:.1f} s")
+    table = _summary(done, expected, started, first_at, real_llm)
     console.print()
     console.print(table)
     return 0 if expected <= done.keys() else 1
