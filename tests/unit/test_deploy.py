@@ -196,6 +196,21 @@ def test_k8s_pieces_agree_with_each_other_and_the_settings(monkeypatch: Any) -> 
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["metadata"]["consumerGroup"] == settings.app_id
     assert trigger["metadata"]["topic"] == settings.topics.tasks
+    # KEDA reaches the cluster as the worker does: its address, SASL mechanism, TLS, and
+    # the worker's own credentials and CA.
+    assert trigger["metadata"]["bootstrapServers"] == settings.bootstrap_servers
+    security = settings.kafka.security
+    assert trigger["metadata"]["sasl"] == security.sasl_mechanism.lower().replace("-sha-", "_sha")
+    assert trigger["metadata"]["tls"] == "enable" and security.protocol == "SASL_SSL"
+    auth = docs[("TriggerAuthentication", trigger["authenticationRef"]["name"])]
+    refs = {r["parameter"]: (r["name"], r["key"]) for r in auth["spec"]["secretTargetRef"]}
+    kafka_secret = docs[("Secret", "llm-streams-kafka")]
+    assert set(refs) == {"username", "password", "ca"}
+    assert {name for name, _ in refs.values()} == {"llm-streams-kafka"}
+    assert {key for _, key in refs.values()} <= set(kafka_secret["stringData"])
+    mounted = Path(str(security.ssl_cafile)).parent  # the Secret's files, in the pod
+    assert Path(str(security.sasl_username_file)) == mounted / refs["username"][1]
+    assert Path(str(security.ssl_cafile)) == mounted / refs["ca"][1]
     labels = statefulset["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"] == labels
     monitor = docs[("ServiceMonitor", "llm-streams-worker")]
