@@ -1,7 +1,10 @@
 """Write the generated manifests of deploy/k8s from their sources (run after editing them;
 tests/unit/test_deploy.py fails while one is out of date):
 
-- pipelines.yaml: the ConfigMap with every file of pipelines/;
+- pipelines.yaml: the ConfigMaps with every file of pipelines/ and of schemas/ (a new
+  pipeline or output schema is a changed ConfigMap, not a new image);
+- worker.yaml: its pod template's `checksum/config` annotation, a digest of the pipelines,
+  the schemas and the settings, so that a change to any of them rolls the pods;
 - monitoring.yaml: the Prometheus Operator's PrometheusRule with deploy/prometheus/rules.yml,
   and the Grafana dashboard as a ConfigMap (labelled for Grafana's dashboard sidecar).
 
@@ -10,6 +13,8 @@ tests/unit/test_deploy.py fails while one is out of date):
 
 from __future__ import annotations
 
+import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +34,26 @@ def pipelines() -> str:
     files = {
         p.name: p.read_text(encoding="utf-8") for p in sorted((ROOT / "pipelines").glob("*.yaml"))
     }
-    doc = {"apiVersion": "v1", "kind": "ConfigMap",
-           "metadata": {"name": "llm-streams-pipelines", "labels": LABELS},
-           "data": files}  # fmt: skip
-    return _dump("pipelines/", [doc])
+    schemas = {
+        p.name: p.read_text(encoding="utf-8") for p in sorted((ROOT / "schemas").glob("*.json"))
+    }
+    docs = [{"apiVersion": "v1", "kind": "ConfigMap",
+             "metadata": {"name": name, "labels": LABELS}, "data": data}
+            for name, data in (("llm-streams-pipelines", files),
+                               ("llm-streams-schemas", schemas))]  # fmt: skip
+    return _dump("pipelines/ and schemas/", docs)
+
+
+def worker() -> str:
+    """worker.yaml with its `checksum/config` annotation set to what it mounts now."""
+    digest = hashlib.sha256()
+    for part in (pipelines(), (HERE / "settings.yaml").read_text(encoding="utf-8")):
+        digest.update(part.encode())
+    text = (HERE / "worker.yaml").read_text(encoding="utf-8")
+    line = re.compile(r"^(\s*checksum/config: )\S+$", re.M)
+    if not line.search(text):
+        raise SystemExit("worker.yaml: its pod template has no `checksum/config:` annotation")
+    return line.sub(lambda m: f'{m.group(1)}"{digest.hexdigest()[:16]}"', text, count=1)
 
 
 def monitoring() -> str:
@@ -48,7 +69,7 @@ def monitoring() -> str:
     return _dump("deploy/prometheus/rules.yml and deploy/grafana/dashboards/", [rule, board])
 
 
-RENDERED = {"pipelines.yaml": pipelines, "monitoring.yaml": monitoring}
+RENDERED = {"pipelines.yaml": pipelines, "monitoring.yaml": monitoring, "worker.yaml": worker}
 
 if __name__ == "__main__":
     for name, render in RENDERED.items():

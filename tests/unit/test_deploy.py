@@ -223,14 +223,16 @@ def test_k8s_pieces_agree_with_each_other_and_the_settings(monkeypatch: Any) -> 
     assert container["ports"][0]["containerPort"] == settings.web_port
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert str(settings.data_dir) in mounts and str(settings.pipelines_dir) in mounts
+    assert str(settings.schemas_dir) in mounts  # output schemas from a ConfigMap too
     # The worker's own probes (observability.health), not a page that answers regardless.
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert "127.0.0.1:6066/healthz" in (DEPLOY / "Dockerfile").read_text()
 
 
-def test_the_generated_manifests_are_up_to_date() -> None:
+def test_the_generated_manifests_are_up_to_date(tmp_path: Path) -> None:
     import importlib.util
+    import shutil
 
     spec = importlib.util.spec_from_file_location("render", DEPLOY / "k8s" / "render.py")
     assert spec is not None and spec.loader is not None
@@ -238,6 +240,15 @@ def test_the_generated_manifests_are_up_to_date() -> None:
     spec.loader.exec_module(render)
     for name, make in render.RENDERED.items():
         assert (DEPLOY / "k8s" / name).read_text() == make(), "run: python deploy/k8s/render.py"
+    # A changed pipeline changes the pod template's annotation: the pods roll.
+    before = re.search(r"checksum/config: (\S+)", render.worker())
+    for folder in ("pipelines", "schemas"):
+        shutil.copytree(DEPLOY.parent / folder, tmp_path / folder)
+    changed = tmp_path / "pipelines" / "comment-analysis.yaml"
+    changed.write_text(changed.read_text() + "\n# a new prompt\n")
+    render.ROOT = tmp_path
+    after = re.search(r"checksum/config: (\S+)", render.worker())
+    assert before is not None and after is not None and before.group(1) != after.group(1)
 
 
 def test_k8s_monitoring_carries_the_rules_and_the_dashboard() -> None:
