@@ -169,10 +169,16 @@ def redrive(categories: tuple[str, ...], since: str | None, dry_run: bool) -> No
     help="How the worker answers: sync calls, flex (batch price, slower), or the Batch API "
     "(batch price, within 24 h). Default: each pipeline's lane policy.",
 )  # fmt: skip
+@click.option(
+    "--budget-usd", type=click.FloatRange(min=0, min_open=True), default=None,
+    help="What the whole run may cost, estimated before each task is sent (its prompt "
+    "counted, its answer as long as the version's answers so far): the replay stops before "
+    "the task that would pass it. Run it again with a higher budget to go on.",
+)  # fmt: skip
 def replay(
     source: str | None, since: str | None, until: str | None, from_offsets: tuple[str, ...],
     pipeline: str | None, prompt_version: str | None, force: bool, dry_run: bool,
-    tier: str | None,
+    tier: str | None, budget_usd: float | None,
 ) -> None:  # fmt: skip
     """Re-run a historical range of a task topic through the replay lane.
 
@@ -197,6 +203,7 @@ def replay(
         settings, source=source or settings.topics.tasks, since=start,
         until=iso_time_or_exit("--to", until), from_offsets=offsets, pipeline=pipeline,
         prompt_version=prompt_version, force=force, dry_run=dry_run, tier=tier,
+        budget_usd=budget_usd,
     ))  # fmt: skip
 
 

@@ -34,11 +34,13 @@ def run_replay_command(
     force: bool,
     dry_run: bool,
     tier: str | None = None,
+    budget_usd: float | None = None,
 ) -> int:
     console = Console(stderr=True)
     request = ReplayRequest(
         source=source, since=since, until=until, from_offsets=from_offsets,
         pipeline=pipeline, prompt_version=prompt_version, force=force, tier=tier,
+        budget_usd=budget_usd,
     )  # fmt: skip
     try:
         replayer = Replayer(settings, request, load_pipelines(settings))
@@ -103,6 +105,15 @@ def _summary(
         f"this replay: {chosen})",
         highlight=False,
     )
+    budget = replayer.request.budget_usd
+    if budget is not None:
+        what = f"estimated cost of what was {verb.split()[-1]}: ${c.estimated_usd:.4f}"
+        out.print(f"{what} (each task at its lane's price; budget ${budget:.4f})",
+                  highlight=False)  # fmt: skip
+    if cp.at_budget:
+        left = cp.total - cp.progressed
+        out.print(f"stopped at the budget: {left} record(s) of the range not read yet; run the "
+                  "same command with a higher --budget-usd to go on", highlight=False)  # fmt: skip
     if replayer.finished_before:
         out.print(f"(replay {cp.replay_id} had finished before; nothing sent now)", highlight=False)
     elif replayer.resumed_at:

@@ -60,6 +60,9 @@ class ReplayRequest:
     prompt_version: str | None = None
     force: bool = False
     tier: str | None = None  # sync | flex | batch; None: the pipeline's lane policy
+    # What the run may cost in all, estimated before each task is sent (not in the id: the
+    # same replay run again with a higher budget goes on where it stopped).
+    budget_usd: float | None = None
 
     def replay_id(self) -> str:
         """Same arguments, same id: a second run resumes the first."""
@@ -84,6 +87,7 @@ class Counts:
     invalid: int = 0  # skipped: not a valid task (its dead letter exists already)
     prompt_tokens: int = 0
     completion_tokens: float = 0.0  # estimated
+    estimated_usd: float = 0.0  # of what was sent, each task at the price of its tier
 
     def cost_usd(self, settings: Settings, tier: str = "sync") -> float:
         """Estimated cost at the sync price, or at the batch price (batch and flex)."""
@@ -101,6 +105,8 @@ class Checkpoint:
     counts: Counts
     done: bool = False
     updated_at: str = ""
+    # Stopped before the task that would have taken the estimate past the budget.
+    at_budget: bool = False
 
     @property
     def total(self) -> int:
@@ -122,15 +128,17 @@ class Checkpoint:
         def ints(d: dict[str, int]) -> dict[int, int]:
             return {int(k): int(v) for k, v in d.items()}
 
+        known = set(Counts.__dataclass_fields__)  # a newer version's extra counts: left out
         return cls(
             replay_id=data["replay_id"],
             source=data["source"],
             start=ints(data["start"]),
             end=ints(data["end"]),
             next=ints(data["next"]),
-            counts=Counts(**data["counts"]),
+            counts=Counts(**{k: v for k, v in data["counts"].items() if k in known}),
             done=bool(data["done"]),
             updated_at=data.get("updated_at", ""),
+            at_budget=bool(data.get("at_budget", False)),
         )
 
 
@@ -228,6 +236,10 @@ async def load_checkpoint(settings: Settings, replay_id: str) -> Checkpoint | No
 Progress = Callable[[Checkpoint], None]
 
 
+class AtBudget(Exception):  # a state, not an error
+    """The next task would take the replay's estimated cost past its budget."""
+
+
 class Replayer:
     """Plans, filters, estimates and (unless dry) publishes one replay."""
 
@@ -247,6 +259,7 @@ class Replayer:
         self.finished_before = False  # the checkpoint said done: nothing sent
         self.resumed_at: str | None = None  # time of the checkpoint resumed from
         self.answered = Answered()  # read again by each `run`
+        self.prices = Prices.from_settings(settings)
         if request.pipeline is not None:
             pipeline = registry.get(request.pipeline)  # unknown: InvalidInput, said at once
             if request.prompt_version is not None:
@@ -277,9 +290,11 @@ class Replayer:
         progress = on_progress or (lambda _cp: None)
         try:
             progress(checkpoint)
+            checkpoint.at_budget = False
             await self._publish(producer, checkpoint, progress)
-            checkpoint.next = dict(checkpoint.end)  # gaps (compaction) at the tail
-            checkpoint.done = True
+            if not checkpoint.at_budget:
+                checkpoint.next = dict(checkpoint.end)  # gaps (compaction) at the tail
+                checkpoint.done = True
             await self._checkpoint(producer, checkpoint)
             progress(checkpoint)
             return checkpoint
@@ -297,7 +312,12 @@ class Replayer:
                       self.chunk)  # fmt: skip
         async for records in chunks:
             for record in records:
-                send = self.publication(record, checkpoint)
+                try:
+                    send = self.publication(record, checkpoint)
+                except AtBudget:  # this record and the rest wait for a higher budget
+                    checkpoint.at_budget = True
+                    progress(checkpoint)
+                    return
                 if send is not None and producer is not None:
                     key, value, headers = send
                     sent = await producer.send(
@@ -337,14 +357,20 @@ class Replayer:
         except TaskError:
             counts.invalid += 1
             return None
-        counts.published += 1
-        counts.prompt_tokens += count_messages(prompt.messages)
+        prompt_tokens = count_messages(prompt.messages)
         earlier = self.answered.completion_estimate(pipeline.name, version.version)
-        counts.completion_tokens += (
-            earlier
-            if earlier is not None
-            else float(completion_budget(prompt.params, DEFAULT_COMPLETION_TOKENS))
-        )
+        budgeted = float(completion_budget(prompt.params, DEFAULT_COMPLETION_TOKENS))
+        completion = earlier if earlier is not None else budgeted
+        tier = Tier(request.tier or pipeline.spec.lanes.of("replay"))
+        cost = self.prices.estimate(prompt_tokens, completion, tier)
+        budget = request.budget_usd
+        if budget is not None and counts.estimated_usd + cost > budget + 1e-12:
+            counts.read -= 1  # not taken: read again when the replay goes on
+            raise AtBudget
+        counts.published += 1
+        counts.prompt_tokens += prompt_tokens
+        counts.completion_tokens += completion
+        counts.estimated_usd = round(counts.estimated_usd + cost, 8)
         # Pin the version resolved here, so the worker's result key is the one checked.
         value = task.model_dump(mode="json", exclude_none=True)
         value["prompt_version"] = version.version
@@ -374,6 +400,7 @@ class Replayer:
 
 __all__ = [
     "Answered",
+    "AtBudget",
     "Checkpoint",
     "Counts",
     "ReplayRequest",

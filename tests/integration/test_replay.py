@@ -163,6 +163,33 @@ async def test_replay_skips_answered_resumes_after_a_kill_and_force_asks_again(
         bad = run_cli(settings, "replay", "--prompt-version", "v2")
         assert bad.returncode == 2 and "--from" in bad.stderr
 
+        # A budget for the run: it stops before the task that would pass it, and goes on
+        # from there when run again with a higher one (the same replay, resumed).
+        per_task = forced.counts.estimated_usd / len(in_p0)
+        args = ["replay", "--from-offset", "0:1", "--prompt-version", "v1", "--force"]
+        capped = run_cli(settings, *args, "--budget-usd", f"{per_task * 3.5:.8f}")
+        assert capped.returncode == 0, capped.stderr
+        assert "stopped at the budget" in capped.stdout, capped.stdout
+        budgeted = ReplayRequest(source=settings.topics.tasks, from_offsets={0: 1},
+                                 prompt_version="v1", force=True).replay_id().encode()  # fmt: skip
+
+        async def sent_by_it() -> int:
+            return sum(1 for r in await _replay_records(settings)
+                       if dict(r.headers)[REPLAY_ID_HEADER] == budgeted)  # fmt: skip
+
+        assert 2 <= await sent_by_it() <= 4  # ~3.5 tasks' estimate: three of them
+        raised = run_cli(settings, *args, "--budget-usd", "1000")
+        assert raised.returncode == 0, raised.stderr
+        assert "stopped at the budget" not in raised.stdout and "resumed" in raised.stdout
+        after_first = {t["task_id"] for (p, o), t in zip(offsets[:TASKS], tasks, strict=True)
+                       if p == 0 and o >= 1}  # fmt: skip
+        assert await sent_by_it() == len(after_first)  # each once, across the two runs
+        wanted = len(in_p0) + len(after_first)  # answered before the store is checked below
+        await collect(settings, set(), timeout_s=120, worker=worker,
+                      until=lambda c: len([r for r in c.results if r["prompt_version"] == "v1"
+                                           and r["source"]["topic"] == settings.topics.replay])
+                      >= wanted)  # fmt: skip
+
         # Backtrack: three tasks back to their v1 answers (no LLM call), seen in their history.
         picked = ["h-00003", "h-00500", "h-01100"]
         before = simulator.sim.snapshot()["requests"]

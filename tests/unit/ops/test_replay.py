@@ -17,6 +17,7 @@ from streams.ops.replay import (
     REPLAY_ID_HEADER,
     REPLAY_OF_HEADER,
     Answered,
+    AtBudget,
     Checkpoint,
     Counts,
     Replayer,
@@ -133,3 +134,39 @@ def test_cost_uses_the_price_table() -> None:
     settings = load_settings(llm={"price_per_1k_prompt_usd": 1.0,
                                   "price_per_1k_completion_usd": 2.0})  # fmt: skip
     assert Counts(prompt_tokens=1000, completion_tokens=500).cost_usd(settings) == 2.0
+
+
+def test_a_budget_stops_the_run_before_the_task_that_would_pass_it(
+    registry: PipelineRegistry,
+) -> None:
+    """Each task's cost is estimated at its lane's price before it is sent: the first
+    that would take the run past its budget is not sent, nor counted as read (the replay
+    goes on from it when run again with a higher budget)."""
+    settings = load_settings(llm={"price_per_1k_prompt_usd": 1.0,
+                                  "price_per_1k_completion_usd": 2.0})  # fmt: skip
+    unlimited = Replayer(settings, ReplayRequest(source="llm-tasks", since=SINCE), registry)
+    cp = checkpoint()
+    assert unlimited.publication(record(task()), cp) is not None
+    one = cp.counts.estimated_usd  # a task's estimate: its prompt, 400 tokens of answer
+    assert one == pytest.approx(cp.counts.prompt_tokens / 1000 + 400 * 2 / 1000)
+    request = ReplayRequest(source="llm-tasks", since=SINCE, budget_usd=2.5 * one)
+    assert request.replay_id() == ReplayRequest(source="llm-tasks", since=SINCE).replay_id()
+    capped = Replayer(settings, request, registry)
+    cp = checkpoint()
+    for offset in (7, 8):
+        assert capped.publication(record(task(), offset), cp) is not None
+    with pytest.raises(AtBudget):
+        capped.publication(record(task(), 9), cp)
+    c = cp.counts
+    assert (c.read, c.published) == (2, 2) and c.estimated_usd == pytest.approx(2 * one)
+    cp.at_budget = True
+    back = Checkpoint.loads(cp.dumps())
+    assert back.at_budget and back.counts.estimated_usd == pytest.approx(2 * one)
+
+
+def test_a_checkpoint_a_newer_version_wrote_is_read_without_its_new_counts() -> None:
+    raw = orjson.loads(checkpoint().dumps())
+    raw["counts"]["tokens_of_a_later_kind"] = 7
+    raw["something_new"] = True
+    back = Checkpoint.loads(orjson.dumps(raw))
+    assert back.replay_id == "rp-x" and back.counts.published == 0
