@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from streams.store.local import Kind, Maps
+from streams.store.maps import Kind, Maps
 
 
 class Position:

@@ -17,7 +17,7 @@ from streams.core.taskstate import TaskState
 from streams.kafka.clients import reader
 from streams.kafka.scan import end_offsets, read_range
 from streams.settings import Settings
-from streams.store.local import Kind, Maps, now_ms
+from streams.store.maps import Kind, Maps, now_ms
 
 LOAD_FLUSH_RECORDS = 20_000  # a load makes its progress durable this often
 

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from streams.observability.metrics import Metrics
-from streams.store.local import Kind, now_ms
+from streams.store.maps import Kind, now_ms
 from streams.store.partition import StorePartition
 
 log = logging.getLogger(__name__)

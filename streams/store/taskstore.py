@@ -35,7 +35,8 @@ from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.observability.metrics import Metrics
 from streams.resilience.retry import retry_transient
 from streams.settings import Settings
-from streams.store.local import Kind, LocalStore, now_ms
+from streams.store.local import LocalStore
+from streams.store.maps import Kind, now_ms
 from streams.store.partition import Position, StorePartition
 from streams.store.restore import load_partition, readable
 from streams.store.retention import expire

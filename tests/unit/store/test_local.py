@@ -12,7 +12,8 @@ import pytest
 
 from streams.errors import ConfigError
 from streams.store import local
-from streams.store.local import Kind, LocalStore, Maps
+from streams.store.local import LocalStore
+from streams.store.maps import Kind, Maps
 from streams.store.partition import Position
 
 

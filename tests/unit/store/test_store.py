@@ -85,7 +85,7 @@ async def test_entries_past_their_retention_go_with_a_tombstone_unless_written_a
 ) -> None:
     from streams.settings import load_settings
     from streams.store import taskstore as state_module
-    from streams.store.local import now_ms
+    from streams.store.maps import now_ms
     from streams.store.taskstore import Kind, TaskStore
 
     async def empty(*_: Any) -> dict[Kind, int]:
