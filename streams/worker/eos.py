@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 # The task partitions whose transaction the current write is held in (`Transactions.held`):
 # its sends go in at once, where others wait for the commit under way (which waits for
-# the hold). Set and read here only.
+# the hold). Tasks started inside a hold (the writer's gathered writes) are in it too.
+# Set and read here only.
 _HELD: ContextVar[frozenset[int]] = ContextVar("llm_streams_eos_held", default=frozenset())
 
 

@@ -1,0 +1,84 @@
+"""Exactly-once's transactions without a broker: one outcome's writes held in one
+transaction — the commit waits for the hold, and the hold's own writes are never made to
+wait for that commit (which would wait for them in turn)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from typing import Any
+
+import pytest
+
+from streams.settings import load_settings
+from streams.store.taskstore import PartitionLost
+from streams.worker import eos as eos_module
+from streams.worker.eos import Transactions
+
+
+class Producer:
+    """A transactional producer's calls, recorded in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def send(self, topic: str, **_: Any) -> asyncio.Future[Any]:
+        self.calls.append(f"send {topic}")
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done.set_result(type("Meta", (), {"offset": len(self.calls)})())
+        return done
+
+    async def send_offsets_to_transaction(self, *_: Any) -> None:
+        self.calls.append("offsets")
+
+    async def commit_transaction(self) -> None:
+        self.calls.append("commit")
+
+    async def begin_transaction(self) -> None:
+        self.calls.append("begin")
+
+
+async def _owning(partition: int) -> tuple[Transactions, Producer, Any]:
+    eos = Transactions(load_settings(processing_guarantee="exactly_once"))
+    producer = Producer()
+    part = eos_module._Partition(producer)  # type: ignore[arg-type]  # the one it would start
+    part.open.set()
+    eos._parts[partition] = part  # as `assign` leaves it once the producer began
+    return eos, producer, part
+
+
+async def test_a_commit_waits_for_a_held_outcome_whose_writes_go_on_meanwhile() -> None:
+    eos, producer, part = await _owning(3)
+    async with eos.held(3):
+        await eos.send("llm-results", b"k", b"v", 3)
+        committing = asyncio.create_task(eos.commit(3, part))
+        await asyncio.sleep(0.05)
+        assert not committing.done() and not part.open.is_set()  # the commit waits for us
+        # The hold's next writes go in at once, into the same transaction.
+        await asyncio.wait_for(eos.send("sink", b"k", b"v", 0, via=3), 1)
+        await asyncio.wait_for(eos.send("state", b"k", b"v", 3), 1)
+    await asyncio.wait_for(committing, 1)
+    assert producer.calls == ["send llm-results", "send sink", "send state", "commit", "begin"]
+
+
+async def test_a_write_outside_the_hold_waits_for_the_commit_under_way() -> None:
+    eos, producer, part = await _owning(1)
+    async with eos.held(1):
+        await eos.send("llm-results", b"k", b"v", 1)
+        committing = asyncio.create_task(eos.commit(1, part))
+        await asyncio.sleep(0.05)
+        # Another task's write (its own context: not in the hold), while the commit waits.
+        other = asyncio.create_task(eos.send("llm-results", b"k2", b"v", 1),
+                                    context=contextvars.Context())  # fmt: skip
+        await asyncio.sleep(0.05)
+        assert not other.done()  # it goes into the next transaction
+    await asyncio.wait_for(asyncio.gather(committing, other), 1)
+    assert producer.calls == ["send llm-results", "commit", "begin", "send llm-results"]
+
+
+async def test_a_hold_on_a_partition_not_owned_lets_its_writes_say_so() -> None:
+    eos, producer, _part = await _owning(1)
+    async with eos.held(5):  # not this worker's: nothing to hold, the writes are told
+        with pytest.raises(PartitionLost):
+            await eos.send("llm-results", b"k", b"v", 5)
+    assert producer.calls == []
