@@ -99,8 +99,7 @@ class Decider:
         state = self.store.state(source.partition, task_id)
         if state is not None and state.wrote(source):  # this very record, before a crash
             return Decision(Ended.ALREADY_DONE)
-        if (state is not None and prep.origin is not None and not asked.force
-                and state.came_from(prep.origin, prep.result_key)):  # fmt: skip
+        if self._forwarded_again(state, prep, asked):
             # Its source record forwarded again (its forwarder died before its offset
             # committed): answered once, its sink record written once.
             return Decision(Ended.ALREADY_DONE)
@@ -165,6 +164,13 @@ class Decider:
         ):
             return None
         return state.stage_outputs
+
+    @staticmethod
+    def _forwarded_again(state: TaskState | None, prep: Prepared, asked: Asked) -> bool:
+        """The task was ended for the very source record this one was forwarded from."""
+        if state is None or prep.origin is None or asked.force:
+            return False
+        return state.came_from(prep.origin, prep.result_key, prep.version.version)
 
     @staticmethod
     def _state_missing(state: TaskState | None, prep: Prepared, outcome: Outcome) -> bool:

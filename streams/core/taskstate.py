@@ -136,12 +136,16 @@ class TaskState(BaseModel):
             for e in self.history
         )
 
-    def came_from(self, origin: str, result_key: str) -> bool:
-        """Did a record forwarded from the source record `origin` write this task's
-        result under `result_key`? (A source record forwarded again after a crash is the
-        same task, answered once.)"""
+    def came_from(self, origin: str, result_key: str, version: str) -> bool:
+        """Did a record forwarded from the source record `origin` end this task — its
+        result under `result_key`, or its dead letter under prompt `version`? (A source
+        record forwarded again after a crash is the same task, ended once.)"""
         return any(
-            e.status is Status.SUCCEEDED and e.origin == origin and e.result_key == result_key
+            e.origin == origin
+            and (
+                (e.status is Status.SUCCEEDED and e.result_key == result_key)
+                or (e.status is Status.DEAD_LETTERED and e.prompt_version == version)
+            )
             for e in self.history
         )
 

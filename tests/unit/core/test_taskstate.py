@@ -64,3 +64,22 @@ def test_a_state_too_large_for_its_topic_drops_what_can_be_asked_again() -> None
     cut = TaskState.loads(state.dumps_within(10_000))
     assert cut.stage_outputs is None and cut.task_id == "t1" and len(cut.history) <= 1
     assert len(state.dumps_within(10_000)) <= 10_000
+
+
+def test_a_task_ended_for_a_source_record_is_known_by_it_under_its_key_or_version() -> None:
+    """A source record forwarded twice is one task: its result under that result key, or
+    its dead letter under that version, was written for it (another key or version: a
+    task of its own to answer)."""
+    src = Source(topic="llm-tasks", partition=1, offset=4)
+    state = TaskState(task_id="t1", status=Status.RECEIVED, updated_at="").moved(
+        Status.SUCCEEDED, origin="shop.reviews/0/17", prompt_version="v1", result_key="rk1-a",
+        source=src,
+    )  # fmt: skip
+    state = TaskState.loads(state.dumps())  # as the store keeps it
+    assert state.came_from("shop.reviews/0/17", "rk1-a", "v1")
+    assert not state.came_from("shop.reviews/0/17", "rk1-b", "v2")  # a new version's key
+    assert not state.came_from("shop.reviews/0/18", "rk1-a", "v1")  # another source record
+    failed = state.moved(Status.DEAD_LETTERED, origin="shop.reviews/0/30", prompt_version="v2",
+                         result_key=None, source=src)  # fmt: skip
+    assert failed.came_from("shop.reviews/0/30", "rk1-c", "v2")
+    assert not failed.came_from("shop.reviews/0/30", "rk1-c", "v3")
