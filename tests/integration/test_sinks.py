@@ -75,27 +75,41 @@ async def _wait_for(settings: Settings, topic: str, n: int, worker: WorkerProces
     raise AssertionError(f"{topic}: fewer than {n} keys in time:\n{worker.log_tail()}")
 
 
+def _example_into_sink(tmp_path: Path, example: str, topic: str, source: str, sink: str) -> Path:
+    """The shipped pipelines and `examples/sources/<example>.yaml` reading `source` (for its
+    `topic`), with `sink:` (YAML lines) appended; the pipelines folder."""
+    pipelines = tmp_path / "pipelines"
+    shutil.copytree(ROOT / "pipelines", pipelines)
+    text = (ROOT / "examples" / "sources" / f"{example}.yaml").read_text()
+    (pipelines / f"{example}.yaml").write_text(
+        text.replace(f"[{topic}]", f"[{source}]") + "sink:\n" + sink)  # fmt: skip
+    return pipelines
+
+
+async def _user_topic(settings: Settings, topic: str) -> None:
+    """The user's topic, with its own partition count (the sink is left to the worker)."""
+    admin = clients.admin(settings)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])
+    finally:
+        await admin.close()
+
+
 async def test_a_source_topic_comes_back_enriched_in_a_sink_keyed_as_it_was(
     make_settings: Any, simulator: SimulatorServer, tmp_path: Path
 ) -> None:
-    pipelines = tmp_path / "pipelines"
-    shutil.copytree(ROOT / "pipelines", pipelines)
     suffix = uuid.uuid4().hex[:8]
     source, sink, dlq = f"app.comments-{suffix}", f"app.comments.analysed-{suffix}", f"dlq-{suffix}"
-    text = (ROOT / "examples" / "sources" / "plain-comments.yaml").read_text()
-    text = text.replace("[app.comments]", f"[{source}]")
-    text += (f"sink:\n  topic: {sink}\n  key: source_key\n  field: analysis\n"
-             f"  headers: [origin]\n  dead_letters: {dlq}\n")  # fmt: skip
-    (pipelines / "plain-comments.yaml").write_text(text)
+    pipelines = _example_into_sink(
+        tmp_path, "plain-comments", "app.comments", source,
+        f"  topic: {sink}\n  key: source_key\n  field: analysis\n  headers: [origin]\n"
+        f"  dead_letters: {dlq}\n",
+    )  # fmt: skip
     settings = make_settings(llm={"base_url": simulator.base_url, "api_key": "k",
                                   "model": "sim-1"}, pipelines_dir=pipelines)  # fmt: skip
     await ensure_topics(settings)
-    admin = clients.admin(settings)
-    await admin.start()
-    try:  # the user's topic, with its own partition count; the sink is left to the worker
-        await admin.create_topics([NewTopic(source, num_partitions=3, replication_factor=1)])
-    finally:
-        await admin.close()
+    await _user_topic(settings, source)
     comments = {f"c-{i}": {"comment": {"text": f"Love it, number {i}!"}, "shop": "s1"}
                 for i in range(24)}  # fmt: skip
     producer = clients.producer(settings, acks="all")
@@ -198,14 +212,10 @@ async def test_with_exactly_once_a_source_killed_while_it_forwards_leaves_one_an
     (each forwards again what its offsets had not committed), and a read_committed reader
     of the sink and of llm-results finds every source record answered exactly once."""
     simulator.sim.config.latency_ms, simulator.sim.config.latency_dist = 50, "fixed"
-    pipelines = tmp_path / "pipelines"
-    shutil.copytree(ROOT / "pipelines", pipelines)
     suffix = uuid.uuid4().hex[:8]
     source, sink = f"app.comments-{suffix}", f"app.comments.answers-{suffix}"
-    text = (ROOT / "examples" / "sources" / "plain-comments.yaml").read_text()
-    text = text.replace("[app.comments]", f"[{source}]")
-    text += f"sink:\n  topic: {sink}\n  shape: output\n  key: source_key\n"
-    (pipelines / "plain-comments.yaml").write_text(text)
+    pipelines = _example_into_sink(tmp_path, "plain-comments", "app.comments", source,
+                                   f"  topic: {sink}\n  shape: output\n  key: source_key\n")  # fmt: skip
     settings = make_settings(
         llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
         batch={"size": 50, "concurrency": 16}, pipelines_dir=pipelines,
@@ -215,12 +225,7 @@ async def test_with_exactly_once_a_source_killed_while_it_forwards_leaves_one_an
         processing_guarantee="exactly_once",
     )  # fmt: skip
     await ensure_topics(settings)
-    admin = clients.admin(settings)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(source, num_partitions=3, replication_factor=1)])
-    finally:
-        await admin.close()
+    await _user_topic(settings, source)
     n = 600
     keys = [f"c-{i:04d}" for i in range(n)]
 
@@ -270,15 +275,12 @@ async def test_a_debezium_avro_source_comes_back_enriched_in_avro_under_its_own_
     """A Debezium change stream in Avro through the registry, written back enriched in
     Avro: the source's own schema with the answer added, registered under the sink's
     subject; a plain consumer reads each record with the schema its id names."""
-    pipelines = tmp_path / "pipelines"
-    shutil.copytree(ROOT / "pipelines", pipelines)
     suffix = uuid.uuid4().hex[:8]
     source, sink = f"shop.reviews.avro-{suffix}", f"shop.reviews.analysed-{suffix}"
-    text = (ROOT / "examples" / "sources" / "reviews-avro.yaml").read_text()
-    text = text.replace("[shop.public.reviews.avro]", f"[{source}]")
-    text += (f"sink:\n  topic: {sink}\n  key: source_key\n  format: avro\n"
-             "  fields: {sentiment: /sentiment}\n")  # fmt: skip
-    (pipelines / "reviews-avro.yaml").write_text(text)
+    pipelines = _example_into_sink(
+        tmp_path, "reviews-avro", "shop.public.reviews.avro", source,
+        f"  topic: {sink}\n  key: source_key\n  format: avro\n  fields: {{sentiment: /sentiment}}\n",
+    )  # fmt: skip
     settings = make_settings(llm={"base_url": simulator.base_url, "api_key": "k",
                                   "model": "sim-1"}, pipelines_dir=pipelines,
                              schema_registry={"url": schema_registry})  # fmt: skip
@@ -328,23 +330,14 @@ async def test_deletes_upstream_and_by_hand_erase_the_answers_wherever_they_were
     """A Debezium delete of an analysed review, and `llm-streams erase` for another: no
     live record of either in the sink, in llm-results or in the task store; the others
     stay."""
-    pipelines = tmp_path / "pipelines"
-    shutil.copytree(ROOT / "pipelines", pipelines)
     suffix = uuid.uuid4().hex[:8]
     source, sink = f"shop.public.reviews-{suffix}", f"shop.reviews.analysed-{suffix}"
-    text = (ROOT / "examples" / "sources" / "reviews-cdc.yaml").read_text()
-    text = text.replace("[shop.public.reviews]", f"[{source}]")
-    (pipelines / "reviews-cdc.yaml").write_text(
-        text + f"sink:\n  topic: {sink}\n  key: source_key\n")  # fmt: skip
+    pipelines = _example_into_sink(tmp_path, "reviews-cdc", "shop.public.reviews", source,
+                                   f"  topic: {sink}\n  key: source_key\n")  # fmt: skip
     settings = make_settings(llm={"base_url": simulator.base_url, "api_key": "k",
                                   "model": "sim-1"}, pipelines_dir=pipelines)  # fmt: skip
     await ensure_topics(settings)
-    admin = clients.admin(settings)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(source, num_partitions=3, replication_factor=1)])
-    finally:
-        await admin.close()
+    await _user_topic(settings, source)
 
     def change(op: str, i: int) -> bytes:
         row = {"id": i, "body": f"Review {i}: the strap broke after a week.",
