@@ -225,7 +225,7 @@ class Writer:
             frame = self.limits.framing.get(sink.topic)  # the registry's wire format
             try:
                 value = frame(sink.value) if frame is not None else sink.value
-            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as exc:
                 raise Unencodable(f"{sink.topic}'s registered schema cannot hold the record: "
                                   f"{exc}") from exc  # fmt: skip
             await self.send(sink.topic, sink.key, value, partition_of(sink.key, count),

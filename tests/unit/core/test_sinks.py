@@ -323,3 +323,7 @@ def test_an_enriched_avro_sink_refuses_what_the_source_schema_cannot_take() -> N
                           "llm": {}})  # fmt: skip
     with pytest.raises((ValueError, TypeError, KeyError)):  # the writer: Unencodable
         framing(kind, schema, 1)(value)
+    not_a_price = orjson.dumps({"before": None, "op": "c", "llm": {}, "after": {
+        "id": 1, "price": "n/a", "at": "2026-12-02T03:00:00+00:00"}})  # fmt: skip
+    with pytest.raises(ArithmeticError):  # decimal.InvalidOperation: the writer's too
+        framing(kind, schema, 1)(not_a_price)

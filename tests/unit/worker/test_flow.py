@@ -4,6 +4,7 @@ prompt is made, answered once, its bad input dead-lettered once."""
 
 from __future__ import annotations
 
+import decimal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -454,15 +455,17 @@ async def test_a_source_record_forwarded_twice_is_answered_and_written_to_its_si
     assert kind == "result" and SINK in [s[0] for s in sent] and len(llm.requests) == 1
 
 
+@pytest.mark.parametrize("error", [TypeError("an integer is required on field stars"),
+                                   decimal.InvalidOperation("a decimal column of 'n/a'")])  # fmt: skip
 async def test_a_sink_record_its_registered_schema_cannot_hold_makes_the_tasks_dead_letter(
-    sink_flow: Any,
+    sink_flow: Any, error: Exception
 ) -> None:
     """The sink's framing (its schema in the registry) refuses the record: no retry mends
     that, so the task ends as a dead letter saying so, and the worker goes on."""
     run, sent, _llm, _settings, _ = sink_flow
 
     def framing(value: bytes) -> bytes:
-        raise TypeError("an integer is required on field stars")
+        raise error
 
     run.writer.limits = replace(run.writer.limits, framing={SINK: framing})
     record = _record("t-frame", _home_of("t-frame"))
