@@ -16,6 +16,7 @@ from streams.contract.records import ValueLimits
 from streams.core.budget import Budgets
 from streams.core.processor import ProcessorConfig, TaskProcessor
 from streams.errors import ConfigError, InternalError, InvalidInput, TaskError
+from streams.llm.deployments import Deployment, load_deployments
 from streams.llm.openai_client import OpenAIClient
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
@@ -147,23 +148,34 @@ def processor_factory(
     spend caps, when the caller keeps them up to date (the worker: `store.budgets`)."""
     llm = settings.llm
     res = settings.resilience
-    config = ProcessorConfig.from_settings(settings, limits)
+    deployments = load_deployments(llm.deployments_file) if llm.deployments_file else []
+    config = ProcessorConfig.from_settings(settings, limits, deployments)
+
+    def http(
+        url: str | None, key: str | None, deployment: Deployment | None = None
+    ) -> OpenAIClient:
+        spec = deployment.spec if deployment is not None else None
+        return OpenAIClient(
+            base_url=url, api_key=key, connect_timeout_s=llm.connect_timeout_s,
+            read_timeout_s=llm.read_timeout_s, max_connections=settings.batch.concurrency,
+            azure=deployment.azure if deployment is not None else None,
+            headers=dict(spec.headers) if spec is not None else None,
+        )  # fmt: skip
 
     def make() -> TaskProcessor:
         pool = ClientPool(
             base_url=llm.base_url,
             api_key=llm.api_key.get_secret_value() if llm.api_key else None,
-            make_http=lambda url, key: OpenAIClient(
-                base_url=url,
-                api_key=key,
-                connect_timeout_s=llm.connect_timeout_s,
-                read_timeout_s=llm.read_timeout_s,
-                max_connections=settings.batch.concurrency,
-            ),
+            make_http=http,
             # Without a configured limit the first call goes alone and the provider's
             # x-ratelimit headers set the ceiling (or none: unlimited).
             make_limiter=lambda: RateLimiter(
                 rpm=llm.rpm, tpm=llm.tpm, burst_s=llm.burst_s, group=group
+            ),
+            deployments=deployments,
+            make_deployed=lambda d: http(d.spec.base_url, d.api_key, d),
+            make_deployed_limiter=lambda d: RateLimiter(
+                rpm=d.spec.rpm, tpm=d.spec.tpm, burst_s=llm.burst_s, group=group
             ),
             make_breaker=lambda name: CircuitBreaker(
                 name,
@@ -180,7 +192,7 @@ def processor_factory(
             max_concurrency=settings.batch.concurrency,
         )
         return TaskProcessor(
-            registry, pool.primary(llm.model), config, clients=pool.for_model,
+            registry, pool.primary(llm.model), config, clients=pool.for_model, routes=pool.route,
             metrics=metrics, close=pool.close, group=group, budgets=budgets,
         )  # fmt: skip
 

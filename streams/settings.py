@@ -215,6 +215,12 @@ class LLMSettings(_Section):
         None, description="A file holding the API key (wins over API_KEY); OPENAI_API_KEY_FILE."
     )
     model: str = Field("gpt-4o-mini", min_length=1, description="Default model.")
+    deployments_file: Path | None = Field(
+        None,
+        description="A YAML file of deployments (`llm.deployments`): the endpoints, keys, "
+        "limits and prices that serve each model name, calls routed among a model's by "
+        "headroom. Unset: BASE_URL and API_KEY serve every model.",
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="Per-attempt connect timeout.")
     read_timeout_s: float = Field(30.0, gt=0, description="Per-attempt read timeout.")
     max_attempts: int = Field(4, ge=1, le=20, description="Attempts per task for retryable errors.")
@@ -245,7 +251,7 @@ class LLMSettings(_Section):
         1.0, gt=0, le=60, description="Seconds of the limit one burst may use (sub-minute)."
     )
 
-    @field_validator("base_url", "api_key", "api_key_file", mode="before")
+    @field_validator("base_url", "api_key", "api_key_file", "deployments_file", mode="before")
     @classmethod
     def _empty_is_unset(cls, v: Any) -> Any:
         # `OPENAI_BASE_URL: ${OPENAI_BASE_URL:-}` in compose gives "" for "not given".

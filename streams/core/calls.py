@@ -42,6 +42,7 @@ from streams.pipelines.specs import Fallback
 from streams.pipelines.structured import structured_output
 from streams.resilience.guarded import CAPACITY_CODES, GuardedClient
 from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries
+from streams.resilience.router import Route
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ def refuses_json_schema(request: LLMRequest, exc: StreamsError) -> bool:
 REPAIR_TEMPERATURE = 0.7
 # The guarded client of a model on the primary endpoint, or on (base_url, key env).
 ClientFor = Callable[[str, str | None, str | None], GuardedClient]
+# The deployments of a model (`llm.deployments`); None: it has none declared.
+RouteFor = Callable[[str], Route | None]
 
 
 class Calls:
@@ -90,6 +93,7 @@ class Calls:
         policy: RetryPolicy,
         metrics: Metrics,
         clients: ClientFor | None = None,
+        routes: RouteFor | None = None,
         genai: GenAIMetrics = GENAI,
     ) -> None:
         self.client = client
@@ -97,7 +101,18 @@ class Calls:
         self.policy = policy
         self.metrics = metrics
         self.clients = clients
+        self.routes = routes
+        self._single: Route | None = None
         self.batches: BatchLane | None = None  # the batch tier, when the worker has one
+
+    def route_for(self, model: str) -> Route:
+        """The deployments that serve `model`; none declared for it: the primary client."""
+        found = self.routes(model) if self.routes is not None else None
+        if found is not None:
+            return found
+        if self._single is None or self._single.primary is not self.client:
+            self._single = Route.single(self.client)
+        return self._single
 
     async def call(
         self,
@@ -110,26 +125,26 @@ class Calls:
         deadline_at: float,
     ) -> dict[str, Any]:
         """The primary model with retries, then each fallback on the configured categories."""
-        candidates: list[tuple[GuardedClient, RenderedPrompt]] = [(self.client, prompt)]
+        candidates = [(self.route_for(prompt.model), prompt)]
         for fb in version.spec.fallbacks:
-            candidates.append((self.fallback_client(fb), replace(prompt, model=fb.model)))
+            candidates.append((self.fallback_route(fb), replace(prompt, model=fb.model)))
 
         def attempt_on(
-            client: GuardedClient, candidate: RenderedPrompt, wait: bool
+            route: Route, candidate: RenderedPrompt, wait: bool
         ) -> Callable[[Attempts], Awaitable[dict[str, Any]]]:
             async def run(a: Attempts) -> dict[str, Any]:
                 return await self._attempt(pipeline, candidate, a, spend, lane, deadline_at,
-                                           client, wait_for_circuit=wait,
+                                           route, wait_for_circuit=wait,
                                            version=version.version)  # fmt: skip
 
             return run
 
-        for i, (client, candidate) in enumerate(candidates):
+        for i, (route, candidate) in enumerate(candidates):
             has_next = i + 1 < len(candidates)
             try:
                 # With a fallback ready, an open circuit moves on at once instead of waiting.
                 return await call_with_retries(
-                    attempt_on(client, candidate, not has_next), self.policy, attempts
+                    attempt_on(route, candidate, not has_next), self.policy, attempts
                 )
             except TaskError as exc:
                 if not has_next or exc.category.value not in version.spec.fallback_on:
@@ -140,10 +155,16 @@ class Calls:
                 attempts.last_error = None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def fallback_client(self, fallback: Fallback) -> GuardedClient:
+    def fallback_route(self, fallback: Fallback) -> Route:
+        """A fallback model's deployments, or its client (on its own endpoint, or on the
+        primary one)."""
+        found = self.routes(fallback.model) if self.routes and not fallback.base_url else None
+        if found is not None:
+            return found
         if self.clients is None:
             raise BadRequest("fallback models need a client pool", code="no_client_pool")
-        return self.clients(fallback.model, fallback.base_url, fallback.api_key_env)
+        return Route.single(self.clients(fallback.model, fallback.base_url,
+                                         fallback.api_key_env))  # fmt: skip
 
     async def _attempt(
         self,
@@ -153,11 +174,13 @@ class Calls:
         spend: Spend,
         lane: Lane,
         deadline_at: float,
-        client: GuardedClient,
+        route: Route,
         *,
         wait_for_circuit: bool = True,
         version: str = "",
     ) -> dict[str, Any]:
+        first = prompt.messages[0]["content"] if prompt.messages else None
+        client = route.pick(lane, first)
         request, repair = self._next_request(pipeline, prompt, attempts, spend, client)
         params = request.params
         where = endpoint_attributes(client.endpoint, client.server)
@@ -176,8 +199,9 @@ class Calls:
         ) as span:
             sent = time.monotonic()
             try:
-                response = await self.send(request, spend, attempts, lane, deadline_at, client,
-                                           wait_for_circuit)  # fmt: skip
+                response, discounted = await self.send(request, spend, attempts, lane,
+                                                       deadline_at, client,
+                                                       wait_for_circuit)  # fmt: skip
             except CircuitOpen:
                 attempts.count -= 1  # refused locally: no call was made
                 mark_error(span, CircuitOpen("circuit open"))
@@ -196,7 +220,7 @@ class Calls:
                 raise
             self._observed(span, response, request, client, sent, pipeline.name, version,
                            where)  # fmt: skip
-            spend.took(response, repair=repair)
+            spend.took(response, repair=repair, discounted=discounted)
             try:
                 output = parse_output(response, pipeline, prompt.variables, prompt.originals)
             except InvalidOutput as exc:
@@ -304,9 +328,10 @@ class Calls:
         deadline_at: float,
         client: GuardedClient | None = None,
         wait_for_circuit: bool = True,
-    ) -> LLMResponse:
+    ) -> tuple[LLMResponse, bool]:
         """One attempt's request: a call (flex tier: at the flex price, falling back to a
-        plain call when flex has no capacity), or a line in a batch (batch tier)."""
+        plain call when flex has no capacity), or a line in a batch (batch tier); and
+        whether it was answered at the batch price."""
         if (
             spend.tier is Tier.BATCH
             and self.batches is not None
@@ -320,13 +345,11 @@ class Calls:
             partition, custom_id = spend.route
             response = await self.batches.complete(partition, custom_id, attempts.count, request,
                                                    spend.parking)  # fmt: skip
-            spend.discounted_prompt += response.prompt_tokens
-            spend.discounted_completion += response.completion_tokens
             m = self.metrics
             m.llm_requests.labels(request.model, "ok", "").inc()
             m.used(response.model, response.prompt_tokens, response.completion_tokens,
                    response.cached_prompt_tokens)  # fmt: skip
-            return response
+            return response, True
         guarded = client or self.client
         if spend.tier is Tier.FLEX:
             flex = replace(request, params={**request.params, "service_tier": "flex"})
@@ -343,14 +366,13 @@ class Calls:
                 self.metrics.mitigations.labels("*", "flex_fallback").inc()
                 raise
             if response.service_tier == "flex":  # the discount only where it is confirmed
-                spend.discounted_prompt += response.prompt_tokens
-                spend.discounted_completion += response.completion_tokens
-            else:
-                self._unconfirmed(guarded, request.model, response.service_tier)
-            return response
-        return await guarded.complete(
+                return response, True
+            self._unconfirmed(guarded, request.model, response.service_tier)
+            return response, False
+        response = await guarded.complete(
             request, lane=lane, deadline_at=deadline_at, wait_for_circuit=wait_for_circuit
         )
+        return response, False
 
     def _unconfirmed(self, client: GuardedClient, model: str, tier: str | None) -> None:
         """A flex call answered without saying it was served at flex: booked at the full
@@ -377,4 +399,4 @@ class Calls:
         self.metrics.outputs.labels(model, "pass" if ok else "fail").inc()
 
 
-__all__ = ["Calls", "ClientFor"]
+__all__ = ["Calls", "ClientFor", "RouteFor"]

@@ -35,6 +35,7 @@ from streams.core.sinks import SinkRecord, dead_letter_record, result_record
 from streams.core.spend import Prices, Spend
 from streams.core.stages import MAIN
 from streams.errors import OutputTooLarge, StreamsError
+from streams.llm.deployments import DEFAULT
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import current_trace_id
 from streams.pipelines.pipeline import Pipeline
@@ -141,10 +142,14 @@ class Outcomes:
 
     def cost(self, pipeline: str, spend: Spend) -> float:
         """The spend's cost, counted once on the cost metric."""
-        cost = self.prices.of(spend)
+        split = self.prices.split(spend)
+        cost = round(sum(split.values()), 8)
         if cost > 0:
             model = spend.model or self.default_model
             self.metrics.cost.labels(pipeline, model, spend.tier.value).inc(cost)
+            for deployment, usd in split.items():
+                if usd > 0:
+                    self.metrics.deployment_cost.labels(deployment or DEFAULT).inc(usd)
         return cost
 
     def result(

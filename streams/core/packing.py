@@ -119,6 +119,7 @@ class PackedAnswer:
     model: str = ""
     calls: int = 0
     cached_prompt_tokens: int = 0
+    deployment: str = ""  # the deployment that answered the pack
 
 
 @dataclass

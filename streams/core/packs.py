@@ -24,7 +24,7 @@ from streams.core.packing import (
     shares,
     split_answers,
 )
-from streams.core.spend import Spend
+from streams.core.spend import Spend, Tokens
 from streams.core.window import fit_window
 from streams.errors import InvalidOutput, OutputRejected, TaskError
 from streams.llm.client import LLMRequest, LLMResponse, budget_key, completion_budget
@@ -73,10 +73,8 @@ class Packs:
         ):
             return None
         packed = await self.ask(prep, prompt, lane, deadline_at)
-        spend.prompt_tokens += packed.prompt_tokens
-        spend.cached_prompt += packed.cached_prompt_tokens
-        spend.completion_tokens += packed.completion_tokens
-        spend.model = packed.model or spend.model
+        paid = Tokens(packed.prompt_tokens, packed.completion_tokens, packed.cached_prompt_tokens)
+        spend.used(paid, packed.model, packed.deployment)
         attempts.count = attempts.previous + packed.calls
         attempts.previous = attempts.count
         outcome = "packed" if packed.output is not None else "alone"
@@ -151,10 +149,12 @@ class Packs:
     ) -> LLMResponse:
         """The pack's call, retried as a task's are, by the first item's deadline."""
         deadline_at = min(i.deadline_at for i in items)
-        client = self.calls.client
-        where = endpoint_attributes(client.endpoint, client.server)
+        route = self.calls.route_for(request.model)
+        first = request.messages[0]["content"] if request.messages else None
 
         async def attempt(a: Attempts) -> LLMResponse:
+            client = route.pick(lane, first)
+            where = endpoint_attributes(client.endpoint, client.server)
             with child_span(
                 f"chat {request.model}", kind=SpanKind.CLIENT,
                 attributes={"gen_ai.operation.name": "chat", **where,
@@ -186,7 +186,7 @@ class Packs:
         ):
             paid = PackedAnswer(None, prompt_tokens=prompt_tokens,
                                 completion_tokens=completion_tokens, model=response.model,
-                                calls=attempts.count,
+                                calls=attempts.count, deployment=response.deployment,
                                 cached_prompt_tokens=min(cached, prompt_tokens))  # fmt: skip
             if item.task_id not in answers:
                 item.settle(replace(paid, reason="missing from the pack's answer"))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,7 +26,7 @@ from streams.contract.records import (
 )
 from streams.core.batch import BatchLane, Parking
 from streams.core.budget import Budgets
-from streams.core.calls import Calls, ClientFor
+from streams.core.calls import Calls, ClientFor, RouteFor
 from streams.core.chunks import Chunks
 from streams.core.intake import Intake
 from streams.core.outcome import Outcome, Outcomes, Prepared
@@ -42,6 +42,7 @@ from streams.errors import (
     TaskError,
 )
 from streams.llm.client import completion_budget
+from streams.llm.deployments import Deployment
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import stage_span
@@ -72,7 +73,10 @@ class ProcessorConfig:
 
     @classmethod
     def from_settings(
-        cls, settings: Settings, limits: ValueLimits | None = None
+        cls,
+        settings: Settings,
+        limits: ValueLimits | None = None,
+        deployments: Sequence[Deployment] = (),
     ) -> ProcessorConfig:
         llm = settings.llm
         return cls(
@@ -85,7 +89,7 @@ class ProcessorConfig:
             deadline_s=llm.task_deadline_s,
             batch_deadline_s=settings.batch_api.deadline_s,
             max_task_bytes=settings.batch.max_task_bytes,
-            prices=Prices.from_settings(settings),
+            prices=Prices.from_settings(settings, deployments),
             context_window=llm.context_window,
             limits=limits or ValueLimits(),
         )
@@ -101,6 +105,7 @@ class TaskProcessor:
         config: ProcessorConfig,
         *,
         clients: ClientFor | None = None,
+        routes: RouteFor | None = None,
         metrics: Metrics | None = None,
         close: Callable[[], Awaitable[None]] | None = None,
         group: GroupShare | None = None,
@@ -117,7 +122,8 @@ class TaskProcessor:
         self._completions: dict[str, tuple[float, int]] = {}  # per pipeline: tokens, tasks
         if config.context_window is not None:
             client.window.configured = config.context_window
-        self.calls = Calls(client, policy=config.policy, metrics=self.metrics, clients=clients)
+        self.calls = Calls(client, policy=config.policy, metrics=self.metrics, clients=clients,
+                           routes=routes)  # fmt: skip
         self.packs = Packs(self.calls, registry)
         self.chunks = Chunks(self.calls, self.metrics, config.default_model)
         self.outcomes = Outcomes(config.limits, config.prices, self.metrics, config.default_model,

@@ -4,6 +4,7 @@ tier — the price table, the cached-prompt price, and the batch price
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,24 +14,44 @@ from streams.settings import Settings
 if TYPE_CHECKING:
     from streams.core.batch.parking import Parking
     from streams.llm.client import LLMResponse
+    from streams.llm.deployments import Deployment
 
 
 @dataclass(frozen=True)
 class Prices:
-    """USD per 1,000 tokens, and the share of it batch and flex calls cost."""
+    """USD per 1,000 tokens, and the share of it batch and flex calls cost; the
+    deployments with prices of their own (`llm.deployments`) by name."""
 
     prompt_per_1k: float = 0.0
     completion_per_1k: float = 0.0
     discount: float = 0.5  # batch (and flex) price / sync price
     # A prompt token read from the provider's cache (None: no price of its own, the full one)
     cached_prompt_per_1k: float | None = None
+    deployments: Mapping[str, Prices] = field(default_factory=dict, compare=False, hash=False)
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Prices:
+    def from_settings(cls, settings: Settings, deployments: Sequence[Deployment] = ()) -> Prices:
         llm = settings.llm
-        return cls(llm.price_per_1k_prompt_usd, llm.price_per_1k_completion_usd,
+        base = cls(llm.price_per_1k_prompt_usd, llm.price_per_1k_completion_usd,
                    settings.batch_api.price_ratio,
                    llm.price_per_1k_cached_prompt_usd)  # fmt: skip
+        own: dict[str, Prices] = {}
+        for d in deployments:
+            spec = d.spec
+            prompt, completion = spec.price_per_1k_prompt_usd, spec.price_per_1k_completion_usd
+            cached = spec.price_per_1k_cached_prompt_usd
+            own[d.name] = cls(
+                base.prompt_per_1k if prompt is None else prompt,
+                base.completion_per_1k if completion is None else completion,
+                base.discount,
+                # A deployment's own input price without a cached one: the cache at it.
+                cached if cached is not None or prompt is not None else base.cached_prompt_per_1k,
+            )
+        return cls(base.prompt_per_1k, base.completion_per_1k, base.discount,
+                   base.cached_prompt_per_1k, own)  # fmt: skip
+
+    def of_deployment(self, name: str) -> Prices:
+        return self.deployments.get(name, self)
 
     def cost(
         self,
@@ -53,15 +74,57 @@ class Prices:
         return round((full - off * (1 - self.discount)) / 1000, 8)
 
     def of(self, spend: Spend) -> float:
-        """USD for what one task's calls used."""
-        return self.cost(spend.prompt_tokens, spend.completion_tokens, spend.discounted_prompt,
-                         spend.discounted_completion, spend.cached_prompt)  # fmt: skip
+        """USD for what one task's calls used, each deployment's tokens at its price."""
+        return round(sum(self.split(spend).values()), 8)
+
+    def split(self, spend: Spend) -> dict[str, float]:
+        """USD per deployment that answered (tokens no deployment was named for: "")."""
+        rest = Tokens(spend.prompt_tokens, spend.completion_tokens, spend.cached_prompt,
+                      spend.discounted_prompt, spend.discounted_completion)  # fmt: skip
+        out: dict[str, float] = {}
+        for name, part in spend.by_deployment.items():
+            out[name] = self.of_deployment(name).priced(part)
+            rest.take_out(part)
+        if rest.prompt or rest.completion or not out:
+            out[""] = self.priced(rest)
+        return out
+
+    def priced(self, tokens: Tokens) -> float:
+        return self.cost(tokens.prompt, tokens.completion, tokens.discounted_prompt,
+                         tokens.discounted_completion, tokens.cached)  # fmt: skip
 
     def estimate(self, prompt_tokens: int, completion_tokens: float, tier: Tier) -> float:
         """What asking costs in `tier` (a replay's estimate)."""
         if tier is Tier.SYNC:
             return self.cost(prompt_tokens, completion_tokens)
         return round(self.cost(prompt_tokens, completion_tokens) * self.discount, 8)
+
+
+@dataclass
+class Tokens:
+    """Tokens of one deployment's answers (the `discounted_*` ones at the batch price)."""
+
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
+    discounted_prompt: int = 0
+    discounted_completion: int = 0
+
+    def add(self, other: Tokens) -> None:
+        self.prompt += other.prompt
+        self.completion += other.completion
+        self.cached += other.cached
+        self.discounted_prompt += other.discounted_prompt
+        self.discounted_completion += other.discounted_completion
+
+    def take_out(self, other: Tokens) -> None:
+        self.prompt = max(0, self.prompt - other.prompt)
+        self.completion = max(0, self.completion - other.completion)
+        self.cached = max(0, self.cached - other.cached)
+        self.discounted_prompt = max(0, self.discounted_prompt - other.discounted_prompt)
+        self.discounted_completion = max(
+            0, self.discounted_completion - other.discounted_completion
+        )
 
 
 @dataclass
@@ -81,17 +144,34 @@ class Spend:
     discounted_prompt: int = 0  # tokens billed at the batch/flex price
     discounted_completion: int = 0
     cached_prompt: int = 0  # prompt tokens the provider read from its cache
+    # The tokens above, by the deployment that answered them (priced at its price).
+    by_deployment: dict[str, Tokens] = field(default_factory=dict)
 
-    def took(self, response: LLMResponse, *, repair: bool = False) -> None:
-        """Take in one call's answer (`repair`: the call asked to repair an answer)."""
+    def took(
+        self, response: LLMResponse, *, repair: bool = False, discounted: bool = False
+    ) -> None:
+        """Take in one call's answer (`repair`: the call asked to repair an answer;
+        `discounted`: it was answered at the batch price — a batch, a confirmed flex)."""
         self.last_prompt_tokens = response.prompt_tokens
-        self.prompt_tokens += response.prompt_tokens
-        self.cached_prompt += response.cached_prompt_tokens
-        self.completion_tokens += response.completion_tokens
-        self.model = response.model
         self.calls.append(response.content)
         if repair:
             self.repair_tokens += response.prompt_tokens + response.completion_tokens
+        self.used(Tokens(response.prompt_tokens, response.completion_tokens,
+                         response.cached_prompt_tokens,
+                         response.prompt_tokens if discounted else 0,
+                         response.completion_tokens if discounted else 0),
+                  response.model, response.deployment)  # fmt: skip
+
+    def used(self, tokens: Tokens, model: str, deployment: str = "") -> None:
+        """Take in tokens answered by `deployment` (a call's, a pack's share)."""
+        self.prompt_tokens += tokens.prompt
+        self.completion_tokens += tokens.completion
+        self.cached_prompt += tokens.cached
+        self.discounted_prompt += tokens.discounted_prompt
+        self.discounted_completion += tokens.discounted_completion
+        self.model = model or self.model
+        if deployment:
+            self.by_deployment.setdefault(deployment, Tokens()).add(tokens)
 
     def add(self, other: Spend) -> None:
         """Take in a part's spend (a chunk's, a pack's share)."""
@@ -101,8 +181,10 @@ class Spend:
         self.discounted_completion += other.discounted_completion
         self.cached_prompt += other.cached_prompt
         self.rejected += other.rejected
+        for name, part in other.by_deployment.items():
+            self.by_deployment.setdefault(name, Tokens()).add(part)
         self.model = other.model or self.model
         self.last_prompt_tokens = max(self.last_prompt_tokens, other.last_prompt_tokens)
 
 
-__all__ = ["Prices", "Spend"]
+__all__ = ["Prices", "Spend", "Tokens"]

@@ -142,6 +142,8 @@ class Simulator:
         self.count_tokens = counter()
         self.app = web.Application(client_max_size=32 * 1024 * 1024)
         self.app.router.add_post("/v1/chat/completions", self.chat)
+        # Azure OpenAI's shape: the deployment in the path, `api-version` asked, `api-key`.
+        self.app.router.add_post("/openai/deployments/{deployment}/chat/completions", self.chat)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/props", self.props)
         self.app.router.add_get("/sim/stats", self.stats)
@@ -229,6 +231,15 @@ class Simulator:
     # -- chat ----------------------------------------------------------------
     def auth(self, request: web.Request, *, count: bool = True) -> web.Response | None:
         key = self.config.api_key
+        if "deployment" in request.match_info:  # Azure's: its key in `api-key`
+            if not request.query.get("api-version"):
+                self._count(404, "azure_no_version")
+                return _error(404, "Resource not found", "invalid_request_error", "404", {})
+            if key and request.headers.get("api-key") != key:
+                self._count(401, "auth")
+                return _error(401, "Access denied due to invalid subscription key or wrong "
+                              "API endpoint.", "invalid_request_error", "401", {})  # fmt: skip
+            return None
         if key and request.headers.get("Authorization") != f"Bearer {key}":
             if count:
                 self._count(401, "auth")
@@ -292,7 +303,8 @@ class Simulator:
         try:
             body = orjson.loads(await request.read())
             messages = body["messages"]
-            model = str(body["model"])
+            # Azure serves the deployment of its path, whatever the body's model says.
+            model = str(request.match_info.get("deployment") or body["model"])
             if not isinstance(messages, list) or not messages:
                 raise ValueError("messages must be a non-empty list")
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:

@@ -122,6 +122,9 @@ class LLMResponse:
     #: says: OpenAI's `usage.prompt_tokens_details.cached_tokens` (Azure, vLLM, LiteLLM and
     #: others send the same), DeepSeek's `prompt_cache_hit_tokens`; 0 when unsaid
     cached_prompt_tokens: int = 0
+    #: the deployment that answered (`llm.deployments`; set by the guarded client): its
+    #: price is the one the tokens cost
+    deployment: str = ""
 
 
 class LLMClient(Protocol):

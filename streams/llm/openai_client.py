@@ -34,6 +34,7 @@ from streams.llm.client import (
     request_body,
     unfenced,
 )
+from streams.llm.deployments import AzureDeployment
 from streams.llm.endpoint import EndpointFacts, facts_from
 
 
@@ -103,7 +104,8 @@ def map_error(exc: Exception) -> TaskError:
 
 
 class OpenAIClient:
-    """`LLMClient` over `openai.AsyncOpenAI`, for any OpenAI-compatible endpoint."""
+    """`LLMClient` over `openai.AsyncOpenAI` (or `AsyncAzureOpenAI`), for any
+    OpenAI-compatible endpoint."""
 
     def __init__(
         self,
@@ -113,17 +115,27 @@ class OpenAIClient:
         connect_timeout_s: float,
         read_timeout_s: float,
         max_connections: int = 256,
+        azure: AzureDeployment | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         timeout = openai.Timeout(read_timeout_s, connect=connect_timeout_s)
-        self._client = openai.AsyncOpenAI(
-            base_url=base_url,
-            api_key=api_key or "not-needed",
-            max_retries=0,
-            timeout=timeout,
-            # aiohttp transport: the SDK's recommended one for high concurrency.
-            http_client=openai.DefaultAioHttpClient(timeout=timeout),
-        )
+        # aiohttp transport: the SDK's recommended one for high concurrency.
+        http = openai.DefaultAioHttpClient(timeout=timeout)
+        self._client: openai.AsyncOpenAI
+        if azure is not None:  # `api-key` header, /openai/deployments/<name>/, api-version
+            self._client = openai.AsyncAzureOpenAI(
+                azure_endpoint=azure.endpoint, azure_deployment=azure.deployment,
+                api_version=azure.api_version, api_key=api_key or "not-needed",
+                max_retries=0, timeout=timeout, http_client=http, default_headers=headers,
+            )  # fmt: skip
+        else:
+            self._client = openai.AsyncOpenAI(
+                base_url=base_url, api_key=api_key or "not-needed", max_retries=0,
+                timeout=timeout, http_client=http, default_headers=headers,
+            )  # fmt: skip
         self._url = str(self._client.base_url).rstrip("/") + "/chat/completions"
+        # Azure's api-version, as the SDK sends it with every call.
+        self._query = {k: str(v) for k, v in self._client.default_query.items()}
         # The SDK's own headers (auth, user agent, platform), once: values it leaves
         # out are its `Omit` markers, not strings.
         sdk_headers = {**self._client.default_headers, **self._client.auth_headers}
@@ -160,8 +172,8 @@ class OpenAIClient:
                 total=None, sock_connect=timeout.sock_connect, sock_read=request.timeout_s
             )
         try:
-            async with session.post(self._url, data=body, proxy=self._proxy,
-                                    timeout=timeout) as response:  # fmt: skip
+            async with session.post(self._url, data=body, proxy=self._proxy, timeout=timeout,
+                                    params=self._query) as response:  # fmt: skip
                 content = await response.read()
                 status, headers = response.status, response.headers
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
@@ -246,7 +258,7 @@ class OpenAIClient:
         session = self._session if self._session is not None else self._open()
         try:
             async with session.post(
-                self._url, data=orjson.dumps(body), proxy=self._proxy,
+                self._url, data=orjson.dumps(body), proxy=self._proxy, params=self._query,
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as response:  # fmt: skip
                 content, status, headers = await response.read(), response.status, response.headers

@@ -239,6 +239,20 @@ class Metrics:
         self.limiter_throttled = Counter(
             "llm_streams_limiter_throttled", "429 answers that cut the limiter's rate.",
             ["model"], registry=r)  # fmt: skip
+        # Per declared deployment (`llm.deployments`; "default": OPENAI_BASE_URL's): names
+        # from the deployments file, so the labels stay few.
+        self.deployment_calls = Counter(
+            "llm_streams_deployment_calls",
+            "Calls per deployment by outcome: ok, throttled (a 429), error.",
+            ["deployment", "outcome"], registry=r)  # fmt: skip
+        self.deployment_cost = Counter(
+            "llm_streams_deployment_cost_usd",
+            "Spend in USD per deployment, at its price (tier discounts included).",
+            ["deployment"], registry=r)  # fmt: skip
+        self.deployment_rate = Gauge(
+            "llm_streams_deployment_rate_per_minute",
+            "A deployment's current (learned) limiter rate.",
+            ["deployment", "unit"], registry=r)  # fmt: skip
         self.mitigations = Counter(
             "llm_streams_mitigations",
             "What was done instead of the plain way: an input over the context window "
@@ -354,6 +368,11 @@ class Metrics:
         """Report a limiter's current requests/tokens per minute at every scrape."""
         self.limiter_rate.labels(model, "requests").set_function(lambda: rates()[0])
         self.limiter_rate.labels(model, "tokens").set_function(lambda: rates()[1] or 0.0)
+
+    def watch_deployment(self, name: str, rates: Callable[[], tuple[float, float | None]]) -> None:
+        """Report a deployment's limiter rates at every scrape."""
+        self.deployment_rate.labels(name, "requests").set_function(lambda: rates()[0])
+        self.deployment_rate.labels(name, "tokens").set_function(lambda: rates()[1] or 0.0)
 
     def watch_drift(self, read: Callable[[], list[Any]]) -> None:
         """Output-drift gauges read at scrape time (see `DriftCollector`)."""

@@ -162,7 +162,7 @@ class VersionSpec(BaseModel):
         p = self.params
         problems = params_problems(p)
         if problems:
-            raise ValueError("\n".join(problems))  # a line each (registry.mistakes_of)
+            raise ValueError("\n".join(problems))  # a line each (contract.mistakes)
         temperature, top_p, max_tokens = p.get("temperature"), p.get("top_p"), p.get(budget_key(p))
         if temperature is not None and not 0 <= temperature <= 2:
             raise ValueError(f"params.temperature {temperature} is outside 0..2")

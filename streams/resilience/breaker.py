@@ -103,6 +103,15 @@ class CircuitBreaker:
             return self.opened_at + self.open_s
         return self.clock.now()
 
+    def blocked_for(self) -> float:
+        """Seconds until `admit` would let a call through: 0 now; a half-open round with
+        every probe slot taken, its open time (a guess: until its verdicts come)."""
+        if self.state is State.OPEN:
+            return max(0.0, self.opened_at + self.open_s - self.clock.now())
+        if self.state is State.HALF_OPEN and self._probes_sent >= self.probes:
+            return self.open_s
+        return 0.0
+
     def admit(self) -> Admission | None:
         """Let a call through (counting a half-open probe), or None: not now."""
         now = self.clock.now()

@@ -94,6 +94,7 @@ class ConcurrencyLimit:
         self.unlimited = False  # the endpoint sends rate limits: its rate limits it
         self.learn = learn  # False: a fixed limit (benchmarks' sweeps)
         self.in_flight = 0
+        self.typical_s = 1.0  # a call's usual seconds, sent to answered (a moving mean)
         self.on_change = on_change  # told the whole limit (None: unlimited) when it moves
         self._queue: list[_Waiter] = []
         self._seq = itertools.count()
@@ -146,6 +147,8 @@ class ConcurrencyLimit:
     def release(self, served: Served | None) -> None:
         """The call is over; `served`: what it showed (None: cancelled, no answer)."""
         self.in_flight = max(0, self.in_flight - 1)
+        if served is not None:
+            self.typical_s += (served.seconds - self.typical_s) * 0.1
         if served is not None and not self.unlimited and self.learn:
             self._learn(served)
         self._wake()
@@ -169,6 +172,15 @@ class ConcurrencyLimit:
     @property
     def waiting(self) -> int:
         return self.waiting_calls()
+
+    def ready_in(self) -> float:
+        """Seconds until a call would get a turn, behind the calls waiting: a turn's
+        share of the calls' usual time (an estimate for the router; it takes nothing)."""
+        if self._free() and not self._queue:
+            return 0.0
+        limit = max(1, int(self.limit))
+        ahead = self.in_flight - limit + 1 + len(self._queue)
+        return max(0.0, ahead / limit * self.typical_s)
 
     def waiting_calls(self) -> int:
         return sum(1 for w in self._queue if not w.future.done())

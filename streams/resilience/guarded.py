@@ -22,6 +22,7 @@ from streams.errors import (
     UpstreamError,
 )
 from streams.llm.client import LLMClient, LLMRequest, LLMResponse, completion_budget
+from streams.llm.deployments import DEFAULT
 from streams.llm.endpoint import ContextWindow, EndpointFacts
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
@@ -67,8 +68,12 @@ class GuardedClient:
         window: ContextWindow | None = None,
         concurrency: ConcurrencyLimit | None = None,
         read_timeout_s: float | None = None,
+        deployment: str = DEFAULT,
+        provider_model: str | None = None,
     ) -> None:
         self.client = client
+        self.deployment = deployment  # its name (`llm.deployments`), on every answer
+        self.provider_model = provider_model  # the model name its provider knows
         # Calls at once to the endpoint, learned when it sends no rate limits (none given:
         # no limit; the worker's pool gives every endpoint one that learns).
         self.concurrency = concurrency or ConcurrencyLimit.open_gate(client.endpoint)
@@ -225,7 +230,7 @@ class GuardedClient:
                              response.server_s)  # fmt: skip
         self._learn(request, response, permit, estimate)
         self._count(request.model, lane, permit.waited_s, started, None, response)
-        return replace(response, duration_s=took)
+        return replace(response, duration_s=took, deployment=self.deployment)
 
     def _throttled(self, request: LLMRequest, exc: RateLimited, permit: Permit) -> None:
         """What a 429 teaches the limiter: the limits its headers tell, and to wait
@@ -268,6 +273,8 @@ class GuardedClient:
         """The endpoint's answer, cut short just before the task's deadline: a call that
         hangs past it ends as a timeout this client sees (and the breaker can count),
         not as a cancellation from outside."""
+        if self.provider_model is not None and request.model != self.provider_model:
+            request = replace(request, model=self.provider_model)
         if deadline_at is None:
             return await self.client.complete(request)
         try:
@@ -293,8 +300,11 @@ class GuardedClient:
         m.llm_seconds.labels(model).observe(self.clock.now() - started)
         if error is not None:
             m.llm_requests.labels(model, "error", error.category.value).inc()
+            outcome = "throttled" if isinstance(error, RateLimited) else "error"
+            m.deployment_calls.labels(self.deployment, outcome).inc()
             return
         m.llm_requests.labels(model, "ok", "").inc()
+        m.deployment_calls.labels(self.deployment, "ok").inc()
         if response is not None:
             m.used(model, response.prompt_tokens, response.completion_tokens,
                    response.cached_prompt_tokens)  # fmt: skip

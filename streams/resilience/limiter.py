@@ -417,6 +417,19 @@ class RateLimiter:
                     bucket.set_rate(share, now)
             bucket.level = min(bucket.level, left)
 
+    def ready_in(self) -> float:
+        """Seconds until a call of average size would go, behind the calls waiting here:
+        what the router compares deployments by (an estimate; it takes nothing)."""
+        now = self.clock.now()
+        ahead = len(self._queue)  # a cancelled waiter among them: a small overestimate
+        tokens = int(self._mean_tokens)
+        wait = self._wait_time(tokens, now)
+        if ahead:
+            wait += ahead * 60.0 / max(self.requests.per_minute, 1e-6)
+            if self.tokens is not None and tokens:
+                wait = max(wait, ahead * tokens * 60.0 / max(self.tokens.per_minute, 1e-6))
+        return wait
+
     def rates(self) -> tuple[float, float | None]:
         """Current requests and tokens per minute (tokens None without a token limit)."""
         return self.requests.per_minute, self.tokens.per_minute if self.tokens else None

@@ -1,0 +1,100 @@
+"""Routing by headroom: which deployment of a model takes a call.
+
+Each deployment has its own breaker, rate limiter and concurrency limit (its guarded
+client). A call goes to the one that can take it soonest: a breaker that is open (or
+whose probe slots are all out) leaves a deployment out while another can take the call;
+among the rest, the least wait its limiter and its concurrency limit foresee — so a
+burst of 429s (the limiter paused) or a deployment at its limit moves calls to the
+others at once, and they come back when it has room again. While several have room
+now, calls are spread by their weights, except that a prompt whose first message
+went to a deployment before goes there again (the provider's prompt cache) when that
+costs no wait.
+
+Written here: LiteLLM's router picks a deployment by usage it counts in Redis; ours
+reads the limiters the worker already keeps (limits learned from the provider's
+headers, or from its pace for a server that sends none), which no library has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from streams.contract.lanes import Lane
+from streams.resilience.guarded import GuardedClient
+
+READY_S = 0.005  # a deployment this close to taking a call has room now
+AFFINITY_SLACK_S = 0.05  # the most wait a prompt cache's deployment may add
+BLOCKED_S = 1_000.0  # a breaker that admits no call: behind every one that does
+AFFINITY_KEYS = 4096  # prompt prefixes remembered, least recently used out first
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str
+    client: GuardedClient
+    weight: float = 1.0
+
+
+class Route:
+    """The deployments of one model, and the choice among them for each call."""
+
+    def __init__(self, model: str, members: list[Member], *, seed: int | None = None) -> None:
+        if not members:
+            raise ValueError(f"no deployment serves {model}")
+        self.model = model
+        self.members = members
+        self._rng = random.Random(seed)
+        self._served: OrderedDict[bytes, str] = OrderedDict()  # prefix -> deployment
+
+    @classmethod
+    def single(cls, client: GuardedClient) -> Route:
+        return cls("", [Member(client.deployment, client)])
+
+    @property
+    def primary(self) -> GuardedClient:
+        """The first deployment: its window is the one prompts are fitted to."""
+        return self.members[0].client
+
+    def pick(self, lane: Lane = Lane.LIVE, prefix: str | None = None) -> GuardedClient:
+        """The deployment that takes the next call (`prefix`: the prompt's first message)."""
+        if len(self.members) == 1:
+            return self.members[0].client
+        waits = [(wait_of(m.client), m) for m in self.members]
+        key = _key(prefix) if prefix else None
+        best = min(w for w, _ in waits)
+        if key is not None and (name := self._served.get(key)) is not None:
+            for wait, member in waits:
+                if member.name == name and wait <= best + AFFINITY_SLACK_S:
+                    self._served.move_to_end(key)
+                    return member.client
+        ready = [m for w, m in waits if w <= READY_S]
+        if ready:
+            chosen = self._rng.choices(ready, weights=[m.weight for m in ready])[0]
+        else:
+            chosen = min(waits, key=lambda wm: wm[0])[1]
+        if key is not None:
+            self._served[key] = chosen.name
+            self._served.move_to_end(key)
+            if len(self._served) > AFFINITY_KEYS:
+                self._served.popitem(last=False)
+        return chosen.client
+
+
+def wait_of(client: GuardedClient) -> float:
+    """Seconds until `client` could take a call: its breaker's reopening when it lets no
+    call through (behind every deployment that admits calls), else what its limiter and
+    its concurrency limit foresee."""
+    blocked = client.breaker.blocked_for()
+    if blocked > 0:
+        return BLOCKED_S + blocked
+    return max(client.limiter.ready_in(), client.concurrency.ready_in())
+
+
+def _key(prefix: str) -> bytes:
+    return hashlib.blake2b(prefix.encode(), digest_size=12).digest()
+
+
+__all__ = ["Member", "Route", "wait_of"]

@@ -1,0 +1,197 @@
+"""Deployments: a model served by several endpoints and keys, each at its own limits,
+health and price; calls routed by headroom (on the simulator, three deployments at once:
+bearer, Azure-style, and one that fails)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from streams.api import Analyzer
+from streams.contract.lanes import Lane
+from streams.core.spend import Prices, Spend, Tokens
+from streams.dev.simulator import SimConfig, SimulatorServer
+from streams.errors import ConfigError
+from streams.llm.client import LLMResponse
+from streams.llm.deployments import load_deployments
+from streams.resilience.breaker import CircuitBreaker
+from streams.resilience.guarded import GuardedClient
+from streams.resilience.limiter import RateLimiter
+from streams.resilience.router import Member, Route
+from streams.settings import load_settings
+from tests.fakes import FakeLLM
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def write(tmp_path: Path, deployments: list[dict[str, Any]]) -> Path:
+    path = tmp_path / "deployments.yaml"
+    path.write_text(yaml.safe_dump({"deployments": deployments}))
+    return path
+
+
+def test_a_deployments_file_is_read_with_its_keys_from_env_and_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EAST_KEY", "sk-east-secret")
+    (tmp_path / "west.key").write_text("sk-west-secret\n")
+    path = write(tmp_path, [
+        {"name": "east", "model": "gpt-4o-mini", "base_url": "http://east/v1",
+         "api_key_env": "EAST_KEY", "rpm": 3000, "price_per_1k_prompt_usd": 0.1},
+        {"name": "west", "model": "gpt-4o-mini", "auth": "azure", "base_url": "http://west",
+         "provider_model": "mini-prod", "api_version": "2024-10-21",
+         "api_key_file": str(tmp_path / "west.key"), "headers": {"X-Team": "reviews"}},
+    ])  # fmt: skip
+    east, west = load_deployments(path)
+    assert (east.name, east.api_key, east.provider_model, east.azure) == (
+        "east", "sk-east-secret", "gpt-4o-mini", None)  # fmt: skip
+    assert west.api_key == "sk-west-secret" and west.azure is not None
+    assert (west.azure.endpoint, west.azure.deployment, west.azure.api_version) == (
+        "http://west", "mini-prod", "2024-10-21")  # fmt: skip
+    assert "secret" not in repr(east) + repr(west)  # keys never printed
+
+
+@pytest.mark.parametrize(
+    ("entry", "said"),
+    [
+        ({"name": "a", "model": "m", "base_url": "http://a", "rpmm": 5},
+         "deployments.0.rpmm: unknown field (did you mean rpm?)"),
+        ({"name": "a", "model": "m", "auth": "azure", "base_url": "http://a"},
+         "auth: azure needs base_url (the resource) and api_version"),
+        ({"name": "a", "model": "m", "api_key_env": "NOT_SET_ANYWHERE_42"},
+         "deployment a: NOT_SET_ANYWHERE_42 is not set"),
+        ({"name": "default", "model": "m"}, "the name of OPENAI_BASE_URL's deployment"),
+    ],
+)  # fmt: skip
+def test_a_mistake_in_a_deployments_file_is_said_by_its_field(
+    tmp_path: Path, entry: dict[str, Any], said: str
+) -> None:
+    with pytest.raises(ConfigError, match="LLM_STREAMS_LLM__DEPLOYMENTS_FILE") as caught:
+        load_deployments(write(tmp_path, [entry]))
+    assert said in str(caught.value)
+
+
+def test_names_must_be_unique(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unique: a twice"):
+        load_deployments(write(tmp_path, [{"name": "a", "model": "m"}] * 2))
+
+
+def test_each_deployments_tokens_cost_its_own_price(tmp_path: Path) -> None:
+    path = write(tmp_path, [
+        {"name": "cheap", "model": "m", "price_per_1k_prompt_usd": 1.0,
+         "price_per_1k_completion_usd": 2.0},
+        {"name": "dear", "model": "m", "price_per_1k_prompt_usd": 10.0},
+    ])  # fmt: skip
+    settings = load_settings(llm={"price_per_1k_prompt_usd": 0.5,
+                                  "price_per_1k_completion_usd": 0.5})  # fmt: skip
+    prices = Prices.from_settings(settings, load_deployments(path))
+    spend = Spend()
+    spend.took(LLMResponse("{}", "m", 1000, 1000, "stop", deployment="cheap"))
+    spend.took(LLMResponse("{}", "m", 1000, 1000, "stop", deployment="dear"))
+    spend.used(Tokens(1000, 0), "m")  # no deployment named: the llm's price
+    # cheap: 1 + 2; dear: 10 + 0.5 (its completion price is the llm's); the rest: 0.5.
+    assert prices.split(spend) == pytest.approx({"cheap": 3.0, "dear": 10.5, "": 0.5})
+    assert prices.of(spend) == pytest.approx(14.0)
+    batch = Spend()
+    batch.took(LLMResponse("{}", "m", 1000, 0, "stop", deployment="dear"), discounted=True)
+    assert prices.of(batch) == pytest.approx(10.0 * settings.batch_api.price_ratio)
+
+
+def guarded(name: str, **limiter: Any) -> GuardedClient:
+    return GuardedClient(FakeLLM(), limiter=RateLimiter(rpm=limiter.pop("rpm", 6000)),
+                         breaker=CircuitBreaker(name, min_calls=1, open_s=60),
+                         deployment=name)  # fmt: skip
+
+
+async def test_the_route_leaves_a_deployment_whose_breaker_is_open_or_that_is_throttled() -> None:
+    a, b = guarded("a"), guarded("b")
+    route = Route("m", [Member("a", a), Member("b", b)], seed=1)
+    picked = {route.pick().deployment for _ in range(200)}
+    assert picked == {"a", "b"}  # both have room: spread
+    admission = a.breaker.admit()
+    assert admission is not None
+    a.breaker.settle(admission, False)  # a's circuit opens
+    assert {route.pick().deployment for _ in range(50)} == {"b"}
+    b.limiter.throttled(30.0)  # b is told to wait 30 s: a still waits longer (open 60 s)
+    assert route.pick().deployment == "b"
+    c = guarded("c")
+    route = Route("m", [Member("b", b), Member("c", c)], seed=1)
+    assert {route.pick().deployment for _ in range(50)} == {"c"}  # b paused, c has room
+
+
+async def test_a_prompt_prefix_goes_back_to_the_deployment_that_served_it() -> None:
+    a, b = guarded("a"), guarded("b")
+    route = Route("m", [Member("a", a), Member("b", b)], seed=3)
+    first = route.pick(Lane.LIVE, "the system prompt").deployment
+    assert {route.pick(Lane.LIVE, "the system prompt").deployment for _ in range(50)} == {first}
+    # ... unless it costs a wait: paused, the prefix goes where there is room.
+    (a if first == "a" else b).limiter.throttled(5.0)
+    assert route.pick(Lane.LIVE, "the system prompt").deployment != first
+
+
+async def test_calls_spread_over_deployments_move_off_a_failing_one_and_cost_its_price(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    east = await SimulatorServer(SimConfig(api_key="k-east", latency_ms=20)).start()
+    west = await SimulatorServer(SimConfig(api_key="k-west", latency_ms=20,
+                                           models=["mini-prod"])).start()  # fmt: skip
+    broken = await SimulatorServer(SimConfig(error_500_rate=1.0)).start()
+    monkeypatch.setenv("EAST_KEY", "k-east")
+    (tmp_path / "west.key").write_text("k-west")
+    path = write(tmp_path, [
+        {"name": "east", "model": "sim-1", "base_url": east.base_url, "api_key_env": "EAST_KEY",
+         "price_per_1k_prompt_usd": 1.0, "price_per_1k_completion_usd": 0.0},
+        {"name": "west", "model": "sim-1", "auth": "azure",
+         "base_url": west.base_url.removesuffix("/v1"), "provider_model": "mini-prod",
+         "api_version": "2024-10-21", "api_key_file": str(tmp_path / "west.key"),
+         "price_per_1k_prompt_usd": 3.0, "price_per_1k_completion_usd": 0.0},
+        {"name": "broken", "model": "sim-1", "base_url": broken.base_url},
+    ])  # fmt: skip
+    settings = load_settings(
+        llm={"base_url": "http://127.0.0.1:1/v1", "model": "sim-1", "deployments_file": path,
+             "backoff_base_s": 0.01, "backoff_max_s": 0.05},
+        resilience={"breaker_min_calls": 3, "breaker_open_s": 60},
+    )  # fmt: skip
+    try:
+        async with Analyzer(settings) as analyzer:
+            tasks = [{"task_id": f"t-{i}", "pipeline": "comment-analysis",
+                      "input": {"text": f"Comment number {i}: works fine."}}
+                     for i in range(60)]  # fmt: skip
+            outcomes = await asyncio.gather(*(analyzer.analyze(t) for t in tasks))
+            metrics = analyzer.metrics
+    finally:
+        for server in (east, west, broken):
+            await server.stop()
+    assert [o.kind for o in outcomes] == ["result"] * 60  # every task answered, none lost
+    served = {"east": east.sim.snapshot()["requests"], "west": west.sim.snapshot()["requests"]}
+    assert served["east"] > 0 and served["west"] > 0  # the Azure-style one too (api-key)
+    assert sum(served.values()) == 60
+    assert west.sim.by_status[401] == 0 and east.sim.by_status[401] == 0
+    assert metrics.breaker_state.labels("broken")._value.get() == 2  # open
+    failed = broken.sim.by_status[500]
+    assert 3 <= failed < 60  # it was tried, then left
+    # Each deployment's tokens at its own price; the results' cost is their sum.
+    cost = {d: metrics.deployment_cost.labels(d)._value.get() for d in ("east", "west")}
+    assert cost["east"] == pytest.approx(east.sim.prompt_tokens * 1.0 / 1000)
+    assert cost["west"] == pytest.approx(west.sim.prompt_tokens * 3.0 / 1000)
+    total = sum(o.record()["cost_usd"] for o in outcomes)
+    assert total == pytest.approx(cost["east"] + cost["west"])
+    assert metrics.deployment_calls.labels("broken", "error")._value.get() == failed
+
+
+def test_the_shipped_example_is_a_valid_deployments_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_KEY_A", "a")
+    monkeypatch.setenv("OPENAI_KEY_B", "b")
+    example = (ROOT / "examples" / "deployments.yaml").read_text()
+    (tmp_path / "azure.key").write_text("c")
+    path = tmp_path / "deployments.yaml"
+    path.write_text(example.replace("/run/secrets/azure-westeurope", str(tmp_path / "azure.key")))
+    found = load_deployments(path)
+    assert [d.name for d in found] == ["openai-a", "openai-b", "azure-westeurope"]
+    assert found[2].azure is not None and found[2].spec.weight == 0.5
