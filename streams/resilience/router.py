@@ -6,9 +6,9 @@ whose probe slots are all out) leaves a deployment out while another can take th
 among the rest, the least wait its limiter and its concurrency limit foresee — so a
 burst of 429s (the limiter paused) or a deployment at its limit moves calls to the
 others at once, and they come back when it has room again. While several have room
-now, calls are spread by their weights, except that a prompt whose first message
-went to a deployment before goes there again (the provider's prompt cache) when that
-costs no wait.
+now, calls are spread by their weights, except that a prompt whose first message is
+long enough to be cached and went to a deployment before goes there again (the
+provider's prompt cache) when that costs no wait.
 
 Written here: LiteLLM's router picks a deployment by usage it counts in Redis; ours
 reads the limiters the worker already keeps (limits learned from the provider's
@@ -26,7 +26,11 @@ from streams.contract.lanes import Lane
 from streams.resilience.guarded import GuardedClient
 
 READY_S = 0.005  # a deployment this close to taking a call has room now
+NEAR = 0.1  # none has room: those within a tenth of the soonest's wait are as soon
 AFFINITY_SLACK_S = 0.05  # the most wait a prompt cache's deployment may add
+# A first message this long may be cached by the provider (OpenAI caches prompts from
+# 1,024 tokens, ~4 characters each): shorter ones are spread by weight like the rest.
+AFFINITY_MIN_CHARS = 4000
 BLOCKED_S = 1_000.0  # a breaker that admits no call: behind every one that does
 AFFINITY_KEYS = 4096  # prompt prefixes remembered, least recently used out first
 
@@ -63,18 +67,16 @@ class Route:
         if len(self.members) == 1:
             return self.members[0].client
         waits = [(wait_of(m.client), m) for m in self.members]
-        key = _key(prefix) if prefix else None
+        key = _key(prefix) if prefix and len(prefix) >= AFFINITY_MIN_CHARS else None
         best = min(w for w, _ in waits)
         if key is not None and (name := self._served.get(key)) is not None:
             for wait, member in waits:
                 if member.name == name and wait <= best + AFFINITY_SLACK_S:
                     self._served.move_to_end(key)
                     return member.client
-        ready = [m for w, m in waits if w <= READY_S]
-        if ready:
-            chosen = self._rng.choices(ready, weights=[m.weight for m in ready])[0]
-        else:
-            chosen = min(waits, key=lambda wm: wm[0])[1]
+        # Room now, or (none has) the soonest: the few about as soon, spread by weight.
+        near = [m for w, m in waits if w <= max(READY_S, best * (1 + NEAR))]
+        chosen = self._rng.choices(near, weights=[m.weight for m in near])[0]
         if key is not None:
             self._served[key] = chosen.name
             self._served.move_to_end(key)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from streams.errors import ConfigError, UpstreamError
+from streams.llm.deployments import Deployment, load_deployments
 from streams.llm.endpoint import EndpointFacts
 from streams.llm.openai_client import OpenAIClient
 from streams.pipelines.registry import PipelineRegistry
@@ -31,8 +32,14 @@ class EndpointAway(UpstreamError):
 
 async def llm_preflight(settings: Settings) -> Preflight:
     """The endpoint's models and what it says of itself, once it answers with the key
-    accepted; raises ConfigError naming the setting when it never will."""
+    accepted; raises ConfigError naming the setting when it never will. With a
+    deployments file, its deployments are checked too (`_deployments`); when they serve
+    the default model, they stand in for the default endpoint."""
     llm = settings.llm
+    deployments = load_deployments(llm.deployments_file) if llm.deployments_file else []
+    served = [d for d in deployments if d.spec.model == llm.model]
+    if served:
+        return await _deployments(settings, deployments, served)
     key = llm.api_key.get_secret_value() if llm.api_key else None
     if llm.base_url is None and not key:
         raise ConfigError(f"no LLM key: set {KEY_VARS}, or {URL_VARS} for a server that "
@@ -60,7 +67,66 @@ async def llm_preflight(settings: Settings) -> Preflight:
     if ids and llm.model not in ids and len(ids) > 1:
         log.warning("the LLM endpoint %s lists no model %r (it lists %s): check "
                     "LLM_STREAMS_LLM__MODEL", where, llm.model, ", ".join(ids[:8]))  # fmt: skip
+    if deployments:
+        await _deployments(settings, deployments, [])
     return Preflight(endpoint=where, models=ids, facts=facts)
+
+
+async def _deployments(
+    settings: Settings, deployments: list[Deployment], served: list[Deployment]
+) -> Preflight:
+    """Each deployment tried once: a refused key or a name that does not resolve is a
+    ConfigError naming the deployment; one away is said and left to its breaker — unless
+    every one of the default model's (`served`) is away, which is waited for as an
+    endpoint alone is."""
+    llm = settings.llm
+    file = f"{llm.deployments_file} (LLM_STREAMS_LLM__DEPLOYMENTS_FILE)"
+    clients = {d.name: _client_of(settings, d) for d in deployments}
+    hint = (f"the key of its entry in {file}", f"its base_url in {file}")
+
+    async def answered(names: list[str]) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {}
+        away: list[str] = []
+        for name in names:
+            try:
+                found[name] = await _ask(
+                    clients[name], f"deployment {name} ({clients[name].endpoint})", hint
+                )
+            except EndpointAway as exc:
+                away.append(exc.message)
+        if served and not any(d.name in found for d in served):
+            raise EndpointAway("; ".join(away))
+        for said in away:
+            log.warning("%s: its calls wait for it (its breaker) while the others answer", said)
+        return found
+
+    try:
+        found = await retry_transient(
+            lambda: answered([d.name for d in deployments]),
+            what="the deployments at start (LLM_STREAMS_LLM__STARTUP_WAIT_S bounds the wait)",
+            transient=lambda exc: isinstance(exc, EndpointAway),
+            within_s=llm.startup_wait_s, first_s=1.0, max_s=15.0,
+        )  # fmt: skip
+        first = next((d for d in served if d.name in found), None)
+        facts = await clients[first.name].describe(first.provider_model) if first else None
+    except EndpointAway as exc:
+        raise ConfigError(f"{exc.message}: still away after {llm.startup_wait_s:.0f}s — check "
+                          f"{file}") from exc  # fmt: skip
+    finally:
+        for client in clients.values():
+            await client.close()
+    where = ", ".join(f"{d.name} {clients[d.name].endpoint}" for d in served or deployments)
+    return Preflight(endpoint=f"deployments {where}", models=sorted({m for ids in found.values()
+                                                                      for m in ids}),
+                     facts=facts or EndpointFacts())  # fmt: skip
+
+
+def _client_of(settings: Settings, deployment: Deployment) -> OpenAIClient:
+    llm, spec = settings.llm, deployment.spec
+    return OpenAIClient(base_url=spec.base_url, api_key=deployment.api_key,
+                        connect_timeout_s=llm.connect_timeout_s,
+                        read_timeout_s=llm.read_timeout_s, azure=deployment.azure,
+                        headers=dict(spec.headers))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -102,24 +168,28 @@ def banner(settings: Settings, registry: PipelineRegistry, seen: Preflight) -> l
     ]
 
 
-async def _ask(client: OpenAIClient, where: str) -> list[str]:
-    """One try: the models listed, or why not — `EndpointAway` when waiting may mend it."""
+async def _ask(
+    client: OpenAIClient, where: str, check: tuple[str, str] = (KEY_VARS, URL_VARS)
+) -> list[str]:
+    """One try: the models listed, or why not — `EndpointAway` when waiting may mend it.
+    `check`: what to check for a refused key, and for a name that does not resolve."""
+    key_vars, url_vars = check
     try:
         status, ids = await client.models()
     except socket.gaierror as exc:
         if exc.errno == socket.EAI_AGAIN:  # the resolver is away, not the name wrong
             raise EndpointAway(f"{where}: {exc}") from exc
         raise ConfigError(f"the LLM endpoint {where} does not resolve ({exc}): check "
-                          f"{URL_VARS}") from exc  # fmt: skip
+                          f"{url_vars}") from exc  # fmt: skip
     except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, TimeoutError,
             ConnectionError) as exc:  # fmt: skip
         if isinstance(getattr(exc, "os_error", None), socket.gaierror):
             raise ConfigError(f"the LLM endpoint {where} does not resolve: check "
-                              f"{URL_VARS}") from exc  # fmt: skip
+                              f"{url_vars}") from exc  # fmt: skip
         raise EndpointAway(f"cannot reach the LLM endpoint {where}: {exc}") from exc
     if status in (401, 403):
         raise ConfigError(f"the LLM endpoint {where} refused the key (HTTP {status}): "
-                          f"check {KEY_VARS}")  # fmt: skip
+                          f"check {key_vars}")  # fmt: skip
     if status >= 500:
         raise EndpointAway(f"the LLM endpoint {where} answered HTTP {status}")
     return ids  # 404 and the like: a server without a model list says nothing more

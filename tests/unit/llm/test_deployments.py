@@ -126,11 +126,14 @@ async def test_the_route_leaves_a_deployment_whose_breaker_is_open_or_that_is_th
 async def test_a_prompt_prefix_goes_back_to_the_deployment_that_served_it() -> None:
     a, b = guarded("a"), guarded("b")
     route = Route("m", [Member("a", a), Member("b", b)], seed=3)
-    first = route.pick(Lane.LIVE, "the system prompt").deployment
-    assert {route.pick(Lane.LIVE, "the system prompt").deployment for _ in range(50)} == {first}
-    # ... unless it costs a wait: paused, the prefix goes where there is room.
+    system = "Classify the comment. " * 200  # long enough for a provider to cache it
+    first = route.pick(Lane.LIVE, system).deployment
+    assert {route.pick(Lane.LIVE, system).deployment for _ in range(50)} == {first}
+    # A short one is spread by weight, as any call.
+    assert {route.pick(Lane.LIVE, "Classify.").deployment for _ in range(50)} == {"a", "b"}
+    # ... and a long one too when it costs a wait: paused, it goes where there is room.
     (a if first == "a" else b).limiter.throttled(5.0)
-    assert route.pick(Lane.LIVE, "the system prompt").deployment != first
+    assert route.pick(Lane.LIVE, system).deployment != first
 
 
 async def test_calls_spread_over_deployments_move_off_a_failing_one_and_cost_its_price(
@@ -154,32 +157,54 @@ async def test_calls_spread_over_deployments_move_off_a_failing_one_and_cost_its
     settings = load_settings(
         llm={"base_url": "http://127.0.0.1:1/v1", "model": "sim-1", "deployments_file": path,
              "backoff_base_s": 0.01, "backoff_max_s": 0.05},
-        resilience={"breaker_min_calls": 3, "breaker_open_s": 60},
+        resilience={"breaker_min_calls": 3, "breaker_open_s": 1.0},
     )  # fmt: skip
+
+    def tasks(first: int, n: int) -> list[dict[str, Any]]:
+        return [{"task_id": f"t-{i}", "pipeline": "comment-analysis",
+                 "input": {"text": f"Comment number {i}: works fine."}}
+                for i in range(first, first + n)]  # fmt: skip
+
     try:
         async with Analyzer(settings) as analyzer:
-            tasks = [{"task_id": f"t-{i}", "pipeline": "comment-analysis",
-                      "input": {"text": f"Comment number {i}: works fine."}}
-                     for i in range(60)]  # fmt: skip
-            outcomes = await asyncio.gather(*(analyzer.analyze(t) for t in tasks))
             metrics = analyzer.metrics
+            outcomes = []
+            for wave in range(6):  # spread while all have room: the failing one is tried
+                outcomes += await asyncio.gather(
+                    *(analyzer.analyze(t) for t in tasks(10 * wave, 10))
+                )
+            state_then = metrics.breaker_state.labels("broken")._value.get()
+            failed = broken.sim.by_status[500]
+            broken.sim.config.error_500_rate = 0.0  # it heals
+            await asyncio.sleep(1.2)  # its circuit half-opens
+            for wave in range(6, 12):  # traffic comes back once its probes pass
+                outcomes += await asyncio.gather(
+                    *(analyzer.analyze(t) for t in tasks(10 * wave, 10))
+                )
     finally:
         for server in (east, west, broken):
             await server.stop()
-    assert [o.kind for o in outcomes] == ["result"] * 60  # every task answered, none lost
-    served = {"east": east.sim.snapshot()["requests"], "west": west.sim.snapshot()["requests"]}
+    assert [o.kind for o in outcomes] == ["result"] * 120  # every task answered, none lost
+    assert state_then == 2  # the failing deployment's circuit was open ...
+    assert 3 <= failed < 60  # ... once it had been tried: then it was left
+    served = {s: server.sim.by_status[200] for s, server in
+              (("east", east), ("west", west), ("broken", broken))}  # fmt: skip
     assert served["east"] > 0 and served["west"] > 0  # the Azure-style one too (api-key)
-    assert sum(served.values()) == 60
+    assert served["broken"] > 3  # back: more than its probes
+    assert sum(served.values()) == 120
     assert west.sim.by_status[401] == 0 and east.sim.by_status[401] == 0
-    assert metrics.breaker_state.labels("broken")._value.get() == 2  # open
-    failed = broken.sim.by_status[500]
-    assert 3 <= failed < 60  # it was tried, then left
+    assert metrics.breaker_state.labels("broken")._value.get() == 0  # closed again
     # Each deployment's tokens at its own price; the results' cost is their sum.
     cost = {d: metrics.deployment_cost.labels(d)._value.get() for d in ("east", "west")}
     assert cost["east"] == pytest.approx(east.sim.prompt_tokens * 1.0 / 1000)
     assert cost["west"] == pytest.approx(west.sim.prompt_tokens * 3.0 / 1000)
+    default_price = settings.llm.price_per_1k_prompt_usd, settings.llm.price_per_1k_completion_usd
+    assert metrics.deployment_cost.labels("broken")._value.get() == pytest.approx(
+        (broken.sim.prompt_tokens * default_price[0] + broken.sim.completion_tokens
+         * default_price[1]) / 1000)  # fmt: skip
     total = sum(o.record()["cost_usd"] for o in outcomes)
-    assert total == pytest.approx(cost["east"] + cost["west"])
+    assert total == pytest.approx(sum(metrics.deployment_cost.labels(d)._value.get()
+                                      for d in ("east", "west", "broken")))  # fmt: skip
     assert metrics.deployment_calls.labels("broken", "error")._value.get() == failed
 
 

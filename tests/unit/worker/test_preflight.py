@@ -7,11 +7,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import yaml
 
 from streams.dev.brokers.common import free_port
 from streams.dev.simulator import SimConfig, SimulatorServer
 from streams.errors import ConfigError
-from streams.settings import load_settings
+from streams.settings import Settings, load_settings
 from streams.worker.preflight import llm_preflight
 
 
@@ -53,6 +54,37 @@ async def test_an_endpoint_away_at_start_is_waited_for_then_given_up_on() -> Non
     gone = load_settings(llm={"base_url": url, "api_key": "k", "startup_wait_s": 1})
     with pytest.raises(ConfigError, match="still away after 1s"):
         await asyncio.wait_for(llm_preflight(gone), 60)
+
+
+async def test_deployments_of_the_default_model_stand_in_for_the_endpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No OPENAI key needed when the deployments serve the default model; a deployment
+    away is said and left to its breaker while another answers; a refused key names the
+    deployment and the file."""
+    up = await SimulatorServer(SimConfig(api_key="k-up")).start()
+    (tmp_path / "up.key").write_text("k-up")
+    path = tmp_path / "deployments.yaml"
+
+    def declare(key_file: str) -> Settings:
+        path.write_text(yaml.safe_dump({"deployments": [
+            {"name": "up", "model": "sim-1", "base_url": up.base_url, "api_key_file": key_file},
+            {"name": "away", "model": "sim-1", "base_url": f"http://127.0.0.1:{free_port()}/v1"},
+        ]}))  # fmt: skip
+        return load_settings(llm={"model": "sim-1", "deployments_file": path,
+                                  "startup_wait_s": 1})  # fmt: skip
+
+    try:
+        seen = await llm_preflight(declare(str(tmp_path / "up.key")))
+        assert (
+            seen.endpoint.startswith("deployments up http://127.0.0.1") and "sim-1" in seen.models
+        )
+        assert "deployment away" in caplog.text and "its breaker" in caplog.text
+        (tmp_path / "wrong.key").write_text("nope")
+        with pytest.raises(ConfigError, match=r"deployment up .*refused the key.*DEPLOYMENTS_FILE"):
+            await llm_preflight(declare(str(tmp_path / "wrong.key")))
+    finally:
+        await up.stop()
 
 
 def test_the_banner_says_what_the_worker_is_and_where_to_look(tmp_path: Path) -> None:
