@@ -40,6 +40,10 @@ def table(snap: dict[str, Any], url: str) -> Table:
         ("cost so far", f"${snap['cost_usd']:.4f}" + per_result),
         ("breakers", ", ".join(f"{k}: {v}" for k, v in snap["breakers"].items()) or "–"),
         ("limiter", ", ".join(f"{k}: {v:.0f} RPM" for k, v in snap["limiter_rpm"].items()) or "–"),
+        ("deployments", "; ".join(
+            f"{d['deployment']}: {d['breaker']}, {d['rpm']:.0f} RPM, {d['ok']} ok / "
+            f"{d['throttled']} 429 / {d['errors']} errors, ${d['cost_usd']:.4f}"
+            for d in snap.get("deployments", [])) or "–"),
         ("top dead letters", ", ".join(f"{k}: {v:.0f}" for k, v in dead) or "–"),
         ("spend caps", ", ".join(
             f"{b['pipeline']} {b['lane']}/{b['window']}: ${b['spent_usd']:.4f} of "

@@ -146,7 +146,27 @@ def _states(snap: dict[str, Any]) -> str:
         for model, rpm in snap["limiter_rpm"].items()
     ]
     caps = [_budget_badge(b) for b in snap.get("budgets", [])]
-    return f'<div class="states">{"".join(badges + limiters + caps)}</div>'
+    return f'<div class="states">{"".join(badges + limiters + caps)}</div>' + _deployments(snap)
+
+
+def _deployments(snap: dict[str, Any]) -> str:
+    """A row per declared deployment: breaker, learned limit, calls by outcome, spend."""
+    rows = []
+    for d in snap.get("deployments", []):
+        name = d["deployment"]
+        rows.append(
+            f"<tr><td>{_e(name)}</td><td><span class='badge' style='background:"
+            f"{BADGE.get(d['breaker'], '#777')}'>{_e(d['breaker'])}</span></td>"
+            f"<td>{figure(f'deployment_{name}_rpm', d['rpm'], count(d['rpm']))} RPM</td>"
+            f"<td>{count(d['ok'])}</td><td>{count(d['throttled'])}</td>"
+            f"<td>{count(d['errors'])}</td>"
+            f"<td>{figure(f'deployment_{name}_cost', d['cost_usd'], usd(d['cost_usd']))}</td></tr>"
+        )
+    if not rows:
+        return ""
+    return ("<h2>Deployments</h2><table><tr><th>deployment</th><th>breaker</th>"
+            "<th>learned limit</th><th>ok</th><th>429</th><th>errors</th><th>spent</th></tr>"
+            f"{''.join(rows)}</table>")  # fmt: skip
 
 
 def _budget_badge(b: dict[str, Any]) -> str:

@@ -146,7 +146,33 @@ class StatusView:
             "cost_per_result_usd": round(cost / results, 8) if results else None,
             "dead_letters_by_category": dict(sorted(dead.items(), key=lambda kv: -kv[1])[:5]),
             "budgets": self._budgets(samples),
+            "deployments": self._deployments(samples),
         }
+
+    @staticmethod
+    def _deployments(
+        samples: dict[str, list[tuple[dict[str, str], float]]],
+    ) -> list[dict[str, Any]]:
+        """Per declared deployment: its learned limits, its calls by outcome, its breaker
+        and its spend (none without a deployments file)."""
+        rates: dict[str, dict[str, float]] = defaultdict(dict)
+        for ls, v in samples.get("llm_streams_deployment_rate_per_minute", []):
+            rates[ls["deployment"]][ls["unit"]] = v
+        calls: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for ls, v in samples.get("llm_streams_deployment_calls_total", []):
+            calls[ls["deployment"]][ls["outcome"]] += v
+        cost = {ls["deployment"]: v
+                for ls, v in samples.get("llm_streams_deployment_cost_usd_total", [])}  # fmt: skip
+        breakers = {ls["endpoint"]: BREAKER_NAMES.get(int(v), str(v))
+                    for ls, v in samples.get("llm_streams_breaker_state", [])}  # fmt: skip
+        return [
+            {"deployment": name, "rpm": round(r.get("requests", 0.0), 1),
+             "tpm": round(r["tokens"], 1) if r.get("tokens") else None,
+             "ok": int(calls[name]["ok"]), "throttled": int(calls[name]["throttled"]),
+             "errors": int(calls[name]["error"]), "breaker": breakers.get(name, "closed"),
+             "cost_usd": round(cost.get(name, 0.0), 8)}
+            for name, r in sorted(rates.items())
+        ]  # fmt: skip
 
     @staticmethod
     def _budgets(samples: dict[str, list[tuple[dict[str, str], float]]]) -> list[dict[str, Any]]:

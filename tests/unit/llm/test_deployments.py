@@ -16,6 +16,8 @@ from streams.contract.lanes import Lane
 from streams.core.spend import Prices, Spend, Tokens
 from streams.dev.simulator import SimConfig, SimulatorServer
 from streams.errors import ConfigError
+from streams.observability.page import render_html
+from streams.observability.status import StatusView
 from streams.llm.client import LLMResponse
 from streams.llm.deployments import load_deployments
 from streams.resilience.breaker import CircuitBreaker
@@ -206,6 +208,15 @@ async def test_calls_spread_over_deployments_move_off_a_failing_one_and_cost_its
     assert total == pytest.approx(sum(metrics.deployment_cost.labels(d)._value.get()
                                       for d in ("east", "west", "broken")))  # fmt: skip
     assert metrics.deployment_calls.labels("broken", "error")._value.get() == failed
+    # The operator's view: each deployment's breaker, calls and spend.
+    snap = StatusView(metrics).snapshot()
+    shown = {d["deployment"]: d for d in snap["deployments"]}
+    assert set(shown) == {"east", "west", "broken"}
+    assert (shown["broken"]["errors"], shown["broken"]["breaker"]) == (failed, "closed")
+    assert shown["east"]["ok"] == served["east"]
+    assert shown["west"]["cost_usd"] == pytest.approx(cost["west"])
+    page = render_html(snap)
+    assert "<h2>Deployments</h2>" in page and ">broken</td>" in page
 
 
 def test_the_shipped_example_is_a_valid_deployments_file(
