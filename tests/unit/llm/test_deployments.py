@@ -16,10 +16,10 @@ from streams.contract.lanes import Lane
 from streams.core.spend import Prices, Spend, Tokens
 from streams.dev.simulator import SimConfig, SimulatorServer
 from streams.errors import ConfigError
-from streams.observability.page import render_html
-from streams.observability.status import StatusView
 from streams.llm.client import LLMResponse
 from streams.llm.deployments import load_deployments
+from streams.observability.page import render_html
+from streams.observability.status import StatusView
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
