@@ -5,7 +5,8 @@ LLM, so an outage of either does not get a worker restarted (which would only ad
 rebalance to the outage). `/readyz` (ready) says whether the worker has taken its part of
 the group's work: a rebalance has ended, every partition it owns has its task store
 loaded (until then its records wait), and no endpoint's breaker is open (its calls are
-being refused: the endpoint is away or failing). A worker owning no partition (more
+being refused: the endpoint is away or failing) — a deployment's counts only when every
+other deployment of its model is open too. A worker owning no partition (more
 workers than partitions) is ready: it stands by.
 """
 
@@ -48,10 +49,17 @@ class Readiness:
 
 
 def open_breakers(metrics: Metrics) -> tuple[str, ...]:
-    """The endpoints whose breaker is open, as the worker's metrics say."""
-    return tuple(sorted(
-        sample.labels["endpoint"]
+    """The endpoints whose breaker is open, as the worker's metrics say — but not a
+    deployment whose model another deployment still serves (its calls go there)."""
+    states = {
+        sample.labels["endpoint"]: sample.value
         for family in metrics.breaker_state.collect()
         for sample in family.samples
-        if sample.value == _OPEN
+    }
+    serves = metrics.deployment_models
+    serving = {serves[name] for name, state in states.items()
+               if name in serves and state != _OPEN}  # fmt: skip
+    return tuple(sorted(
+        name for name, state in states.items()
+        if state == _OPEN and serves.get(name) not in serving
     ))  # fmt: skip

@@ -241,6 +241,7 @@ class Metrics:
             ["model"], registry=r)  # fmt: skip
         # Per declared deployment (`llm.deployments`; "default": OPENAI_BASE_URL's): names
         # from the deployments file, so the labels stay few.
+        self.deployment_models: dict[str, str] = {}  # deployment -> the model it serves
         self.deployment_calls = Counter(
             "llm_streams_deployment_calls",
             "Calls per deployment by outcome: ok, throttled (a 429), error.",
@@ -369,8 +370,12 @@ class Metrics:
         self.limiter_rate.labels(model, "requests").set_function(lambda: rates()[0])
         self.limiter_rate.labels(model, "tokens").set_function(lambda: rates()[1] or 0.0)
 
-    def watch_deployment(self, name: str, rates: Callable[[], tuple[float, float | None]]) -> None:
-        """Report a deployment's limiter rates at every scrape."""
+    def watch_deployment(
+        self, name: str, model: str, rates: Callable[[], tuple[float, float | None]]
+    ) -> None:
+        """Report a deployment's limiter rates at every scrape; `model`: the one it serves
+        (a deployment's open breaker leaves the model served while another's is not)."""
+        self.deployment_models[name] = model
         self.deployment_rate.labels(name, "requests").set_function(lambda: rates()[0])
         self.deployment_rate.labels(name, "tokens").set_function(lambda: rates()[1] or 0.0)
 

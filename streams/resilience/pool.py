@@ -114,7 +114,7 @@ class ClientPool:
         members = []
         for deployment in self.deployments[model]:
             limiter = self.make_deployed_limiter(deployment)
-            self.metrics.watch_deployment(deployment.name, limiter.rates)
+            self.metrics.watch_deployment(deployment.name, model, limiter.rates)
             http = self.make_deployed(deployment)
             self._http[(deployment.name, None)] = http  # closed with the rest
             members.append(

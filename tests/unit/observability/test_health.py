@@ -25,3 +25,16 @@ def test_open_breakers_are_read_from_the_metrics() -> None:
     metrics.breaker_state.labels("b").set(1)  # half-open: probes go through
     metrics.breaker_state.labels("c").set(0)
     assert open_breakers(metrics) == ("a",)
+
+
+def test_a_deployments_open_breaker_keeps_the_worker_ready_while_another_serves_its_model() -> None:
+    metrics = Metrics()
+    for name in ("east", "west"):
+        metrics.watch_deployment(name, "gpt-4o-mini", lambda: (60.0, None))
+        metrics.breaker_changed(name, "closed")
+    metrics.breaker_changed("east", "open")
+    assert open_breakers(metrics) == ()  # west still serves the model
+    metrics.breaker_changed("west", "half_open")
+    assert open_breakers(metrics) == ()  # west is probing: its calls may go
+    metrics.breaker_changed("west", "open")
+    assert open_breakers(metrics) == ("east", "west")  # the model has no deployment left
