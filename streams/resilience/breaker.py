@@ -30,6 +30,9 @@ from streams.resilience.clock import Clock, MonotonicClock
 log = logging.getLogger(__name__)
 
 
+STREAK = 3  # failed verdicts in a row after which a router cools a deployment off
+
+
 class State(StrEnum):
     CLOSED = "closed"
     OPEN = "open"
@@ -75,6 +78,10 @@ class CircuitBreaker:
         self._probes_sent = 0
         self._probes_ok = 0
         self._changed: asyncio.Future[None] | None = None
+        # Failed verdicts in a row, and when the last came: the window above judges late
+        # when a healthy past fills it, so a router cools a deployment off meanwhile.
+        self.streak = 0
+        self._last_failed = 0.0
 
     def _move(self, new: State) -> None:
         old, self.state = self.state, new
@@ -112,6 +119,21 @@ class CircuitBreaker:
             return self.open_s
         return 0.0
 
+    def _count_streak(self, ok: bool | None, now: float) -> None:
+        if ok is not None:
+            self.streak = 0 if ok else self.streak + 1
+            if not ok:
+                self._last_failed = now
+
+    def cooling_for(self) -> float:
+        """Seconds a router keeps calls away while the last `STREAK` or more verdicts all
+        failed (the window may not have judged yet): 0.5 s, doubling with each failure
+        more, at most `open_s`; then one call finds out. Calls it admits are not refused."""
+        if self.streak < STREAK:
+            return 0.0
+        cool = min(self.open_s, 0.5 * 2.0 ** (self.streak - STREAK))
+        return max(0.0, self._last_failed + cool - self.clock.now())
+
     def admit(self) -> Admission | None:
         """Let a call through (counting a half-open probe), or None: not now."""
         now = self.clock.now()
@@ -133,6 +155,7 @@ class CircuitBreaker:
             return
         admission.settled = True
         now = self.clock.now()
+        self._count_streak(ok, now)
         if admission.probe:
             if self.state is not State.HALF_OPEN or admission.round != self._round:
                 return  # a probe of a round that is over

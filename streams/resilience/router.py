@@ -87,9 +87,10 @@ class Route:
 
 def wait_of(client: GuardedClient) -> float:
     """Seconds until `client` could take a call: its breaker's reopening when it lets no
-    call through (behind every deployment that admits calls), else what its limiter and
-    its concurrency limit foresee."""
-    blocked = client.breaker.blocked_for()
+    call through, or its cooling off after failures in a row (behind every deployment
+    that admits calls), else what its limiter and its concurrency limit foresee."""
+    breaker = client.breaker
+    blocked = max(breaker.blocked_for(), breaker.cooling_for())
     if blocked > 0:
         return BLOCKED_S + blocked
     return max(client.limiter.ready_in(), client.concurrency.ready_in())

@@ -231,3 +231,22 @@ def test_the_shipped_example_is_a_valid_deployments_file(
     found = load_deployments(path)
     assert [d.name for d in found] == ["openai-a", "openai-b", "azure-westeurope"]
     assert found[2].azure is not None and found[2].spec.weight == 0.5
+
+
+async def test_a_deployment_whose_calls_fail_in_a_row_is_cooled_off_before_its_window_judges() -> (
+    None
+):
+    a, b = guarded("a"), guarded("b")
+    a.breaker.min_calls = 1000  # its window would take long to judge
+    route = Route("m", [Member("a", a), Member("b", b)], seed=2)
+    for _ in range(3):
+        admission = a.breaker.admit()
+        assert admission is not None
+        a.breaker.settle(admission, False)
+    assert a.breaker.state.value == "closed" and a.breaker.cooling_for() > 0.4
+    assert {route.pick().deployment for _ in range(50)} == {"b"}
+    admission = a.breaker.admit()
+    assert admission is not None  # cooling refuses nothing: it is the router's choice
+    a.breaker.settle(admission, True)  # one answer: warm again
+    assert a.breaker.cooling_for() == 0.0
+    assert {route.pick().deployment for _ in range(100)} == {"a", "b"}
