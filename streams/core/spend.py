@@ -79,8 +79,7 @@ class Prices:
 
     def split(self, spend: Spend) -> dict[str, float]:
         """USD per deployment that answered (tokens no deployment was named for: "")."""
-        rest = Tokens(spend.prompt_tokens, spend.completion_tokens, spend.cached_prompt,
-                      spend.discounted_prompt, spend.discounted_completion)  # fmt: skip
+        rest = spend.totals
         out: dict[str, float] = {}
         for name, part in spend.by_deployment.items():
             out[name] = self.of_deployment(name).priced(part)
@@ -164,22 +163,26 @@ class Spend:
 
     def used(self, tokens: Tokens, model: str, deployment: str = "") -> None:
         """Take in tokens answered by `deployment` (a call's, a pack's share)."""
+        self._count(tokens)
+        self.model = model or self.model
+        if deployment:
+            self.by_deployment.setdefault(deployment, Tokens()).add(tokens)
+
+    @property
+    def totals(self) -> Tokens:
+        return Tokens(self.prompt_tokens, self.completion_tokens, self.cached_prompt,
+                      self.discounted_prompt, self.discounted_completion)  # fmt: skip
+
+    def _count(self, tokens: Tokens) -> None:
         self.prompt_tokens += tokens.prompt
         self.completion_tokens += tokens.completion
         self.cached_prompt += tokens.cached
         self.discounted_prompt += tokens.discounted_prompt
         self.discounted_completion += tokens.discounted_completion
-        self.model = model or self.model
-        if deployment:
-            self.by_deployment.setdefault(deployment, Tokens()).add(tokens)
 
     def add(self, other: Spend) -> None:
         """Take in a part's spend (a chunk's, a pack's share)."""
-        self.prompt_tokens += other.prompt_tokens
-        self.completion_tokens += other.completion_tokens
-        self.discounted_prompt += other.discounted_prompt
-        self.discounted_completion += other.discounted_completion
-        self.cached_prompt += other.cached_prompt
+        self._count(other.totals)
         self.rejected += other.rejected
         for name, part in other.by_deployment.items():
             self.by_deployment.setdefault(name, Tokens()).add(part)
