@@ -123,6 +123,12 @@ class Result(_Record):
         "the one kept, each followed by a repair or another attempt; 0: the first answer "
         "passed. Per prompt version, the share of 0s is its content pass rate.",
     )
+    cost_by_deployment: dict[str, float] = Field(
+        default_factory=dict,
+        description="cost_usd by the deployment that answered (the names of "
+        "LLM_STREAMS_LLM__DEPLOYMENTS_FILE; `default`: OPENAI_BASE_URL's), each at its own "
+        "prices; empty when only the default endpoint answered.",
+    )
 
 
 class ErrorInfo(_Record):

@@ -70,7 +70,12 @@ class _Converter:
         return sorted(union, key=lambda m: m != "null")  # null first: default null
 
     def _record(self, node: dict[str, Any], name: str, path: str) -> dict[str, Any]:
+        """An object: a record of its properties, or a map when it declares none but
+        what every value is (`additionalProperties`)."""
         properties = node.get("properties")
+        values = node.get("additionalProperties")
+        if not properties and isinstance(values, dict):  # names free, values alike: a map
+            return {"type": "map", "values": self.convert(values, f"{name}_value", f"{path}.*")}
         if not isinstance(properties, dict) or not properties:
             raise self._refused(path, "an object without declared properties")
         required = set(node.get("required") or [])

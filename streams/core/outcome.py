@@ -152,6 +152,14 @@ class Outcomes:
                     self.metrics.deployment_cost.labels(deployment or DEFAULT).inc(usd)
         return cost
 
+    def by_deployment(self, spend: Spend) -> dict[str, float]:
+        """The spend's cost per deployment that answered; {} when only the default
+        endpoint did (no deployments file)."""
+        parts: dict[str, float] = {}
+        for name, usd in self.prices.split(spend).items():
+            parts[name or DEFAULT] = round(parts.get(name or DEFAULT, 0.0) + usd, 8)
+        return {} if set(parts) <= {DEFAULT} else parts
+
     def result(
         self,
         prep: Prepared,
@@ -164,6 +172,7 @@ class Outcomes:
         cached: bool,
         stages: dict[str, Any] | None = None,
         rejected: int = 0,
+        by_deployment: dict[str, float] | None = None,
     ) -> Outcome:
         latency_ms = (time.monotonic() - prep.started) * 1000
         record = Result(
@@ -182,6 +191,7 @@ class Outcomes:
             trace_id=current_trace_id(),
             processed_at=now_iso(),
             rejected_answers=rejected,
+            cost_by_deployment=by_deployment or {},
         ).model_dump(mode="json")
         value = orjson.dumps(record)
         reasons = tuple(prep.pipeline.review_reasons(prep.prompt.variables, output))

@@ -261,6 +261,7 @@ class TaskProcessor:
                 prep, output, model=spend.model or prompt.model, usage=usage,
                 cost=self.outcomes.cost(pipeline.name, spend), attempts=attempts.count,
                 cached=False, stages=kept, rejected=spend.rejected,
+                by_deployment=self.outcomes.by_deployment(spend),
             )  # fmt: skip
         except TaskError as exc:
             dead = self.outcomes.dead(exc, prep.raw, prep.key, prep.task, prep.source, attempts,

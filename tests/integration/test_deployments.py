@@ -99,5 +99,9 @@ async def test_three_deployments_one_failing_for_thirty_seconds(
         tokens = servers[name].sim.prompt_tokens  # its answers' prompts: failed calls cost 0
         completion = servers[name].sim.completion_tokens * settings.llm.price_per_1k_completion_usd
         assert spent == pytest.approx((tokens * price + completion) / 1000), name
+    for name in prices:  # each result's cost split by deployment, adding up to the metric
+        split = sum(r["cost_by_deployment"].get(name, 0.0) for r in got.results)
+        spent = after.value("llm_streams_deployment_cost_usd_total", deployment=name)
+        assert split == pytest.approx(spent, rel=1e-6), name
     total = sum(r["cost_usd"] for r in got.results)
     assert total == pytest.approx(after.value("llm_streams_deployment_cost_usd_total"))

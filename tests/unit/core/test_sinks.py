@@ -216,6 +216,12 @@ def test_what_avro_cannot_say_is_refused_with_where_it_is() -> None:
         "n": {"type": ["integer", "null"]}, "o": {"type": "number"}}}, "V", "ns")  # fmt: skip
     assert [f["type"] for f in mixed["fields"]] == ["string", ["null", "long"], ["null", "double"]]
     assert mixed["fields"][2]["default"] is None
+    # An object of free names whose values are alike (a result's cost_by_deployment): a map.
+    priced = avro_schema({"type": "object", "required": ["by"], "properties": {"by": {
+        "type": "object", "additionalProperties": {"type": "number"}}}}, "V", "ns")  # fmt: skip
+    assert priced["fields"][0]["type"] == {"type": "map", "values": "double"}
+    with pytest.raises(ConfigError, match=r"at \.by has an object without declared properties"):
+        avro_schema({"type": "object", "properties": {"by": {"type": "object"}}}, "V", "ns")
 
 
 def test_pipelines_validate_says_each_sink_and_refuses_one_avro_cannot_write(

@@ -207,6 +207,10 @@ async def test_calls_spread_over_deployments_move_off_a_failing_one_and_cost_its
     total = sum(o.record()["cost_usd"] for o in outcomes)
     assert total == pytest.approx(sum(metrics.deployment_cost.labels(d)._value.get()
                                       for d in ("east", "west", "broken")))  # fmt: skip
+    for outcome in outcomes:  # each result says what each deployment cost it
+        record = outcome.record()
+        assert set(record["cost_by_deployment"]) <= {"east", "west", "broken"}
+        assert sum(record["cost_by_deployment"].values()) == pytest.approx(record["cost_usd"])
     assert metrics.deployment_calls.labels("broken", "error")._value.get() == failed
     # The operator's view: each deployment's breaker, calls and spend.
     snap = StatusView(metrics).snapshot()
