@@ -42,7 +42,7 @@ from streams.pipelines.specs import Fallback
 from streams.pipelines.structured import structured_output
 from streams.resilience.guarded import CAPACITY_CODES, GuardedClient
 from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries
-from streams.resilience.router import Route
+from streams.resilience.router import Route, prefix_of
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +179,7 @@ class Calls:
         wait_for_circuit: bool = True,
         version: str = "",
     ) -> dict[str, Any]:
-        first = prompt.messages[0]["content"] if prompt.messages else None
-        client = route.pick(lane, first)
+        client = route.pick(lane, prefix_of(prompt.messages))
         request, repair = self._next_request(pipeline, prompt, attempts, spend, client)
         params = request.params
         where = endpoint_attributes(client.endpoint, client.server)

@@ -35,6 +35,7 @@ from streams.pipelines.registry import PipelineRegistry
 from streams.pipelines.render import RenderedPrompt
 from streams.pipelines.structured import structured_output
 from streams.resilience.retry import Attempts, call_with_retries
+from streams.resilience.router import prefix_of
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +151,10 @@ class Packs:
         """The pack's call, retried as a task's are, by the first item's deadline."""
         deadline_at = min(i.deadline_at for i in items)
         route = self.calls.route_for(request.model)
-        first = request.messages[0]["content"] if request.messages else None
+        prefix = prefix_of(request.messages)
 
         async def attempt(a: Attempts) -> LLMResponse:
-            client = route.pick(lane, first)
+            client = route.pick(lane, prefix)
             where = endpoint_attributes(client.endpoint, client.server)
             with child_span(
                 f"chat {request.model}", kind=SpanKind.CLIENT,

@@ -6,9 +6,10 @@ whose probe slots are all out) leaves a deployment out while another can take th
 among the rest, the least wait its limiter and its concurrency limit foresee — so a
 burst of 429s (the limiter paused) or a deployment at its limit moves calls to the
 others at once, and they come back when it has room again. While several have room
-now, calls are spread by their weights, except that a prompt whose first message is
-long enough to be cached and went to a deployment before goes there again (the
-provider's prompt cache) when that costs no wait.
+now, calls are spread by their weights, except that a prompt whose prefix is long
+enough to be cached and went to a deployment before — its first message; a session's
+turns, their first turn too — goes there again (the provider's prompt cache) when that
+costs no wait.
 
 Written here: LiteLLM's router picks a deployment by usage it counts in Redis; ours
 reads the limiters the worker already keeps (limits learned from the provider's
@@ -63,11 +64,12 @@ class Route:
         return self.members[0].client
 
     def pick(self, lane: Lane = Lane.LIVE, prefix: str | None = None) -> GuardedClient:
-        """The deployment that takes the next call (`prefix`: the prompt's first message)."""
+        """The deployment that takes the next call (`prefix`: what the prompt shares with
+        earlier calls a provider may have cached, `prefix_of`)."""
         if len(self.members) == 1:
             return self.members[0].client
         waits = [(wait_of(m.client), m) for m in self.members]
-        key = _key(prefix) if prefix and len(prefix) >= AFFINITY_MIN_CHARS else None
+        key = _key(prefix) if prefix else None
         best = min(w for w, _ in waits)
         if key is not None and (name := self._served.get(key)) is not None:
             for wait, member in waits:
@@ -96,8 +98,21 @@ def wait_of(client: GuardedClient) -> float:
     return max(client.limiter.ready_in(), client.concurrency.ready_in())
 
 
+def prefix_of(messages: list[dict[str, str]]) -> str | None:
+    """What a prompt shares with earlier calls that a provider may have cached: its first
+    message, and for a turn with earlier turns in it (a session) the first of those too —
+    the same for all of a session's turns. None when what it shares is too short for a
+    provider to cache."""
+    if not messages:
+        return None
+    shared = messages[:-1] if len(messages) > 2 else messages[:1]
+    if sum(len(m["content"]) for m in shared) < AFFINITY_MIN_CHARS:
+        return None
+    return "\x00".join(m["content"] for m in messages[: 2 if len(messages) > 2 else 1])
+
+
 def _key(prefix: str) -> bytes:
     return hashlib.blake2b(prefix.encode(), digest_size=12).digest()
 
 
-__all__ = ["Member", "Route", "wait_of"]
+__all__ = ["Member", "Route", "prefix_of", "wait_of"]

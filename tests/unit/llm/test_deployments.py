@@ -23,7 +23,7 @@ from streams.observability.status import StatusView
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
-from streams.resilience.router import Member, Route
+from streams.resilience.router import Member, Route, prefix_of
 from streams.settings import load_settings
 from tests.fakes import FakeLLM
 
@@ -128,14 +128,22 @@ async def test_the_route_leaves_a_deployment_whose_breaker_is_open_or_that_is_th
 async def test_a_prompt_prefix_goes_back_to_the_deployment_that_served_it() -> None:
     a, b = guarded("a"), guarded("b")
     route = Route("m", [Member("a", a), Member("b", b)], seed=3)
-    system = "Classify the comment. " * 200  # long enough for a provider to cache it
-    first = route.pick(Lane.LIVE, system).deployment
-    assert {route.pick(Lane.LIVE, system).deployment for _ in range(50)} == {first}
+    system = [{"role": "system", "content": "Classify the comment. " * 200},
+              {"role": "user", "content": "<comment>ok</comment>"}]  # fmt: skip
+    prefix = prefix_of(system)  # long enough for a provider to cache it
+    first = route.pick(Lane.LIVE, prefix).deployment
+    assert {route.pick(Lane.LIVE, prefix).deployment for _ in range(50)} == {first}
+    # A session's later turns share its first turn: the same deployment.
+    turn = [*system, {"role": "assistant", "content": "{}"}, {"role": "user", "content": "x"}]
+    assert prefix_of(turn) == prefix_of([*system, {"role": "assistant", "content": "{}"},
+                                         {"role": "user", "content": "y"}, turn[-1]])  # fmt: skip
     # A short one is spread by weight, as any call.
-    assert {route.pick(Lane.LIVE, "Classify.").deployment for _ in range(50)} == {"a", "b"}
+    short = prefix_of([{"role": "system", "content": "Classify."}, system[1]])
+    assert short is None
+    assert {route.pick(Lane.LIVE, short).deployment for _ in range(50)} == {"a", "b"}
     # ... and a long one too when it costs a wait: paused, it goes where there is room.
     (a if first == "a" else b).limiter.throttled(5.0)
-    assert route.pick(Lane.LIVE, system).deployment != first
+    assert route.pick(Lane.LIVE, prefix).deployment != first
 
 
 async def test_calls_spread_over_deployments_move_off_a_failing_one_and_cost_its_price(
