@@ -16,7 +16,7 @@ from streams.contract.records import ValueLimits
 from streams.core.budget import Budgets
 from streams.core.processor import ProcessorConfig, TaskProcessor
 from streams.errors import ConfigError, InternalError, InvalidInput, TaskError
-from streams.llm.deployments import Deployment, load_deployments
+from streams.llm.deployments import load_deployments
 from streams.llm.openai_client import OpenAIClient
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
@@ -151,15 +151,10 @@ def processor_factory(
     deployments = load_deployments(llm.deployments_file) if llm.deployments_file else []
     config = ProcessorConfig.from_settings(settings, limits, deployments)
 
-    def http(
-        url: str | None, key: str | None, deployment: Deployment | None = None
-    ) -> OpenAIClient:
-        spec = deployment.spec if deployment is not None else None
+    def http(url: str | None, key: str | None) -> OpenAIClient:
         return OpenAIClient(
             base_url=url, api_key=key, connect_timeout_s=llm.connect_timeout_s,
             read_timeout_s=llm.read_timeout_s, max_connections=settings.batch.concurrency,
-            azure=deployment.azure if deployment is not None else None,
-            headers=dict(spec.headers) if spec is not None else None,
         )  # fmt: skip
 
     def make() -> TaskProcessor:
@@ -173,7 +168,12 @@ def processor_factory(
                 rpm=llm.rpm, tpm=llm.tpm, burst_s=llm.burst_s, group=group
             ),
             deployments=deployments,
-            make_deployed=lambda d: http(d.spec.base_url, d.api_key, d),
+            make_deployed=lambda d: OpenAIClient.of_deployment(
+                d,
+                connect_timeout_s=llm.connect_timeout_s,
+                read_timeout_s=llm.read_timeout_s,
+                max_connections=settings.batch.concurrency,
+            ),
             make_deployed_limiter=lambda d: RateLimiter(
                 rpm=d.spec.rpm, tpm=d.spec.tpm, burst_s=llm.burst_s, group=group
             ),

@@ -34,7 +34,7 @@ from streams.llm.client import (
     request_body,
     unfenced,
 )
-from streams.llm.deployments import AzureDeployment
+from streams.llm.deployments import AzureDeployment, Deployment
 from streams.llm.endpoint import EndpointFacts, facts_from
 
 
@@ -152,6 +152,22 @@ class OpenAIClient:
             self._proxy: URL | None = get_env_proxy_for_url(URL(self._url))[0]
         except LookupError:
             self._proxy = None
+
+    @classmethod
+    def of_deployment(
+        cls,
+        deployment: Deployment,
+        *,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        max_connections: int = 256,
+    ) -> OpenAIClient:
+        """The client of a declared deployment: its endpoint, key, auth and headers."""
+        spec = deployment.spec
+        return cls(base_url=spec.base_url, api_key=deployment.api_key,
+                   connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s,
+                   max_connections=max_connections, azure=deployment.azure,
+                   headers=dict(spec.headers))  # fmt: skip
 
     def _open(self) -> aiohttp.ClientSession:
         # The headers as the session's: aiohttp copies them per request (in C) instead of

@@ -81,7 +81,9 @@ async def _deployments(
     endpoint alone is."""
     llm = settings.llm
     file = f"{llm.deployments_file} (LLM_STREAMS_LLM__DEPLOYMENTS_FILE)"
-    clients = {d.name: _client_of(settings, d) for d in deployments}
+    clients = {d.name: OpenAIClient.of_deployment(d, connect_timeout_s=llm.connect_timeout_s,
+                                                  read_timeout_s=llm.read_timeout_s)
+               for d in deployments}  # fmt: skip
     hint = (f"the key of its entry in {file}", f"its base_url in {file}")
 
     async def answered(names: list[str]) -> dict[str, list[str]]:
@@ -119,14 +121,6 @@ async def _deployments(
     return Preflight(endpoint=f"deployments {where}", models=sorted({m for ids in found.values()
                                                                       for m in ids}),
                      facts=facts or EndpointFacts())  # fmt: skip
-
-
-def _client_of(settings: Settings, deployment: Deployment) -> OpenAIClient:
-    llm, spec = settings.llm, deployment.spec
-    return OpenAIClient(base_url=spec.base_url, api_key=deployment.api_key,
-                        connect_timeout_s=llm.connect_timeout_s,
-                        read_timeout_s=llm.read_timeout_s, azure=deployment.azure,
-                        headers=dict(spec.headers))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -262,3 +262,33 @@ async def test_a_deployment_whose_calls_fail_in_a_row_is_cooled_off_before_its_w
     a.breaker.settle(admission, True)  # one answer: warm again
     assert a.breaker.cooling_for() == 0.0
     assert {route.pick().deployment for _ in range(100)} == {"a", "b"}
+
+
+async def test_pipelines_validate_endpoint_reports_each_deployment_of_a_model(
+    tmp_path: Path, shipped_pipelines: Any
+) -> None:
+    from streams.ops.endpoint import endpoint_report
+
+    east = await SimulatorServer(SimConfig(api_key="k-east")).start()
+    azure = await SimulatorServer(SimConfig(api_key="k-azure", models=["mini-prod"])).start()
+    (tmp_path / "east.key").write_text("k-east")
+    (tmp_path / "azure.key").write_text("k-azure")
+    path = write(tmp_path, [
+        {"name": "east", "model": "gpt-4o-mini", "base_url": east.base_url,
+         "api_key_file": str(tmp_path / "east.key")},
+        {"name": "azure", "model": "gpt-4o-mini", "auth": "azure",
+         "base_url": azure.base_url.removesuffix("/v1"), "provider_model": "mini-prod",
+         "api_version": "2024-10-21", "api_key_file": str(tmp_path / "azure.key")},
+    ])  # fmt: skip
+    settings = load_settings(llm={"base_url": east.base_url, "api_key": "k-east",
+                                  "model": "gpt-4o-mini", "deployments_file": path})  # fmt: skip
+    try:
+        lines = await endpoint_report(settings, shipped_pipelines)
+    finally:
+        await east.stop()
+        await azure.stop()
+    said = "\n".join(lines)
+    assert f"deployment east endpoint {east.base_url}" in said
+    assert "deployment azure endpoint" in said and "/openai/deployments/mini-prod" in said
+    assert "refused" not in said  # both honoured json_schema with their own keys
+    assert azure.sim.by_status[200] >= 3 and azure.sim.by_status[401] == 0
