@@ -93,10 +93,12 @@ class Prices:
                          tokens.discounted_completion, tokens.cached)  # fmt: skip
 
     def estimate(self, prompt_tokens: int, completion_tokens: float, tier: Tier) -> float:
-        """What asking costs in `tier` (a replay's estimate)."""
-        if tier is Tier.SYNC:
-            return self.cost(prompt_tokens, completion_tokens)
-        return round(self.cost(prompt_tokens, completion_tokens) * self.discount, 8)
+        """What asking costs in `tier` (a replay's estimate, a spend cap's hold): at the
+        dearest price a deployment may answer it at, so a cap counts in-flight spend high
+        rather than low."""
+        full = max(p.cost(prompt_tokens, completion_tokens)
+                   for p in (self, *self.deployments.values()))  # fmt: skip
+        return full if tier is Tier.SYNC else round(full * self.discount, 8)
 
 
 @dataclass

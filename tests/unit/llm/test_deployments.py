@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from streams.api import Analyzer
-from streams.contract.lanes import Lane
+from streams.contract.lanes import Lane, Tier
 from streams.core.spend import Prices, Spend, Tokens
 from streams.dev.simulator import SimConfig, SimulatorServer
 from streams.errors import ConfigError
@@ -101,6 +101,9 @@ def test_each_deployments_tokens_cost_its_own_price(tmp_path: Path) -> None:
     batch = Spend()
     batch.took(LLMResponse("{}", "m", 1000, 0, "stop", deployment="dear"), discounted=True)
     assert prices.of(batch) == pytest.approx(10.0 * settings.batch_api.price_ratio)
+    # What a call may cost, before it is routed (a cap's hold): at the dearest price.
+    assert prices.estimate(1000, 1000, Tier.SYNC) == pytest.approx(10.5)
+    assert prices.estimate(1000, 1000, Tier.BATCH) == pytest.approx(10.5 * prices.discount)
 
 
 def guarded(name: str, **limiter: Any) -> GuardedClient:
