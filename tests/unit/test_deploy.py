@@ -3,7 +3,6 @@ recording rules they define), so a renamed metric cannot silently blank a panel 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -95,7 +94,7 @@ def test_the_scrape_config_points_at_the_workers_web_port() -> None:
     assert job["dns_sd_configs"][0]["port"] == load_settings().web_port
 
 
-# -- docker-compose.yml and deploy/k8s: valid files that match what the code reads -----
+# -- docker-compose.yml: a valid file that matches what the code reads ------------------
 
 ROOT = DEPLOY.parent
 _DEFAULT = re.compile(r"\$\{[A-Z_]+:-([^}]*)\}")
@@ -159,106 +158,6 @@ def test_a_wrong_compose_field_is_caught() -> None:
                                                              "    restart: sometimes")  # fmt: skip
     with pytest.raises(ValueError, match="restart"):
         PyCompose.from_yaml(text)
-
-
-def _k8s_docs() -> list[dict[str, Any]]:
-    return [d for f in sorted((DEPLOY / "k8s").glob("*.yaml"))
-            for d in yaml.safe_load_all(f.read_text()) if d]  # fmt: skip
-
-
-def test_k8s_manifests_validate_against_the_kubernetes_schemas() -> None:
-    import kubernetes_validate
-
-    checked = 0
-    for doc in _k8s_docs():
-        if doc["apiVersion"].startswith(("keda.sh/", "monitoring.coreos.com/")):
-            continue  # CRDs: checked against the rest below
-        kubernetes_validate.validate(doc, "1.37.0", strict=True)
-        checked += 1
-    assert checked >= 5
-    statefulset = next(d for d in _k8s_docs() if d["kind"] == "StatefulSet")
-    wrong = copy.deepcopy(statefulset)
-    wrong["spec"]["replica"] = 3  # a typo must fail the check
-    with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(wrong, "1.37.0", strict=True)
-
-
-def test_k8s_pieces_agree_with_each_other_and_the_settings(monkeypatch: Any) -> None:
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in _k8s_docs()}
-    env = docs[("ConfigMap", "llm-streams-settings")]["data"]
-    settings = _settings_from(env, monkeypatch)
-    statefulset = docs[("StatefulSet", "llm-streams-worker")]
-    service = docs[("Service", "llm-streams-worker")]
-    scaled = docs[("ScaledObject", "llm-streams-worker")]
-    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet",
-                                               "name": "llm-streams-worker"}  # fmt: skip
-    assert scaled["spec"]["maxReplicaCount"] == settings.kafka.partitions
-    (trigger,) = scaled["spec"]["triggers"]
-    assert trigger["metadata"]["consumerGroup"] == settings.app_id
-    assert trigger["metadata"]["topic"] == settings.topics.tasks
-    # KEDA reaches the cluster as the worker does: its address, SASL mechanism, TLS, and
-    # the worker's own credentials and CA.
-    assert trigger["metadata"]["bootstrapServers"] == settings.bootstrap_servers
-    security = settings.kafka.security
-    assert trigger["metadata"]["sasl"] == security.sasl_mechanism.lower().replace("-sha-", "_sha")
-    assert trigger["metadata"]["tls"] == "enable" and security.protocol == "SASL_SSL"
-    auth = docs[("TriggerAuthentication", trigger["authenticationRef"]["name"])]
-    refs = {r["parameter"]: (r["name"], r["key"]) for r in auth["spec"]["secretTargetRef"]}
-    kafka_secret = docs[("Secret", "llm-streams-kafka")]
-    assert set(refs) == {"username", "password", "ca"}
-    assert {name for name, _ in refs.values()} == {"llm-streams-kafka"}
-    assert {key for _, key in refs.values()} <= set(kafka_secret["stringData"])
-    mounted = Path(str(security.ssl_cafile)).parent  # the Secret's files, in the pod
-    assert Path(str(security.sasl_username_file)) == mounted / refs["username"][1]
-    assert Path(str(security.ssl_cafile)) == mounted / refs["ca"][1]
-    labels = statefulset["spec"]["template"]["metadata"]["labels"]
-    assert service["spec"]["selector"] == labels
-    monitor = docs[("ServiceMonitor", "llm-streams-worker")]
-    assert (
-        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    )
-    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
-    assert settings.web_bind == "0.0.0.0"  # probes and scrapes come from outside the pod
-    container = statefulset["spec"]["template"]["spec"]["containers"][0]
-    assert container["ports"][0]["containerPort"] == settings.web_port
-    mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert str(settings.data_dir) in mounts and str(settings.pipelines_dir) in mounts
-    assert str(settings.schemas_dir) in mounts  # output schemas from a ConfigMap too
-    # The worker's own probes (observability.health), not a page that answers regardless.
-    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert "127.0.0.1:6066/healthz" in (DEPLOY / "Dockerfile").read_text()
-
-
-def test_the_generated_manifests_are_up_to_date(tmp_path: Path) -> None:
-    import importlib.util
-    import shutil
-
-    spec = importlib.util.spec_from_file_location("render", DEPLOY / "k8s" / "render.py")
-    assert spec is not None and spec.loader is not None
-    render = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(render)
-    for name, make in render.RENDERED.items():
-        assert (DEPLOY / "k8s" / name).read_text() == make(), "run: python deploy/k8s/render.py"
-    # A changed pipeline changes the pod template's annotation: the pods roll.
-    before = re.search(r"checksum/config: (\S+)", render.worker())
-    for folder in ("pipelines", "schemas"):
-        shutil.copytree(DEPLOY.parent / folder, tmp_path / folder)
-    changed = tmp_path / "pipelines" / "comment-analysis.yaml"
-    changed.write_text(changed.read_text() + "\n# a new prompt\n")
-    render.ROOT = tmp_path
-    after = re.search(r"checksum/config: (\S+)", render.worker())
-    assert before is not None and after is not None and before.group(1) != after.group(1)
-
-
-def test_k8s_monitoring_carries_the_rules_and_the_dashboard() -> None:
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in _k8s_docs()}
-    rule = docs[("PrometheusRule", "llm-streams")]
-    rules = yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())
-    assert rule["spec"]["groups"] == rules["groups"]
-    board = docs[("ConfigMap", "llm-streams-grafana-dashboard")]
-    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"  # the sidecar's label
-    assert json.loads(board["data"]["llm-streams.json"])["uid"]
 
 
 def test_the_image_lock_pins_every_runtime_dependency_within_its_range() -> None:
@@ -349,28 +248,18 @@ def test_the_tests_kafka_container_is_configured_like_the_compose_broker() -> No
         assert env[name] == str(kafka["environment"][name])
 
 
-def test_the_secured_setups_read_their_secrets_from_mounted_files(monkeypatch: Any) -> None:
-    """k8s and the compose profile `sasl-ssl` run SASL_SSL with the CA and credentials as
-    files of a secret: every file a setting names is one the secret mounts there."""
+def test_the_secured_compose_worker_reads_its_secrets_from_mounted_files(
+    monkeypatch: Any,
+) -> None:
+    """The compose profile `sasl-ssl` runs SASL_SSL with the CA and credentials as files of
+    secrets: every file a setting names is one a secret mounts there (the chart's
+    counterpart: tests/unit/test_chart.py)."""
     from compose_spec import PyCompose
-
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in _k8s_docs()}
-    settings = _settings_from(docs[("ConfigMap", "llm-streams-settings")]["data"], monkeypatch)
-    sec = settings.kafka.security
-    assert (sec.protocol, sec.sasl_mechanism) == ("SASL_SSL", "SCRAM-SHA-512")
-    pod = docs[("StatefulSet", "llm-streams-worker")]["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    mount = next(m for m in container["volumeMounts"] if m["name"] == "kafka")
-    volume = next(v for v in pod["volumes"] if v["name"] == "kafka")
-    secret = docs[("Secret", volume["secret"]["secretName"])]["stringData"]
-    for path in (sec.ssl_cafile, sec.sasl_username_file, sec.sasl_password_file):
-        assert path is not None and str(path.parent) == mount["mountPath"]
-        assert path.name in secret, path
-    assert settings.shutdown_grace_s < pod["terminationGracePeriodSeconds"]
 
     compose = PyCompose.from_yaml((ROOT / "docker-compose.yml").read_text()).to_dict()
     service = compose["services"]["worker-sasl-ssl"]
     secured = _settings_from(service["environment"], monkeypatch).kafka.security
+    assert (secured.protocol, secured.sasl_mechanism) == ("SASL_SSL", "SCRAM-SHA-512")
     mounted = {f"/run/secrets/{name}" for name in service["secrets"]}
     for path in (secured.ssl_cafile, secured.sasl_username_file, secured.sasl_password_file):
         assert str(path) in mounted
