@@ -35,8 +35,10 @@ format: $(BIN)/llm-streams
 bench: $(BIN)/llm-streams
 	$(BIN)/python bench/pipeline_overhead.py
 
+# The record contract's JSON Schemas, then the chart's copies of them (and its values schema).
 schemas: $(BIN)/llm-streams
 	$(BIN)/python -m streams.contract.records schemas
+	$(BIN)/python deploy/helm/render.py
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache
