@@ -30,7 +30,15 @@ def table(snap: dict[str, Any], url: str) -> Table:
     per = snap["cost_per_result_usd"]
     per_result = f" (${per:.6f} per result)" if per else ""
     dead = snap["dead_letters_by_category"].items()
+    who = snap.get("worker") or {}
+    llm = snap.get("llm") or {}
     rows = [
+        ("worker", " · ".join(str(x) for x in (
+            who.get("host"), who.get("app_id"), who.get("version"),
+            f"up {who['uptime_s']:.0f} s" if "uptime_s" in who else None,
+            "partitions " + (",".join(map(str, who["partitions"])) or "none")
+            if "partitions" in who else None, who.get("model"), who.get("endpoint"))
+            if x) or "–"),
         ("tasks received / results / dead letters",
          f"{tasks['received']:.0f} / {tasks['results']:.0f} / {tasks['dead_letters']:.0f}"),
         ("in flight", f"{tasks['in_flight']:.0f}"),
@@ -44,6 +52,11 @@ def table(snap: dict[str, Any], url: str) -> Table:
             f"{d['deployment']}: {d['breaker']}, {d['rpm']:.0f} RPM, {d['ok']} ok / "
             f"{d['throttled']} 429 / {d['errors']} errors, ${d['cost_usd']:.4f}"
             for d in snap.get("deployments", [])) or "–"),
+        ("llm calls since start", (
+            f"{llm['ok']} ok / {llm['rate_limited']} 429; errors "
+            + (", ".join(f"{k}: {v}" for k, v in llm["errors"].items()) or "none")
+            + "; retries " + (", ".join(f"{k}: {v}" for k, v in llm["retries"].items())
+                              or "none")) if llm else "–"),
         ("top dead letters", ", ".join(f"{k}: {v:.0f}" for k, v in dead) or "–"),
         ("spend caps", ", ".join(
             f"{b['pipeline']} {b['lane']}/{b['window']}: ${b['spent_usd']:.4f} of "

@@ -81,6 +81,9 @@ class Metrics:
         # The latest dead letters, newest last, for the status page (not a series: the
         # task id and message would be unbounded labels).
         self.recent_dead: deque[dict[str, Any]] = deque(maxlen=RECENT_DEAD_LETTERS)
+        # When each breaker took its state (wall time), for the page's "open since". One
+        # entry per endpoint or deployment, which the configuration bounds.
+        self.breaker_since: dict[str, float] = {}
         r = self.registry
         self.tasks_received = Counter(
             "llm_streams_tasks_received", "Records taken from the input topics.", ["lane"],
@@ -356,6 +359,7 @@ class Metrics:
     def breaker_changed(self, endpoint: str, new_state: str) -> None:
         self.breaker_state.labels(endpoint).set(BREAKER_STATES[new_state])
         self.breaker_transitions.labels(endpoint, new_state).inc()
+        self.breaker_since[endpoint] = time.time()
 
     def watch_endpoint(
         self, endpoint: str, limit: Callable[[], int | None], waiting: Callable[[], int]

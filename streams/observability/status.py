@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
 
@@ -42,10 +43,17 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
 class StatusView:
     """Reads the registry of one worker into the figures an operator looks at first."""
 
-    def __init__(self, metrics: Metrics, clock: Any = time.monotonic) -> None:
+    def __init__(
+        self, metrics: Metrics, clock: Any = time.monotonic,
+        identity: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:  # fmt: skip
+        """`identity`: what the worker is (host, group, model, endpoints, partitions), asked
+        at each snapshot."""
         self.metrics = metrics
         self.clock = clock
+        self.identity = identity or dict
         self.started = clock()
+        self.started_at = time.time()
         self._samples: deque[tuple[float, float]] = deque()
         # (time, tasks completed, end-to-end buckets, cost, lag): cumulative, one per
         # SAMPLE_EVERY_S; the charts plot what changed between two of them.
@@ -108,8 +116,10 @@ class StatusView:
         first_t, first_n = self._samples[0]
         if now - first_t >= 1:
             throughput = (completed - first_n) / (now - first_t)
+            window = now - first_t
         else:
-            throughput = completed / max(now - self.started, 1e-9)
+            window = max(now - self.started, 1e-9)
+            throughput = completed / window
         buckets: dict[float, float] = defaultdict(float)
         for labels, value in samples.get("llm_streams_end_to_end_seconds_bucket", []):
             buckets[float(labels["le"])] += value
@@ -130,6 +140,11 @@ class StatusView:
                 "in_flight": total("llm_streams_tasks_in_flight"),
             },
             "throughput_per_s": round(throughput, 3),
+            "throughput_window_s": round(window, 1),
+            "worker": self._worker(samples),
+            "llm": _llm(samples),
+            "lanes": _lanes(samples),
+            "breaker_since": dict(self.metrics.breaker_since),
             "lag": total("llm_streams_consumer_lag"),
             "paused_partitions": total("llm_streams_backpressure_paused_partitions"),
             "breakers": {
@@ -148,6 +163,12 @@ class StatusView:
             "budgets": self._budgets(samples),
             "deployments": self._deployments(samples),
         }
+
+    def _worker(self, samples: dict[str, list[tuple[dict[str, str], float]]]) -> dict[str, Any]:
+        build = next(iter(samples.get("llm_streams_build_info", [])), ({}, 0.0))[0]
+        return {**self.identity(), "version": build.get("version", "unknown"),
+                "started_at": round(self.started_at, 3),
+                "uptime_s": round(self.uptime_s(), 1)}  # fmt: skip
 
     @staticmethod
     def _deployments(
@@ -250,6 +271,47 @@ def _worst_drift(
         if value > worst.get(k, (-1.0, ""))[0]:
             worst[k] = (value, f"{labels['field']} {labels['measure']}")
     return worst
+
+
+def _llm(samples: dict[str, list[tuple[dict[str, str], float]]]) -> dict[str, Any]:
+    """LLM attempts since start: answered, refused for rate (429), failed by category, and
+    the retries by the error that caused them."""
+    errors: dict[str, float] = defaultdict(float)
+    ok = 0.0
+    for labels, value in samples.get("llm_streams_llm_requests_total", []):
+        if labels.get("status") == "ok":
+            ok += value
+        else:
+            errors[labels.get("category") or "unknown"] += value
+    retries: dict[str, float] = defaultdict(float)
+    for labels, value in samples.get("llm_streams_retries_total", []):
+        retries[labels.get("category") or "unknown"] += value
+
+    def most_first(counts: dict[str, float]) -> dict[str, int]:
+        return {k: int(v) for k, v in sorted(counts.items(), key=lambda kv: -kv[1]) if v}
+
+    return {"ok": int(ok), "rate_limited": int(errors.get("rate_limited", 0)),
+            "errors": most_first(errors), "retries": most_first(retries)}  # fmt: skip
+
+
+def _lanes(samples: dict[str, list[tuple[dict[str, str], float]]]) -> list[dict[str, Any]]:
+    """Per lane (live, replay, ...) since start: tasks received, results, dead letters,
+    and the end-to-end p95 of its results."""
+    rows: dict[str, dict[str, Any]] = defaultdict(lambda: {"received": 0, "results": 0,
+                                                             "dead_letters": 0})  # fmt: skip
+    for labels, value in samples.get("llm_streams_tasks_received_total", []):
+        rows[labels["lane"]]["received"] += int(value)
+    for labels, value in samples.get("llm_streams_tasks_completed_total", []):
+        outcome = {"result": "results", "dead_letter": "dead_letters"}.get(labels["outcome"])
+        if outcome:
+            rows[labels["lane"]][outcome] += int(value)
+    buckets: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    for labels, value in samples.get("llm_streams_end_to_end_seconds_bucket", []):
+        if labels.get("outcome") == "result":
+            buckets[labels["lane"]][float(labels["le"])] += value
+    return [{"lane": lane, **row,
+             "e2e_p95_s": histogram_quantile(0.95, sorted(buckets[lane].items()))}
+            for lane, row in sorted(rows.items())]  # fmt: skip
 
 
 def _total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -91,7 +92,8 @@ def _faust_app(settings: Settings) -> ThreadedApp:
     return app
 
 
-def _pages(app: faust.App, metrics: Metrics, agent: TaskAgent) -> None:
+def _pages(app: faust.App, metrics: Metrics, agent: TaskAgent, settings: Settings,
+           registry: PipelineRegistry) -> None:  # fmt: skip
     """The worker's web pages: metrics, its status (JSON and the dashboard), its probes."""
 
     @app.page("/metrics")
@@ -99,7 +101,16 @@ def _pages(app: faust.App, metrics: Metrics, agent: TaskAgent) -> None:
         # aiohttp refuses a charset inside content_type=, so the header is set whole.
         return web.bytes(metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    status = StatusView(metrics)
+    host = socket.gethostname()
+    pipelines = sorted(registry.pipelines)
+
+    def identity() -> dict[str, Any]:  # what the page's header says the worker is
+        return {"host": host, "app_id": settings.app_id, "model": settings.llm.model,
+                "endpoint": settings.llm.base_url or "https://api.openai.com/v1 (default)",
+                "pipelines": pipelines, "partitions": list(agent.readiness().partitions),
+                "guarantee": settings.processing_guarantee}  # fmt: skip
+
+    status = StatusView(metrics, identity=identity)
 
     async def sample_status() -> None:
         status.sample()
@@ -167,7 +178,7 @@ def create_app(
     _at_start_and_every(app, "sync_budgets", settings.budget.refresh_s,
                         BudgetSync(settings, budgets).sync)  # fmt: skip
 
-    _pages(app, metrics, agent)
+    _pages(app, metrics, agent, settings, registry)
     return app
 
 

@@ -73,6 +73,7 @@ async def test_the_status_page_and_view_agree_with_the_metrics(
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
         env.update(settings_env(settings))
         snap, dom, view = await asyncio.to_thread(_look, base, browser, env)
+        await _layout_and_live_updates(base, browser, settings)
     finally:
         worker.stop()
 
@@ -95,6 +96,47 @@ async def test_the_status_page_and_view_agree_with_the_metrics(
 
     assert view.returncode == 0, view.stderr
     assert "25 / 20 / 5" in view.stdout and "invalid_input: 5" in view.stdout
+
+
+async def _layout_and_live_updates(base: str, browser: str, settings: Any) -> None:
+    """The page's layout, read from Chromium's boxes (layout, not pixels): on a wide
+    screen the charts sit side by side; at phone width nothing is wider than the screen,
+    the charts stack and the tiles wrap. And it updates in place: new tasks show without
+    a reload (a mark set in the page survives)."""
+    from tests.browser import Page
+
+    async with Page(browser, 1400, 1000) as wide:
+        await wide.open(f"{base}/status")
+        charts = await wide.boxes(".chart")
+        assert len(charts) == 4
+        assert len({round(c["top"]) for c in charts}) < 4, charts  # some share a row
+    async with Page(browser, 390, 844, mobile=True) as phone:
+        await phone.open(f"{base}/status")
+        assert await phone.evaluate("document.documentElement.scrollWidth") <= 390
+        for selector in (".tile", ".chart", ".version", "table", "h1", ".who"):
+            for box in await phone.boxes(selector):
+                assert box["left"] >= 0 and box["right"] <= 390.5, (selector, box)
+        charts = await phone.boxes(".chart")
+        tops = [c["top"] for c in charts]
+        assert len(charts) == 4 and tops == sorted(tops) and len(set(map(round, tops))) == 4
+        assert all(c["right"] - c["left"] > 300 for c in charts)  # scaled, not shrunk away
+        tiles = await phone.boxes(".tile")
+        assert len({round(t["top"]) for t in tiles}) >= 3  # wrapped into rows
+        # Live: a mark set in this page survives while the figures change.
+        shown = "Number(document.querySelector('[data-metric=received]').dataset.value)"
+        before = await phone.evaluate(shown)
+        await phone.evaluate("window.__mark = 42")
+        more = [(f"live-{i}".encode(), orjson.dumps({
+            "task_id": f"live-{i}", "pipeline": "comment-analysis",
+            "input": {"text": f"Comment {i}: lovely."}})) for i in range(5)]  # fmt: skip
+        await produce(settings, more)
+        for _ in range(120):
+            if await phone.evaluate(shown) >= before + 5:
+                break
+            await asyncio.sleep(0.25)
+        assert await phone.evaluate(shown) >= before + 5
+        assert await phone.evaluate("window.__mark") == 42  # no reload
+        assert await phone.evaluate("document.documentElement.dataset.live") == "1"
 
 
 PASS_FILL = (0x1B, 0x8A, 0x5A)  # streams.observability.page.PASS_FILL

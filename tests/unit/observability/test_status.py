@@ -112,3 +112,85 @@ async def test_spend_caps_show_each_workers_share_spend_and_waiting_tasks() -> N
     page = render_html(snap)
     assert 'data-metric="budget_p_replay_hour" data-value="0.5"' in page
     assert "1 waiting" in page
+
+
+def test_the_page_says_who_the_worker_is_and_what_the_llm_and_lanes_did() -> None:
+    """Worker identity, LLM calls/429s/errors/retries by category, per-lane rows, and
+    an open breaker with the time it opened and what to do."""
+    metrics = Metrics()
+    clock = [0.0]
+    identity = {"host": "w-0", "app_id": "shop", "model": "gpt-4o-mini",
+                "endpoint": "http://llm:8000/v1", "pipelines": ["comment-analysis"],
+                "partitions": [0, 3], "guarantee": "exactly_once"}  # fmt: skip
+    view = StatusView(metrics, clock=lambda: clock[0], identity=lambda: identity)
+    metrics.llm_requests.labels("m", "ok", "").inc(40)
+    metrics.llm_requests.labels("m", "error", "rate_limited").inc(7)
+    metrics.llm_requests.labels("m", "error", "upstream_error").inc(3)
+    metrics.retries.labels("rate_limited").inc(6)
+    metrics.tasks_received.labels("live").inc(30)
+    metrics.tasks_received.labels("replay").inc(12)
+    metrics.tasks_completed.labels("live", "result").inc(28)
+    metrics.tasks_completed.labels("live", "dead_letter").inc(1)
+    metrics.tasks_completed.labels("replay", "result").inc(12)
+    metrics.end_to_end.labels("live", "result").observe(0.4)
+    metrics.breaker_changed("sim", "open")
+    clock[0] += 125
+    snap = view.snapshot()
+    assert snap["llm"] == {"ok": 40, "rate_limited": 7,
+                           "errors": {"rate_limited": 7, "upstream_error": 3},
+                           "retries": {"rate_limited": 6}}  # fmt: skip
+    lanes = {r["lane"]: r for r in snap["lanes"]}
+    assert (lanes["live"]["received"], lanes["live"]["results"],
+            lanes["live"]["dead_letters"]) == (30, 28, 1)  # fmt: skip
+    assert lanes["replay"]["results"] == 12 and lanes["replay"]["e2e_p95_s"] is None
+    assert snap["worker"]["host"] == "w-0" and snap["worker"]["uptime_s"] == 125.0
+    assert snap["worker"]["version"]  # from llm_streams_build_info
+    page = render_html(snap)
+    for shown in ("data-metric='worker_host'>w-0<", "data-metric='worker_partitions'>0,3<",
+                  "data-metric='worker_endpoint'>http://llm:8000/v1<",
+                  'data-metric="llm_rate_limited" data-value="7">7<',
+                  'data-metric="llm_errors_upstream_error" data-value="3">3<',
+                  'data-metric="llm_retries_rate_limited" data-value="6">6<',
+                  'data-metric="lane_replay_results" data-value="12">12<'):  # fmt: skip
+        assert shown in page, shown
+    assert "breaker sim: " in page and " since " in page
+    assert "data-metric='hint_sim'" in page and "OPERATIONS.md#llmstreamsbreakeropen" in page
+
+
+def test_figures_say_their_window_and_the_time_axis_fits_the_history() -> None:
+    metrics = Metrics()
+    clock = [0.0]
+    view = StatusView(metrics, clock=lambda: clock[0])
+    view.sample()
+    for _ in range(3):  # 5 minutes of history, not an hour
+        clock[0] += 100
+        metrics.tasks_completed.labels("live", "result").inc(50)
+        view.sample()
+    view.snapshot()
+    clock[0] += 30
+    page = render_html(view.snapshot())
+    assert "throughput (last 30.00 s)" in page
+    assert "end-to-end p95 since start" in page and "spent since start" in page
+    assert "Spend, USD per minute" in page and "Last 4 min" in page
+    assert page.count('data-span-s="230"') == 4  # the oldest point, 230 s ago
+    assert ">−4 min</text>" in page and "−60 min" not in page
+    # Live without a reload: the script swaps the body; a meta refresh only without script.
+    assert "<noscript><meta http-equiv='refresh'" in page and "DOMParser" in page
+    assert "name='viewport'" in page
+
+
+def test_the_terminal_view_says_who_the_worker_is_and_what_the_llm_did() -> None:
+    from rich.console import Console
+
+    from streams.cli.live import table
+
+    metrics = Metrics()
+    view = StatusView(metrics, identity=lambda: {"host": "w-1", "app_id": "shop",
+                                                 "partitions": [], "model": "m"})  # fmt: skip
+    metrics.llm_requests.labels("m", "ok", "").inc(9)
+    metrics.llm_requests.labels("m", "error", "timeout").inc(2)
+    console = Console(width=200, record=True)
+    console.print(table(view.snapshot(), "http://w-1:6066/status.json"))
+    text = console.export_text()
+    assert "w-1 · shop" in text and "partitions none" in text
+    assert "9 ok / 0 429; errors timeout: 2; retries none" in text
