@@ -233,6 +233,11 @@ class Metrics:
         self.breaker_state = Gauge(
             "llm_streams_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open.",
             ["endpoint"], registry=r)  # fmt: skip
+        # The same state as a label (a state set: 1 for the state it is in, 0 for the
+        # others), the convention alerts and panels read without knowing the numbers.
+        self.breaker = Gauge(
+            "llm_streams_breaker", "Circuit breaker: 1 for the state it is in, by state.",
+            ["endpoint", "state"], registry=r)  # fmt: skip
         self.breaker_transitions = Counter(
             "llm_streams_breaker_transitions", "Breaker transitions, by endpoint and new state.",
             ["endpoint", "to"], registry=r)  # fmt: skip
@@ -358,6 +363,8 @@ class Metrics:
 
     def breaker_changed(self, endpoint: str, new_state: str) -> None:
         self.breaker_state.labels(endpoint).set(BREAKER_STATES[new_state])
+        for state in BREAKER_STATES:
+            self.breaker.labels(endpoint, state).set(1 if state == new_state else 0)
         self.breaker_transitions.labels(endpoint, new_state).inc()
         self.breaker_since[endpoint] = time.time()
 

@@ -18,3 +18,17 @@ def test_metrics_carry_build_info_and_process_series_and_no_created_noise() -> N
     (build,) = [s for f in text_string_to_metric_families(text) for s in f.samples
                 if s.name == "llm_streams_build_info"]  # fmt: skip
     assert build.value == 1 and build.labels["version"] and build.labels["faust"] == "0.15.3"
+
+
+def test_a_breakers_state_is_a_label_with_one_state_set_at_a_time() -> None:
+    metrics = Metrics()
+    metrics.breaker_changed("sim", "open")
+    metrics.breaker_changed("sim", "half_open")
+
+    def value(state: str) -> float | None:
+        return metrics.registry.get_sample_value(
+            "llm_streams_breaker", {"endpoint": "sim", "state": state})  # fmt: skip
+
+    assert (value("closed"), value("half_open"), value("open")) == (0, 1, 0)
+    assert metrics.registry.get_sample_value("llm_streams_breaker_state", {"endpoint": "sim"}) == 1
+    assert metrics.breaker_since["sim"] > 0
