@@ -6,7 +6,10 @@ the window ends (providers that count per minute or per second), and the
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
+
+Now = Callable[[], float]  # the limits' clock: time.monotonic, or a simulation's
 
 # The request limit said when none is configured (OpenAI always says one).
 UNLIMITED_RPM = 1_000_000  # as many as the worker takes for a limit nobody said
@@ -26,22 +29,23 @@ class Limits(Protocol):
 class _Bucket:
     """Token bucket refilling at limit/60 per second, holding `burst_s` seconds of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Now = time.monotonic) -> None:
+        self.now = now
         self.level = 0.0
-        self.stamp = time.monotonic()
+        self.stamp = now()
         self.limit = 0
 
     def configure(self, limit: int, burst_s: float) -> None:
         if limit != self.limit:
             self.limit = limit
             self.level = self.capacity(burst_s)
-            self.stamp = time.monotonic()
+            self.stamp = self.now()
 
     def capacity(self, burst_s: float) -> float:
         return max(1.0, self.limit * burst_s / 60.0)
 
     def refill(self, burst_s: float) -> None:
-        now = time.monotonic()
+        now = self.now()
         self.level = min(self.capacity(burst_s), self.level + (now - self.stamp) * self.limit / 60)
         self.stamp = now
 
@@ -61,23 +65,24 @@ class _Bucket:
 class _Window:
     """A fixed budget of limit * window_s / 60 per window, reset when each window ends."""
 
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, window_s: float, now: Now = time.monotonic) -> None:
+        self.now = now
         self.window_s = window_s
         self.limit = 0
         self.used = 0.0
-        self.start = time.monotonic()
+        self.start = now()
 
     def configure(self, limit: int, burst_s: float) -> None:
         if limit != self.limit:
             self.limit = limit
             self.used = 0.0
-            self.start = time.monotonic()
+            self.start = self.now()
 
     def capacity(self, burst_s: float) -> float:
         return max(1.0, self.limit * self.window_s / 60.0)
 
     def refill(self, burst_s: float) -> None:
-        now = time.monotonic()
+        now = self.now()
         if now >= self.start + self.window_s:
             self.start += (now - self.start) // self.window_s * self.window_s
             self.used = 0.0
@@ -91,13 +96,13 @@ class _Window:
         self.used = self.capacity(0.0) - value
 
     def wait_for(self, amount: float) -> float:
-        return 0.0 if self.level >= amount else self.start + self.window_s - time.monotonic()
+        return 0.0 if self.level >= amount else self.start + self.window_s - self.now()
 
     def remaining(self, burst_s: float, window_s: float) -> int:
         return max(0, int(self.level * window_s / self.window_s))
 
     def reset_s(self, burst_s: float) -> float:
-        return max(0.0, self.start + self.window_s - time.monotonic())
+        return max(0.0, self.start + self.window_s - self.now())
 
 
 def duration(seconds: float) -> str:
@@ -113,9 +118,10 @@ class SimLimits:
     """The configured rpm and tpm, in the configured shape; fresh when the shape changes
     or after `reset` (full buckets, a new window)."""
 
-    def __init__(self, window_s: float) -> None:
-        self.requests: _Bucket | _Window = _Bucket()
-        self.tokens: _Bucket | _Window = _Bucket()
+    def __init__(self, window_s: float, now: Now = time.monotonic) -> None:
+        self.now = now
+        self.requests: _Bucket | _Window = _Bucket(now)
+        self.tokens: _Bucket | _Window = _Bucket(now)
         self._shape_now: tuple[str, float] | None = ("bucket", window_s)
 
     def reset(self) -> None:
@@ -128,7 +134,9 @@ class SimLimits:
             if cfg.limit_shape not in ("bucket", "window"):
                 raise ValueError(f"limit_shape {cfg.limit_shape!r}: bucket or window")
             self._shape_now = shape
-            make = (lambda: _Window(cfg.window_s)) if cfg.limit_shape == "window" else _Bucket
+            now = self.now
+            make = ((lambda: _Window(cfg.window_s, now)) if cfg.limit_shape == "window"
+                    else (lambda: _Bucket(now)))  # fmt: skip
             self.requests, self.tokens = make(), make()
 
     def admit(self, cfg: Limits, tokens: int) -> tuple[float, str] | None:
