@@ -17,6 +17,12 @@ gateways) — so the window is learned, not assumed: a full provider bucket hold
 A 429 cuts the rate multiplicatively and pauses everyone until its Retry-After;
 the rate then recovers additively. Workers sharing a key converge to their
 shares with no shared store (AIMD).
+
+A provider that enforces a limit but says nothing of it (no `x-ratelimit-*` headers,
+only 429s) leaves no ceiling to cut from: a cut from "unlimited" is still unlimited.
+Its limit is then what it let through: at each 429, the ceiling becomes the rate the
+provider answered over the last few seconds, and the rate is cut from there. While no
+429 comes the ceiling creeps up, so a limit measured low, or one that grew, is found.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -38,6 +45,7 @@ log = logging.getLogger(__name__)
 UNKNOWN_RPM = 1_000_000.0  # no limit known and none learned: effectively unlimited
 PROBE_POLL_S = 0.05
 CALM_S = 5.0  # this long without a 429: a rate held below our share goes straight to it
+PACE_S = 10.0  # a header-less limit is what the provider answered over this long
 
 
 @dataclass(order=True)
@@ -130,6 +138,7 @@ class RateLimiter:
         # Unknown limit: one call goes first (slow start) and its answer's headers set
         # the ceiling, so a cold worker does not fire a whole batch into a 429 wall.
         self.probing = rpm is None
+        self.told = rpm is not None  # a limit we were given is not measured over
         self._probe_out = False
         rpm = rpm or UNKNOWN_RPM
         self.rpm_ceiling = float(rpm)
@@ -154,6 +163,10 @@ class RateLimiter:
         self._woken: asyncio.Future[None] | None = None  # the sleeping pump's wake-up
         self._mean_tokens = 0.0
         self._last_cut = float("-inf")  # when a 429 last cut the rate
+        # (time, requests answered) about once a second over the last PACE_S: the pace
+        # a provider that sends no headers let through, read at its 429s.
+        self._paces: deque[tuple[float, float]] = deque([(now, 0.0)], maxlen=int(PACE_S) + 1)
+        self.measured = False  # the ceiling is a header-less limit measured at 429s
 
     # -- granting ------------------------------------------------------------
     async def acquire(self, tokens: int = 0, lane: Lane = Lane.LIVE) -> Permit:
@@ -208,6 +221,8 @@ class RateLimiter:
     def _wait_time(self, tokens: int, now: float) -> float:
         if self.probing and self._probe_out:
             return PROBE_POLL_S  # until the first answer (or its 429) teaches us the limit
+        if now - self._paces[-1][0] >= 1.0:
+            self._paces.append((now, self.requests.taken))
         self._recover(now)
         self.requests.refill(now)
         wait = max(self.paused_until - now, self.requests.wait_for(1))
@@ -289,6 +304,10 @@ class RateLimiter:
         # had the key to itself would else spend a whole bucket beside the newcomer's.
         calm = self.informed and now - self._last_cut >= CALM_S
         step = float("inf") if calm else self.recover_per_s * elapsed
+        if self.measured and not self.informed and now - self._last_cut >= CALM_S:
+            # A measured limit may be low (measured while the rate climbed) or may have
+            # grown: without a 429 it creeps up, until the next 429 measures it again.
+            self.rpm_ceiling += self.recover_per_s * elapsed * self.rpm_ceiling
         buckets = [(self.requests, self.rpm_ceiling)]
         if self.tokens is not None and self.tpm_ceiling:
             buckets.append((self.tokens, self.tpm_ceiling))
@@ -324,6 +343,8 @@ class RateLimiter:
             # A provider that reports its limit and remaining capacity already steers
             # the buckets; a 429 then means jitter or a neighbour's burst: cut gently.
             factor = self.decrease_informed if self.informed else self.decrease
+            if not self.informed and not self.told:
+                self._measure_ceiling(now)
             self.requests.set_rate(
                 max(self.rpm_ceiling * self.floor, self.requests.per_minute * factor), now
             )
@@ -339,6 +360,21 @@ class RateLimiter:
             "throttled: rpm now %.0f, paused %.2fs", self.requests.per_minute, retry_after_s or 0
         )
         self._wake()
+
+    def _measure_ceiling(self, now: float) -> None:
+        """A 429 from a provider that says nothing of its limit: the limit is the pace it
+        answered at over the last PACE_S (at least over one second), and our rate, if
+        above, comes down to it before the cut. In a group, our pace is our part of the
+        key's: the key's limit is taken as that pace over our share of the group."""
+        since, answered = self._paces[0]
+        pace = (self.requests.taken - answered) / max(now - since, 1.0) * 60.0
+        if pace <= 0:
+            return
+        self.rpm_ceiling = pace / max(self.floor, self.group.fraction or 1.0)
+        self.measured = True
+        if self.requests.per_minute > pace:
+            self.requests.set_rate(pace, now)
+        log.info("the provider refused a call and says no limit: measured %.0f RPM", pace)
 
     def observe(self, headers: Mapping[str, str], permit: Permit | None = None) -> None:
         """Steer the buckets by the provider's `x-ratelimit-*` headers, when it sends them.
