@@ -12,7 +12,9 @@ Phases, each against the simulator set to one provider shape:
 3. RPM as a fixed one-minute window (reset at each minute's end); `remaining` of the
    window;
 4. a TPM limit that binds before RPM (per-second refill), `remaining` per minute;
-5. the same TPM limit, `remaining` counted against the enforcing second.
+5. the same TPM limit, `remaining` counted against the enforcing second;
+6. the RPM of phase 1 with no `x-ratelimit-*` headers at all: only 429s with
+   `Retry-After` (a provider that enforces a limit and says nothing of it).
 
 Printed per phase: what admitted requests took of the binding limit per minute over
 the busy span (requests, or the tokens the provider charged: prompt + max_tokens),
@@ -49,6 +51,8 @@ PHASES: dict[int, tuple[str, dict[str, Any], str, float]] = {
                                         "remaining_window_s": 60.0}, "tpm", 0.5),
     5: ("TPM binds, remaining/second", {"limit_shape": "bucket",
                                         "remaining_window_s": 1.0}, "tpm", 0.5),
+    6: ("RPM per second, no rate headers", {"limit_shape": "bucket", "rate_headers": False},
+        "rpm", 1.0),
 }  # fmt: skip
 
 
@@ -56,7 +60,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rpm", type=int, default=3000)
     parser.add_argument("--tasks", type=int, default=3000)
-    parser.add_argument("--phases", default="1,2,3,4,5")
+    parser.add_argument("--phases", default="1,2,3,4,5,6")
     args = parser.parse_args()
     rpm = args.rpm
     loose_tpm = rpm * 2000  # RPM binds: far more tokens than RPM x the ~700 charged a call
@@ -70,7 +74,7 @@ async def main() -> None:
             for phase in (int(p) for p in args.phases.split(",")):
                 name, knobs, binding, share = PHASES[phase]
                 tpm = tight_tpm if binding == "tpm" else loose_tpm
-                sim.call("/sim/config", {**knobs, "tpm": tpm})
+                sim.call("/sim/config", {"rate_headers": True, **knobs, "tpm": tpm})
                 sim.reset(rpm)
                 n = int(args.tasks * share)
                 span = await run_workers(kafka, sim, n, 1, logdir)

@@ -49,6 +49,9 @@ class SimConfig:
     # The window `x-ratelimit-remaining-*` is counted against: 60, the minute, as OpenAI
     # reports it; or the enforcing window (e.g. 1), as some gateways and providers do.
     remaining_window_s: float = 60.0
+    # Send the `x-ratelimit-*` headers (OpenAI does); False: a provider that enforces
+    # its limits and says nothing of them, only 429s with Retry-After.
+    rate_headers: bool = True
     error_500_rate: float = 0.0
     error_500_models: list[str] = field(default_factory=list)  # these models always answer 500
     error_503_rate: float = 0.0
@@ -263,7 +266,9 @@ class Simulator:
     def _limit_headers(self) -> dict[str, str]:
         """The server's headers and, as OpenAI sends them, its limits (llama.cpp: none)."""
         headers = self._server()
-        return headers if self.llama else {**headers, **self.limits.headers(self.config)}
+        if self.llama or not self.config.rate_headers:
+            return headers
+        return {**headers, **self.limits.headers(self.config)}
 
     def _admit(self, tokens: int) -> tuple[float, str] | None:
         """Take capacity for one request, or say how long to wait and which limit hit."""

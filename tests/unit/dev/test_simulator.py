@@ -108,6 +108,17 @@ async def test_remaining_is_counted_against_the_minute_or_the_enforcing_window(
     assert 46 <= second <= 48  # the second that enforces: 50 less the two calls
 
 
+async def test_a_provider_without_rate_headers_refuses_with_retry_after_alone(
+    simulator: SimulatorServer,
+) -> None:
+    simulator.sim.config.update({"rpm": 60, "rate_headers": False})  # one a second
+    status, headers, _ = await _post(simulator, _body("a"))
+    assert status == 200 and not any(k.startswith("x-ratelimit-") for k in headers)
+    status, headers, _ = await _post(simulator, _body("b"))
+    assert status == 429 and float(headers["retry-after-ms"]) > 0
+    assert not any(k.startswith("x-ratelimit-") for k in headers)
+
+
 async def test_a_fixed_window_admits_its_budget_then_refuses_until_it_ends(
     simulator: SimulatorServer,
 ) -> None:
