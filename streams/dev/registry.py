@@ -17,7 +17,6 @@ only in Confluent's Maven repository, and Karapace is not on PyPI.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 import tempfile
@@ -27,8 +26,9 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from streams.dev import gobuild
 from streams.dev.brokers.common import free_port, wait_for_port
-from streams.dev.gobuild import CACHE, build, go
+from streams.dev.gobuild import build, go
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,8 @@ _BUILD = Path(__file__).resolve().parent / "registry_build"
 
 def binary_path() -> Path:
     """Where the built server lives (`LLM_STREAMS_SCHEMA_REGISTRY_BIN` overrides it)."""
-    override = os.environ.get("LLM_STREAMS_SCHEMA_REGISTRY_BIN")
-    if override:
-        return Path(override)
-    return CACHE / f"schema-registry-{VERSION}" / "schema-registry"
+    return gobuild.binary_path("LLM_STREAMS_SCHEMA_REGISTRY_BIN", f"schema-registry-{VERSION}",
+                               "schema-registry")  # fmt: skip
 
 
 def resolve_binary(target: Path | None = None) -> Path:
