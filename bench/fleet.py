@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-import aiotools
-
-from streams.dev.fleet import SHAPES, WARM_UP_S, Shape, run_group
+from streams.dev.fleet import SHAPES, WARM_UP_S, Shape, run_group, virtual_time
 
 
 async def main() -> None:
@@ -59,7 +57,7 @@ async def main() -> None:
         shape = Shape(**{**SHAPES[name].__dict__, "rpm": args.rpm})
         cells = []
         for n in counts:
-            with aiotools.VirtualClock().patch_loop():
+            with virtual_time():
                 used, refused, dead = await run_group(n, shape, args.minutes,
                                                       args.concurrency, args.seed)  # fmt: skip
             cells.append(f"{used:.3f} / {refused:.2%} / {dead}")

@@ -2,14 +2,19 @@
 limiter's tests: each worker the worker's own call path (`GuardedClient`, its
 `RateLimiter` never told the limit, its breaker) with callers that retry as a task does,
 against one key's limits (`streams.dev.sim_limits`) in a given shape. Time is the
-loop's: run it under a virtual clock (aiotools' `VirtualClock`) and minutes pass in
+loop's: run it under `virtual_time()` (aiotools' `VirtualClock`) and minutes pass in
 seconds, with nothing else competing for the CPU."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from unittest import mock
+
+import aiotools
 
 from streams.dev.sim_limits import SimLimits
 from streams.errors import RateLimited
@@ -22,6 +27,17 @@ from streams.resilience.retry import RetryPolicy
 
 RTT_S = 0.02
 WARM_UP_S = 60.0
+
+
+@contextlib.contextmanager
+def virtual_time() -> Iterator[None]:
+    """The running loop on aiotools' virtual clock, with the real loop's timer
+    resolution. The virtual clock makes the loop run every timer due within 1 ms at
+    once without moving its time there, so a limiter sleeping 0.09 ms until its next
+    grant woke at the same instant for ever."""
+    loop = asyncio.get_running_loop()
+    with aiotools.VirtualClock().patch_loop(), mock.patch.object(loop, "_clock_resolution", 1e-9):
+        yield
 
 
 class LoopClock(MonotonicClock):
@@ -146,4 +162,4 @@ async def run_group(workers: int, shape: Shape, minutes: float, concurrency: int
     return per_minute / shape.rpm, provider.refused / max(1, calls), provider.dead_letters
 
 
-__all__ = ["SHAPES", "LoopClock", "Provider", "Shape", "run_group"]
+__all__ = ["SHAPES", "LoopClock", "Provider", "Shape", "run_group", "virtual_time"]

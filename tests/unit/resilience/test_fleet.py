@@ -3,14 +3,13 @@ own call path and retries, minutes of traffic in seconds, the same run every tim
 
 from __future__ import annotations
 
-import aiotools
 import pytest
 
-from streams.dev.fleet import SHAPES, Shape, run_group
+from streams.dev.fleet import SHAPES, Shape, run_group, virtual_time
 
 
 async def group(workers: int, shape: Shape, minutes: float = 3.0) -> tuple[float, float, int]:
-    with aiotools.VirtualClock().patch_loop():
+    with virtual_time():
         return await run_group(workers, shape, minutes, concurrency=32, seed=3)
 
 
