@@ -304,10 +304,13 @@ class RateLimiter:
         # had the key to itself would else spend a whole bucket beside the newcomer's.
         calm = self.informed and now - self._last_cut >= CALM_S
         step = float("inf") if calm else self.recover_per_s * elapsed
-        if self.measured and not self.informed and now - self._last_cut >= CALM_S:
+        if self.measured and not self.informed and self._queue and now - self._last_cut >= CALM_S:
             # A measured limit may be low (measured while the rate climbed) or may have
-            # grown: without a 429 it creeps up, until the next 429 measures it again.
-            self.rpm_ceiling += self.recover_per_s * elapsed * self.rpm_ceiling
+            # grown: while calls wait at it and no 429 comes, it creeps up, until the next
+            # 429 measures it again (no higher than "unlimited", however long the calm).
+            self.rpm_ceiling = min(
+                UNKNOWN_RPM, self.rpm_ceiling * (1 + self.recover_per_s * elapsed)
+            )
         buckets = [(self.requests, self.rpm_ceiling)]
         if self.tokens is not None and self.tpm_ceiling:
             buckets.append((self.tokens, self.tpm_ceiling))

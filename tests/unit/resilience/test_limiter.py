@@ -483,3 +483,24 @@ async def test_on_the_real_clock_the_pump_sleeps_on_a_loop_timer_and_grants_in_o
     assert limiter._pump is not None
     await asyncio.wait_for(limiter._pump, 1)  # the queue is empty: the pump is done
     assert limiter._woken is None
+
+
+async def test_a_limit_measured_at_a_429_creeps_only_while_calls_wait_at_it() -> None:
+    """A provider that says no limit: its 429 sets the ceiling to the pace it answered.
+    An hour of calm with no call waiting leaves it there (it used to compound towards
+    infinity); never above "unlimited"."""
+    clock = FakeClock()
+    limiter = RateLimiter(rpm=None, clock=clock)
+    (await limiter.acquire()).reconcile(0)  # the probe's answer, with no headers
+    permits = [await limiter.acquire() for _ in range(30)]
+    clock.advance(1.0)
+    limiter.throttled(retry_after_s=0.5, permit=permits[-1])
+    assert limiter.measured and limiter.rpm_ceiling == pytest.approx(29 * 60, rel=0.05)
+    measured = limiter.rpm_ceiling
+    clock.advance(3600)
+    await limiter.acquire()  # nobody waiting: no creep
+    assert limiter.rpm_ceiling == measured
+    told = RateLimiter(rpm=600, clock=clock)
+    p = await told.acquire()
+    told.throttled(retry_after_s=None, permit=p)
+    assert not told.measured and told.rpm_ceiling == 600  # a limit given is not re-measured
