@@ -47,8 +47,9 @@ ALLOWED = {
                        "streams.kafka", "streams.store"},
     "streams.ops": {"streams.errors", "streams.settings", "streams.contract", "streams.llm",
                     "streams.pipelines", "streams.core", "streams.kafka", "streams.store"},
+    # The simulated fleet (dev.fleet) runs the worker's own call path: resilience.
     "streams.dev": {"streams.errors", "streams.settings", "streams.llm", "streams.kafka",
-                    "streams.ops", "streams.worker"},
+                    "streams.ops", "streams.worker", "streams.resilience"},
     "streams.cli": {"streams.errors", "streams.settings", "streams.contract", "streams.kafka",
                     "streams.store", "streams.worker", "streams.ops", "streams.pipelines",
                     "streams.dev"},
