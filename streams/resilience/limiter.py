@@ -21,8 +21,9 @@ shares with no shared store (AIMD).
 A provider that enforces a limit but says nothing of it (no `x-ratelimit-*` headers,
 only 429s) leaves no ceiling to cut from: a cut from "unlimited" is still unlimited.
 Its limit is then what it let through: at each 429, the ceiling becomes the rate the
-provider answered over the last few seconds, and the rate is cut from there. While no
-429 comes the ceiling creeps up, so a limit measured low, or one that grew, is found.
+provider answered over the last few seconds, and the rate is cut from there. While calls
+wait at it and no 429 comes, the ceiling creeps up (never above "unlimited"), so a limit
+measured low, or one that grew, is found.
 """
 
 from __future__ import annotations
