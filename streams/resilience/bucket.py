@@ -4,6 +4,7 @@ key's other clients take, from the trend of two reports (`Bucket.sample_others`)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -56,6 +57,7 @@ class Bucket:
         # Other clients of the key, seen in the trend of `remaining`: their units per
         # second (a moving average), and the report that trend is measured from.
         self.others_mean = 0.0  # moving average of the samples, noise both ways included
+        self.others_var = 0.0  # ... and of their squared distance from it (their spread)
         self.sampled = False  # a first sample is in: until then the others are unknown
         # The part of the limit the other members of the group are due: where the moving
         # average starts, not from nothing (its first sample would else read them as
@@ -77,6 +79,12 @@ class Bucket:
     @property
     def others_per_s(self) -> float:
         return max(0.0, self.others_mean)
+
+    @property
+    def others_margin(self) -> float:
+        """Half the samples' spread, units per second: about 1.5 standard errors of their
+        moving average (gain 0.2), how far above it the others may really be."""
+        return 0.5 * math.sqrt(self.others_var)
 
     @property
     def _per_second(self) -> float:
@@ -123,7 +131,7 @@ class Bucket:
                 and abs(last.reset - dt - reset) < 0.01 + 0.02 * dt
             ):
                 self.fixed_window = True
-                self.others_mean = 0.0
+                self.others_mean = self.others_var = 0.0
                 return
             refilled = dt * ceiling / 60.0
             full = ceiling * self.burst_s / 60.0  # the provider's bucket, in our units
@@ -132,7 +140,9 @@ class Bucket:
                 sample = theirs / dt  # not clipped: noise both ways averages out
                 if not self.sampled:
                     self.others_mean = self.others_due * ceiling / 60.0
-                self.others_mean += (sample - self.others_mean) * 0.2
+                deviation = sample - self.others_mean
+                self.others_mean += deviation * 0.2
+                self.others_var += (deviation * deviation - self.others_var) * 0.2
                 self.sampled = True
             elif left >= full / 2:
                 # The provider's bucket stayed (nearly) full: the key has capacity nobody
@@ -142,6 +152,7 @@ class Bucket:
                 # that has since gone idle would stay there for good (its own pace never
                 # drains the bucket enough to be measured again).
                 self.others_mean *= 0.95
+                self.others_var *= 0.95**2
         if last is None or granted_at > last.granted_at:
             self.last_report = Report(granted_at, taken, left, reset)
 

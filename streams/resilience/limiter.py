@@ -288,7 +288,7 @@ class RateLimiter:
         others = 1.0 - self.group.fraction if self.group.fraction is not None else 0.0
         for b in (self.requests, self.tokens):
             if b is not None:
-                b.others_mean, b.sampled, b.last_report = 0.0, False, None
+                b.others_mean, b.others_var, b.sampled, b.last_report = 0.0, 0.0, False, None
                 b.others_due = others
 
     def _recover(self, now: float) -> None:
@@ -324,11 +324,20 @@ class RateLimiter:
 
     def share(self, bucket: Bucket, ceiling: float) -> float:
         """Our share of a limit, per minute: what other clients of the key leave, and at
-        least our part of the group's work (see `GroupShare`)."""
-        due = ceiling * max(self.floor, self.group.fraction or 0.0)
-        if self.group.fraction is not None and not bucket.sampled:
+        least our part of the group's work (see `GroupShare`).
+
+        In a group, every member reads the others from noisy samples, and each one
+        claiming beyond its part on a high draw made the group claim more than the key
+        (1.6 times it, 32 simulated workers): beyond its part, a member claims what the
+        others leave beyond their estimate's noise. Its part is the group's fraction,
+        not the floor: 32 members at a floor of 5% claimed 160% of the key."""
+        if self.group.fraction is None:
+            return max(ceiling * self.floor, ceiling - bucket.others_per_s * 60.0)
+        due = ceiling * self.group.fraction
+        if not bucket.sampled:
             return due  # the other members are about to take theirs: no more until seen
-        return max(due, ceiling - bucket.others_per_s * 60.0)
+        others = bucket.others_per_s + bucket.others_margin
+        return max(due, ceiling - others * 60.0)
 
     def throttled(self, retry_after_s: float | None, permit: Permit | None = None) -> None:
         """The provider answered 429: cut the rate, and pause everyone until Retry-After.
@@ -446,12 +455,17 @@ class RateLimiter:
             if since is not None:
                 if since.at >= self._group_since:  # else granted before the group changed
                     bucket.sample_others(ceiling, since, left, reset)
-                # The report is as old as the call it answers: since then the provider
-                # refilled, and took what we and (at their pace) others let go since.
+                # The report is as old as the call it answers: since then the provider's
+                # bucket (no fuller than full) refilled, and took what we and (at their
+                # pace) others let go since. What it has left is every client's: ours is
+                # our part of it, as our pace is of all (each client waiting out all of a
+                # shortfall waits it once per client: 4 workers took 0.89 of the key).
                 elapsed = max(0.0, now - since.at)
-                refilled = elapsed * ceiling / 60.0
-                left = (min(bucket.capacity, left + refilled) - (bucket.taken - since.taken)
-                        - bucket.others_per_s * elapsed)  # fmt: skip
+                full = ceiling * bucket.burst_s / 60.0
+                pool = (min(full, left + elapsed * ceiling / 60.0)
+                        - (bucket.taken - since.taken) - bucket.others_per_s * elapsed)  # fmt: skip
+                ours = bucket.per_minute / 60.0
+                left = pool * ours / (ours + bucket.others_per_s) if ours > 0 else pool
                 share = self.share(bucket, ceiling)
                 if bucket.per_minute > share:
                     bucket.set_rate(share, now)
