@@ -8,7 +8,8 @@ with an RPM limit R (sub-minute enforcement, 1 s bursts), a TPM limit, latency
 2. a naive client on the same tasks: asyncio.gather + semaphore + tenacity
    retrying 429/5xx with random exponential backoff, as commonly written;
 3. two, then four llm-streams workers sharing the key (one consumer group), each
-   learning its share from the trend of `remaining`;
+   learning its share from the trend of `remaining` (`--styles`: counted against the
+   minute, as OpenAI does, and/or against the enforcing second);
 4. one worker while the simulator's limit is halved mid-run;
 5. a worker leaving (two, then one) and joining (one, then two) 30 s in: how long
    until the key is used again (rebalance included).
@@ -16,7 +17,8 @@ with an RPM limit R (sub-minute enforcement, 1 s bursts), a TPM limit, latency
 Printed per phase: successful requests/min over the busy span / R, and the
 share of requests answered 429.
 
-    python bench/rate_limit_utilisation.py [--rpm 3000] [--tasks 3000]
+    python bench/rate_limit_utilisation.py [--rpm 3000] [--tasks 3000] [--phases 1,2,3,4,5]
+        [--workers 2,4] [--styles minute,second] [--moves leave,join] [--timeline]
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from streams.kafka.topics import ensure_topics
 from streams.settings import load_settings, settings_env
 
 DEAD_LETTERS: Counter[str] = Counter()
+# The window `x-ratelimit-remaining-requests` is counted against, by header style.
+REMAINING_WINDOWS = {"minute": 60.0, "second": 1.0}
 LOGDIR: Path | None = None
 
 
@@ -260,6 +264,12 @@ async def main() -> None:
     parser.add_argument("--tasks", type=int, default=3000)
     parser.add_argument("--phases", default="1,2,3,4,5", help="Which phases to run.")
     parser.add_argument("--workers", default="2,4", help="Phase 3: workers sharing the key.")
+    parser.add_argument(
+        "--styles",
+        default="minute",
+        help="Phase 3: which `remaining` styles, minute (OpenAI's) and/or second "
+        "(counted against the enforcing second, as some gateways do).",
+    )
     parser.add_argument("--moves", default="leave,join", help="Phase 5: which changes to time.")
     parser.add_argument(
         "--timeline",
@@ -288,11 +298,16 @@ async def main() -> None:
                 rows.append(
                     ("naive gather+semaphore+tenacity", *figures(sim.call("/sim/stats"), rpm, span))
                 )
-            for workers in (int(w) for w in args.workers.split(",")) if 3 in phases else ():
-                sim.reset(rpm)
-                span = await run_workers(kafka, sim, workers * n, workers, logdir)
-                rows.append((f"llm-streams, {workers} workers, one key",
-                             *figures(sim.call("/sim/stats"), rpm, span)))  # fmt: skip
+            styles = args.styles.split(",") if 3 in phases else []
+            for style in styles:
+                sim.call("/sim/config", {"remaining_window_s": REMAINING_WINDOWS[style]})
+                for workers in (int(w) for w in args.workers.split(",")):
+                    sim.reset(rpm)
+                    span = await run_workers(kafka, sim, workers * n, workers, logdir)
+                    label = f" ({style})" if len(styles) > 1 else ""
+                    rows.append((f"llm-streams, {workers} workers, one key{label}",
+                                 *figures(sim.call("/sim/stats"), rpm, span)))  # fmt: skip
+            sim.call("/sim/config", {"remaining_window_s": REMAINING_WINDOWS["minute"]})
             moves = []
             wanted = set(args.moves.split(","))
             for kind, before in (("leave", 2), ("join", 1)) if 5 in phases else ():
