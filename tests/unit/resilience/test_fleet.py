@@ -61,6 +61,10 @@ def test_the_parts_of_a_large_group_sum_to_the_key() -> None:
     bucket.others_var = 3.0**2
     assert limiter.share(bucket, 3000) == pytest.approx(3000 / 32)
     # The others are idle (their estimate well below the key, however noisy): the rest of
-    # the key is ours, less the noise.
+    # the key is ours, less the noise (half the spread, from a group this large).
     bucket.others_mean = 10.0
-    assert limiter.share(bucket, 3000) == pytest.approx(3000 - (10.0 + 1.5) * 60)
+    margin = 0.5 * 3.0 * (1 - 2 / 32)
+    assert limiter.share(bucket, 3000) == pytest.approx(3000 - (10.0 + margin) * 60)
+    # Two members: no margin (the key's bucket catches a high draw of either).
+    group.assigned(1, 2)
+    assert limiter.share(bucket, 3000) == pytest.approx(3000 - 10.0 * 60)
