@@ -80,6 +80,10 @@ class Bucket:
     def others_per_s(self) -> float:
         return max(0.0, self.others_mean)
 
+    def provider_full(self, ceiling: float) -> float:
+        """The provider's bucket when full, at limit `ceiling`, in our bucket's units."""
+        return ceiling * self.burst_s / 60.0
+
     @property
     def others_margin(self) -> float:
         """Half the samples' spread, units per second: about 1.5 standard errors of their
@@ -134,7 +138,7 @@ class Bucket:
                 self.others_mean = self.others_var = 0.0
                 return
             refilled = dt * ceiling / 60.0
-            full = ceiling * self.burst_s / 60.0  # the provider's bucket, in our units
+            full = self.provider_full(ceiling)
             if last.left + refilled < full:
                 theirs = last.left + refilled - (taken - last.taken) - left
                 sample = theirs / dt  # not clipped: noise both ways averages out

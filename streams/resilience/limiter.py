@@ -466,8 +466,7 @@ class RateLimiter:
                 # our part of it, as our pace is of all (each client waiting out all of a
                 # shortfall waits it once per client: 4 workers took 0.89 of the key).
                 elapsed = max(0.0, now - since.at)
-                full = ceiling * bucket.burst_s / 60.0
-                pool = (min(full, left + elapsed * ceiling / 60.0)
+                pool = (min(bucket.provider_full(ceiling), left + elapsed * ceiling / 60.0)
                         - (bucket.taken - since.taken) - bucket.others_per_s * elapsed)  # fmt: skip
                 ours = bucket.per_minute / 60.0
                 left = pool * ours / (ours + bucket.others_per_s) if ours > 0 else pool
