@@ -15,7 +15,8 @@ Then retention: the on-disk worker keeps only the newest half of the results and
 states (`results_max`, `tasks_max`); its figures while it expires the other half, and
 after a restart.
 
-    python bench/store_recovery.py [--tasks 1000000]
+    python bench/store_recovery.py [--tasks 1000000] [--stores memory://,rocksdb://]
+        [--phases takeover,restart] [--no-retention]
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def show(store: str, phase: str, figures: dict[str, float]) -> None:
           f"disk {figures['disk_mb']:7.0f} MB", flush=True)  # fmt: skip
 
 
-async def main(tasks: int) -> None:
+async def main(tasks: int, stores: list[str], phases: list[str], retention: bool) -> None:
     folder = Path(tempfile.mkdtemp(prefix="store-recovery-"))
     kafka = ApacheKafka().start()
     sim = Sim(rpm=0, tpm=0, latency_ms=50, jitter_ms=10, error_rate=0.0)
@@ -216,14 +217,16 @@ async def main(tasks: int) -> None:
         await ensure_topics(base)
         await fill(base, tasks)
         by: dict[tuple[str, str], dict[str, float]] = {}
-        for store in ("memory://", "rocksdb://"):
+        for store in stores:
             # One app (its group and changelogs): the workers run one after the other.
             settings = base.model_copy(update={"store": store})
-            for phase in ("takeover", "restart"):
+            for phase in phases:
                 by[(store, phase)] = await run_worker(
                     settings, folder / store[:3], folder / f"{store[:3]}-{phase}.log", len(by)
                 )
                 show(store, phase, by[(store, phase)])
+        if not retention or set(stores) != {"memory://", "rocksdb://"}:
+            return
         # Retention: the on-disk worker keeps the newest half of results and task states.
         half = tasks // 2
         limits = {"results_max": half, "tasks_max": half, "check_s": 2.0}
@@ -262,4 +265,13 @@ async def main(tasks: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=1_000_000)
-    asyncio.run(main(parser.parse_args().tasks))
+    parser.add_argument("--stores", default="memory://,rocksdb://")
+    parser.add_argument("--phases", default="takeover,restart")
+    parser.add_argument(
+        "--no-retention",
+        action="store_true",
+        help="Skip the retention phases (they need both stores).",
+    )
+    args = parser.parse_args()
+    asyncio.run(main(args.tasks, args.stores.split(","), args.phases.split(","),
+                     not args.no_retention))  # fmt: skip
