@@ -19,7 +19,12 @@ from streams.kafka.scan import end_offsets, read_range
 from streams.settings import Settings
 from streams.store.maps import Kind, Maps, now_ms
 
-LOAD_FLUSH_RECORDS = 20_000  # a load makes its progress durable this often
+# A load makes its progress durable this often, and takes this many records a fetch:
+# what it holds in memory between two flushes. Measured (1,000,000 results and task
+# states, one partition, a fresh RocksDB): 20,000 and all fetched records at once
+# peaked at 202-208 MB; 5,000 and 1,000 at 150 MB, in the same 42-44 s.
+LOAD_FLUSH_RECORDS = 5_000
+LOAD_FETCH_RECORDS = 1_000
 
 
 def readable(kind: Kind, value: bytes) -> bool:
@@ -74,7 +79,7 @@ async def load_partition(
         starts = {tp: progress[kind] for tp, kind in kind_of.items()}
         skipped = False
         unflushed = 0
-        async for records in read_range(consumer, starts, ends):
+        async for records in read_range(consumer, starts, ends, max_records=LOAD_FETCH_RECORDS):
             kind = kind_of[TopicPartition(records[0].topic, records[0].partition)]
             counts[kind] += len(records)
             for record in records:
