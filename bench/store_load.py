@@ -28,23 +28,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from store_recovery import fill, peak_rss_mb
 
 from streams.dev.brokers.apache import ApacheKafka
-from streams.kafka.topics import ensure_topics, ledger_topic, sessions_topic, state_topic
+from streams.kafka.topics import ensure_topics
 from streams.settings import load_settings
 from streams.store import restore
 from streams.store.local import LocalStore
-from streams.store.maps import Kind
+from streams.store.taskstore import store_topics
+
+TOPICS = ("tasks", "replay", "results", "dead_letters", "review")
 
 
 async def load(config: dict[str, object], flush: int, fetch: int) -> None:
     """The child: one cold load with these batch sizes."""
-    settings = load_settings(app_id=config["app"], kafka={"broker_url": config["url"],
-                                                           "partitions": 1})  # fmt: skip
+    settings = load_settings(app_id=config["app"], topics=config["topics"],
+                             kafka={"broker_url": config["url"], "partitions": 1})  # fmt: skip
     restore.LOAD_FLUSH_RECORDS = flush
     restore.LOAD_FETCH_RECORDS = fetch or None  # type: ignore[assignment]
     maps = LocalStore(Path(tempfile.mkdtemp(prefix="store-load-")), 64 << 20).open(0)
-    topics = {Kind(k): v for k, v in config["topics"].items()}  # type: ignore[attr-defined]
     started = time.monotonic()
-    counts = await restore.load_partition(settings, topics, 0, maps)
+    counts = await restore.load_partition(settings, store_topics(settings), 0, maps)
     print(json.dumps({"s": time.monotonic() - started, "rss_mb": peak_rss_mb(os.getpid()),
                       "records": sum((counts or {}).values())}))  # fmt: skip
 
@@ -55,15 +56,12 @@ async def main(tasks: int, variants: list[str]) -> None:
         url = f"kafka://{kafka.bootstrap}"
         settings = load_settings(
             app_id=f"load-{suffix}", kafka={"broker_url": url, "partitions": 1},
-            topics={n: f"{n}-{suffix}" for n in
-                    ("tasks", "replay", "results", "dead_letters", "review")},
+            topics={n: f"{n}-{suffix}" for n in TOPICS},
         )  # fmt: skip
         await ensure_topics(settings)
         await fill(settings, tasks)
-        config = {"app": settings.app_id, "url": url, "topics": {
-            "results": settings.topics.results, "dead_letters": settings.topics.dead_letters,
-            "tasks": state_topic(settings), "ledger": ledger_topic(settings),
-            "sessions": sessions_topic(settings)}}  # fmt: skip
+        config = {"app": settings.app_id, "url": url,
+                  "topics": settings.topics.model_dump(include=set(TOPICS))}  # fmt: skip
         print(f"{'flush / fetch':>16} {'load':>8} {'peak RSS':>10} {'records':>10}")
         for variant in variants:
             out = subprocess.run(

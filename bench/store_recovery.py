@@ -225,7 +225,7 @@ async def main(tasks: int, stores: list[str], phases: list[str], retention: bool
                     settings, folder / store[:3], folder / f"{store[:3]}-{phase}.log", len(by)
                 )
                 show(store, phase, by[(store, phase)])
-        if not retention or set(stores) != {"memory://", "rocksdb://"}:
+        if not retention or set(stores) != {"memory://", "rocksdb://"} or "restart" not in phases:
             return
         # Retention: the on-disk worker keeps the newest half of results and task states.
         half = tasks // 2
@@ -270,7 +270,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--no-retention",
         action="store_true",
-        help="Skip the retention phases (they need both stores).",
+        help="Skip the retention phases (they need both stores and the restart phase).",
     )
     args = parser.parse_args()
     asyncio.run(main(args.tasks, args.stores.split(","), args.phases.split(","),

@@ -54,6 +54,17 @@ Send = Callable[
 ]  # a write, returned once acked, with its offset (None: not known)
 
 
+def store_topics(settings: Settings) -> dict[Kind, str]:
+    """The topic that backs each map."""
+    return {
+        Kind.RESULTS: settings.topics.results,
+        Kind.DEAD_LETTERS: settings.topics.dead_letters,
+        Kind.TASK_STATES: state_topic(settings),
+        Kind.LEDGER: ledger_topic(settings),
+        Kind.SESSIONS: sessions_topic(settings),
+    }
+
+
 class TaskStore:
     """Answers and task states of the partitions this worker owns, backed by topics.
 
@@ -83,13 +94,7 @@ class TaskStore:
     ) -> None:
         self.settings = settings
         self.state_bytes = state_bytes  # bytes a task state may take on its topic
-        self.topics = {
-            Kind.RESULTS: settings.topics.results,
-            Kind.DEAD_LETTERS: settings.topics.dead_letters,
-            Kind.TASK_STATES: state_topic(settings),
-            Kind.LEDGER: ledger_topic(settings),
-            Kind.SESSIONS: sessions_topic(settings),
-        }
+        self.topics = store_topics(settings)
         self._send = send
         self.metrics = metrics or Metrics()  # none given: one nobody scrapes
         self.local = LocalStore(rocks_dir(settings), settings.store_cache_mb << 20)
