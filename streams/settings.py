@@ -463,6 +463,17 @@ class Settings(BaseSettings):
         "it for this long (kept meanwhile: a partition coming back reads only what it "
         "missed).",
     )
+    store_standby_replicas: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Warm copies of each task partition's store kept by other workers (as "
+        "Kafka Streams' num.standby.replicas): a worker follows the changelogs of the "
+        "partitions it stands by for into its on-disk store, and a rebalance gives a "
+        "partition whose owner left to a worker standing by for it, which then reads only "
+        "what it had not followed yet. Each costs a partition's disk and a reader per "
+        "partition on the worker holding it; needs rocksdb://.",
+    )
     processing_guarantee: Literal["at_least_once", "exactly_once"] = "at_least_once"
     data_dir: Path = Field(Path("var/llm-streams"), description="Worker state directory.")
     pipelines_dir: Path = Field(default_factory=lambda: _data_dir("pipelines"))
@@ -492,6 +503,15 @@ class Settings(BaseSettings):
                 f"LLM_STREAMS_RETENTION__LEDGER_DAYS={days:g} would expire batches still "
                 f"running: keep it above LLM_STREAMS_BATCH_API__DEADLINE_S "
                 f"({self.batch_api.deadline_s / 86_400:.2f} days), or 0"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _standbys_on_disk(self) -> Settings:
+        if self.store_standby_replicas and self.store == "memory://":
+            raise ValueError(
+                "LLM_STREAMS_STORE_STANDBY_REPLICAS needs an on-disk store (rocksdb://): "
+                "memory:// reads every partition again on its assignment, a warm copy or not"
             )
         return self
 
@@ -547,6 +567,8 @@ def load_settings(**overrides: Any) -> Settings:
     except ValidationError as exc:
         problems = "; ".join(
             f"{env_name(e['loc'])}: {e['msg']}{_got(e['loc'], e.get('input'))}"
+            if e["loc"]
+            else e["msg"].removeprefix("Value error, ")  # a rule between settings
             for e in exc.errors()
         )
         raise ConfigError(f"invalid settings: {problems}") from exc

@@ -26,6 +26,7 @@ class Readiness:
     partitions: tuple[int, ...]  # owned
     loading: tuple[int, ...]  # owned, their store not loaded yet
     open_breakers: tuple[str, ...]  # endpoints whose calls are refused
+    standby: tuple[int, ...] = ()  # partitions followed for another worker (not owned)
 
     @property
     def ready(self) -> bool:
@@ -45,7 +46,8 @@ class Readiness:
     def as_json(self) -> dict[str, Any]:
         return {"ready": self.ready, "reasons": self.reasons(), "joined": self.joined,
                 "partitions": list(self.partitions), "loading": list(self.loading),
-                "open_breakers": list(self.open_breakers)}  # fmt: skip
+                "open_breakers": list(self.open_breakers),
+                "standby": list(self.standby)}  # fmt: skip
 
 
 def open_breakers(metrics: Metrics) -> tuple[str, ...]:

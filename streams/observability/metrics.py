@@ -98,6 +98,14 @@ class Metrics:
             "llm_streams_state_loaded_records",
             "Records read back into the task store when a partition was assigned, by map.",
             ["map"], registry=r)  # fmt: skip
+        self.store_standbys = Gauge(
+            "llm_streams_store_standby_partitions",
+            "Task partitions this worker stands by for (store_standby_replicas): their "
+            "stores followed on its disk.", registry=r)  # fmt: skip
+        self.standby_records = Counter(
+            "llm_streams_store_standby_records",
+            "Records the worker's standbys read from the stores' topics (made durable).",
+            registry=r)  # fmt: skip
         self.store_flush_errors = Counter(
             "llm_streams_store_flush_errors",
             "Times the task store could not write its local copy to disk (full?); the "

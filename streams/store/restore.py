@@ -1,12 +1,15 @@
 """A partition's maps read again from their topics (`load_partition`): from the local
 copy's checkpoint to the topics' real end, the latest value per key, durable as it
-goes so that a load cut short goes on from where it was; and what this version can
-read of a stored value (`readable`: a newer version's extra fields are fine, a value
-without what the worker reads is skipped and counted, never taken for an answer)."""
+goes so that a load cut short goes on from where it was; a partition's maps kept
+following its topics (`follow_partition`: a standby's warm copy, so that taking the
+partition over reads only the last records); and what this version can read of a
+stored value (`readable`: a newer version's extra fields are fine, a value without
+what the worker reads is skipped and counted, never taken for an answer)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -82,16 +85,7 @@ async def load_partition(
         async for records in read_range(consumer, starts, ends, max_records=LOAD_FETCH_RECORDS):
             kind = kind_of[TopicPartition(records[0].topic, records[0].partition)]
             counts[kind] += len(records)
-            for record in records:
-                if record.key is None:
-                    continue
-                at = record.timestamp if record.timestamp and record.timestamp > 0 else now_ms()
-                if record.value is None or readable(kind, record.value):
-                    maps.stage(kind, record.key, record.value, at)
-                else:
-                    skipped = True
-                    if on_unreadable is not None:
-                        on_unreadable(kind, record)
+            skipped |= _stage(kind, records, maps, on_unreadable)
             progress[kind] = records[-1].offset + 1
             unflushed += len(records)
             if unflushed >= LOAD_FLUSH_RECORDS:
@@ -103,4 +97,77 @@ async def load_partition(
         await consumer.stop()
 
 
-__all__ = ["LOAD_FLUSH_RECORDS", "load_partition", "readable"]
+def _stage(
+    kind: Kind,
+    records: Sequence[Any],
+    maps: Maps,
+    on_unreadable: Callable[[Kind, Any], None] | None,
+) -> bool:
+    """Stage `records` of map `kind` (a null value deletes its key); True when one was
+    skipped as unreadable (reported to `on_unreadable`)."""
+    skipped = False
+    for record in records:
+        if record.key is None:
+            continue
+        at = record.timestamp if record.timestamp and record.timestamp > 0 else now_ms()
+        if record.value is None or readable(kind, record.value):
+            maps.stage(kind, record.key, record.value, at)
+        else:
+            skipped = True
+            if on_unreadable is not None:
+                on_unreadable(kind, record)
+    return skipped
+
+
+async def follow_partition(
+    settings: Settings,
+    topics: dict[Kind, str],
+    partition: int,
+    maps: Maps,
+    on_unreadable: Callable[[Kind, Any], None] | None = None,
+    on_flush: Callable[[int], None] | None = None,
+) -> None:
+    """Keep `maps` following partition `partition` of each topic, from their checkpoint
+    on, until cancelled: what they read is durable every LOAD_FLUSH_RECORDS records and
+    at least every commit interval (then `on_flush(records)`), so that whoever opens the
+    maps next reads only what came after. Returns when the maps are ahead of a topic
+    (made again): they are not that topic's any more. Cancelled, it leaves the maps as
+    they were at their last flush (what was staged since is the caller's to discard)."""
+    consumer = reader(
+        settings, "state", client_id=f"{settings.app_id}-standby-{partition}",
+        max_partition_fetch_bytes=4 * 1024 * 1024, fetch_max_wait_ms=500,
+    )  # fmt: skip
+    await consumer.start()
+    try:
+        kind_of = {TopicPartition(topic, partition): kind for kind, topic in topics.items()}
+        progress = maps.checkpoint()
+        ends = await end_offsets(consumer, list(kind_of))
+        if any(progress[kind] > ends[tp] for tp, kind in kind_of.items()):
+            return
+        for tp, kind in kind_of.items():
+            consumer.seek(tp, progress[kind])
+        every_s = settings.kafka.commit_interval_s
+        skipped, unflushed, flushed_at = False, 0, time.monotonic()
+        while True:
+            batch = await consumer.getmany(timeout_ms=1000, max_records=LOAD_FETCH_RECORDS)
+            for tp, records in batch.items():
+                skipped |= _stage(kind_of[tp], records, maps, on_unreadable)
+                unflushed += len(records)
+            due = time.monotonic() - flushed_at >= every_s
+            if unflushed >= LOAD_FLUSH_RECORDS or (unflushed and due):
+                # The positions pass transaction markers and compacted gaps too.
+                for tp, kind in kind_of.items():
+                    progress[kind] = await consumer.position(tp)
+                maps.flush(progress, skipped=skipped)
+                if on_flush is not None:
+                    on_flush(unflushed)
+                skipped, unflushed, flushed_at = False, 0, time.monotonic()
+            elif due:
+                if on_flush is not None:
+                    on_flush(0)
+                flushed_at = time.monotonic()
+    finally:
+        await consumer.stop()
+
+
+__all__ = ["LOAD_FLUSH_RECORDS", "follow_partition", "load_partition", "readable"]

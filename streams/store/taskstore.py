@@ -17,6 +17,10 @@ read again only from its checkpoint on):
 
 At-least-once: the input offset commits only after these writes are acked, so
 after a crash a record runs again, finds its answer and writes nothing more.
+
+Standby replicas (`store_standby_replicas`): the partitions the group's assignor
+makes this worker stand by for are followed into their on-disk copies (`standby`),
+so that when one is assigned, its load reads only the last records.
 """
 
 from __future__ import annotations
@@ -36,12 +40,16 @@ from streams.observability.metrics import Metrics
 from streams.resilience.retry import retry_transient
 from streams.settings import Settings
 from streams.store.local import LocalStore
-from streams.store.maps import Kind, now_ms
+from streams.store.maps import Kind, Maps, now_ms
 from streams.store.partition import Position, StorePartition
-from streams.store.restore import load_partition, readable
+from streams.store.restore import follow_partition, load_partition, readable
 from streams.store.retention import expire
 
 log = logging.getLogger(__name__)
+
+
+class _Ahead(Exception):
+    """A standby's local copy is ahead of its topics (they were made again)."""
 
 
 class PartitionLost(KafkaError):  # type: ignore[misc]  # aiokafka is untyped here
@@ -106,6 +114,8 @@ class TaskStore:
         self._gone: set[int] = set()
         self._flusher: asyncio.Task[None] | None = None
         self._expirer: asyncio.Task[None] | None = None
+        # Partitions this worker stands by for: their maps and the task following them.
+        self._standbys: dict[int, tuple[Maps, asyncio.Task[None]]] = {}
 
     # -- ownership ---------------------------------------------------------------------
 
@@ -121,10 +131,12 @@ class TaskStore:
             self._release(p, keep=not self.transactional)
             self._gone.add(p)
         for p in sorted(partitions - set(self._parts)):
+            self._unfollow(p)  # a standby taken over: its warm copy opens as the active one
             part = StorePartition(self.local.open(p))
             self._parts[p] = part
             part.loading = asyncio.create_task(self._load(p, part), name=f"load-state-{p}")
-        for p in self.local.stale(set(self._parts), self.settings.store_cleanup_after_s):
+        for p in self.local.stale(set(self._parts) | set(self._standbys),
+                                  self.settings.store_cleanup_after_s):  # fmt: skip
             log.info("deleting the local store of partition %d (not owned for %.0fs)", p,
                      self.settings.store_cleanup_after_s)  # fmt: skip
             self.local.destroy(p)
@@ -132,6 +144,66 @@ class TaskStore:
             self._flusher = asyncio.create_task(self._flush_loop(), name="flush-state")
         if self._expirer is None:
             self._expirer = asyncio.create_task(self._expire_loop(), name="expire-state")
+
+    def standby(self, partitions: set[int]) -> None:
+        """The worker stands by for exactly these partitions (those it owns aside): follow
+        new ones into their on-disk copies, stop following the rest (their copies stay on
+        disk, for `store_cleanup_after_s`). memory:// keeps no copy: nothing to follow."""
+        if self.local.base is None:
+            return
+        wanted = partitions - set(self._parts)
+        for p in set(self._standbys) - wanted:
+            self._unfollow(p)
+        for p in sorted(wanted - set(self._standbys)):
+            maps = self.local.open(p)
+            task = asyncio.create_task(self._follow(p), name=f"standby-state-{p}")
+            self._standbys[p] = (maps, task)
+            log.info("standing by for partition %d (following its store's topics)", p)
+        self.metrics.store_standbys.set(len(self._standbys))
+
+    def standing_by(self) -> set[int]:
+        return set(self._standbys)
+
+    def _unfollow(self, p: int) -> None:
+        """Stop following partition p, at once: the follower is cancelled before it runs
+        again, and holds nothing on disk between its flushes (what it staged since goes; the
+        next reader of p reads it from the topics)."""
+        standby = self._standbys.pop(p, None)
+        if standby is None:
+            return
+        maps, task = standby
+        task.cancel()
+        maps.discard()
+        maps.close()
+        self.local.release(p)
+        self.metrics.store_standbys.set(len(self._standbys))
+
+    async def _follow(self, partition: int) -> None:
+        """Follow partition's topics until told to stop; while the broker is away, again."""
+
+        def flushed(records: int) -> None:
+            self.local.in_use(partition)
+            self.metrics.standby_records.inc(records)
+
+        async def follow() -> None:
+            maps, _ = self._standbys[partition]
+            await follow_partition(self.settings, self.topics, partition, maps,
+                                   self._unreadable, flushed)  # fmt: skip
+            raise _Ahead(partition)  # it returns only then: follow its topics from the start
+
+        def again(exc: BaseException) -> bool:
+            if isinstance(exc, _Ahead):
+                log.warning("the local store of partition %d is ahead of its topics (made "
+                            "again?): following them from the start", partition)  # fmt: skip
+                maps, task = self._standbys[partition]
+                maps.close()
+                self.local.destroy(partition)
+                self._standbys[partition] = (self.local.open(partition), task)
+            return isinstance(exc, Exception)
+
+        await retry_transient(follow, what=f"following the store of partition {partition}",
+                              transient=again, first_s=0.5, max_s=10.0,
+                              sleep=asyncio.sleep)  # fmt: skip
 
     def _release(self, p: int, *, keep: bool) -> None:
         """Close a partition's maps: flushed first when `keep` (what is staged is then
@@ -198,6 +270,10 @@ class TaskStore:
         return set(self._parts)
 
     async def close(self) -> None:
+        followers = [task for _, task in self._standbys.values()]
+        for p in list(self._standbys):
+            self._unfollow(p)
+        await asyncio.gather(*followers, return_exceptions=True)
         loops = [task for task in (self._flusher, self._expirer) if task is not None]
         for task in loops:
             task.cancel()

@@ -138,6 +138,7 @@ class TaskAgent:
             joined=self._joined, partitions=tuple(owned),
             loading=tuple(p for p in owned if not self.store.loaded(p)),
             open_breakers=open_breakers(self.metrics),
+            standby=tuple(sorted(self.store.standing_by())),
         )  # fmt: skip
 
     def left_behind(self) -> str:
@@ -173,6 +174,9 @@ class TaskAgent:
             self.eos.hook_consumer(self.app.consumer)
             await self.eos.assign(partitions)
         self.store.assign(partitions)
+        # Standbys (store_standby_replicas): the assignor's, over the same task partitions.
+        self.store.standby({tp.partition for tp in self.app.assignor.assigned_standbys()
+                            if tp.topic in self._inputs} - partitions)  # fmt: skip
         self.parked.assigned(partitions)
         if self._processor is not None:  # tasks at a spend cap: their share, their partition
             self._processor.budgets.changed()

@@ -64,6 +64,9 @@ def _faust_app(settings: Settings) -> ThreadedApp:
         # Exactly-once is the worker's own (streams.worker.eos): Faust runs at-least-once and
         # its offset commits go into the worker's transactions.
         processing_guarantee="at_least_once",
+        # Faust's assignor places standbys over the task partitions and gives a partition
+        # whose owner left to a worker standing by for it; the task store follows them.
+        table_standby_replicas=settings.store_standby_replicas,
         topic_partitions=settings.kafka.partitions,
         topic_replication_factor=settings.kafka.replication_factor,
         topic_disable_leader=True,

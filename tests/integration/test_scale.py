@@ -18,10 +18,13 @@ from typing import Any
 
 import orjson
 import pytest
+from aiokafka import TopicPartition
 
 from streams.dev.brokers.apache import ApacheKafka
 from streams.dev.simulator import SimulatorServer
+from streams.kafka import clients
 from streams.settings import Settings
+from streams.store.taskstore import store_topics
 from tests.integration.helpers import (
     Collected,
     Scrape,
@@ -35,6 +38,18 @@ from tests.integration.helpers import (
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PARTITIONS = 12
+LOADED = "llm_streams_state_loaded_records_total"
+
+
+async def _store_records(settings: Settings, partitions: set[int]) -> int:
+    """Records in `partitions` of the task store's topics (their end offsets, summed)."""
+    consumer = clients.consumer(settings, purpose="ends", group_id=None)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(t, p) for t in store_topics(settings).values() for p in partitions]
+        return sum((await consumer.end_offsets(tps)).values())
+    finally:
+        await consumer.stop()
 
 
 def _tasks(n: int, prefix: str) -> list[tuple[bytes | None, bytes | None]]:
@@ -184,6 +199,63 @@ async def test_three_workers_split_the_partitions_and_take_over_from_a_killed_on
         assert len(got.results) == len(records), len(got.results) - len(records)
     taken_over = {r["source"]["partition"] for r in got.results} & victim_parts
     assert taken_over == victim_parts
+
+
+async def _standby_settled(worker: WorkerProcess, partitions: int) -> float:
+    """Wait until `worker` stands by for `partitions` partitions and its standbys have read
+    nothing new for 3 s (they follow within a commit interval); the records they read."""
+    seen, still_since = -1.0, time.monotonic()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        scrape = await worker.scrape()
+        read = scrape.value("llm_streams_store_standby_records_total")
+        standing = scrape.value("llm_streams_store_standby_partitions")
+        if read != seen or standing != partitions:
+            seen, still_since = read, time.monotonic()
+        elif read > 0 and time.monotonic() - still_since >= 3.0:
+            return read
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"standbys not settled:\n{worker.log_tail()}")
+
+
+async def test_a_standby_takes_over_a_killed_workers_partitions_reading_only_their_last_records(
+    group_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    """store_standby_replicas=1: each of two workers follows the other's partitions into its
+    disk. SIGKILLed, one worker's partitions go to the other, whose load reads only what
+    its standbys had not followed yet — not the partitions' history (the case without a
+    standby: test_store's worker reading everything another wrote) — and every task, old
+    and new, still ends once."""
+    settings = group_settings(store_standby_replicas=1)
+    first, late = _tasks(1500, "w"), _tasks(40, "z")
+    await produce(settings, first)
+    group = Group(settings, 2, tmp_path).start()
+    try:
+        await wait_until(group, split_evenly(settings.topics.tasks, 2), timeout_s=120,
+                         what="two workers sharing the partitions")  # fmt: skip
+        await collect_all(settings, first, timeout_s=240)
+        victim, survivor = group.workers
+        victim_parts = owned(await victim.scrape(), settings.topics.tasks)
+        followed = await _standby_settled(survivor, PARTITIONS // 2)
+        loaded_before = (await survivor.scrape()).value(LOADED)
+        history = await _store_records(settings, victim_parts)
+        victim.kill()
+        await produce(settings, late)
+        got = await collect_all(settings, first + late, timeout_s=240)
+        assert survivor.alive(), survivor.log_tail()
+        scrape = await survivor.scrape()
+        assert owned(scrape, settings.topics.tasks) == set(range(PARTITIONS))
+        loaded = scrape.value(LOADED) - loaded_before
+    finally:
+        group.stop()
+    assert not got.dead_letters, got.dead_letters[:3]
+    assert_one_outcome_each(got, _ids(first + late))
+    assert history > len(first) / 3, history  # the victim's partitions hold history ...
+    assert followed > 0
+    # ... which the takeover did not read again: at most what came after the standby's
+    # last read (nothing: the workers were idle) and the late tasks' own writes.
+    assert loaded <= 3 * len(late), (loaded, history)
+    assert scrape.value("llm_streams_store_standby_partitions") == 0
 
 
 async def test_a_broker_restart_mid_run_loses_no_task(

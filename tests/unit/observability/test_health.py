@@ -16,6 +16,8 @@ def test_ready_only_when_joined_loaded_and_no_breaker_open() -> None:
     refused = Readiness(True, (0,), (), ("http://llm/v1",))
     assert not refused.ready and "breaker open for http://llm/v1" in refused.reasons()[0]
     assert refused.as_json()["ready"] is False and refused.as_json()["partitions"] == [0]
+    standing_by = Readiness(True, (0,), (), (), standby=(1, 2))  # followed, not owned
+    assert standing_by.ready and standing_by.as_json()["standby"] == [1, 2]
 
 
 def test_open_breakers_are_read_from_the_metrics() -> None:

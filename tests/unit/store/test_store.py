@@ -210,3 +210,181 @@ async def test_a_record_ahead_of_its_partitions_assignment_is_loaded_for_not_ref
     await asyncio.wait_for(store.ready(3), 5)
     assert store.owned() == {0, 1, 3}
     await store.close()
+
+
+class _Follower:
+    """follow_partition's stand-in: stages `entries`, makes them durable at `offset`, then
+    follows until cancelled; records the checkpoint each call began from."""
+
+    def __init__(self, entries: dict[bytes, bytes], offset: int) -> None:
+        self.entries, self.offset = entries, offset
+        self.began: list[dict[Kind, int]] = []
+        self.following = asyncio.Event()
+        self.started: asyncio.Queue[int] = asyncio.Queue()  # partitions, as each begins
+        self.stopped = 0
+
+    async def __call__(self, settings: Any, topics: Any, partition: int, maps: Any,
+                       on_unreadable: Any, on_flush: Any) -> None:  # fmt: skip
+        self.began.append(maps.checkpoint())
+        for key, value in self.entries.items():
+            maps.stage(Kind.RESULTS, key, value, 1)
+        maps.flush(dict.fromkeys(Kind, self.offset))
+        on_flush(len(self.entries))
+        maps.stage(Kind.RESULTS, b"rk-unflushed", b"{}", 1)  # staged after the last flush
+        self.following.set()
+        self.started.put_nowait(partition)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.stopped += 1
+
+
+async def test_a_standby_taken_over_opens_its_warm_copy_and_reads_only_what_came_after(
+    monkeypatch: Any, tmp_path: Path
+) -> None:
+    """The partition a worker stands by for is followed into its on-disk copy; assigned,
+    its follower stops and lets the copy go before the active partition opens it (one
+    RocksDB, one lock), and the load starts at the standby's checkpoint: a takeover reads
+    only what the follower had not read yet. What the follower staged after its last
+    flush is not taken for durable."""
+    from streams.settings import load_settings
+    from streams.store import taskstore as state_module
+    from streams.store.taskstore import TaskStore
+
+    follower = _Follower({b"rk-old": b'{"output": {}, "model": "m"}'}, offset=40)
+    loaded_from: list[dict[Kind, int]] = []
+
+    async def load(settings: Any, topics: Any, partition: int, maps: Any, *_: Any) -> Any:
+        loaded_from.append(maps.checkpoint())
+        return dict.fromkeys(Kind, 0)
+
+    monkeypatch.setattr(state_module, "follow_partition", follower)
+    monkeypatch.setattr(state_module, "load_partition", load)
+
+    async def send(*args: Any) -> None:
+        return None
+
+    store = TaskStore(load_settings(store=f"rocksdb://{tmp_path}"), send)
+    store.assign({0})
+    store.standby({0, 1})  # its own partition aside
+    assert store.standing_by() == {1}
+    await asyncio.wait_for(follower.following.wait(), 5)
+    assert store.metrics.store_standbys._value.get() == 1
+    assert store.metrics.standby_records._value.get() == 1
+
+    store.assign({0, 1})  # the owner of 1 left: promoted
+    await asyncio.wait_for(store.ready(1), 5)
+    assert store.standing_by() == set()
+    assert loaded_from[-1] == dict.fromkeys(Kind, 40)
+    assert store.get(Kind.RESULTS, 1, b"rk-old") == b'{"output": {}, "model": "m"}'
+    assert store.get(Kind.RESULTS, 1, b"rk-unflushed") is None
+    await asyncio.sleep(0)
+    assert follower.stopped == 1
+    assert store.metrics.store_standbys._value.get() == 0
+    await store.close()
+
+
+async def test_standbys_given_away_stop_keep_their_copy_and_are_not_cleaned_up_while_followed(
+    monkeypatch: Any, tmp_path: Path
+) -> None:
+    from streams.settings import load_settings
+    from streams.store import taskstore as state_module
+    from streams.store.local import LocalStore
+    from streams.store.taskstore import TaskStore
+
+    follower = _Follower({b"rk-1": b"{}"}, offset=3)
+
+    async def empty(*_: Any) -> dict[Kind, int]:
+        return dict.fromkeys(Kind, 0)
+
+    monkeypatch.setattr(state_module, "follow_partition", follower)
+    monkeypatch.setattr(state_module, "load_partition", empty)
+
+    async def send(*args: Any) -> None:
+        return None
+
+    # Cleaned up at once when not owned: only being followed keeps a copy.
+    settings = load_settings(store=f"rocksdb://{tmp_path}", store_cleanup_after_s=0)
+    store = TaskStore(settings, send)
+    store.standby({1, 2})
+    for _ in range(2):
+        await asyncio.wait_for(follower.started.get(), 5)
+    store.assign({0})
+    assert store.local.path(1).exists() and store.local.path(2).exists()
+
+    store.standby({2})  # 1 is no longer this worker's to stand by for
+    await asyncio.sleep(0)
+    assert follower.stopped == 1 and store.standing_by() == {2}
+    assert store.local.path(1).exists()  # kept, for store_cleanup_after_s
+
+    await store.close()  # stops the followers still running
+    assert follower.stopped == 2 and store.standing_by() == set()
+    local = LocalStore(tmp_path)
+    maps = local.open(2)  # closed: its lock is free, and its copy is what was flushed
+    assert maps.checkpoint() == dict.fromkeys(Kind, 3)
+    assert maps.get(Kind.RESULTS, b"rk-1") == b"{}"
+    maps.close()
+
+
+async def test_a_standby_ahead_of_its_topics_follows_them_again_from_the_start(
+    monkeypatch: Any, tmp_path: Path
+) -> None:
+    """follow_partition returns when the copy is ahead of its topics (made again): the
+    copy goes and is followed from offset 0, not left stale and not retried as it is."""
+    from streams.settings import load_settings
+    from streams.store import taskstore as state_module
+    from streams.store.local import LocalStore
+    from streams.store.taskstore import TaskStore
+
+    old = LocalStore(tmp_path).open(1)
+    old.stage(Kind.RESULTS, b"rk-gone", b"{}", 1)
+    old.flush(dict.fromkeys(Kind, 900))
+    old.close()
+    follower = _Follower({}, offset=0)
+    calls: list[dict[Kind, int]] = []
+
+    async def follow(settings: Any, topics: Any, partition: int, maps: Any, *rest: Any) -> None:
+        calls.append(maps.checkpoint())
+        if len(calls) == 1:
+            return  # ahead of its topics
+        assert maps.get(Kind.RESULTS, b"rk-gone") is None
+        await follower(settings, topics, partition, maps, *rest)
+
+    real_sleep = asyncio.sleep
+
+    async def no_wait(_: float) -> None:
+        await real_sleep(0)
+
+    monkeypatch.setattr(state_module, "follow_partition", follow)
+    monkeypatch.setattr(state_module.asyncio, "sleep", no_wait)
+
+    async def send(*args: Any) -> None:
+        return None
+
+    store = TaskStore(load_settings(store=f"rocksdb://{tmp_path}"), send)
+    store.standby({1})
+    await asyncio.wait_for(follower.following.wait(), 5)
+    assert calls == [dict.fromkeys(Kind, 900), dict.fromkeys(Kind, 0)]
+    await store.close()
+
+
+def test_standbys_need_an_on_disk_store() -> None:
+    from streams.errors import ConfigError
+    from streams.settings import load_settings
+
+    assert load_settings(store_standby_replicas=1).store_standby_replicas == 1
+    with pytest.raises(ConfigError, match=r"settings: LLM_STREAMS_STORE_STANDBY_REPLICAS needs"):
+        load_settings(store="memory://", store_standby_replicas=1)
+
+
+async def test_standing_by_with_a_memory_store_is_nothing() -> None:
+    from streams.settings import load_settings
+    from streams.store.taskstore import TaskStore
+
+    async def send(*args: Any) -> None:
+        return None
+
+    store = TaskStore(load_settings(store="memory://"), send)
+    store.standby({1})
+    assert store.standing_by() == set()
+    await store.close()
