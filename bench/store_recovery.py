@@ -15,8 +15,14 @@ Then retention: the on-disk worker keeps only the newest half of the results and
 states (`results_max`, `tasks_max`); its figures while it expires the other half, and
 after a restart.
 
+Phase `failover` (on disk): two workers in one group, the partition's owner SIGKILLed
+with a new task waiting; the time from the kill and from the partition's reassignment
+to the survivor's answer, its load time and peak RSS: without a standby (the survivor
+reads the whole partition) and with `store_standby_replicas=1` (it followed the
+partition before the kill).
+
     python bench/store_recovery.py [--tasks 1000000] [--stores memory://,rocksdb://]
-        [--phases takeover,restart] [--no-retention]
+        [--phases takeover,restart,failover] [--no-retention]
 """
 
 from __future__ import annotations
@@ -29,9 +35,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -44,6 +53,7 @@ from streams.dev.brokers.apache import ApacheKafka
 from streams.dev.brokers.common import free_port
 from streams.kafka.topics import ensure_topics, state_topic
 from streams.settings import Settings, load_settings, settings_env
+from streams.store.taskstore import store_topics
 
 LOADED = re.compile(r"state of partition 0 loaded in ([0-9.]+)s")
 
@@ -163,21 +173,45 @@ def expired(port: int) -> float:
                if line.startswith("llm_streams_store_expired_total{"))  # fmt: skip
 
 
+def spawn(settings: Settings, data: Path, log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """A worker process on `data`; (it, its web port)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
+    env.update(settings_env(settings))
+    port = free_port()
+    env["LLM_STREAMS_WEB_PORT"] = str(port)
+    env["LLM_STREAMS_DATA_DIR"] = str(data)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "streams.cli", "worker"], env=env,
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    return proc, port
+
+
+def readyz(port: int) -> dict[str, Any]:
+    """The worker's /readyz (503 while not ready: its body all the same); {} if away."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+            return dict(orjson.loads(r.read()))
+    except urllib.error.HTTPError as exc:
+        return dict(orjson.loads(exc.read()))
+    except OSError:
+        return {}
+
+
+def metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))  # fmt: skip
+
+
 async def run_worker(
     settings: Settings, data: Path, log: Path, n: int, expire: int = 0
 ) -> dict[str, float]:
     """A worker on `data` until it answered a waiting task (and, with `expire`, until it
     expired that many entries); its figures."""
     task_id, start = await probe(settings, n)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
-    env.update(settings_env(settings))
-    port = free_port()
-    env["LLM_STREAMS_WEB_PORT"] = str(port)
-    env["LLM_STREAMS_DATA_DIR"] = str(data)
     began = time.monotonic()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "streams.cli", "worker"], env=env,
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    proc, port = spawn(settings, data, log)
     try:
         if not await answered(settings, task_id, start, timeout_s=900):
             raise SystemExit(f"no answer within 900s; see {log}")
@@ -193,6 +227,71 @@ async def run_worker(
     loads = LOADED.findall(log.read_text())
     return {"answer_s": to_answer, "load_s": float(loads[-1]) if loads else float("nan"),
             "rss_mb": rss, "disk_mb": disk_mb(data / "store")}  # fmt: skip
+
+
+async def partition_records(settings: Settings) -> int:
+    """Records in partition 0 of the task store's topics (their end offsets, summed)."""
+    from aiokafka import TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, 0) for topic in store_topics(settings).values()]
+        return sum((await consumer.end_offsets(tps)).values())
+    finally:
+        await consumer.stop()
+
+
+async def until(check: Callable[[], bool], what: str, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def failover(base: Settings, folder: Path, standby: int, n: int) -> dict[str, float]:
+    """Two on-disk workers; the partition's owner SIGKILLed with a task waiting: the
+    survivor's figures (`standby` replicas)."""
+    kafka = base.kafka.model_copy(update={"session_timeout_s": 6})
+    settings = base.model_copy(update={"store": "rocksdb://", "kafka": kafka,
+                                       "store_standby_replicas": standby})  # fmt: skip
+    name = f"failover-{standby}"
+    task_id, start = await probe(settings, n)
+    first = spawn(settings, folder / f"{name}-a", folder / f"{name}-a.log")
+    procs = [first]
+    try:
+        if not await answered(settings, task_id, start, timeout_s=900):
+            raise SystemExit(f"the first worker did not answer; see {folder}/{name}-a.log")
+        procs.append(spawn(settings, folder / f"{name}-b", folder / f"{name}-b.log"))
+        ports = [port for _, port in procs]
+        await until(lambda: all(readyz(p).get("joined") for p in ports)
+                    and sum(len(readyz(p).get("partitions") or ()) for p in ports) == 1,
+                    "both workers in the group")  # fmt: skip
+        owner = next(i for i, p in enumerate(ports) if readyz(p).get("partitions"))
+        (victim, _), (survivor, port) = procs[owner], procs[1 - owner]
+        if standby:  # the survivor followed all of the partition so far
+            held = await partition_records(settings)
+            await until(lambda: metric(port, "llm_streams_store_standby_records_total") >= held,
+                        "the standby to catch up")  # fmt: skip
+        task_id, start = await probe(settings, n + 1)
+        victim.kill()
+        killed = time.monotonic()
+        await until(lambda: 0 in (readyz(port).get("partitions") or ()), "the reassignment")
+        assigned = time.monotonic()
+        if not await answered(settings, task_id, start, timeout_s=900):
+            raise SystemExit(f"the survivor did not answer; see {folder}")
+        done = time.monotonic()
+        rss = peak_rss_mb(survivor.pid)
+        log = folder / f"{name}-{'ab'[1 - owner]}.log"
+        loads = LOADED.findall(log.read_text())
+        return {"kill_s": done - killed, "assigned_s": done - assigned,
+                "load_s": float(loads[-1]) if loads else float("nan"), "rss_mb": rss}  # fmt: skip
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(120)
 
 
 def show(store: str, phase: str, figures: dict[str, float]) -> None:
@@ -217,6 +316,19 @@ async def main(tasks: int, stores: list[str], phases: list[str], retention: bool
         await ensure_topics(base)
         await fill(base, tasks)
         by: dict[tuple[str, str], dict[str, float]] = {}
+        if "failover" in phases:
+            over = {s: await failover(base, folder, s, 1000 + s) for s in (0, 1)}
+            for s, f in over.items():
+                print(f"failover, {s} standby: answered {f['kill_s']:.2f}s after the kill, "
+                      f"{f['assigned_s']:.2f}s after the reassignment (load "
+                      f"{f['load_s']:.2f}s), survivor's peak RSS {f['rss_mb']:.0f} MB",
+                      flush=True)  # fmt: skip
+            print(
+                f"  reassignment to answer, standby vs none: {over[1]['assigned_s']:.2f}s vs "
+                f"{over[0]['assigned_s']:.2f}s "
+                f"({over[0]['assigned_s'] / max(over[1]['assigned_s'], 1e-3):.0f}x faster)"
+            )
+            phases = [p for p in phases if p != "failover"]
         for store in stores:
             # One app (its group and changelogs): the workers run one after the other.
             settings = base.model_copy(update={"store": store})

@@ -174,9 +174,11 @@ class TaskAgent:
             self.eos.hook_consumer(self.app.consumer)
             await self.eos.assign(partitions)
         self.store.assign(partitions)
-        # Standbys (store_standby_replicas): the assignor's, over the same task partitions.
-        self.store.standby({tp.partition for tp in self.app.assignor.assigned_standbys()
-                            if tp.topic in self._inputs} - partitions)  # fmt: skip
+        # Standbys (store_standby_replicas): the assignor's, over the same task partitions
+        # (it places one even at 0: see worker.app).
+        standbys = {tp.partition for tp in self.app.assignor.assigned_standbys()
+                    if tp.topic in self._inputs}  # fmt: skip
+        self.store.standby(standbys - partitions if self.settings.store_standby_replicas else set())
         self.parked.assigned(partitions)
         if self._processor is not None:  # tasks at a spend cap: their share, their partition
             self._processor.budgets.changed()

@@ -65,8 +65,11 @@ def _faust_app(settings: Settings) -> ThreadedApp:
         # its offset commits go into the worker's transactions.
         processing_guarantee="at_least_once",
         # Faust's assignor places standbys over the task partitions and gives a partition
-        # whose owner left to a worker standing by for it; the task store follows them.
-        table_standby_replicas=settings.store_standby_replicas,
+        # whose owner left to a worker standing by for it; the task store follows them
+        # (store_standby_replicas). At least 1: with 0, Faust's consumer takes aiokafka's
+        # round-robin assignor instead, which can give tasks-p and replay-p, one store
+        # partition, to two workers. The worker ignores the standbys it did not ask for.
+        table_standby_replicas=max(1, settings.store_standby_replicas),
         topic_partitions=settings.kafka.partitions,
         topic_replication_factor=settings.kafka.replication_factor,
         topic_disable_leader=True,

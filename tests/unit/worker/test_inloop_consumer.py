@@ -165,3 +165,24 @@ async def test_the_consumers_fetch_wait_is_the_settings_not_faust_s() -> None:
         assert consumer._fetch_max_wait_ms == 100  # Faust fixes 1,500: a record's wait on Tansu
     finally:
         await consumer.stop()
+
+
+@pytest.mark.parametrize("standbys", [0, 2])
+async def test_the_group_is_assigned_by_fausts_copartitioning_assignor(
+    standbys: int, tmp_path: Any
+) -> None:
+    """tasks-p and replay-p are one store partition: Faust's assignor gives them to one
+    worker. With no standby asked for, Faust's consumer would take aiokafka's round-robin
+    assignor, which split them between two workers (both owning the store partition)."""
+    from faust.assignor import PartitionAssignor
+
+    settings = load_settings(kafka={"broker_url": "kafka://127.0.0.1:1"},
+                             store_standby_replicas=standbys, data_dir=tmp_path)  # fmt: skip
+    app = create_app(settings)
+    consumer = app.consumer._thread._create_worker_consumer(app.consumer.transport)
+    try:
+        strategies = consumer._partition_assignment_strategy
+        assert len(strategies) == 1 and isinstance(strategies[0], PartitionAssignor)
+        assert strategies[0].replicas == max(1, standbys)
+    finally:
+        await consumer.stop()
