@@ -167,10 +167,7 @@ def disk_mb(path: Path) -> float:
 
 def expired(port: int) -> float:
     """Entries the worker expired so far (results and task states)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("llm_streams_store_expired_total{"))  # fmt: skip
+    return metric(port, "llm_streams_store_expired_total")
 
 
 def spawn(settings: Settings, data: Path, log: Path) -> tuple[subprocess.Popen[bytes], int]:
