@@ -388,3 +388,39 @@ async def test_standing_by_with_a_memory_store_is_nothing() -> None:
     store.standby({1})
     assert store.standing_by() == set()
     await store.close()
+
+
+async def test_a_standby_whose_broker_goes_away_follows_again_once_it_is_back(
+    monkeypatch: Any, tmp_path: Path
+) -> None:
+    from streams.settings import load_settings
+    from streams.store import taskstore as state_module
+    from streams.store.taskstore import TaskStore
+
+    follower = _Follower({b"rk-1": b"{}"}, offset=5)
+    failures: list[int] = []
+
+    async def follow(settings: Any, topics: Any, partition: int, maps: Any, *rest: Any) -> None:
+        if len(failures) < 2:
+            failures.append(partition)
+            raise OSError("broker away")
+        await follower(settings, topics, partition, maps, *rest)
+
+    real_sleep = asyncio.sleep
+
+    async def no_wait(_: float) -> None:
+        await real_sleep(0)
+
+    monkeypatch.setattr(state_module, "follow_partition", follow)
+    monkeypatch.setattr(state_module.asyncio, "sleep", no_wait)
+
+    async def send(*args: Any) -> None:
+        return None
+
+    store = TaskStore(load_settings(store=f"rocksdb://{tmp_path}"), send)
+    store.standby({3})
+    await asyncio.wait_for(follower.following.wait(), 5)
+    assert failures == [3, 3] and store.standing_by() == {3}
+    assert store.metrics.standby_records._value.get() == 1
+    await store.close()
+    assert follower.stopped == 1
