@@ -96,9 +96,21 @@ async def test_sigterm_finishes_the_started_tasks_and_leaves_the_rest_at_once(
         await produce(settings, [(t["task_id"].encode(), orjson.dumps(t)) for t in tasks])
         first = WorkerProcess(settings, tmp_path / "worker-1.log").start()
         try:
+            # The signal once the worker holds many records taken and not started (the
+            # records its micro-batches gave out, less those its loop reached): how many
+            # that is at a given moment depends on how the batches fell (the first one is
+            # what came with the first record, the next fill while slots are busy).
             deadline = time.monotonic() + 120
-            while simulator.sim.by_status[200] < 30 and time.monotonic() < deadline:
+            while True:
                 assert first.alive(), first.log_tail()
+                assert time.monotonic() < deadline, "the worker never held records back"
+                if simulator.sim.by_status[200] >= 30:
+                    scrape = await first.scrape()
+                    held = scrape.value("llm_streams_batch_size_sum") - scrape.value(
+                        "llm_streams_tasks_received_total"
+                    )
+                    if held >= 4 * concurrency:
+                        break
                 await asyncio.sleep(0.2)
             assert first.proc is not None
             first.proc.send_signal(signal.SIGTERM)
