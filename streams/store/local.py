@@ -63,6 +63,8 @@ class RocksMaps:
         self._cf = {name: self._db.get_column_family(name) for name in families}
         self._handles = {name: self._db.get_column_family_handle(name) for name in families}
         self._staged: dict[tuple[Kind, bytes], tuple[int, bytes | None]] = {}
+        # The checkpoint on disk, once this handle wrote it (the format and version with it).
+        self._flushed: dict[Kind, int] | None = None
         meta = self._cf[self.META]
         self._counts = {kind: _int(meta.get(b"count/" + kind.value.encode())) for kind in Kind}
 
@@ -81,6 +83,10 @@ class RocksMaps:
 
     def count(self, kind: Kind) -> int:
         return self._counts[kind]
+
+    def sequence(self) -> int:
+        """RocksDB's sequence number: it moves with every write this copy takes."""
+        return int(self._db.latest_sequence_number())
 
     def keys(self, kind: Kind, prefix: bytes) -> list[bytes]:
         found: set[bytes] = set()
@@ -137,6 +143,14 @@ class RocksMaps:
     def flush(self, checkpoint: Mapping[Kind, int], *, skipped: bool = False) -> None:
         from rocksdict import WriteBatch
 
+        flushed = self._flushed
+        if (
+            not self._staged
+            and not skipped
+            and flushed is not None
+            and all(flushed.get(kind) == offset for kind, offset in checkpoint.items())
+        ):
+            return  # on disk already: an idle partition costs no write every interval
         batch = WriteBatch(raw_mode=True)
         ages = self._handles[self.AGES]
         counts = dict(self._counts)
@@ -166,6 +180,7 @@ class RocksMaps:
         self._db.write(batch)
         self._counts = counts
         self._staged.clear()
+        self._flushed = {**(flushed or {}), **checkpoint}
 
     def close(self) -> None:
         self._staged.clear()

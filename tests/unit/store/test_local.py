@@ -52,6 +52,34 @@ def test_rocksdb_keeps_what_was_flushed_with_its_checkpoint_and_nothing_else(
     again.close()
 
 
+def test_rocksdb_writes_nothing_when_nothing_changed_since_its_last_flush(
+    tmp_path: Path,
+) -> None:
+    """The flush loop runs every commit interval over every partition: an idle one costs
+    no write, while a staged entry, a moved checkpoint or a skip is written."""
+    store = LocalStore(tmp_path, 16 << 20)
+    maps = store.open(1)
+    assert isinstance(maps, local.RocksMaps)
+    maps.flush({Kind.RESULTS: 0})  # the first flush of a handle writes (format, version)
+    written = maps.sequence()
+    maps.flush({Kind.RESULTS: 0})
+    maps.flush({})
+    assert maps.sequence() == written  # nothing new: nothing written
+    maps.flush({Kind.RESULTS: 4})
+    assert maps.sequence() > written
+    written = maps.sequence()
+    maps.stage(Kind.RESULTS, b"rk", b"{}", 1)
+    maps.flush({Kind.RESULTS: 4})
+    assert maps.sequence() > written and maps.get(Kind.RESULTS, b"rk") == b"{}"
+    written = maps.sequence()
+    maps.flush({Kind.RESULTS: 4}, skipped=True)
+    assert maps.sequence() > written
+    maps.close()
+    again = store.open(1)
+    assert again.checkpoint()[Kind.RESULTS] == 4 and again.get(Kind.RESULTS, b"rk") == b"{}"
+    again.close()
+
+
 def test_discard_forgets_only_the_staged_writes(maps: Maps) -> None:
     maps.stage(Kind.LEDGER, b"b1", b"committed", 1)
     maps.flush({Kind.LEDGER: 1})
