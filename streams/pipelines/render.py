@@ -8,6 +8,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 from jinja2 import TemplateError
@@ -130,9 +131,7 @@ class PipelineVersion:
         with over_record("prompt does not render", "render_error"):
             system = self._system.render(**variables).strip()
             user = self._user.render(**variables).strip()
-        response_format, tool, more = structured_output(
-            self.spec.response_format, self.pipeline.name, self.pipeline.output_schema
-        )
+        response_format, tool, more = self._structured
         return RenderedPrompt(
             messages=[{"role": "system", "content": system + more},
                       {"role": "user", "content": user}],
@@ -144,6 +143,14 @@ class PipelineVersion:
             tool=tool,
             originals=self._originals(task_input),
         )  # fmt: skip
+
+    @cached_property
+    def _structured(self) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+        """How this version asks for its structure: the same for every task (it walked the
+        output schema for each), and never changed by a request."""
+        return structured_output(
+            self.spec.response_format, self.pipeline.name, self.pipeline.output_schema
+        )
 
     def _originals(self, task_input: dict[str, Any]) -> dict[str, Any]:
         slot = self.pipeline.spec.quote_source
