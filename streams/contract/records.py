@@ -321,6 +321,13 @@ def json_object(value: bytes | None) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def kept(raw: bytes) -> bytes:
+    """`raw` as a value to keep: bytes made by orjson.dumps hold about 4 KB of memory
+    however short they are (orjson does not shrink its buffer; measured 4.2 KB for a
+    335-byte value, 0.46 KB copied), so what outlives its write is copied to its length."""
+    return bytes(memoryview(raw))
+
+
 def task_id_hint(raw: bytes | None, key: bytes | None) -> str | None:
     """Best guess of the task id of a record that failed to decode, for its dead letter."""
     if raw:

@@ -52,3 +52,20 @@ def test_cache_is_bounded() -> None:
         cache.put(f"k{i}", {"i": i}, "m")
     assert cache.get("k0") is None and cache.get("k1") is None
     assert cache.get("k4") == ({"i": 4}, "m")
+
+
+def test_cache_is_bounded_in_bytes_and_hands_out_copies() -> None:
+    """Large answers push the oldest out before the entry count does; a hit is the
+    answer as it was put, whatever an earlier reader did to its copy."""
+    big = {"summary": "x" * 1000}
+    cache = ContentCache(max_entries=100, max_bytes=3 * 1100)
+    for i in range(5):
+        cache.put(f"k{i}", {**big, "i": i}, "m")
+    assert [cache.get(f"k{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    first = cache.get("k4")
+    assert first == ({**big, "i": 4}, "m")
+    first[0]["summary"] = "changed by a reader"
+    assert cache.get("k4") == ({**big, "i": 4}, "m")
+    cache.forget("k4")
+    cache.put("k5", {"i": 5}, "m")  # room again: the others stay
+    assert cache.get("k4") is None and cache.get("k2") is not None and cache.get("k5") is not None
