@@ -26,7 +26,7 @@ import aiohttp
 import faust
 import orjson
 
-from streams.worker.app import InLoopApp
+from streams.worker.app import PRODUCER_LINGER_S, InLoopApp
 from streams.worker.faust_private import kafka_producer
 
 IN_LOOP = os.environ.get("BENCH_IN_LOOP") == "1"
@@ -35,7 +35,7 @@ app = (InLoopApp if IN_LOOP else faust.App)(
     broker=os.environ["BENCH_BROKER"],
     store="memory://",
     topic_disable_leader=True,
-    producer_linger=0.005,
+    producer_linger=PRODUCER_LINGER_S,  # the worker's
     web_port=int(os.environ["BENCH_WEB_PORT"]),
     web_bind="127.0.0.1",
     autodiscover=False,
