@@ -121,6 +121,16 @@ def _error(
     )
 
 
+def _percentiles(values: deque[float]) -> dict[str, float]:
+    """p50 and p99 of `values` (0 when there are none), and how many."""
+    ordered = sorted(values)
+    if not ordered:
+        return {"p50": 0.0, "p99": 0.0, "n": 0}
+    last = len(ordered) - 1
+    p50, p99 = (ordered[min(last, int(q * len(ordered)))] for q in (0.5, 0.99))
+    return {"p50": p50, "p99": p99, "n": len(ordered)}
+
+
 class Simulator:
     """The aiohttp application and its counters."""
 
@@ -139,6 +149,9 @@ class Simulator:
         self.completion_tokens = 0
         self.in_flight = 0
         self.max_in_flight = 0
+        # Milliseconds from each answered request's arrival to its answer: the endpoint's
+        # own time, beyond its configured latency too (reading, counting tokens, JSON).
+        self.service_ms: deque[float] = deque(maxlen=100_000)
         self.started = time.monotonic()
         self.per_second: dict[int, Counter[int]] = {}
         self._sem: asyncio.Semaphore | None = None
@@ -171,6 +184,7 @@ class Simulator:
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight,
             "now_s": time.monotonic() - self.started,
+            "service_ms": _percentiles(self.service_ms),
             **self.batch.snapshot(),
             "per_second": {
                 str(sec): {str(k): v for k, v in c.items()}
@@ -198,6 +212,7 @@ class Simulator:
         self.prompt_tokens = self.completion_tokens = self.charged_tokens = 0
         self.max_in_flight = self.in_flight
         self.per_second.clear()
+        self.service_ms.clear()
         # The limits start afresh too (full buckets, a new window): a bench phase after a
         # reset does not inherit the last phase's spent capacity.
         self.limits.reset()
@@ -304,6 +319,7 @@ class Simulator:
         return self._sem
 
     async def chat(self, request: web.Request) -> web.Response:
+        arrived = time.monotonic()
         if (denied := self.auth(request)) is not None:
             return denied
         try:
@@ -321,12 +337,12 @@ class Simulator:
         self.chats.append(messages)
         sem = self._semaphore()
         if sem is None:
-            return await self._answer(body, messages, model)
+            return await self._answer(body, messages, model, arrived)
         async with sem:
-            return await self._answer(body, messages, model)
+            return await self._answer(body, messages, model, arrived)
 
     async def _answer(
-        self, body: dict[str, Any], messages: list[dict[str, Any]], model: str
+        self, body: dict[str, Any], messages: list[dict[str, Any]], model: str, arrived: float
     ) -> web.Response:
         cfg = self.config
         self.in_flight += 1
@@ -357,9 +373,12 @@ class Simulator:
             usage = (prompt_tokens, completion_tokens, self._cached(messages))
             payload = self._completion(body, model, content, finish_reason, flex, usage,
                                        worked_ms)  # fmt: skip
-            return web.Response(
-                body=orjson.dumps(payload), content_type="application/json", headers=headers
-            )
+            answer = orjson.dumps(payload)
+            spent_ms = (time.monotonic() - arrived) * 1000
+            self.service_ms.append(spent_ms)
+            if not self.llama:  # as OpenAI says its own time on every answer
+                headers["openai-processing-ms"] = str(round(spent_ms))
+            return web.Response(body=answer, content_type="application/json", headers=headers)
         finally:
             self.in_flight -= 1
 

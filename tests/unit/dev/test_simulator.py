@@ -196,3 +196,20 @@ async def test_a_reset_starts_the_limits_afresh(simulator: SimulatorServer) -> N
         async with s.post(f"{root}/sim/reset") as r:
             assert r.status == 200
     assert (await _post(simulator, _body("c")))[0] == 200
+
+
+async def test_an_answer_says_the_endpoints_own_time_as_openai_does(
+    simulator: SimulatorServer,
+) -> None:
+    """`openai-processing-ms` on every answer (llama.cpp's server sends none), and its
+    spread in the stats: what a benchmark takes off as the endpoint's own time, its
+    configured latency and its work beyond it."""
+    simulator.sim.config.latency_ms, simulator.sim.config.latency_dist = 40, "fixed"
+    status, headers, _ = await _post(simulator, _body("The strap broke."))
+    assert status == 200 and int(headers["openai-processing-ms"]) >= 40
+    own = simulator.sim.snapshot()["service_ms"]
+    assert own["n"] == 1 and own["p50"] >= 40 and own["p99"] >= own["p50"]
+    simulator.sim.config.server = "llama.cpp"
+    status, headers, _ = await _post(simulator, _body("The strap broke again."))
+    assert status == 200 and "openai-processing-ms" not in headers
+    assert simulator.sim.snapshot()["service_ms"]["n"] == 2
