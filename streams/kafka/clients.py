@@ -57,21 +57,26 @@ def admin(settings: Settings, **options: Any) -> AIOKafkaAdminClient:
 TOPIC_AUTHORIZATION_FAILED = 29
 
 
-async def partitions_of(settings: Settings, topic: str) -> list[int]:
+async def partitions_of(
+    settings: Settings, topic: str, client: AIOKafkaAdminClient | None = None
+) -> list[int]:
     """The topic's partitions (none when it does not exist); a topic this principal may
-    not describe is said so (a ConfigError naming it), not taken for an empty one."""
-    client = admin(settings)
-    await client.start()
-    try:
-        for description in await client.describe_topics([topic]):
-            code = description.get("error_code", 0)
-            if code == TOPIC_AUTHORIZATION_FAILED:
-                raise ConfigError(
-                    f"not authorized to DESCRIBE topic {topic!r}: grant the ACLs "
-                    "`llm-streams acls` lists for this command"
-                )
-            if code == 0 and description["topic"] == topic:
-                return sorted(p["partition"] for p in description["partitions"])
-        return []
-    finally:
-        await client.close()
+    not describe is said so (a ConfigError naming it), not taken for an empty one.
+    `client`: a started admin client to ask (else one made for the question)."""
+    if client is None:
+        own = admin(settings)
+        await own.start()
+        try:
+            return await partitions_of(settings, topic, own)
+        finally:
+            await own.close()
+    for description in await client.describe_topics([topic]):
+        code = description.get("error_code", 0)
+        if code == TOPIC_AUTHORIZATION_FAILED:
+            raise ConfigError(
+                f"not authorized to DESCRIBE topic {topic!r}: grant the ACLs "
+                "`llm-streams acls` lists for this command"
+            )
+        if code == 0 and description["topic"] == topic:
+            return sorted(p["partition"] for p in description["partitions"])
+    return []

@@ -12,20 +12,20 @@ import orjson
 from streams.contract.records import now_iso
 from streams.core.drift import DriftMonitor, Profile, baseline_key
 from streams.kafka import clients
-from streams.kafka.scan import latest_objects, scan
+from streams.kafka.scan import Follower, latest_of
 from streams.kafka.topics import drift_baselines_topic, ensure_topics
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-async def load_baselines(settings: Settings) -> dict[tuple[str, str], Profile]:
-    """The stored baselines (none when the topic does not exist yet)."""
-    records = []
-    async for batch in scan(settings, drift_baselines_topic(settings)):
-        records.extend(batch)
+async def load_baselines(
+    settings: Settings, follower: Follower | None = None
+) -> dict[tuple[str, str], Profile]:
+    """The stored baselines (none when the topic does not exist yet). `follower`: the
+    worker's reader of the topic (else it is read whole)."""
     out: dict[tuple[str, str], Profile] = {}
-    for value in latest_objects(records).values():
+    for value in (await latest_of(settings, drift_baselines_topic(settings), follower)).values():
         try:
             key = (str(value["pipeline"]), str(value["version"]))
             out[key] = Profile.from_json(value["profile"])
@@ -34,12 +34,14 @@ async def load_baselines(settings: Settings) -> dict[tuple[str, str], Profile]:
     return out
 
 
-async def refresh_baselines(settings: Settings, drift: DriftMonitor) -> None:
+async def refresh_baselines(
+    settings: Settings, drift: DriftMonitor, follower: Follower | None = None
+) -> None:
     """The stored baselines read again into `drift` (an operator may have set one). While
     the topic cannot be read (the broker away), `drift` keeps the ones it holds and the
     next refresh tries again."""
     try:
-        drift.baselines = await load_baselines(settings)
+        drift.baselines = await load_baselines(settings, follower)
     except Exception as exc:
         log.warning("could not read the drift baselines (keeping the %d held): %r",
                     len(drift.baselines), exc)  # fmt: skip

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from streams.contract.records import now_iso
 from streams.core.budget import Budgets, SpendMark
 from streams.kafka import clients
-from streams.kafka.scan import latest_objects, scan
+from streams.kafka.scan import Follower, latest_of
 from streams.kafka.topics import budget_spend_topic, budgets_topic, ensure_topics
 from streams.pipelines.specs import BudgetSpec
 from streams.settings import Settings
@@ -31,14 +31,14 @@ from streams.settings import Settings
 log = logging.getLogger(__name__)
 
 
-async def load_budgets(settings: Settings) -> dict[str, tuple[BudgetSpec, dict[str, Any]]]:
+async def load_budgets(
+    settings: Settings, follower: Follower | None = None
+) -> dict[str, tuple[BudgetSpec, dict[str, Any]]]:
     """The caps set per pipeline, with the record that set them (none when the topic does
-    not exist yet). A record this version cannot read is skipped, with a warning."""
-    records = []
-    async for batch in scan(settings, budgets_topic(settings)):
-        records.extend(batch)
+    not exist yet). A record this version cannot read is skipped, with a warning.
+    `follower`: the worker's reader of the topic (else it is read whole)."""
     out: dict[str, tuple[BudgetSpec, dict[str, Any]]] = {}
-    for key, value in latest_objects(records).items():
+    for key, value in (await latest_of(settings, budgets_topic(settings), follower)).items():
         try:
             out[key.decode()] = (BudgetSpec.model_validate(value["budget"]), value)
         except (KeyError, TypeError, ValueError, ValidationError) as exc:
@@ -46,13 +46,10 @@ async def load_budgets(settings: Settings) -> dict[str, tuple[BudgetSpec, dict[s
     return out
 
 
-async def load_spend(settings: Settings) -> list[SpendMark]:
+async def load_spend(settings: Settings, follower: Follower | None = None) -> list[SpendMark]:
     """The spends saved per partition and cap window (none before the first)."""
-    records = []
-    async for batch in scan(settings, budget_spend_topic(settings)):
-        records.extend(batch)
     marks = []
-    for value in latest_objects(records).values():
+    for value in (await latest_of(settings, budget_spend_topic(settings), follower)).values():
         try:
             marks.append(SpendMark(**value))
         except TypeError as exc:
@@ -65,15 +62,18 @@ class BudgetSync:
     spend saved read back (`sync`, at start and every `budget.refresh_s`). While the
     broker is away, the worker keeps what it holds and the next sync tries again."""
 
-    def __init__(self, settings: Settings, budgets: Budgets) -> None:
+    def __init__(
+        self, settings: Settings, budgets: Budgets, follower: Follower | None = None
+    ) -> None:
         self.settings = settings
         self.budgets = budgets
+        self.follower = follower  # the worker's reader of the caps and spend topics
 
     async def sync(self) -> None:
         try:
             await self._save(self.budgets.unsaved())
-            stored = await load_budgets(self.settings)
-            marks = await load_spend(self.settings)
+            stored = await load_budgets(self.settings, self.follower)
+            marks = await load_spend(self.settings, self.follower)
         except Exception as exc:
             log.warning("could not sync the spend caps with Kafka (keeping the %d held): %r",
                         len(self.budgets.overrides), exc)  # fmt: skip

@@ -15,7 +15,9 @@ from streams.assembly import processor_factory
 from streams.core.budget import Budgets
 from streams.core.drift import DriftMonitor
 from streams.kafka.limits import WriteLimits
+from streams.kafka.scan import Follower
 from streams.kafka.security import faust_credentials
+from streams.kafka.topics import budget_spend_topic, budgets_topic, drift_baselines_topic
 from streams.observability.metrics import Metrics
 from streams.observability.page import render_html
 from streams.observability.status import SAMPLE_EVERY_S, StatusView
@@ -187,11 +189,18 @@ def create_app(
             log.info("%s", line)
 
     app.task(say_what_it_is)
-    # At start, then every `refresh_s`: what operators set while the workers run.
+    # At start, then every `refresh_s`: what operators set while the workers run, read by
+    # one long-lived reader of those small topics, stopped with the app.
+    follower = Follower(settings, [drift_baselines_topic(settings), budgets_topic(settings),
+                                   budget_spend_topic(settings)])  # fmt: skip
     _at_start_and_every(app, "read_baselines", settings.drift.refresh_s,
-                        lambda: refresh_baselines(settings, drift))  # fmt: skip
+                        lambda: refresh_baselines(settings, drift, follower))  # fmt: skip
     _at_start_and_every(app, "sync_budgets", settings.budget.refresh_s,
-                        BudgetSync(settings, budgets).sync)  # fmt: skip
+                        BudgetSync(settings, budgets, follower).sync)  # fmt: skip
+
+    @app.on_before_shutdown.connect
+    async def stop_follower(app: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
+        await follower.stop()
 
     _pages(app, metrics, agent, settings, registry)
     return app

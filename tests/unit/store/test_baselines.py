@@ -20,7 +20,7 @@ async def test_a_refresh_with_the_broker_away_keeps_the_baselines_held(
     stored = {("comment-analysis", "v1"): Profile()}
     reads: list[Any] = [stored, KafkaConnectionError("Unable to bootstrap"), {}]
 
-    async def load(settings: Any) -> dict[tuple[str, str], Profile]:
+    async def load(settings: Any, follower: Any = None) -> dict[tuple[str, str], Profile]:
         got = reads.pop(0)
         if isinstance(got, Exception):
             raise got
