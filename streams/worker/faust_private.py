@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from time import monotonic
 from typing import Any, ClassVar
 
 from faust.transport.consumer import CONSUMER_FETCHING
@@ -19,6 +20,8 @@ from mode import Service
 from mode.utils.futures import maybe_async
 
 Commit = Callable[[Mapping[Any, int]], Awaitable[bool]]
+
+FETCHER_SAFETY_WAKE_S = 1.0  # aiokafka's `consumer_timeout_ms`, for Faust's consumer
 
 
 def route_commits(
@@ -192,11 +195,16 @@ class _OnTheLoop(faust_aiokafka.AIOKafkaConsumerThread):
 
     def _create_worker_consumer(self, transport: Any) -> Any:
         """Faust's consumer, with the fetch wait of the worker's settings (Faust fixes it
-        at 1.5 s; read when the consumer starts)."""
+        at 1.5 s) and its fetch routine's safety-net wake-up at 1 s, not aiokafka's 0.2
+        (both read when the consumer starts). That routine is woken by every event that
+        lets it fetch (a fetch answered, records consumed, a seek, a resume, an
+        assignment, a metadata update); the timeout only made an idle worker's loop run
+        it five times a second for nothing."""
         consumer = super()._create_worker_consumer(transport)
         settings = getattr(self.app, "llm_streams_settings", None)
         if settings is not None:
             consumer._fetch_max_wait_ms = settings.kafka.fetch_max_wait_ms
+        consumer._consumer_timeout = FETCHER_SAFETY_WAKE_S
         return consumer
 
     @Service.task
@@ -252,6 +260,19 @@ class InLoopConsumer(faust_aiokafka.Consumer):
         if delivering is not None and not self._abandoning and delivering is not _current():
             self._abandoning = True  # the record is read again after the rebalance
             delivering.cancel()
+
+    async def verify_all_partitions_active(self) -> None:
+        """Faust's livelock check (every 2.5 commit intervals), without mode's `sleep(0)`
+        before each partition: a task for `wait_for`, its timeout and its cancel per
+        partition, two loop steps each, for a check of a few attribute reads. A bare
+        yield every 100 partitions keeps a large assignment from holding the loop."""
+        now = monotonic()
+        for n, tp in enumerate(self.assignment(), 1):
+            if n % 100 == 0:
+                await asyncio.sleep(0)
+            if self.should_stop:
+                return
+            self.verify_event_path(now, tp)
 
     async def _deliver(self, delivery: Awaitable[Any]) -> None:
         """`callback(message)` until done, or until `stop_flow` abandons it."""

@@ -163,8 +163,38 @@ async def test_the_consumers_fetch_wait_is_the_settings_not_faust_s() -> None:
     consumer = delegate._create_worker_consumer(app.consumer.transport)
     try:
         assert consumer._fetch_max_wait_ms == 100  # Faust fixes 1,500: a record's wait on Tansu
+        # aiokafka's 0.2 s safety-net wake-up of its fetch routine, five a second idle
+        assert consumer._consumer_timeout == faust_private.FETCHER_SAFETY_WAKE_S == 1.0
     finally:
         await consumer.stop()
+
+
+async def test_the_livelock_check_visits_every_partition_with_no_task_per_partition(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Faust's check slept mode's `sleep(0)` (a task for `wait_for`) before each
+    partition; the worker's checks every partition the same, yielding every 100."""
+    app = _app()
+    consumer_ = app.consumer
+    tps = {TP("tasks", p) for p in range(250)}
+    checked: list[TP] = []
+    monkeypatch.setattr(consumer_, "assignment", lambda: tps)
+    monkeypatch.setattr(consumer_, "verify_event_path", lambda now, tp: checked.append(tp))
+    made = 0
+    loop = asyncio.get_running_loop()
+    factory = loop.get_task_factory()
+
+    def counting(loop: Any, coro: Any, **kwargs: Any) -> Any:
+        nonlocal made
+        made += 1
+        return factory(loop, coro, **kwargs) if factory else asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(counting)
+    try:
+        await consumer_.verify_all_partitions_active()
+    finally:
+        loop.set_task_factory(factory)
+    assert sorted(checked) == sorted(tps) and made == 0
 
 
 @pytest.mark.parametrize("standbys", [0, 2])
