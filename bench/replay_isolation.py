@@ -43,6 +43,7 @@ from rate_limit_utilisation import Sim
 
 from streams.dev.brokers.apache import ApacheKafka
 from streams.dev.brokers.common import free_port
+from streams.dev.simulator import percentile
 from streams.kafka.topics import ensure_topics
 from streams.settings import Settings, load_settings
 
@@ -64,11 +65,6 @@ def mean_of(
     total = metrics.get((f"{name}_sum", (("lane", lane),)), 0.0)
     count = metrics.get((f"{name}_count", (("lane", lane),)), 0.0)
     return total / count * 1000 if count else 0.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Run:

@@ -14,7 +14,6 @@ import importlib.resources
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from rich.table import Table
 
 from streams.dev.brokers.common import free_port
 from streams.dev.brokers.tansu import TansuBroker
-from streams.dev.simulator import SimConfig, SimulatorServer
+from streams.dev.simulator import SimConfig, SimulatorServer, percentile
 from streams.kafka import clients
 from streams.kafka.publisher import TaskPublisher
 from streams.kafka.security import preflight
@@ -52,14 +51,6 @@ POISON: list[tuple[bytes | None, bytes]] = [
 def sample_comments() -> list[dict[str, Any]]:
     data = importlib.resources.files("streams") / "samples" / "comments.jsonl"
     return [orjson.loads(line) for line in data.read_bytes().splitlines() if line.strip()]
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
 def _spawn_worker(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
@@ -200,9 +191,8 @@ def _summary(
     by_cat = Counter(d["error"]["category"] for d in letters)
     table.add_row("dead letters", ", ".join(f"{c}: {n}" for c, n in by_cat.items()) or "0")
     table.add_row("missing", str(len(expected - done.keys())))
-    table.add_row(
-        "latency p50 / p95", f"{_pct(latencies, 50):.0f} ms / {_pct(latencies, 95):.0f} ms"
-    )
+    p50, p95 = percentile(latencies, 0.5), percentile(latencies, 0.95)
+    table.add_row("latency p50 / p95", f"{p50:.0f} ms / {p95:.0f} ms")
     table.add_row(
         "tokens prompt / completion",
         f"{sum(d['usage']['prompt_tokens'] for d in results)} / "

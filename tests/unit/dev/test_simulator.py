@@ -213,3 +213,11 @@ async def test_an_answer_says_the_endpoints_own_time_as_openai_does(
     status, headers, _ = await _post(simulator, _body("The strap broke again."))
     assert status == 200 and "openai-processing-ms" not in headers
     assert simulator.sim.snapshot()["service_ms"]["n"] == 2
+
+
+def test_one_percentile_rule_nearest_rank() -> None:
+    from streams.dev.simulator import percentile
+
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert percentile(values, 0.5) == 51.0 and percentile(values, 0.99) == 100.0
+    assert percentile([7.0], 0.99) == 7.0 and percentile([], 0.5) == 0.0
