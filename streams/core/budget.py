@@ -198,6 +198,12 @@ class Budgets:
         self._unsaved.clear()
         return marks
 
+    def not_saved(self, marks: list[SpendMark]) -> None:
+        """`marks` (from `unsaved`) did not reach Kafka: offered again at the next save,
+        with what their partitions spent since (else a partition that spends no more would
+        never be saved, and a crash would forget more than one refresh of its spend)."""
+        self._unsaved.update((m.pipeline, m.scope, m.window, m.partition) for m in marks)
+
     def seed(self, marks: list[SpendMark]) -> None:
         """Spends saved earlier (by this worker before a restart, or a partition's earlier
         owner): a partition's spend in the current window is never less than saved."""

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 import orjson
+from aiokafka import AIOKafkaProducer
 from pydantic import ValidationError
 
 from streams.contract.records import now_iso
@@ -60,7 +61,12 @@ async def load_spend(settings: Settings, follower: Follower | None = None) -> li
 class BudgetSync:
     """A worker's budgets against Kafka: its partitions' spend saved, the caps set and the
     spend saved read back (`sync`, at start and every `budget.refresh_s`). While the
-    broker is away, the worker keeps what it holds and the next sync tries again."""
+    broker is away, the worker keeps what it holds and the next sync tries again.
+
+    Saves go through one producer kept from the first save to `stop()` (a producer made
+    per save was a bootstrap, a metadata request and, on a secured cluster, a TLS and SASL
+    handshake every refresh while a capped pipeline spends — and as many new connections
+    for the brokers); a save that fails closes it, the next one makes it again."""
 
     def __init__(
         self, settings: Settings, budgets: Budgets, follower: Follower | None = None
@@ -68,36 +74,72 @@ class BudgetSync:
         self.settings = settings
         self.budgets = budgets
         self.follower = follower  # the worker's reader of the caps and spend topics
+        self._producer: AIOKafkaProducer | None = None
+        self._stopped = False  # the worker stops: no producer made again
 
     async def sync(self) -> None:
+        marks = self.budgets.unsaved()
         try:
-            await self._save(self.budgets.unsaved())
+            try:
+                await self._save(marks)
+            except BaseException:
+                self.budgets.not_saved(marks)  # saved at the next sync
+                raise
             stored = await load_budgets(self.settings, self.follower)
-            marks = await load_spend(self.settings, self.follower)
+            saved = await load_spend(self.settings, self.follower)
         except Exception as exc:
             log.warning("could not sync the spend caps with Kafka (keeping the %d held): %r",
                         len(self.budgets.overrides), exc)  # fmt: skip
             self.budgets.synced()  # tried: not held up longer by a broker away
             return
         self.budgets.override({name: spec for name, (spec, _) in stored.items()})
-        self.budgets.seed(marks)
+        self.budgets.seed(saved)
         self.budgets.synced()
 
     async def _save(self, marks: list[SpendMark]) -> None:
-        """The marks, acked (a producer of its own: saves come at most every refresh, and
-        only while a capped pipeline spends)."""
+        """The marks, acked (saves come at most every refresh, and only while a capped
+        pipeline spends)."""
         if not marks:
             return
         topic = budget_spend_topic(self.settings)
-        producer = clients.producer(self.settings, acks="all")
-        await producer.start()
         try:
+            producer = await self._started()
             sent = [await producer.send(topic, orjson.dumps(asdict(mark)), key=mark.key.encode())
                     for mark in marks]  # fmt: skip
             for future in sent:
                 await future
-        finally:
+        except BaseException:
+            await self._close()  # whatever it holds, the next save starts afresh
+            raise
+
+    async def _started(self) -> AIOKafkaProducer:
+        if self._producer is not None:
+            return self._producer
+        if self._stopped:
+            raise RuntimeError("the spend sync is stopped")
+        producer = clients.producer(self.settings, acks="all")
+        try:
+            await producer.start()
+            if self._stopped:  # stopped while it started: never kept
+                raise RuntimeError("the spend sync is stopped")
+        except BaseException:
             await producer.stop()
+            raise
+        self._producer = producer
+        return producer
+
+    async def _close(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            try:
+                await producer.stop()
+            except Exception as exc:
+                log.debug("closing the spend producer: %r", exc)
+
+    async def stop(self) -> None:
+        """Closed for good (the worker stops): a save under way fails, none starts again."""
+        self._stopped = True
+        await self._close()
 
 
 async def save_budget(

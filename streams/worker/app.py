@@ -190,17 +190,19 @@ def create_app(
 
     app.task(say_what_it_is)
     # At start, then every `refresh_s`: what operators set while the workers run, read by
-    # one long-lived reader of those small topics, stopped with the app.
+    # one long-lived reader of those small topics (and the spend saved by one long-lived
+    # writer), stopped with the app.
     follower = Follower(settings, [drift_baselines_topic(settings), budgets_topic(settings),
                                    budget_spend_topic(settings)])  # fmt: skip
     _at_start_and_every(app, "read_baselines", settings.drift.refresh_s,
                         lambda: refresh_baselines(settings, drift, follower))  # fmt: skip
-    _at_start_and_every(app, "sync_budgets", settings.budget.refresh_s,
-                        BudgetSync(settings, budgets, follower).sync)  # fmt: skip
+    budget_sync = BudgetSync(settings, budgets, follower)
+    _at_start_and_every(app, "sync_budgets", settings.budget.refresh_s, budget_sync.sync)
 
     @app.on_before_shutdown.connect
-    async def stop_follower(app: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
+    async def stop_small_topic_clients(app: Any, /, *args: Any, signal: Any, **kwargs: Any) -> None:
         await follower.stop()
+        await budget_sync.stop()
 
     _pages(app, metrics, agent, settings, registry)
     return app
