@@ -153,12 +153,21 @@ async def latest_of(
 ) -> dict[bytes, dict[str, Any]]:
     """The latest JSON object per key of `topic`: from `follower` (the worker's, which
     reads only what came since it last did), else read whole once (a command)."""
+    return (await latest_of_each(settings, [topic], follower))[topic]
+
+
+async def latest_of_each(
+    settings: Settings, topics: Iterable[str], follower: Follower | None = None
+) -> dict[str, dict[bytes, dict[str, Any]]]:
+    """`latest_of` each of `topics`, from one read of `follower`'s (else each read whole)."""
     if follower is not None:
-        return await follower.latest(topic)
-    latest: dict[bytes, dict[str, Any]] = {}
-    async for records in scan(settings, topic):
-        _onto(latest, records)
-    return latest
+        return await follower.latest_each(*topics)
+    each: dict[str, dict[bytes, dict[str, Any]]] = {}
+    for topic in topics:
+        latest = each[topic] = {}
+        async for records in scan(settings, topic):
+            _onto(latest, records)
+    return each
 
 
 class Follower:
@@ -184,13 +193,17 @@ class Follower:
         self._reading = asyncio.Lock()
 
     async def latest(self, topic: str) -> dict[bytes, dict[str, Any]]:
+        return (await self.latest_each(topic))[topic]
+
+    async def latest_each(self, *topics: str) -> dict[str, dict[bytes, dict[str, Any]]]:
+        """Each of `topics` (of the followed ones) as it is now, from one read."""
         async with self._reading:
             try:
                 await self._read()
             except BaseException:
                 await self.close()
                 raise
-            return dict(self._latest[topic])
+            return {topic: dict(self._latest[topic]) for topic in topics}
 
     async def _clients(self) -> tuple[AIOKafkaConsumer, AIOKafkaAdminClient]:
         if self._consumer is not None and self._admin is not None:

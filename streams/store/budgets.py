@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from streams.contract.records import now_iso
 from streams.core.budget import Budgets, SpendMark
 from streams.kafka import clients
-from streams.kafka.scan import Follower, latest_of
+from streams.kafka.scan import Follower, latest_of, latest_of_each
 from streams.kafka.topics import budget_spend_topic, budgets_topic, ensure_topics
 from streams.pipelines.specs import BudgetSpec
 from streams.settings import Settings
@@ -38,8 +38,17 @@ async def load_budgets(
     """The caps set per pipeline, with the record that set them (none when the topic does
     not exist yet). A record this version cannot read is skipped, with a warning.
     `follower`: the worker's reader of the topic (else it is read whole)."""
+    return _caps(await latest_of(settings, budgets_topic(settings), follower))
+
+
+async def load_spend(settings: Settings, follower: Follower | None = None) -> list[SpendMark]:
+    """The spends saved per partition and cap window (none before the first)."""
+    return _spend(await latest_of(settings, budget_spend_topic(settings), follower))
+
+
+def _caps(latest: dict[bytes, dict[str, Any]]) -> dict[str, tuple[BudgetSpec, dict[str, Any]]]:
     out: dict[str, tuple[BudgetSpec, dict[str, Any]]] = {}
-    for key, value in (await latest_of(settings, budgets_topic(settings), follower)).items():
+    for key, value in latest.items():
         try:
             out[key.decode()] = (BudgetSpec.model_validate(value["budget"]), value)
         except (KeyError, TypeError, ValueError, ValidationError) as exc:
@@ -47,10 +56,9 @@ async def load_budgets(
     return out
 
 
-async def load_spend(settings: Settings, follower: Follower | None = None) -> list[SpendMark]:
-    """The spends saved per partition and cap window (none before the first)."""
+def _spend(latest: dict[bytes, dict[str, Any]]) -> list[SpendMark]:
     marks = []
-    for value in (await latest_of(settings, budget_spend_topic(settings), follower)).values():
+    for value in latest.values():
         try:
             marks.append(SpendMark(**value))
         except TypeError as exc:
@@ -85,8 +93,9 @@ class BudgetSync:
             except BaseException:
                 self.budgets.not_saved(marks)  # saved at the next sync
                 raise
-            stored = await load_budgets(self.settings, self.follower)
-            saved = await load_spend(self.settings, self.follower)
+            caps, spend = budgets_topic(self.settings), budget_spend_topic(self.settings)
+            each = await latest_of_each(self.settings, [caps, spend], self.follower)  # one read
+            stored, saved = _caps(each[caps]), _spend(each[spend])
         except Exception as exc:
             log.warning("could not sync the spend caps with Kafka (keeping the %d held): %r",
                         len(self.budgets.overrides), exc)  # fmt: skip

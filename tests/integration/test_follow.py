@@ -45,7 +45,7 @@ async def test_each_read_answers_what_the_topics_hold_now(make_settings: Any) ->
     await ensure_topics(settings, [caps])  # the spend topic is made later
     follower = Follower(settings, [caps, spend])
     try:
-        assert await follower.latest(caps) == {} and await follower.latest(spend) == {}
+        assert await follower.latest_each(caps, spend) == {caps: {}, spend: {}}  # one read
         await _write(settings, caps, [(b"p1", {"usd_per_hour": 1}), (b"p2", {"usd_per_hour": 2})])
         assert await follower.latest(caps) == {b"p1": {"usd_per_hour": 1},
                                                b"p2": {"usd_per_hour": 2}}  # fmt: skip

@@ -46,11 +46,18 @@ class Producer:
         return done
 
 
-class NothingStored:
-    """The worker's follower of the caps and spend topics, with nothing on them."""
+class Stored:
+    """The worker's follower of the caps and spend topics, counting its reads."""
+
+    def __init__(self, held: dict[str, dict[bytes, dict[str, Any]]] | None = None) -> None:
+        self.held, self.reads = held or {}, 0
 
     async def latest(self, topic: str) -> dict[bytes, dict[str, Any]]:
-        return {}
+        return (await self.latest_each(topic))[topic]
+
+    async def latest_each(self, *topics: str) -> dict[str, dict[bytes, dict[str, Any]]]:
+        self.reads += 1
+        return {topic: dict(self.held.get(topic, {})) for topic in topics}
 
 
 @pytest.fixture
@@ -73,7 +80,7 @@ async def test_saves_go_through_one_producer_kept_until_the_worker_stops(
 ) -> None:
     log, _ = sent
     budgets = Budgets(FakeClock(START))
-    sync = kafka_budgets.BudgetSync(load_settings(), budgets, NothingStored())  # type: ignore[arg-type]
+    sync = kafka_budgets.BudgetSync(load_settings(), budgets, Stored())  # type: ignore[arg-type]
     await sync.sync()
     assert Producer.made == []  # nothing spent: nothing made
     for usd in (0.25, 0.5):
@@ -94,7 +101,7 @@ async def test_a_save_that_fails_is_offered_again_through_a_new_producer(
 ) -> None:
     log, failing = sent
     budgets = Budgets(FakeClock(START))
-    sync = kafka_budgets.BudgetSync(load_settings(), budgets, NothingStored())  # type: ignore[arg-type]
+    sync = kafka_budgets.BudgetSync(load_settings(), budgets, Stored())  # type: ignore[arg-type]
     await spend(budgets, 0.25, partition=0)
     await spend(budgets, 0.5, partition=1)
     failing[0] = True
@@ -118,3 +125,22 @@ async def test_marks_not_saved_are_offered_again() -> None:
     budgets.not_saved(marks)
     (again,) = budgets.unsaved()
     assert (again.key, again.spent_usd) == ("p/all/day/3", 0.5)
+
+
+async def test_a_sync_reads_the_caps_and_the_spend_in_one_read() -> None:
+    """Each read through the follower is a ListOffsets and a fetch at the end of every
+    followed topic: the caps and the spend come from the same one."""
+    settings = load_settings()
+    day = int(START // 86400)
+    follower = Stored({
+        kafka_budgets.budgets_topic(settings): {b"p": {"budget": {"usd_per_day": 5.0}}},
+        kafka_budgets.budget_spend_topic(settings): {b"p/all/day/2": {
+            "pipeline": "p", "scope": "all", "window": "day", "partition": 2,
+            "index": day, "spent_usd": 1.5}},
+    })  # fmt: skip
+    budgets = Budgets(FakeClock(START))
+    await kafka_budgets.BudgetSync(settings, budgets, follower).sync()  # type: ignore[arg-type]
+    assert follower.reads == 1
+    assert budgets.overrides == {"p": BudgetSpec(usd_per_day=5.0)}
+    await spend(budgets, 0.25, partition=2)  # opens the day's account, seeded from the mark
+    assert budgets.spent("p", "all", "day") == pytest.approx(1.75)
