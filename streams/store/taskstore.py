@@ -26,6 +26,7 @@ so that when one is assigned, its load reads only the last records.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -40,7 +41,7 @@ from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.observability.metrics import Metrics
 from streams.resilience.retry import retry_transient
 from streams.settings import Settings
-from streams.store.local import LocalStore
+from streams.store.local import MARK_EVERY_S, LocalStore
 from streams.store.maps import Kind, Maps, now_ms
 from streams.store.partition import Position, StorePartition
 from streams.store.restore import follow_partition, load_partition, readable
@@ -114,6 +115,7 @@ class TaskStore:
         # record of one is not this worker's to answer.
         self._gone: set[int] = set()
         self._flusher: asyncio.Task[None] | None = None
+        self._written = asyncio.Event()  # a write ended since the flusher last woke
         self._expirer: asyncio.Task[None] | None = None
         # Partitions this worker stands by for: their maps and the task following them.
         self._standbys: dict[int, tuple[Maps, asyncio.Task[None]]] = {}
@@ -288,8 +290,13 @@ class TaskStore:
             self._release(p, keep=not self.transactional)
 
     async def _flush_loop(self) -> None:
-        """At-least-once: what was written goes to disk every commit interval."""
+        """At-least-once: what was written goes to disk within a commit interval. While
+        nothing is written the loop sleeps (an idle worker woke for it twice a second),
+        waking once every `MARK_EVERY_S` for the partitions' last-used marks."""
         while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._written.wait(), MARK_EVERY_S)
+            self._written.clear()
             await asyncio.sleep(self.settings.kafka.commit_interval_s)
             for p, part in list(self._parts.items()):
                 self._flush(p, part)
@@ -403,6 +410,8 @@ class TaskStore:
             if position is not None:
                 position.failed(ticket)
             raise
+        finally:
+            self._written.set()  # the flusher wakes: a checkpoint or a staged entry moved
         if position is not None:
             position.done(ticket, offset)
         if part is not None and self._parts.get(partition) is part:  # still ours

@@ -424,3 +424,46 @@ async def test_a_standby_whose_broker_goes_away_follows_again_once_it_is_back(
     assert store.metrics.standby_records._value.get() == 1
     await store.close()
     assert follower.stopped == 1
+
+
+async def test_the_flusher_sleeps_while_nothing_is_written(
+    monkeypatch: Any, tmp_path: Path
+) -> None:
+    """What a partition was written goes to disk within a commit interval; while nothing
+    is written the flusher does not wake (an idle worker woke twice a second for it), but
+    for the partitions' last-used marks, every `MARK_EVERY_S`."""
+    from streams.settings import load_settings
+    from streams.store import taskstore as state_module
+    from streams.store.local import LocalStore
+    from streams.store.taskstore import TaskStore
+
+    async def empty(*_: Any) -> dict[Kind, int]:
+        return dict.fromkeys(Kind, 0)
+
+    monkeypatch.setattr(state_module, "load_partition", empty)
+    monkeypatch.setattr(state_module, "MARK_EVERY_S", 0.5)
+    flushes: list[int] = []
+    real_flush = TaskStore._flush
+    monkeypatch.setattr(TaskStore, "_flush",
+                        lambda self, p, part: (flushes.append(p), real_flush(self, p, part)))  # fmt: skip
+
+    async def send(*args: Any) -> int:
+        return 7
+
+    store = TaskStore(load_settings(store=f"rocksdb://{tmp_path}", kafka={"commit_interval_s": 0.01}),
+                      send)  # fmt: skip
+    store.assign({0})
+    await store.ready(0)
+    await asyncio.sleep(0.2)  # twenty intervals, nothing written
+    assert flushes == []
+    await store.put(Kind.RESULTS, 0, b"rk-1", b'{"output": {}, "model": "m"}')
+    await asyncio.sleep(0.1)
+    assert flushes == [0]  # once, not once an interval since
+    await asyncio.sleep(0.6)
+    assert flushes == [0, 0]  # the mark's wake-up
+    await store.close()
+    local = LocalStore(tmp_path, 8 << 20)
+    maps = local.open(0)  # what reached the disk
+    assert maps.get(Kind.RESULTS, b"rk-1") == b'{"output": {}, "model": "m"}'
+    assert maps.checkpoint()[Kind.RESULTS] == 8
+    local.release(0)
