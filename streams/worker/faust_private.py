@@ -250,6 +250,32 @@ class InLoopConsumer(faust_aiokafka.Consumer):
 
     _delivering: asyncio.Task[Any] | None = None  # the drain task, while it delivers
     _abandoning = False
+    _acked_since: asyncio.Event | None = None  # a record acked since the last commit began
+
+    def _acked_event(self) -> asyncio.Event:
+        if self._acked_since is None:
+            self._acked_since = asyncio.Event()
+        return self._acked_since
+
+    def ack(self, message: Any) -> bool:
+        acked: bool = super().ack(message)
+        if acked:
+            self._acked_event().set()
+        return acked
+
+    @Service.task
+    async def _commit_handler(self) -> None:
+        """Faust's commit timer — a commit every commit interval, whatever was acked —
+        asleep while nothing is acked: an idle worker woke for it twice a second, each a
+        mode `sleep` (a task for `wait_for`, its timeout and its cancel). The first ack
+        after a quiet spell wakes it; what is acked within the interval after it commits
+        together, as before, at most one commit an interval."""
+        acked = self._acked_event()
+        while not self.should_stop:
+            await acked.wait()
+            await asyncio.sleep(self.commit_interval)
+            acked.clear()  # an ack from here on waits for the next commit
+            await self.commit()
 
     def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
         return _OnTheLoop(self, loop=self.loop, beacon=self.beacon)

@@ -216,3 +216,41 @@ async def test_the_group_is_assigned_by_fausts_copartitioning_assignor(
         assert strategies[0].replicas == max(1, standbys)
     finally:
         await consumer.stop()
+
+
+async def test_offsets_commit_an_interval_after_an_ack_and_not_while_nothing_is_acked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Faust's commit timer woke every commit interval (mode's `sleep`, a task each) with
+    nothing to commit on an idle worker; the worker's sleeps until a record is acked and
+    commits what was acked within the interval after it, together."""
+    from faust.types.tuples import Message
+
+    app = _app(commit_interval_s=0.02)
+    consumer_ = app.consumer
+    commits: list[int] = []
+
+    async def commit(*args: Any, **kwargs: Any) -> bool:
+        commits.append(consumer_._n_acked)
+        return True
+
+    monkeypatch.setattr(consumer_, "commit", commit)
+    monkeypatch.setattr(app.topics, "acks_enabled_for", lambda topic: True)
+
+    def message(offset: int) -> Message:
+        return Message("llm-tasks", 0, offset, 0.0, 0, None, b"k", b"v", None)
+
+    handler = asyncio.create_task(faust_private.InLoopConsumer._commit_handler(consumer_))
+    try:
+        await asyncio.sleep(0.2)  # ten intervals, nothing acked
+        assert commits == []
+        assert consumer_.ack(message(5)) and consumer_.ack(message(6))
+        assert not consumer_.ack(message(6))  # acked already: wakes nothing
+        await asyncio.sleep(0.1)
+        assert commits == [2]  # both acks in one commit, and none since
+        consumer_.ack(message(7))
+        await asyncio.sleep(0.1)
+        assert commits == [2, 3]
+    finally:
+        handler.cancel()
+        await asyncio.gather(handler, return_exceptions=True)
