@@ -48,7 +48,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -68,7 +68,7 @@ from rate_limit_utilisation import Sim
 from streams.dev.brokers.apache import ApacheKafka
 from streams.dev.brokers.common import free_port
 from streams.kafka.topics import ensure_topics
-from streams.settings import load_settings, settings_env
+from streams.settings import Settings, load_settings, settings_env
 
 
 class Outcomes:
@@ -341,6 +341,38 @@ REGIMES = ("idle", "saturation", "paced10", "paced50", "limited", "packed")
 PACED = re.compile(r"paced([1-9]\d*)")  # any steady rate: paced2, paced25, ...
 
 
+async def traffic(
+    kafka: ApacheKafka, settings: Settings
+) -> tuple[Outcomes, asyncio.Event, asyncio.Task[None], AIOKafkaProducer]:
+    """The measured worker's outcomes counted as they come (until the event is set), and
+    a started producer for its tasks."""
+    outcomes = Outcomes()
+    stop_reading = asyncio.Event()
+    reader = asyncio.create_task(outcomes.read(
+        kafka.bootstrap, [settings.topics.results, settings.topics.dead_letters],
+        stop_reading))  # fmt: skip
+    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, linger_ms=5, acks=1)
+    await producer.start()
+    return outcomes, stop_reading, reader, producer
+
+
+def worker_settings(kafka: ApacheKafka, sim: Sim, data_dir: Path, prefix: str,
+                    **more: Any) -> Settings:  # fmt: skip
+    """The measured worker's settings: topics of its own, the simulator, the log quiet,
+    batches of 200 within 50 ms, 64 calls at once."""
+    suffix = uuid.uuid4().hex[:6]
+    return load_settings(
+        app_id=f"{prefix}-{suffix}",
+        kafka={"broker_url": kafka.url, "partitions": 4},
+        topics={n: f"{n}-{suffix}" for n in ("tasks", "replay", "results", "dead_letters", "review")},
+        llm={"base_url": f"{sim.base}/v1", "api_key": sim.KEY, "model": "sim-1"},
+        batch={"size": 200, "window_s": 0.05, "concurrency": 64},
+        data_dir=data_dir,
+        log_level="warning",
+        **more,
+    )  # fmt: skip
+
+
 def paced_rates(regimes: set[str]) -> list[int]:
     """The paced regimes' rates (tasks/s), slowest first."""
     return sorted(int(m[1]) for r in regimes if (m := PACED.fullmatch(r)))
@@ -413,17 +445,8 @@ async def main() -> None:
     try:
         with ApacheKafka(heap_mb=1024) as kafka:
             await warm_up(kafka, 5000)
-            suffix = uuid.uuid4().hex[:6]
-            settings = load_settings(
-                app_id=f"cpu-{suffix}",
-                kafka={"broker_url": kafka.url, "partitions": 4},
-                topics={n: f"{n}-{suffix}" for n in ("tasks", "replay", "results", "dead_letters", "review")},
-                llm={"base_url": f"{sim.base}/v1", "api_key": sim.KEY, "model": "sim-1"},
-                batch={"size": 200, "window_s": 0.05, "concurrency": 64},
-                data_dir=logdir / "worker",
-                pipelines_dir=pipelines_with_packing(logdir / "pipelines"),
-                log_level="warning",
-            )  # fmt: skip
+            settings = worker_settings(kafka, sim, logdir / "worker", "cpu",
+                                       pipelines_dir=pipelines_with_packing(logdir / "pipelines"))  # fmt: skip
             await ensure_topics(settings)
             env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_STREAMS_")}
             env.update(settings_env(settings))
@@ -432,13 +455,7 @@ async def main() -> None:
                                           env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
             profiler = Profiler(args.profile, worker.pid, args.native)
             syscalls = Syscalls(args.strace, worker.pid)
-            outcomes = Outcomes()
-            stop_reading = asyncio.Event()
-            reader = asyncio.create_task(outcomes.read(
-                kafka.bootstrap, [settings.topics.results, settings.topics.dead_letters],
-                stop_reading))  # fmt: skip
-            producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, linger_ms=5, acks=1)
-            await producer.start()
+            outcomes, stop_reading, reader, producer = await traffic(kafka, settings)
             sent = 0
 
             async def measure(name: str, seconds: float) -> None:
