@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -239,7 +239,7 @@ class Calls:
         sent: float,
         pipeline: str,
         version: str,
-        where: dict[str, Any],
+        where: Mapping[str, Any],
     ) -> None:
         """What an answered call tells: its GenAI metrics and span attributes, and an
         endpoint that answered a forced tool call with plain content."""

@@ -133,7 +133,8 @@ class OpenAIClient:
                 base_url=base_url, api_key=api_key or "not-needed", max_retries=0,
                 timeout=timeout, http_client=http, default_headers=headers,
             )  # fmt: skip
-        self._url = str(self._client.base_url).rstrip("/") + "/chat/completions"
+        self._endpoint = str(self._client.base_url)  # fixed for the client's life
+        self._url = self._endpoint.rstrip("/") + "/chat/completions"
         # Azure's api-version, as the SDK sends it with every call.
         self._query = {k: str(v) for k, v in self._client.default_query.items()}
         # The SDK's own headers (auth, user agent, platform), once: values it leaves
@@ -205,7 +206,7 @@ class OpenAIClient:
     async def describe(self, model: str, timeout_s: float = 5.0) -> EndpointFacts:
         """What the endpoint says of itself and of `model` (`llm.endpoint`): its model
         list, llama.cpp's `/props`, Ollama's `/api/show`; a route it lacks says nothing."""
-        base = str(self._client.base_url).rstrip("/")
+        base = self._endpoint.rstrip("/")
         root = base.removesuffix("/v1")
         server: list[str] = []
         models = await self._get_json("GET", f"{base}/models", timeout_s, server)
@@ -222,7 +223,7 @@ class OpenAIClient:
         """`GET /models`: its status and the model ids it lists. Raises OSError,
         aiohttp.ClientError or TimeoutError when the endpoint cannot be reached."""
         session = self._session if self._session is not None else self._open()
-        url = str(self._client.base_url).rstrip("/") + "/models"
+        url = self._endpoint.rstrip("/") + "/models"
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                proxy=self._proxy) as response:  # fmt: skip
             body = await response.read()
@@ -366,7 +367,7 @@ class OpenAIClient:
 
     @property
     def endpoint(self) -> str:
-        return str(self._client.base_url)
+        return self._endpoint
 
     async def close(self) -> None:
         if self._session is not None:

@@ -15,6 +15,9 @@ The Prometheus view of the same per version is `llm_streams_version_*` (metrics.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 from urllib.parse import urlsplit
 
 from opentelemetry import metrics
@@ -38,10 +41,13 @@ _PROVIDER_HOSTS = (
 )  # fmt: skip
 
 
-def endpoint_attributes(endpoint: str, server: str | None = None) -> dict[str, str | int]:
+@functools.lru_cache(maxsize=256)  # a worker's endpoints and the servers they said they are
+def endpoint_attributes(endpoint: str, server: str | None = None) -> Mapping[str, str | int]:
     """The conventions' attributes of an endpoint: `gen_ai.provider.name` (the known
     provider of its host, else the server it said it is — llama.cpp, vllm, ollama —, else
-    "openai", the API it speaks), `server.address` and `server.port`."""
+    "openai", the API it speaks), `server.address` and `server.port`. Kept per endpoint
+    and server, read-only: every attempt of every task asks (a URL parsed and nine hosts
+    compared, each time, before)."""
     parts = urlsplit(endpoint if "//" in endpoint else f"//{endpoint}")
     host = parts.hostname or ""
     provider = next((name for suffix, name in _PROVIDER_HOSTS if host.endswith(suffix)),
@@ -53,7 +59,7 @@ def endpoint_attributes(endpoint: str, server: str | None = None) -> dict[str, s
         port = None
     if port or parts.scheme:
         found["server.port"] = port or (443 if parts.scheme == "https" else 80)
-    return found
+    return MappingProxyType(found)
 
 
 class GenAIMetrics:
@@ -83,7 +89,7 @@ class GenAIMetrics:
         input_tokens: int | None = None,
         output_tokens: int | None = None,
         error_type: str | None = None,
-        endpoint: dict[str, str | int] | None = None,
+        endpoint: Mapping[str, str | int] | None = None,
     ) -> None:
         """One chat attempt: its duration, and its tokens when it was answered; `endpoint`:
         its `endpoint_attributes`."""

@@ -32,13 +32,16 @@ class _KeptChildren:
     child is kept at its first use. The labels here are bounded (see above) and no
     child is ever removed, so what is kept is what the metric holds anyway."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._kept_children: dict[tuple[Any, ...], Any] = {}
+        super().__init__(*args, **kwargs)
+
     def labels(self, *values: Any, **named: Any) -> Any:
-        kept: dict[tuple[Any, ...], Any] = self.__dict__.setdefault("_kept_children", {})
-        child = None if named else kept.get(values)
+        child = None if named else self._kept_children.get(values)
         if child is None:
             child = super().labels(*values, **named)  # type: ignore[misc]
             if not named:
-                kept[values] = child
+                self._kept_children[values] = child
         return child
 
 

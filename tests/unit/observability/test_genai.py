@@ -93,3 +93,12 @@ def test_an_endpoint_is_named_as_the_conventions_say(
     endpoint: str, server: str | None, expected: dict[str, Any]
 ) -> None:
     assert endpoint_attributes(endpoint, server) == expected
+
+
+def test_an_endpoints_attributes_are_worked_out_once_and_cannot_be_changed_by_a_caller() -> None:
+    first = endpoint_attributes("http://127.0.0.1:8080/v1/", "llama.cpp")
+    assert endpoint_attributes("http://127.0.0.1:8080/v1/", "llama.cpp") is first
+    with pytest.raises(TypeError):  # shared by every attempt: a caller's change would leak
+        first["server.port"] = 1  # type: ignore[index]
+    assert endpoint_attributes("http://127.0.0.1:8080/v1/", None) is not first  # per server
+    assert first["server.port"] == 8080
