@@ -14,8 +14,9 @@ two acked writes: what any implementation on this stack pays per task), in one r
 
 Printed: calls per task by where the function lives (the project, each library, the
 standard library, builtins: C functions called from Python), the worker's against the
-floor's, and the project's functions called most per task. Tasks per window are the
-outcomes read in it (edges: a few either way). cProfile slows what it profiles: the
+floor's, and the project's functions called most per task. Tasks per window: the
+worker's `decode_task` calls in it (one a task it took up), the floor's outcomes read
+in it (edges: a few either way). cProfile slows what it profiles: the
 counts are the figure, not the time. A coroutine's every resumption counts as a call,
 in the worker and the floor alike. The profiler comes in through `bench/probe` on the
 processes' PYTHONPATH (`BENCH_CALLS_DIR`).
@@ -95,6 +96,14 @@ def where(path: str) -> str:
     return "other"
 
 
+def tasks_in(stats: pstats.Stats, read: int) -> int:
+    """The tasks a window saw: the worker's `decode_task` calls (one a task taken up,
+    exact), else (the floor) the outcomes read in it."""
+    decoded = sum(calls for (path, _, name), (_, calls, *_rest) in stats.stats.items()  # type: ignore[attr-defined]
+                  if name == "decode_task" and path.endswith("contract/records.py"))  # fmt: skip
+    return decoded or max(read, 1)
+
+
 def per_task(stats: pstats.Stats, tasks: int) -> tuple[Counter[str], Counter[str]]:
     """Calls per task by group, and by function of the project."""
     groups: Counter[str] = Counter()
@@ -140,18 +149,21 @@ async def main() -> None:
             probed(logdir / "worker-profiles")
             worker = spawn_worker(settings, logdir / "worker.log")
             worker_windows = Windows(logdir / "worker-profiles")
-            probed(logdir / "floor-profiles")
             script, extra = FLOORS[FLOOR]
             floor = Floor(kafka, script, extra, logdir, f"{sim.base}/v1/chat/completions")
             floor_windows = Windows(logdir / "floor-profiles")
-            await floor.start()
-            os.environ.pop("BENCH_CALLS_DIR")
-            if path_before is None:
-                os.environ.pop("PYTHONPATH")
-            else:
-                os.environ["PYTHONPATH"] = path_before
-            outcomes, stop_reading, reader, producer = await traffic(kafka, settings)
+            stop_reading, reader, producer = asyncio.Event(), None, None
             try:
+                probed(logdir / "floor-profiles")
+                try:
+                    await floor.start()
+                finally:  # what starts from here on is not profiled
+                    os.environ.pop("BENCH_CALLS_DIR")
+                    if path_before is None:
+                        os.environ.pop("PYTHONPATH")
+                    else:
+                        os.environ["PYTHONPATH"] = path_before
+                outcomes, stop_reading, reader, producer = await traffic(kafka, settings)
                 await group_stable(settings, 1)
                 # Warm: the tokenizer, the pipelines, the limiter's first word.
                 sent = await paced(producer, settings.topics.tasks, 20, 5, 0)
@@ -174,13 +186,15 @@ async def main() -> None:
                         await outcomes.until(sent, 120)
                     else:
                         floor.sent += load.result()
-                    results[name] = (*per_task(stats, max(tasks, 1)), tasks)
+                    tasks = tasks_in(stats, tasks)
+                    results[name] = (*per_task(stats, tasks), tasks)
                 sim.call("/sim/config", {"latency_ms": 0, "latency_jitter_ms": 0})
                 await preload(kafka.bootstrap, settings.topics.tasks, args.tasks, sent)
                 sent += args.tasks
                 await asyncio.sleep(1.0)  # past the ramp-up
                 stats, tasks = await profiled(worker_windows, outcomes, None, 5.0)
-                results["the worker, saturation"] = (*per_task(stats, max(tasks, 1)), tasks)
+                tasks = tasks_in(stats, tasks)
+                results["the worker, saturation"] = (*per_task(stats, tasks), tasks)
                 await outcomes.until(sent, 600)
             finally:
                 await floor.close()
