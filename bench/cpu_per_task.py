@@ -455,7 +455,11 @@ async def main() -> None:
                                           env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
             profiler = Profiler(args.profile, worker.pid, args.native)
             syscalls = Syscalls(args.strace, worker.pid)
-            outcomes, stop_reading, reader, producer = await traffic(kafka, settings)
+            try:
+                outcomes, stop_reading, reader, producer = await traffic(kafka, settings)
+            except BaseException:  # not left running without its broker
+                stop(worker)
+                raise
             sent = 0
 
             async def measure(name: str, seconds: float) -> None:
