@@ -32,6 +32,10 @@ from streams.dev.sim_limits import SimLimits, duration
 from streams.llm.client import SCHEMA_IN_PROMPT
 from streams.llm.tokens import count_messages, counter
 
+# Answered prompts remembered for the duplicate count: ~80 MB at the most (a 16-byte
+# fingerprint and its place in an ordered dict each); a test or a bench asks far fewer.
+REMEMBERED_PROMPTS = 500_000
+
 
 @dataclass
 class SimConfig:
@@ -145,7 +149,13 @@ class Simulator:
         self.limits = SimLimits(self.config.window_s)  # rpm and tpm, as configured
         self.by_status: Counter[int] = Counter()
         self.by_outcome: Counter[str] = Counter()
-        self.answered: Counter[str] = Counter()
+        # The latest REMEMBERED_PROMPTS answered prompts, by a 16-byte fingerprint: one
+        # answered again while remembered is a duplicate success (a test's proof that
+        # nothing was paid twice). A simulator left running (the compose file's llm-sim,
+        # 3,000 RPM: 4.3 M prompts a day) forgets the oldest instead of growing for good.
+        self.answered: OrderedDict[bytes, None] = OrderedDict()
+        self.successful_prompts = 0  # distinct while remembered
+        self.duplicate_successes = 0
         # The latest chat requests' messages, oldest first (tests read the prompts sent).
         self.chats: deque[list[dict[str, Any]]] = deque(maxlen=10_000)
         self.cached_prefixes: OrderedDict[str, int] = OrderedDict()  # first messages sent
@@ -176,13 +186,12 @@ class Simulator:
 
     # -- admin ---------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
-        dup = sum(n - 1 for n in self.answered.values() if n > 1)
         return {
             "requests": sum(self.by_status.values()),
             "by_status": {str(k): v for k, v in sorted(self.by_status.items())},
             "by_outcome": dict(sorted(self.by_outcome.items())),
-            "successful_prompts": len(self.answered),
-            "duplicate_successes": dup,
+            "successful_prompts": self.successful_prompts,
+            "duplicate_successes": self.duplicate_successes,
             "prompt_tokens": self.prompt_tokens,
             "charged_tokens": self.charged_tokens,  # what admitted requests took of the TPM
             "completion_tokens": self.completion_tokens,
@@ -196,6 +205,18 @@ class Simulator:
                 for sec, c in sorted(self.per_second.items())
             },
         }
+
+    def _remember(self, prompt: bytes) -> None:
+        """A successful answer to `prompt`: counted, a duplicate when it is remembered."""
+        fingerprint = hashlib.blake2b(prompt, digest_size=16).digest()
+        if fingerprint in self.answered:
+            self.duplicate_successes += 1
+            self.answered.move_to_end(fingerprint)
+            return
+        self.successful_prompts += 1
+        self.answered[fingerprint] = None
+        if len(self.answered) > REMEMBERED_PROMPTS:
+            self.answered.popitem(last=False)
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.snapshot())
@@ -214,6 +235,7 @@ class Simulator:
         self.by_status.clear()
         self.by_outcome.clear()
         self.answered.clear()
+        self.successful_prompts = self.duplicate_successes = 0
         self.prompt_tokens = self.completion_tokens = self.charged_tokens = 0
         self.max_in_flight = self.in_flight
         self.per_second.clear()
@@ -370,8 +392,7 @@ class Simulator:
             content, finish_reason, completion_tokens = self._content_within(
                 body, messages, max_tokens, malformed=0 <= roll < self._malformed_rate(messages)
             )
-            fingerprint = hashlib.sha256(orjson.dumps([model, messages])).hexdigest()
-            self.answered[fingerprint] += 1
+            self._remember(orjson.dumps([model, messages]))
             self.prompt_tokens += prompt_tokens
             self.completion_tokens += completion_tokens
             self._count(200, "ok_flex" if flex else "ok")

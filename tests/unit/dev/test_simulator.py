@@ -221,3 +221,19 @@ def test_one_percentile_rule_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]  # 1..100
     assert percentile(values, 0.5) == 51.0 and percentile(values, 0.99) == 100.0
     assert percentile([7.0], 0.99) == 7.0 and percentile([], 0.5) == 0.0
+
+
+async def test_the_prompts_remembered_for_duplicates_are_bounded_and_counted_through(
+    simulator: SimulatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A simulator left running forgets the oldest prompts: its memory stays bounded, its
+    counts go on, and a duplicate is one answered again while still remembered."""
+    monkeypatch.setattr("streams.dev.simulator.REMEMBERED_PROMPTS", 3)
+    for text in ("a", "b", "c", "d"):  # "a" is forgotten when "d" comes
+        assert (await _post(simulator, _body(text)))[0] == 200
+    assert (await _post(simulator, _body("c")))[0] == 200  # remembered: a duplicate
+    assert (await _post(simulator, _body("a")))[0] == 200  # forgotten: counted as new
+    stats = simulator.sim.snapshot()
+    assert len(simulator.sim.answered) == 3
+    assert stats["successful_prompts"] == 5
+    assert stats["duplicate_successes"] == 1
