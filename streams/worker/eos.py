@@ -302,13 +302,16 @@ class Transactions:
                 await part.idle.wait()
                 offsets, part.offsets = part.offsets, {}
                 if offsets:
+                    _unless_failed(part.producer)
                     await part.producer.send_offsets_to_transaction(offsets, self.group_id)
+                _unless_failed(part.producer)
                 await part.producer.commit_transaction()
                 part.writes = 0
                 part.committed()
                 if self.on_committed is not None:
                     self.on_committed(partition)
                 if reopen:
+                    _unless_failed(part.producer)
                     await part.producer.begin_transaction()
             except ProducerFenced as exc:
                 self._fenced(partition, part)
@@ -334,6 +337,15 @@ class Transactions:
         for p, part in list(self._parts.items()):
             await self._close(p, part, commit=not part.lost)
         self._parts.clear()
+
+
+def _unless_failed(producer: AIOKafkaProducer) -> None:
+    """Raise what ended `producer` for good (fenced: `ProducerFenced`), before a
+    transaction call that would otherwise fail an assertion of aiokafka's and stop the
+    worker where the partition should only start again."""
+    failed = faust_private.transaction_failed(producer)
+    if failed is not None:
+        raise failed
 
 
 async def check_transactions(settings: Settings) -> None:

@@ -84,6 +84,19 @@ async def send(
     return int(metadata.offset)
 
 
+def transaction_failed(producer: Any) -> BaseException | None:
+    """What ended a transactional aiokafka producer for good, or None. A producer whose
+    sender died (fenced by a newer epoch of its transactional id, say) goes to aiokafka's
+    fatal state and keeps the error for its transaction's waiter; a commit, offsets or
+    begin called then fails an assertion of its state machine instead of raising it."""
+    manager = getattr(producer, "_txn_manager", None)
+    if manager is None or not manager.is_fatal_error():
+        return None
+    waiter = manager._transaction_waiter
+    failed = waiter.exception() if waiter.done() and not waiter.cancelled() else None
+    return failed or RuntimeError("the transactional producer failed for good")
+
+
 def stream_state(consumer: Any, streams: Iterable[Any]) -> dict[str, Any]:
     """Lag per partition (highwater less Faust's committed offset), partitions paused by
     backpressure, and records buffered in `streams` (not yet taken)."""

@@ -82,3 +82,37 @@ async def test_a_hold_on_a_partition_not_owned_lets_its_writes_say_so() -> None:
         with pytest.raises(PartitionLost):
             await eos.send("llm-results", b"k", b"v", 5)
     assert producer.calls == []
+
+
+async def test_a_commit_on_a_producer_fenced_in_the_background_restarts_the_partition() -> None:
+    """The producer's sender died fenced (a newer epoch of its transactional id) while the
+    partition's transaction was open: aiokafka then fails `commit_transaction` with an
+    assertion of its state machine. The commit says the partition is lost, as a fence met
+    by a send does, and does not stop the worker."""
+    from aiokafka.errors import ProducerFenced
+    from aiokafka.producer.transaction_manager import TransactionManager, TransactionState
+
+    fenced: list[int] = []
+
+    async def on_fenced(partition: int) -> None:
+        fenced.append(partition)
+
+    eos, producer, part = await _owning(2)
+    eos.on_fenced = on_fenced
+    manager = TransactionManager("app-eos-2", 60_000)  # aiokafka's own, as the producer's
+    manager.set_pid_and_epoch(7, 0)
+    manager.begin_transaction()
+    manager.fatal_error(ProducerFenced())  # what the dead sender leaves
+    producer._txn_manager = manager  # type: ignore[attr-defined]
+
+    async def commit_as_aiokafka_does() -> None:
+        manager.committing_transaction()  # asserts: FATAL_ERROR -> COMMITTING
+
+    producer.commit_transaction = commit_as_aiokafka_does  # type: ignore[method-assign]
+    assert manager.state is TransactionState.FATAL_ERROR
+    await eos.send("llm-results", b"k", b"v", 2)
+    with pytest.raises(PartitionLost):
+        await eos.commit(2, part)
+    await asyncio.sleep(0)
+    assert part.lost and fenced == [2]
+    assert producer.calls == ["send llm-results"]  # nothing committed, nothing begun

@@ -103,3 +103,22 @@ async def test_exactly_once_commits_source_offsets_as_faust_does_and_task_offset
     assert committed == [{source: 7}]
     assert await consumer._commit({TP(settings.topics.replay, 1): 3})
     assert committed == [{source: 7}]  # nothing of a source: Faust's commit not called
+
+
+async def test_a_transactional_producers_fatal_error_is_read_where_aiokafka_keeps_it() -> None:
+    """`transaction_failed` reads aiokafka's own producer: None while it can go on, the
+    error its dead sender left once it cannot (pinned: an aiokafka that moves it fails
+    here)."""
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.errors import ProducerFenced
+
+    producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1", transactional_id="app-eos-0")
+    try:
+        assert faust_private.transaction_failed(producer) is None
+        producer._txn_manager.set_pid_and_epoch(7, 0)
+        producer._txn_manager.begin_transaction()
+        assert faust_private.transaction_failed(producer) is None
+        producer._txn_manager.fatal_error(ProducerFenced())
+        assert isinstance(faust_private.transaction_failed(producer), ProducerFenced)
+    finally:
+        await producer.stop()  # never started: closes nothing
