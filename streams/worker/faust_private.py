@@ -1,4 +1,4 @@
-"""Every use of Faust's (and its aiokafka consumer's) private attributes, in one place;
+"""Every use of Faust's (and its aiokafka clients') private attributes, in one place;
 and its consumer on the app's loop (`InLoopTransport`, below), built on them.
 
 faust-streaming 0.15.3 offers no public way to do these; each is pinned by the
