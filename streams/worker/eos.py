@@ -35,7 +35,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import ProducerFenced
+from aiokafka.errors import IllegalOperation, ProducerFenced
 
 from streams.errors import ConfigError
 from streams.kafka import clients
@@ -232,11 +232,16 @@ class Transactions:
         part.sending += 1
         part.idle.clear()
         try:
+            _unless_failed(part.producer)
             delivery = await part.producer.send(
                 topic, key=key, value=value, partition=partition, headers=headers
             )
             part.writes += 1
-        except ProducerFenced as exc:
+        except (ProducerFenced, IllegalOperation) as exc:
+            # IllegalOperation: aiokafka refusing a send into a producer that failed for
+            # good while the send waited (its sender died fenced); the kept error says why.
+            if not _fenced(part.producer, exc):
+                raise
             self._fenced(owner, part)
             raise PartitionLost(f"partition {owner}: fenced") from exc
         finally:
@@ -337,6 +342,14 @@ class Transactions:
         for p, part in list(self._parts.items()):
             await self._close(p, part, commit=not part.lost)
         self._parts.clear()
+
+
+def _fenced(producer: AIOKafkaProducer, exc: BaseException) -> bool:
+    """`exc`, raised by a call on `producer`, means a newer producer of its partition fenced
+    it (directly, or as what ended the producer for good)."""
+    return isinstance(exc, ProducerFenced) or isinstance(
+        faust_private.transaction_failed(producer), ProducerFenced
+    )
 
 
 def _unless_failed(producer: AIOKafkaProducer) -> None:

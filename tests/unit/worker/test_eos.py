@@ -9,6 +9,8 @@ import contextvars
 from typing import Any
 
 import pytest
+from aiokafka.errors import IllegalOperation, ProducerFenced
+from aiokafka.producer.transaction_manager import TransactionManager, TransactionState
 
 from streams.settings import load_settings
 from streams.store.taskstore import PartitionLost
@@ -84,35 +86,85 @@ async def test_a_hold_on_a_partition_not_owned_lets_its_writes_say_so() -> None:
     assert producer.calls == []
 
 
+async def _fenced_in_the_background(
+    partition: int,
+) -> tuple[Transactions, Producer, Any, list[int]]:
+    """A partition whose producer carries aiokafka's own transaction manager, in a
+    transaction, and sends as aiokafka's do: refused (IllegalOperation) unless the
+    transaction is open. Its `on_fenced` calls are in the list returned."""
+    fenced: list[int] = []
+
+    async def on_fenced(p: int) -> None:
+        fenced.append(p)
+
+    eos, producer, part = await _owning(partition)
+    eos.on_fenced = on_fenced
+    manager = TransactionManager(f"app-eos-{partition}", 60_000)
+    manager.set_pid_and_epoch(7, 0)
+    manager.begin_transaction()
+    producer._txn_manager = manager  # type: ignore[attr-defined]
+    send = producer.send
+
+    async def send_as_aiokafka_does(topic: str, **kwargs: Any) -> asyncio.Future[Any]:
+        await asyncio.sleep(0)  # its wait for the topic's metadata
+        if not manager.is_in_transaction():
+            raise IllegalOperation("Can't send messages while not in transaction")
+        return await send(topic, **kwargs)
+
+    producer.send = send_as_aiokafka_does  # type: ignore[method-assign]
+    return eos, producer, part, fenced
+
+
 async def test_a_commit_on_a_producer_fenced_in_the_background_restarts_the_partition() -> None:
     """The producer's sender died fenced (a newer epoch of its transactional id) while the
     partition's transaction was open: aiokafka then fails `commit_transaction` with an
     assertion of its state machine. The commit says the partition is lost, as a fence met
     by a send does, and does not stop the worker."""
-    from aiokafka.errors import ProducerFenced
-    from aiokafka.producer.transaction_manager import TransactionManager, TransactionState
-
-    fenced: list[int] = []
-
-    async def on_fenced(partition: int) -> None:
-        fenced.append(partition)
-
-    eos, producer, part = await _owning(2)
-    eos.on_fenced = on_fenced
-    manager = TransactionManager("app-eos-2", 60_000)  # aiokafka's own, as the producer's
-    manager.set_pid_and_epoch(7, 0)
-    manager.begin_transaction()
-    manager.fatal_error(ProducerFenced())  # what the dead sender leaves
-    producer._txn_manager = manager  # type: ignore[attr-defined]
+    eos, producer, part, fenced = await _fenced_in_the_background(2)
+    manager = producer._txn_manager  # type: ignore[attr-defined]
 
     async def commit_as_aiokafka_does() -> None:
         manager.committing_transaction()  # asserts: FATAL_ERROR -> COMMITTING
 
     producer.commit_transaction = commit_as_aiokafka_does  # type: ignore[method-assign]
-    assert manager.state is TransactionState.FATAL_ERROR
     await eos.send("llm-results", b"k", b"v", 2)
+    manager.fatal_error(ProducerFenced())  # what the dead sender leaves
+    assert manager.state is TransactionState.FATAL_ERROR
     with pytest.raises(PartitionLost):
         await eos.commit(2, part)
     await asyncio.sleep(0)
     assert part.lost and fenced == [2]
     assert producer.calls == ["send llm-results"]  # nothing committed, nothing begun
+
+
+@pytest.mark.parametrize("when", ["before the send", "while the send waits"])
+async def test_a_send_into_a_producer_fenced_in_the_background_restarts_the_partition(
+    when: str,
+) -> None:
+    """The sender died fenced before a send, or while the send waited for metadata:
+    aiokafka refuses the send with IllegalOperation. The send says the partition is lost
+    (restarted by on_fenced), as a fence met by a send's delivery does, and does not stop
+    the worker through the writer's retries."""
+    eos, producer, part, fenced = await _fenced_in_the_background(4)
+    manager = producer._txn_manager  # type: ignore[attr-defined]
+    if when == "before the send":
+        manager.fatal_error(ProducerFenced())
+    else:
+        asyncio.get_running_loop().call_soon(manager.fatal_error, ProducerFenced())
+    with pytest.raises(PartitionLost):
+        await eos.send("llm-results", b"k", b"v", 4)
+    await asyncio.sleep(0)
+    assert part.lost and fenced == [4]
+    assert producer.calls == []
+
+
+async def test_a_send_refused_for_another_reason_is_not_taken_for_a_fence() -> None:
+    """A producer in aiokafka's abortable state (a write refused by an ACL, say) refuses
+    sends too: that is no fence, and the refusal reaches the writer as it is."""
+    eos, producer, part, fenced = await _fenced_in_the_background(5)
+    manager = producer._txn_manager  # type: ignore[attr-defined]
+    manager.error_transaction(RuntimeError("topic authorization failed"))
+    manager._transaction_waiter.exception()  # retrieved, as aiokafka's waiter would be
+    with pytest.raises(IllegalOperation):
+        await eos.send("llm-results", b"k", b"v", 5)
+    assert not part.lost and fenced == []
