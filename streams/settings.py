@@ -147,6 +147,15 @@ class KafkaSettings(_Section):
         "comes, so this only paces idle fetches; a broker that answers at the end of the "
         "wait (the demo's Tansu) adds up to this much to every record.",
     )  # fmt: skip
+    replay_idle_check_s: float = Field(
+        2.0, ge=0, le=60,
+        description="How often the worker checks whether the replay topic's partitions it "
+        "has read to their end received records. Until they do they are left out of its "
+        "fetches (each fetch carries and answers every partition asked for; at thin traffic "
+        "the idle replay lane was ~11% of the worker's work a task), so a replay starts "
+        "within this much. 0: always fetched. The consumer on its own thread "
+        "(`consumer_thread`) always fetches them.",
+    )  # fmt: skip
     idempotent_producer: bool = Field(
         False, description="Kafka idempotent producer; Tansu cannot do it, keep off there."
     )

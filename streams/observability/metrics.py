@@ -160,6 +160,10 @@ class Metrics:
             registry=r)  # fmt: skip
         self.in_flight = Gauge(
             "llm_streams_tasks_in_flight", "Tasks being processed now.", registry=r)  # fmt: skip
+        self.replay_idle = Gauge(
+            "llm_streams_replay_partitions_idle",
+            "Replay lane partitions read to their end and left out of the worker's fetches "
+            "until records come (kafka.replay_idle_check_s).", registry=r)  # fmt: skip
         self.unfinished = Gauge(
             "llm_streams_tasks_unfinished",
             "Records taken from the stream and not yet acked (in flight or waiting for a slot).",

@@ -40,6 +40,7 @@ from streams.store.taskstore import Kind, MapView, TaskStore
 from streams.worker import faust_private
 from streams.worker.eos import Transactions
 from streams.worker.flow import RecordFlow
+from streams.worker.idle_replay import IdleReplay
 from streams.worker.parked import Resumer, StoredRecord
 from streams.worker.shutdown import Watchdog
 from streams.worker.sources import SourceIngest
@@ -249,7 +250,18 @@ class TaskAgent:
         await self._run(stream, Lane.LIVE)
 
     async def run_replay(self, stream: faust.Stream[Any]) -> None:
-        await self._run(stream, Lane.REPLAY)
+        every_s = self.settings.kafka.replay_idle_check_s
+        idle = None
+        if every_s > 0:  # the lane's partitions out of the fetches while they hold nothing
+            check = IdleReplay(lambda: self.app.consumer, self.settings.topics.replay, every_s,
+                               self.metrics.replay_idle)  # fmt: skip
+            idle = asyncio.create_task(check.run())
+        try:
+            await self._run(stream, Lane.REPLAY)
+        finally:
+            if idle is not None:
+                idle.cancel()
+                await asyncio.gather(idle, return_exceptions=True)
 
     def _processor_now(self) -> TaskProcessor:
         """The worker's processor, made by the first agent that runs: one for every lane

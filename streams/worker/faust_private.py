@@ -52,6 +52,37 @@ def paused_partitions(consumer: Any) -> int:
     return len(getattr(consumer, "_buffered_partitions", ()))
 
 
+def kafka_consumer_on_loop(consumer: Any) -> Any | None:
+    """The aiokafka consumer under Faust's, when it runs on the app's loop (the default)
+    and has started; None otherwise (`kafka.consumer_thread`: on a thread of its own)."""
+    thread = getattr(consumer, "_thread", None) if isinstance(consumer, InLoopConsumer) else None
+    return None if thread is None else thread._consumer
+
+
+def caught_up(consumer: Any, tp: Any) -> int | None:
+    """`tp`'s position when the aiokafka `consumer` has read it to its end as its last
+    fetch saw it (the last stable offset; read_uncommitted: the high watermark), else
+    None (not there yet, not assigned, or no position or end known)."""
+    state = _partition_state(consumer, tp)
+    if state is None or not state.has_valid_position:
+        return None
+    end = state.lso if state.lso is not None and state.lso >= 0 else state.highwater
+    position: int = state.position
+    return position if end is not None and position >= end else None
+
+
+def fetch_position(consumer: Any, tp: Any) -> int | None:
+    """`tp`'s next offset to fetch in the aiokafka `consumer`, None when unknown."""
+    state = _partition_state(consumer, tp)
+    return state.position if state is not None and state.has_valid_position else None
+
+
+def _partition_state(consumer: Any, tp: Any) -> Any | None:
+    subscription = consumer._subscription.subscription
+    assignment = None if subscription is None else subscription.assignment
+    return None if assignment is None else assignment.state_value(tp)
+
+
 def request_rejoin(consumer: Any) -> None:
     """Make the group member rejoin (eager: every partition is revoked and assigned
     again, and Faust seeks the assigned ones back to their committed offsets), the way

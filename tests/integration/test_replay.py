@@ -7,6 +7,7 @@ sends nothing twice; `--force` asks the LLM again under the same keys.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -18,6 +19,7 @@ import yaml
 
 from streams.contract.headers import FORCE_HEADER, REPLAY_ID_HEADER, REPLAY_OF_HEADER
 from streams.dev.simulator import SimulatorServer
+from streams.kafka import clients
 from streams.kafka.scan import scan
 from streams.ops.replay import Checkpoint, Replayer, ReplayRequest
 from streams.pipelines.registry import PipelineRegistry
@@ -221,5 +223,59 @@ async def test_replay_skips_answered_resumes_after_a_kill_and_force_asks_again(
                               since=datetime.now(UTC) + timedelta(hours=1))  # fmt: skip
         empty = await Replayer(settings, later, registry).run(dry_run=True)
         assert empty.total == 0 and empty.counts.read == 0
+    finally:
+        worker.stop()
+
+
+async def test_an_idle_replay_lane_is_left_out_of_fetches_and_taken_up_when_records_come(
+    make_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    """The worker leaves the replay partitions it has read to their end out of its fetches
+    (`kafka.replay_idle_check_s`): a replay written then is still answered, each task once,
+    live tasks meanwhile too, and the partitions are left out again once it is read."""
+    settings = make_settings(
+        llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
+        kafka={"replay_idle_check_s": 0.5},
+    )
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    partitions = settings.kafka.partitions
+
+    async def idle_partitions() -> float:
+        return (await worker.scrape()).value("llm_streams_replay_partitions_idle")
+
+    async def until_idle(n: int) -> None:
+        for _ in range(120):
+            if await idle_partitions() == n:
+                return
+            await asyncio.sleep(0.5)
+        raise AssertionError(f"replay partitions idle: {await idle_partitions()}, not {n}\n"
+                             + worker.log_tail())  # fmt: skip
+
+    def task(task_id: str) -> tuple[bytes, bytes]:
+        body = {"task_id": task_id, "pipeline": "comment-analysis",
+                "input": {"text": f"Comment {task_id}: fine."}}  # fmt: skip
+        return task_id.encode(), orjson.dumps(body)
+
+    try:
+        live = await produce(settings, [task(f"live-{i}") for i in range(8)])
+        await collect(settings, set(live), timeout_s=120, worker=worker)
+        await until_idle(partitions)  # every replay partition left out
+        producer = clients.producer(settings, acks="all")
+        await producer.start()
+        try:
+            sent = [await producer.send_and_wait(settings.topics.replay, value, key=key)
+                    for key, value in (task(f"replayed-{i}") for i in range(40))]  # fmt: skip
+        finally:
+            await producer.stop()
+        replayed = {(m.partition, m.offset) for m in sent}
+        assert {p for p, _ in replayed} == set(range(partitions))  # every partition woken
+        got = await collect(settings, replayed, timeout_s=120, worker=worker,
+                            until=lambda c: len([r for r in c.results
+                                                 if r["task_id"].startswith("replayed-")]) >= 40)  # fmt: skip
+        from_replay = [r for r in got.results if r["source"]["topic"] == settings.topics.replay]
+        assert sorted(r["task_id"] for r in from_replay) == sorted(
+            f"replayed-{i}" for i in range(40)
+        )
+        await until_idle(partitions)  # read to their end again: left out again
     finally:
         worker.stop()
