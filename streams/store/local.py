@@ -36,6 +36,9 @@ from streams.store.maps import CODES, Kind, Maps, MemoryMaps, past_entries
 
 FORMAT = 1  # the on-disk layout; a store of another format is read again from the topics
 _U64 = struct.Struct(">Q")
+# The meta family's keys per map, made once (a flush writes them all).
+_CHECKPOINT_KEYS = {kind: b"checkpoint/" + kind.value.encode() for kind in Kind}
+_COUNT_KEYS = {kind: b"count/" + kind.value.encode() for kind in Kind}
 
 
 # -- RocksDB ------------------------------------------------------------------------------
@@ -66,7 +69,7 @@ class RocksMaps:
         # The checkpoint on disk, once this handle wrote it (the format and version with it).
         self._flushed: dict[Kind, int] | None = None
         meta = self._cf[self.META]
-        self._counts = {kind: _int(meta.get(b"count/" + kind.value.encode())) for kind in Kind}
+        self._counts = {kind: _int(meta.get(_COUNT_KEYS[kind])) for kind in Kind}
 
     # reads
 
@@ -74,12 +77,12 @@ class RocksMaps:
         staged = self._staged.get((kind, key))
         if staged is not None:
             return staged[1]
-        raw = self._cf[kind.value].get(key)
+        raw = self._cf[kind].get(key)
         return raw[8:] if raw is not None else None
 
     def checkpoint(self) -> dict[Kind, int]:
         meta = self._cf[self.META]
-        return {kind: _int(meta.get(b"checkpoint/" + kind.value.encode())) for kind in Kind}
+        return {kind: _int(meta.get(_CHECKPOINT_KEYS[kind])) for kind in Kind}
 
     def count(self, kind: Kind) -> int:
         return self._counts[kind]
@@ -90,7 +93,7 @@ class RocksMaps:
 
     def keys(self, kind: Kind, prefix: bytes) -> list[bytes]:
         found: set[bytes] = set()
-        for item in self._cf[kind.value].keys(from_key=prefix):
+        for item in self._cf[kind].keys(from_key=prefix):
             key = cast(bytes, item)
             if not key.startswith(prefix):
                 break
@@ -121,7 +124,7 @@ class RocksMaps:
     def settled_at(self, kind: Kind, key: bytes) -> int | None:
         if (kind, key) in self._staged:
             return None
-        raw = self._cf[kind.value].get(key)
+        raw = self._cf[kind].get(key)
         return _int(raw[:8]) if raw is not None else None
 
     def _ages(self, kind: Kind) -> Iterator[tuple[int, bytes]]:
@@ -155,8 +158,8 @@ class RocksMaps:
         ages = self._handles[self.AGES]
         counts = dict(self._counts)
         for (kind, key), (at, value) in self._staged.items():
-            handle = self._handles[kind.value]
-            before = self._cf[kind.value].get(key)
+            handle = self._handles[kind]
+            before = self._cf[kind].get(key)
             if before is not None:  # its age entry moves (or goes)
                 batch.delete(CODES[kind] + before[:8] + key, ages)
                 counts[kind] -= 1
@@ -170,9 +173,9 @@ class RocksMaps:
             counts[kind] += 1
         meta = self._handles[self.META]
         for kind, offset in checkpoint.items():
-            batch.put(b"checkpoint/" + kind.value.encode(), _U64.pack(offset), meta)
+            batch.put(_CHECKPOINT_KEYS[kind], _U64.pack(offset), meta)
         for kind, n in counts.items():
-            batch.put(b"count/" + kind.value.encode(), _U64.pack(n), meta)
+            batch.put(_COUNT_KEYS[kind], _U64.pack(n), meta)
         batch.put(b"format", _U64.pack(FORMAT), meta)
         batch.put(b"version", __version__.encode(), meta)
         if skipped:
