@@ -66,6 +66,7 @@ PRODUCER_LINGER_S = 0.001
 def _faust_app(settings: Settings) -> ThreadedApp:
     """The Faust app of `settings`: its broker, its consumer's pace and buffers, no tables."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # Faust makes only the last level
+    faust_private.commit_table_when_logged()
     buffer = max(settings.batch.buffer, settings.batch.size)
     app = (ThreadedApp if settings.kafka.consumer_thread else InLoopApp)(
         settings.app_id,

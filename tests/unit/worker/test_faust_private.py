@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Mapping
 
+import pytest
 from faust.types import TP
 
 from streams.settings import load_settings
@@ -122,3 +123,31 @@ async def test_a_transactional_producers_fatal_error_is_read_where_aiokafka_keep
         assert isinstance(faust_private.transaction_failed(producer), ProducerFenced)
     finally:
         await producer.stop()  # never started: closes nothing
+
+
+def test_faust_draws_its_commit_table_only_when_the_line_is_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Faust's consumer reaches `terminal.logtable` through its module at each commit; once
+    the worker's app is made, the table it gets is drawn only when turned into text (the
+    log line written), and is then Faust's own table."""
+    from faust.transport import consumer as faust_consumer_module
+    from faust.utils import terminal
+
+    monkeypatch.setattr(faust_consumer_module, "terminal", terminal)  # undone after the test
+    drawn: list[object] = []
+    real = faust_private._logtable
+
+    def counted(*args: object, **kwargs: object) -> object:
+        drawn.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(faust_private, "_logtable", counted)
+    faust_private.commit_table_when_logged()
+    rows = [("tasks-0", "12")]
+    table = faust_consumer_module.terminal.logtable(rows, title="Commit Offsets",
+                                                    headers=["TP", "Offset"])  # fmt: skip
+    assert drawn == []  # made, not drawn
+    text = str(table)
+    assert drawn and "Commit Offsets" in text and "tasks-0" in text and "12" in text
+    assert text == str(real(rows, title="Commit Offsets", headers=["TP", "Offset"]))
