@@ -201,13 +201,13 @@ def canonical_input(task_input: dict[str, Any]) -> bytes:
     return orjson.dumps(_nfc(task_input), option=orjson.OPT_SORT_KEYS)
 
 
-def _key(parts: tuple[str, ...], task_input: dict[str, Any], context: str | None) -> str:
+def _key(parts: tuple[str, ...], canonical: bytes, context: str | None) -> str:
     h = hashlib.sha256()
     for part in parts:
         encoded = part.encode()
         h.update(len(encoded).to_bytes(4, "big"))
         h.update(encoded)
-    h.update(canonical_input(task_input))
+    h.update(canonical)
     if context is not None:  # after the input: keys without a context stay as they were
         h.update(b"\0context\0" + context.encode())
     return h.hexdigest()[:40]
@@ -222,7 +222,8 @@ def result_key(
 ) -> str:
     """Deterministic key of a result: same task, same version, same input (and, in a
     session, the same earlier turns in its prompt: `context`, their digest) -> same key."""
-    return "rk1-" + _key((pipeline, prompt_version, task_id), task_input, context)
+    canonical = canonical_input(task_input)
+    return "rk1-" + _key((pipeline, prompt_version, task_id), canonical, context)
 
 
 def content_key(
@@ -230,7 +231,22 @@ def content_key(
 ) -> str:
     """Key of what is asked, whoever asks: identical inputs (and context) under one
     version share it."""
-    return "ck1-" + _key((pipeline, prompt_version), task_input, context)
+    return "ck1-" + _key((pipeline, prompt_version), canonical_input(task_input), context)
+
+
+def task_keys(
+    pipeline: str,
+    prompt_version: str,
+    task_id: str,
+    task_input: dict[str, Any],
+    context: str | None = None,
+) -> tuple[str, str]:
+    """`result_key` and `content_key` of one task, its input made canonical once."""
+    canonical = canonical_input(task_input)
+    return (
+        "rk1-" + _key((pipeline, prompt_version, task_id), canonical, context),
+        "ck1-" + _key((pipeline, prompt_version), canonical, context),
+    )
 
 
 def payload_of(raw: bytes | None) -> Any:

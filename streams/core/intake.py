@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import orjson
 
-from streams.contract.records import Source, Task, content_key, decode_task, result_key
+from streams.contract.records import Source, Task, decode_task, task_keys
 from streams.core.outcome import Outcome, Outcomes, Prepared
 from streams.core.sessions import NONE as NO_CONTEXT
 from streams.core.sessions import context_of, turn_position, with_context
@@ -137,15 +137,15 @@ class Intake:
             m.versions_chosen.labels(pipeline.name, version.version, chosen_by).inc()
             for kind, n in prompt.redactions.items():
                 m.redactions.labels(pipeline.name, kind).inc(n)
+            keys = task_keys(pipeline.name, version.version, task.task_id, task.input,
+                             context.digest)  # fmt: skip
             return Prepared(
                 task=task,
                 pipeline=pipeline,
                 version=version,
                 prompt=prompt,
-                result_key=result_key(pipeline.name, version.version, task.task_id, task.input,
-                                      context.digest),
-                content_key=content_key(pipeline.name, version.version, task.input,
-                                        context.digest),
+                result_key=keys[0],
+                content_key=keys[1],
                 raw=raw,
                 key=key,
                 source=source,

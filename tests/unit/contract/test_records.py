@@ -12,6 +12,7 @@ from streams.contract.records import (
     MESSAGE_LIMIT,
     DeadLetter,
     Source,
+    content_key,
     contract_schemas,
     dead_letter_value,
     decode_task,
@@ -19,6 +20,7 @@ from streams.contract.records import (
     payload_of,
     result_key,
     task_id_hint,
+    task_keys,
 )
 from streams.errors import Category, InvalidInput
 
@@ -90,6 +92,25 @@ def test_result_key_is_deterministic_and_sensitive_to_each_part() -> None:
         result_key("pv", "1", "t1", {"text": "héllo", "n": 1}),  # no ambiguity at part borders
     }
     assert base not in variants and len(variants) == 5
+
+
+def test_a_tasks_keys_made_together_are_its_keys_as_written_before() -> None:
+    """`task_keys` (the worker's, its input made canonical once) gives the keys earlier
+    versions wrote, with a session's context and without: stored results stay found."""
+    task_input = {"text": "he\u0301llo", "n": 1}
+    assert task_keys("comment-analysis", "v1", "t-1", task_input) == (
+        "rk1-708e49297710d3c1d8729a9dd8d5dbbbfa968670",
+        "ck1-0d2a5d2240830542591057dfcae8ca0545302366",
+    )
+    assert task_keys("comment-analysis", "v1", "t-1", task_input, "ctx") == (
+        "rk1-3bac97abad72f2e6828cecdec5f85328d657e0ba",
+        "ck1-a5382576b31d03b1719411410ad9d12b254eb1f7",
+    )
+    for context in (None, "ctx"):
+        assert task_keys("p", "v2", "t-2", {"a": [1, "x"]}, context) == (
+            result_key("p", "v2", "t-2", {"a": [1, "x"]}, context),
+            content_key("p", "v2", {"a": [1, "x"]}, context),
+        )
 
 
 def test_payload_keeps_json_or_base64_of_the_bytes() -> None:
