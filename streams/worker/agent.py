@@ -252,7 +252,9 @@ class TaskAgent:
     async def run_replay(self, stream: faust.Stream[Any]) -> None:
         every_s = self.settings.kafka.replay_idle_check_s
         idle = None
-        if every_s > 0:  # the lane's partitions out of the fetches while they hold nothing
+        # The lane's partitions out of the fetches while they hold nothing (the consumer on
+        # the worker's loop only: on a thread, aiokafka is not this loop's to pause).
+        if every_s > 0 and not self.settings.kafka.consumer_thread:
             check = IdleReplay(lambda: self.app.consumer, self.settings.topics.replay, every_s,
                                self.metrics.replay_idle)  # fmt: skip
             idle = asyncio.create_task(check.run())
