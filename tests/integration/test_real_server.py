@@ -133,7 +133,14 @@ async def test_a_saturated_real_server_is_not_taken_for_a_failing_one(
     assert {r["task_id"] for r in got.results} == task_ids, got.dead_letters[:3]
     assert scrape.value("llm_streams_llm_requests_total", status="error") == 0
     assert scrape.value("llm_streams_breaker_transitions_total", to="open") == 0
-    assert 2 <= scrape.value("llm_streams_endpoint_concurrency") <= 4  # its slots, one or two ready
+    # It took the server's 2 slots and one ready (the limit below 3 only where calls were
+    # measured queueing at the server: on a loaded host, a CPU shared with the server
+    # and the broker, that happens and takes it down to 1; in a full run once, alone never).
+    assert "3 calls at once (was 1): the server has 2 slots" in log, log
+    assert 1 <= scrape.value("llm_streams_endpoint_concurrency") <= 4, log  # never the 64
+    lowered = [line for line in log.splitlines() if "calls at once" in line
+               and "the server has" not in line]  # fmt: skip
+    assert all("calls queue at the server" in line for line in lowered), lowered
 
 
 async def test_a_wrong_key_and_a_dead_endpoint_are_said_clearly(llama: LlamaServer) -> None:
