@@ -213,6 +213,16 @@ def _key(parts: tuple[str, ...], canonical: bytes, context: str | None) -> str:
     return h.hexdigest()[:40]
 
 
+def _result_key(
+    pipeline: str, prompt_version: str, task_id: str, canonical: bytes, context: str | None
+) -> str:
+    return "rk1-" + _key((pipeline, prompt_version, task_id), canonical, context)
+
+
+def _content_key(pipeline: str, prompt_version: str, canonical: bytes, context: str | None) -> str:
+    return "ck1-" + _key((pipeline, prompt_version), canonical, context)
+
+
 def result_key(
     pipeline: str,
     prompt_version: str,
@@ -222,8 +232,7 @@ def result_key(
 ) -> str:
     """Deterministic key of a result: same task, same version, same input (and, in a
     session, the same earlier turns in its prompt: `context`, their digest) -> same key."""
-    canonical = canonical_input(task_input)
-    return "rk1-" + _key((pipeline, prompt_version, task_id), canonical, context)
+    return _result_key(pipeline, prompt_version, task_id, canonical_input(task_input), context)
 
 
 def content_key(
@@ -231,7 +240,7 @@ def content_key(
 ) -> str:
     """Key of what is asked, whoever asks: identical inputs (and context) under one
     version share it."""
-    return "ck1-" + _key((pipeline, prompt_version), canonical_input(task_input), context)
+    return _content_key(pipeline, prompt_version, canonical_input(task_input), context)
 
 
 def task_keys(
@@ -244,8 +253,8 @@ def task_keys(
     """`result_key` and `content_key` of one task, its input made canonical once."""
     canonical = canonical_input(task_input)
     return (
-        "rk1-" + _key((pipeline, prompt_version, task_id), canonical, context),
-        "ck1-" + _key((pipeline, prompt_version), canonical, context),
+        _result_key(pipeline, prompt_version, task_id, canonical, context),
+        _content_key(pipeline, prompt_version, canonical, context),
     )
 
 
