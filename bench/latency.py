@@ -1,7 +1,7 @@
 """Latency a worker adds to a task beyond its LLM call, against what Kafka itself adds.
 
 One run, one broker (Apache Kafka 4.1.1 from jars, KRaft, 4 partitions; or `--broker
-tansu`, the demo's), paced traffic:
+tansu`, the demo's), paced traffic through two processes started side by side:
 
 - **pass-through**: `bench/passthrough_app.py`, a bare Faust agent A -> B on the app's own
   loop, each write awaited until the broker acks it (as the worker writes): produce ->
@@ -9,21 +9,28 @@ tansu`, the demo's), paced traffic:
 - **worker**: `llm-streams worker` on its default settings (the limit not told) against the
   simulator answering every call in exactly `--latency-ms` (no jitter).
 
-Each at `--rate` tasks/s, then at half the simulator's RPM limit (`--rpm`). A task's added
-latency = its result readable - its record produced - the LLM's own time: the simulator's
-median time from a request's arrival to its answer in that phase (its fixed latency and
-its own work — tokenizing, JSON —, as it says in `openai-processing-ms`), and, printed
-beside it, the fixed latency alone (the simulator's work counted against the worker).
-Prints p50 / p99 of both and the ratio worker-added / pass-through.
+At `--rate` tasks/s, then at half the simulator's RPM limit (`--rpm`), each rate's tasks
+go in `--rounds` rounds that alternate between the two (pass-through first in odd rounds,
+the worker first in even ones): a host whose pace drifts from minute to minute (two
+cores shared with the broker and the simulator) bills both alike, where one phase after
+the other billed whichever met the slow minute. The idle one waits meanwhile.
 
-    python bench/latency.py [--tasks 600] [--rate 10] [--rpm 3000] [--latency-ms 300]
-                            [--broker kafka|tansu]
+A task's added latency = its result readable - its record produced - the LLM's own time:
+the simulator's median time from a request's arrival to its answer over that rate's
+rounds (its fixed latency and its own work — tokenizing, JSON —, as it says in
+`openai-processing-ms`), and, printed beside it, the fixed latency alone (the simulator's
+work counted against the worker). Prints p50 / p99 of both and the ratio worker-added /
+pass-through.
+
+    python bench/latency.py [--tasks 600] [--rounds 4] [--rate 10] [--rpm 3000]
+                            [--latency-ms 300] [--broker kafka|tansu]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -31,6 +38,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -65,102 +73,141 @@ async def paced(producer: AIOKafkaProducer, topic: str, rate: float, n: int, tag
     return ids
 
 
-async def passthrough(
-    kafka: ApacheKafka | TansuBroker, rate: float, n: int, logdir: Path
-) -> list[float]:
-    """Milliseconds from produce to readable on the far side of a bare Faust pass-through."""
-    suffix = uuid.uuid4().hex[:6]
-    source, sink = f"lat-in-{suffix}", f"lat-out-{suffix}"
-    await create_topic(kafka.bootstrap, source)
-    await create_topic(kafka.bootstrap, sink)
-    env = {**os.environ, "BENCH_BROKER": kafka.url, "BENCH_SOURCE": source,
-           "BENCH_SINK": sink, "BENCH_APP_ID": f"lat-{suffix}",
-           "BENCH_WEB_PORT": str(free_port()), "BENCH_ACKED": "1", "BENCH_IN_LOOP": "1"}  # fmt: skip
-    with open(logdir / f"passthrough-{suffix}.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(HERE / "passthrough_app.py")], env=env,
-                                stdout=log, stderr=subprocess.STDOUT, cwd=logdir)  # fmt: skip
-    sent_at: dict[str, float] = {}
-    took: dict[str, float] = {}
-    consumer = AIOKafkaConsumer(sink, bootstrap_servers=kafka.bootstrap,
-                                group_id=f"lat-read-{suffix}", auto_offset_reset="earliest",
-                                enable_auto_commit=False)  # fmt: skip
-    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, linger_ms=0, acks=1)
-    await consumer.start()
-    await producer.start()
+async def until(done: object, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:  # type: ignore[operator]
+        await asyncio.sleep(0.1)
+    if not done():  # type: ignore[operator]
+        raise RuntimeError(f"timed out waiting for {what}")
 
-    async def read() -> None:
+
+class PassThrough:
+    """A bare Faust pass-through and a reader timestamping what comes out of it."""
+
+    def __init__(self, kafka: ApacheKafka | TansuBroker, logdir: Path) -> None:
+        self.kafka, self.logdir = kafka, logdir
+        self.suffix = uuid.uuid4().hex[:6]
+        self.source, self.sink = f"lat-in-{self.suffix}", f"lat-out-{self.suffix}"
+        self.sent_at: dict[str, float] = {}
+        self.took: dict[str, float] = {}
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> PassThrough:
+        kafka, suffix = self.kafka, self.suffix
+        await create_topic(kafka.bootstrap, self.source)
+        await create_topic(kafka.bootstrap, self.sink)
+        env = {**os.environ, "BENCH_BROKER": kafka.url, "BENCH_SOURCE": self.source,
+               "BENCH_SINK": self.sink, "BENCH_APP_ID": f"lat-{suffix}",
+               "BENCH_WEB_PORT": str(free_port()), "BENCH_ACKED": "1", "BENCH_IN_LOOP": "1"}  # fmt: skip
+        with open(self.logdir / f"passthrough-{suffix}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, str(HERE / "passthrough_app.py")], env=env,
+                                    stdout=log, stderr=subprocess.STDOUT, cwd=self.logdir)  # fmt: skip
+        self._stack.callback(stop, proc)
+        consumer = AIOKafkaConsumer(self.sink, bootstrap_servers=kafka.bootstrap,
+                                    group_id=f"lat-read-{suffix}", auto_offset_reset="earliest",
+                                    enable_auto_commit=False)  # fmt: skip
+        await consumer.start()
+        self._stack.push_async_callback(consumer.stop)
+        self.producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, linger_ms=0, acks=1)
+        await self.producer.start()
+        self._stack.push_async_callback(self.producer.stop)
+        reader = asyncio.create_task(self._read(consumer))
+        self._stack.callback(reader.cancel)
+        await group_stable(load_settings(app_id=f"lat-{suffix}",
+                                         kafka={"broker_url": kafka.url}), 1)  # fmt: skip
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def _read(self, consumer: AIOKafkaConsumer) -> None:
         while True:
             batch = await consumer.getmany(timeout_ms=50)
             now = time.monotonic()
             for records in batch.values():
                 for rec in records:
                     key = rec.key.decode()
-                    if key in sent_at:
-                        took.setdefault(key, (now - sent_at[key]) * 1000)
+                    if key in self.sent_at:
+                        self.took.setdefault(key, (now - self.sent_at[key]) * 1000)
 
-    reader = asyncio.create_task(read())
-    try:
-        await group_stable(load_settings(app_id=f"lat-{suffix}",
-                                         kafka={"broker_url": kafka.url}), 1)  # fmt: skip
-        warm = await paced(producer, source, rate, max(20, int(rate * 3)), "warm", sent_at)
-        await until(lambda: all(t in took for t in warm), 60)
-        ids = await paced(producer, source, rate, n, "pt", sent_at)
-        await until(lambda: all(t in took for t in ids), 120)
-        return [took[t] for t in ids]
-    finally:
-        reader.cancel()
-        await producer.stop()
-        await consumer.stop()
-        stop(proc)
+    async def measure(self, rate: float, n: int, tag: str) -> list[float]:
+        """Milliseconds from produce to readable on its far side, for `n` records."""
+        ids = await paced(self.producer, self.source, rate, n, tag, self.sent_at)
+        await until(lambda: all(t in self.took for t in ids), 120, "the pass-through's outputs")
+        return [self.took[t] for t in ids]
 
 
-async def worker(kafka: ApacheKafka | TansuBroker, sim: Sim, rate: float, n: int,
-                 logdir: Path, fetch_wait_ms: int | None) -> tuple[list[float], int, float]:  # fmt: skip
-    """Milliseconds from each task's record produced to its result readable; dead letters;
-    the simulator's median time per answer meanwhile (the LLM's own time)."""
-    suffix = uuid.uuid4().hex[:6]
-    settings = load_settings(
-        app_id=f"lat-{suffix}",
-        kafka={"broker_url": kafka.url, "partitions": 4,
-               **({"fetch_max_wait_ms": fetch_wait_ms} if fetch_wait_ms else {})},
-        topics={n: f"{n}-{suffix}" for n in ("tasks", "replay", "results", "dead_letters", "review")},
-        llm={"base_url": f"{sim.base}/v1", "api_key": sim.KEY, "model": "sim-1"},
-        data_dir=logdir / f"worker-{suffix}",
-        log_level="warning",
-    )  # fmt: skip
-    await ensure_topics(settings)
-    proc = spawn_worker(settings, logdir / f"worker-{suffix}.log")
-    run = Run(settings, logdir)
-    stop_reading = asyncio.Event()
-    reader = asyncio.create_task(run.read(stop_reading))
-    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, linger_ms=0, acks=1)
-    await producer.start()
-    try:
-        await group_stable(settings, 1)
-        # Warm up (the tokenizer, the limiter's first word from the simulator) untimed.
-        warm = await paced(producer, settings.topics.tasks, rate, max(20, int(rate * 3)),
-                           "warm", run.sent_at)  # fmt: skip
-        await run.wait_for(warm, 120)
-        ids = await paced(producer, settings.topics.tasks, rate, n, "live", run.sent_at)
-        await run.wait_for(ids, 300)
-        missing = [t for t in ids if t not in run.latency]
+class Worker:
+    """An `llm-streams worker` against the simulator, and a reader of its results."""
+
+    def __init__(self, kafka: ApacheKafka | TansuBroker, sim: Sim, logdir: Path,
+                 fetch_wait_ms: int | None) -> None:  # fmt: skip
+        self.kafka, self.sim, self.logdir = kafka, sim, logdir
+        suffix = uuid.uuid4().hex[:6]
+        self.settings = load_settings(
+            app_id=f"lat-{suffix}",
+            kafka={"broker_url": kafka.url, "partitions": 4,
+                   **({"fetch_max_wait_ms": fetch_wait_ms} if fetch_wait_ms else {})},
+            topics={n: f"{n}-{suffix}" for n in ("tasks", "replay", "results", "dead_letters", "review")},
+            llm={"base_url": f"{sim.base}/v1", "api_key": sim.KEY, "model": "sim-1"},
+            data_dir=logdir / f"worker-{suffix}",
+            log_level="warning",
+        )  # fmt: skip
+        self.log = logdir / f"worker-{suffix}.log"
+        self.run = Run(self.settings, logdir)
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> Worker:
+        await ensure_topics(self.settings)
+        self._stack.callback(stop, spawn_worker(self.settings, self.log))
+        stop_reading = asyncio.Event()
+        reader = asyncio.create_task(self.run.read(stop_reading))
+
+        async def stop_reader() -> None:
+            stop_reading.set()
+            await reader
+
+        self._stack.push_async_callback(stop_reader)
+        self.producer = AIOKafkaProducer(bootstrap_servers=self.kafka.bootstrap, linger_ms=0,
+                                         acks=1)  # fmt: skip
+        await self.producer.start()
+        self._stack.push_async_callback(self.producer.stop)
+        await group_stable(self.settings, 1)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def measure(self, rate: float, n: int, tag: str) -> list[float]:
+        """Milliseconds from each task's record produced to its result readable."""
+        ids = await paced(self.producer, self.settings.topics.tasks, rate, n, tag,
+                          self.run.sent_at)  # fmt: skip
+        await self.run.wait_for(ids, 300)
+        missing = [t for t in ids if t not in self.run.latency]
         if missing:
-            raise RuntimeError(f"{len(missing)} tasks unanswered; logs in {logdir}")
-        own_ms = float(sim.call("/sim/stats")["service_ms"]["p50"])
-        return [run.latency[t] * 1000 for t in ids], run.dead, own_ms
-    finally:
-        stop_reading.set()
-        await reader
-        await producer.stop()
-        stop(proc)
+            raise RuntimeError(f"{len(missing)} tasks unanswered; logs in {self.logdir}")
+        return [self.run.latency[t] * 1000 for t in ids]
 
 
-async def until(done: object, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done() and time.monotonic() < deadline:  # type: ignore[operator]
-        await asyncio.sleep(0.1)
-    if not done():  # type: ignore[operator]
-        raise RuntimeError("timed out waiting for the pass-through's outputs")
+async def one_rate(pt: PassThrough, wk: Worker, sim: Sim, rate: float, n: int, rounds: int,
+                   rpm: int) -> tuple[list[float], list[float], float]:  # fmt: skip
+    """Both at `rate` in alternating rounds: the pass-through's milliseconds, the worker's,
+    and the simulator's median time per answer over the worker's rounds."""
+    sim.reset(rpm)
+    # Warm up both (the tokenizer, the limiter's first word from the simulator) untimed.
+    warm = max(20, int(rate * 3))
+    await pt.measure(rate, warm, f"warm-pt-{rate:g}")
+    await wk.measure(rate, warm, f"warm-w-{rate:g}")
+    passed: list[float] = []
+    added: list[float] = []
+    for r in range(rounds):
+        share = n // rounds + (1 if r < n % rounds else 0)
+        first, second = (pt, wk) if r % 2 == 0 else (wk, pt)
+        for who in (first, second):
+            took = await who.measure(rate, share, f"{'pt' if who is pt else 'w'}-{rate:g}-{r}")
+            (passed if who is pt else added).extend(took)
+    own_ms = float(sim.call("/sim/stats")["service_ms"]["p50"])
+    return passed, added, own_ms
 
 
 def shown(ms: list[float]) -> str:
@@ -169,7 +216,9 @@ def shown(ms: list[float]) -> str:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", type=int, default=600, help="Timed tasks per phase.")
+    parser.add_argument("--tasks", type=int, default=600, help="Timed tasks per rate, each.")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="Alternating rounds the tasks of a rate are split into.")  # fmt: skip
     parser.add_argument("--rate", type=float, default=10.0, help="Tasks/s of the first phase.")
     parser.add_argument("--rpm", type=int, default=3000, help="The simulator's RPM limit.")
     parser.add_argument("--latency-ms", type=float, default=300.0)
@@ -181,36 +230,37 @@ async def main() -> None:
     logdir = Path(tempfile.mkdtemp(prefix="llm-streams-latency-"))
     rates = [args.rate, args.rpm / 60 / 2]
     sim = Sim(args.rpm, 0, latency_ms=int(args.latency_ms), jitter_ms=0, error_rate=0.0)
-    rows = []
+    rows: list[tuple[float, list[float], list[float], float]] = []
+    dead = 0
     try:
         broker = TansuBroker() if args.broker == "tansu" else ApacheKafka(heap_mb=1024)
         with broker as kafka:
             if isinstance(kafka, ApacheKafka):  # its JIT would bill the first phase
                 await warm_up(kafka, 10_000)
-            for rate in rates:
-                pt = await passthrough(kafka, rate, args.tasks, logdir)
-                sim.reset(args.rpm)
-                took, dead, own_ms = await worker(kafka, sim, rate, args.tasks, logdir,
-                                                  args.fetch_max_wait_ms)  # fmt: skip
-                rows.append((rate, pt, took, dead, own_ms))
+            async with PassThrough(kafka, logdir) as pt, \
+                    Worker(kafka, sim, logdir, args.fetch_max_wait_ms) as wk:  # fmt: skip
+                for rate in rates:
+                    rows.append((rate, *await one_rate(pt, wk, sim, rate, args.tasks,
+                                                       args.rounds, args.rpm)))  # fmt: skip
+                dead = wk.run.dead
     finally:
         stop(sim.proc)
     what = "Tansu (the demo's broker)" if args.broker == "tansu" else "Apache Kafka 4.1.1 (KRaft)"
     print(f"{what}, 4 partitions; simulator at exactly {args.latency_ms:g} ms per call, "
-          f"{args.rpm} RPM; {args.tasks} timed tasks per phase; logs {logdir}")  # fmt: skip
-    for rate, pt, took, dead, own_ms in rows:
+          f"{args.rpm} RPM; {args.tasks} timed tasks per rate each, in {args.rounds} "
+          f"alternating rounds; dead letters {dead}; logs {logdir}")  # fmt: skip
+    for rate, pt_ms, took, own_ms in rows:
         added = [ms - own_ms for ms in took]
         fixed = [ms - args.latency_ms for ms in took]
         print(f"at {rate:g} tasks/s (the simulator's own time per answer: {own_ms:.1f} ms at p50):")
-        print(f"  bare Faust pass-through, produce -> readable : {shown(pt)}")
-        print(f"  worker, added beyond the LLM's own time      : {shown(added)}   "
-              f"dead letters {dead}")  # fmt: skip
+        print(f"  bare Faust pass-through, produce -> readable : {shown(pt_ms)}")
+        print(f"  worker, added beyond the LLM's own time      : {shown(added)}")
         print(f"  ratio worker-added / pass-through            : p50 "
-              f"{percentile(added, 0.5) / percentile(pt, 0.5):.2f}   p99 "
-              f"{percentile(added, 0.99) / percentile(pt, 0.99):.2f}")  # fmt: skip
+              f"{percentile(added, 0.5) / percentile(pt_ms, 0.5):.2f}   p99 "
+              f"{percentile(added, 0.99) / percentile(pt_ms, 0.99):.2f}")  # fmt: skip
         print(f"  (beyond the fixed {args.latency_ms:g} ms alone: {shown(fixed)}, ratio p50 "
-              f"{percentile(fixed, 0.5) / percentile(pt, 0.5):.2f}   p99 "
-              f"{percentile(fixed, 0.99) / percentile(pt, 0.99):.2f})")  # fmt: skip
+              f"{percentile(fixed, 0.5) / percentile(pt_ms, 0.5):.2f}   p99 "
+              f"{percentile(fixed, 0.99) / percentile(pt_ms, 0.99):.2f})")  # fmt: skip
 
 
 if __name__ == "__main__":
