@@ -38,7 +38,6 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
