@@ -475,6 +475,7 @@ async def main() -> None:
                     profiles[name] = got
 
             floors: dict[str, Floor] = {}  # --floor: started before the paced regimes
+            limited_calls: dict[str, int] = {}  # HTTP status -> the simulator's calls, limited
             try:
                 # Warm-up: join the group, load the tokenizer and the pipelines.
                 sent += await paced(producer, settings.topics.tasks, 20, 5, sent)
@@ -513,7 +514,11 @@ async def main() -> None:
                     await preload(kafka.bootstrap, settings.topics.tasks, backlog, sent)
                     sent += backlog
                     await asyncio.sleep(5.0)  # past learning the limit
+                    before = sim.call("/sim/stats")["by_status"]
                     await measure("rate-limited 3,000 RPM", args.seconds)
+                    after = sim.call("/sim/stats")["by_status"]
+                    limited_calls = {code: after.get(code, 0) - before.get(code, 0)
+                                     for code in after}  # fmt: skip
                     await outcomes.until(sent, 900)
             finally:
                 for pass_through in floors.values():
@@ -529,6 +534,13 @@ async def main() -> None:
         print(
             f"{name:<30} {done:>7} {done / seconds:>8.1f} {per_task:>12} {cpu * 1000 / seconds:>9.1f}"
         )
+    if limited_calls:  # what the window's calls met: a 429 costs a call and its retry
+        done = next(r[1] for r in rows if r[0].startswith("rate-limited"))
+        answered = limited_calls.get("200", 0)
+        throttled = limited_calls.get("429", 0)
+        print(f"rate-limited window: {answered} calls answered, {throttled} refused with 429 "
+              f"({throttled / max(1, answered + throttled):.1%}), "
+              f"{(answered + throttled) / max(1, done):.2f} calls a task")  # fmt: skip
     print("\nCPU ms/s per thread, of it in the kernel (the main thread runs the event loop and "
           "the Kafka consumer; with LLM_STREAMS_KAFKA__CONSUMER_THREAD the consumer has its "
           "own)")  # fmt: skip
