@@ -92,6 +92,14 @@ class PassThrough:
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> PassThrough:
+        try:
+            await self._start()
+        except BaseException:  # what started before the failure, stopped
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def _start(self) -> None:
         kafka, suffix = self.kafka, self.suffix
         await create_topic(kafka.bootstrap, self.source)
         await create_topic(kafka.bootstrap, self.sink)
@@ -114,7 +122,6 @@ class PassThrough:
         self._stack.callback(reader.cancel)
         await group_stable(load_settings(app_id=f"lat-{suffix}",
                                          kafka={"broker_url": kafka.url}), 1)  # fmt: skip
-        return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
@@ -157,6 +164,14 @@ class Worker:
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> Worker:
+        try:
+            await self._start()
+        except BaseException:  # what started before the failure, stopped
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def _start(self) -> None:
         await ensure_topics(self.settings)
         self._stack.callback(stop, spawn_worker(self.settings, self.log))
         stop_reading = asyncio.Event()
@@ -172,7 +187,6 @@ class Worker:
         await self.producer.start()
         self._stack.push_async_callback(self.producer.stop)
         await group_stable(self.settings, 1)
-        return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
