@@ -38,6 +38,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Self
 
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -80,7 +81,29 @@ async def until(done: object, timeout_s: float, what: str) -> None:
         raise RuntimeError(f"timed out waiting for {what}")
 
 
-class PassThrough:
+class Started:
+    """A process under test and what watches it, started on `async with` and stopped on
+    its way out — or when starting failed, what had started by then."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def _start(self) -> None:
+        raise NotImplementedError
+
+
+class PassThrough(Started):
     """A bare Faust pass-through and a reader timestamping what comes out of it."""
 
     def __init__(self, kafka: ApacheKafka | TansuBroker, logdir: Path) -> None:
@@ -89,15 +112,7 @@ class PassThrough:
         self.source, self.sink = f"lat-in-{self.suffix}", f"lat-out-{self.suffix}"
         self.sent_at: dict[str, float] = {}
         self.took: dict[str, float] = {}
-        self._stack = contextlib.AsyncExitStack()
-
-    async def __aenter__(self) -> PassThrough:
-        try:
-            await self._start()
-        except BaseException:  # what started before the failure, stopped
-            await self._stack.aclose()
-            raise
-        return self
+        super().__init__()
 
     async def _start(self) -> None:
         kafka, suffix = self.kafka, self.suffix
@@ -123,9 +138,6 @@ class PassThrough:
         await group_stable(load_settings(app_id=f"lat-{suffix}",
                                          kafka={"broker_url": kafka.url}), 1)  # fmt: skip
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self._stack.aclose()
-
     async def _read(self, consumer: AIOKafkaConsumer) -> None:
         while True:
             batch = await consumer.getmany(timeout_ms=50)
@@ -143,7 +155,7 @@ class PassThrough:
         return [self.took[t] for t in ids]
 
 
-class Worker:
+class Worker(Started):
     """An `llm-streams worker` against the simulator, and a reader of its results."""
 
     def __init__(self, kafka: ApacheKafka | TansuBroker, sim: Sim, logdir: Path,
@@ -161,15 +173,7 @@ class Worker:
         )  # fmt: skip
         self.log = logdir / f"worker-{suffix}.log"
         self.run = Run(self.settings, logdir)
-        self._stack = contextlib.AsyncExitStack()
-
-    async def __aenter__(self) -> Worker:
-        try:
-            await self._start()
-        except BaseException:  # what started before the failure, stopped
-            await self._stack.aclose()
-            raise
-        return self
+        super().__init__()
 
     async def _start(self) -> None:
         await ensure_topics(self.settings)
@@ -187,9 +191,6 @@ class Worker:
         await self.producer.start()
         self._stack.push_async_callback(self.producer.stop)
         await group_stable(self.settings, 1)
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._stack.aclose()
 
     async def measure(self, rate: float, n: int, tag: str) -> list[float]:
         """Milliseconds from each task's record produced to its result readable."""
