@@ -14,7 +14,8 @@ two acked writes: what any implementation on this stack pays per task), in one r
 
 Printed: calls per task by where the function lives (the project, each library, the
 standard library, builtins: C functions called from Python), the worker's against the
-floor's, and the project's functions called most per task. Tasks per window: the
+floor's, the project's functions called most per task, and the builtins the worker
+calls more than the floor, with their callers. Tasks per window: the
 worker's `decode_task` calls in it (one a task it took up), the floor's outcomes read
 in it (edges: a few either way). cProfile slows what it profiles: the
 counts are the figure, not the time. A coroutine's every resumption counts as a call,
@@ -47,6 +48,9 @@ from streams.kafka.topics import ensure_topics
 PROBE = HERE / "probe"
 STDLIB = sysconfig.get_paths()["stdlib"]
 FLOOR = "task's I/O on Faust in-loop"
+# A window's calls per task: by group, by project function, by builtin (and its callers);
+# the tasks it saw.
+Counts = tuple[Counter[str], Counter[str], Counter[str], int]
 
 
 class Windows:
@@ -104,16 +108,29 @@ def tasks_in(stats: pstats.Stats, read: int) -> int:
     return decoded or max(read, 1)
 
 
-def per_task(stats: pstats.Stats, tasks: int) -> tuple[Counter[str], Counter[str]]:
-    """Calls per task by group, and by function of the project."""
+def per_task(stats: pstats.Stats, tasks: int) -> tuple[Counter[str], Counter[str], Counter[str]]:
+    """Calls per task by group, by function of the project, and by builtin."""
     groups: Counter[str] = Counter()
     ours: Counter[str] = Counter()
+    builtins: Counter[str] = Counter()
     for (path, line, name), (_, calls, *_rest) in stats.stats.items():  # type: ignore[attr-defined]
         group = where(path)
         groups[group] += calls / tasks
         if group == "llm-streams":
             ours[f"{path.split('/streams/')[1]}:{line} {name}"] += calls / tasks
-    return groups, ours
+        elif path == "~":
+            builtins[name] += calls / tasks
+            for (cpath, cline, cname), (_, ccalls, *_r) in _rest[-1].items():
+                builtins[f"{name}\t{short(cpath)}:{cline} {cname}"] += ccalls / tasks
+    return groups, ours, builtins
+
+
+def short(path: str) -> str:
+    """A function's file, from its package or the standard library down."""
+    for root in ("site-packages/", "/streams/", f"{STDLIB}/"):
+        if root in path:
+            return path.split(root, 1)[1]
+    return path
 
 
 async def profiled(windows: Windows, outcomes: Outcomes, work: asyncio.Future[int] | None,
@@ -139,7 +156,7 @@ async def main() -> None:
     args = parser.parse_args()
     logdir = Path(tempfile.mkdtemp(prefix="llm-streams-calls-"))
     sim = Sim(0, 0, latency_ms=300, jitter_ms=100, error_rate=0.0)
-    results: dict[str, tuple[Counter[str], Counter[str], int]] = {}
+    results: dict[str, Counts] = {}
     try:
         with ApacheKafka(heap_mb=1024) as kafka:
             await warm_up(kafka, 5000)
@@ -205,10 +222,10 @@ async def main() -> None:
     print(f"logs: {logdir}")
 
 
-def report(results: dict[str, tuple[Counter[str], Counter[str], int]], rate: int) -> None:
+def report(results: dict[str, Counts], rate: int) -> None:
     names = list(results)
     print("Python function calls per task (cProfile on the event loop's thread); tasks "
-          "counted in each window: " + ", ".join(f"{n} {results[n][2]}" for n in names))  # fmt: skip
+          "counted in each window: " + ", ".join(f"{n} {results[n][3]}" for n in names))  # fmt: skip
     worker, floor = results[names[0]][0], results[names[1]][0]
     groups = sorted(set().union(*(r[0] for r in results.values())),
                     key=lambda g: -(worker[g] - floor[g]))  # fmt: skip
@@ -223,6 +240,16 @@ def report(results: dict[str, tuple[Counter[str], Counter[str], int]], rate: int
     print(f"\nthe project's functions called most per task ({names[0]}):")
     for function, calls in results[names[0]][1].most_common(15):
         print(f"  {calls:7.1f}  {function}")
+    worker_c, floor_c = results[names[0]][2], results[names[1]][2]
+    print(f"\nthe builtins called more per task ({names[0]} - {names[1]}):")
+    names_only = [n for n in worker_c if "\t" not in n]
+    for name in sorted(names_only, key=lambda n: floor_c[n] - worker_c[n])[:12]:
+        print(f"  {worker_c[name] - floor_c[name]:+7.1f}  {name} "
+              f"({worker_c[name]:.1f} vs {floor_c[name]:.1f}), the worker's from:")  # fmt: skip
+        callers = [(c, n.split("\t")[1]) for n, c in worker_c.items()
+                   if n.startswith(f"{name}\t")]  # fmt: skip
+        for calls, caller in sorted(callers, reverse=True)[:3]:
+            print(f"  {'':7}    {calls:6.1f}  {caller}")
 
 
 if __name__ == "__main__":
