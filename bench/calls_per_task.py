@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import os
 import pstats
+import re
 import sys
 import sysconfig
 import tempfile
@@ -119,6 +120,7 @@ def per_task(stats: pstats.Stats, tasks: int) -> tuple[Counter[str], Counter[str
         if group == "llm-streams":
             ours[f"{path.split('/streams/')[1]}:{line} {name}"] += calls / tasks
         elif path == "~":
+            name = re.sub(r" at 0x[0-9a-f]+", "", name)  # the same builtin in every process
             builtins[name] += calls / tasks
             for (cpath, cline, cname), (_, ccalls, *_r) in _rest[-1].items():
                 builtins[f"{name}\t{short(cpath)}:{cline} {cname}"] += ccalls / tasks
