@@ -36,6 +36,7 @@ import sys
 import sysconfig
 import tempfile
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,9 +50,18 @@ from streams.kafka.topics import ensure_topics
 PROBE = HERE / "probe"
 STDLIB = sysconfig.get_paths()["stdlib"]
 FLOOR = "task's I/O on Faust in-loop"
-# A window's calls per task: by group, by project function, by builtin (and its callers);
-# the tasks it saw.
-Counts = tuple[Counter[str], Counter[str], Counter[str], int]
+
+
+@dataclass
+class Counts:
+    """A window's calls per task: by group, by function of the project, by builtin and by
+    builtin and its caller; and the tasks it saw."""
+
+    groups: Counter[str] = field(default_factory=Counter)
+    ours: Counter[str] = field(default_factory=Counter)
+    builtins: Counter[str] = field(default_factory=Counter)
+    callers: Counter[tuple[str, str]] = field(default_factory=Counter)
+    tasks: int = 1
 
 
 class Windows:
@@ -109,22 +119,20 @@ def tasks_in(stats: pstats.Stats, read: int) -> int:
     return decoded or max(read, 1)
 
 
-def per_task(stats: pstats.Stats, tasks: int) -> tuple[Counter[str], Counter[str], Counter[str]]:
+def per_task(stats: pstats.Stats, tasks: int) -> Counts:
     """Calls per task by group, by function of the project, and by builtin."""
-    groups: Counter[str] = Counter()
-    ours: Counter[str] = Counter()
-    builtins: Counter[str] = Counter()
+    counts = Counts(tasks=tasks)
     for (path, line, name), (_, calls, *_rest) in stats.stats.items():  # type: ignore[attr-defined]
         group = where(path)
-        groups[group] += calls / tasks
+        counts.groups[group] += calls / tasks
         if group == "llm-streams":
-            ours[f"{path.split('/streams/')[1]}:{line} {name}"] += calls / tasks
+            counts.ours[f"{short(path)}:{line} {name}"] += calls / tasks
         elif path == "~":
             name = re.sub(r" at 0x[0-9a-f]+", "", name)  # the same builtin in every process
-            builtins[name] += calls / tasks
+            counts.builtins[name] += calls / tasks
             for (cpath, cline, cname), (_, ccalls, *_r) in _rest[-1].items():
-                builtins[f"{name}\t{short(cpath)}:{cline} {cname}"] += ccalls / tasks
-    return groups, ours, builtins
+                counts.callers[name, f"{short(cpath)}:{cline} {cname}"] += ccalls / tasks
+    return counts
 
 
 def short(path: str) -> str:
@@ -206,14 +214,14 @@ async def main() -> None:
                     else:
                         floor.sent += load.result()
                     tasks = tasks_in(stats, tasks)
-                    results[name] = (*per_task(stats, tasks), tasks)
+                    results[name] = per_task(stats, tasks)
                 sim.call("/sim/config", {"latency_ms": 0, "latency_jitter_ms": 0})
                 await preload(kafka.bootstrap, settings.topics.tasks, args.tasks, sent)
                 sent += args.tasks
                 await asyncio.sleep(1.0)  # past the ramp-up
                 stats, tasks = await profiled(worker_windows, outcomes, None, 5.0)
                 tasks = tasks_in(stats, tasks)
-                results["the worker, saturation"] = (*per_task(stats, tasks), tasks)
+                results["the worker, saturation"] = per_task(stats, tasks)
                 await outcomes.until(sent, 600)
             finally:
                 await floor.close()
@@ -227,29 +235,27 @@ async def main() -> None:
 def report(results: dict[str, Counts], rate: int) -> None:
     names = list(results)
     print("Python function calls per task (cProfile on the event loop's thread); tasks "
-          "counted in each window: " + ", ".join(f"{n} {results[n][3]}" for n in names))  # fmt: skip
-    worker, floor = results[names[0]][0], results[names[1]][0]
-    groups = sorted(set().union(*(r[0] for r in results.values())),
-                    key=lambda g: -(worker[g] - floor[g]))  # fmt: skip
+          "counted in each window: " + ", ".join(f"{n} {results[n].tasks}" for n in names))  # fmt: skip
+    worker, floor = results[names[0]], results[names[1]]
+    groups = sorted(set().union(*(r.groups for r in results.values())),
+                    key=lambda g: -(worker.groups[g] - floor.groups[g]))  # fmt: skip
     print(f"{'':34}" + "".join(f"{n:>26}" for n in names) + f"{'worker - floor':>16}")
     for group in groups:
-        cells = "".join(f"{results[n][0][group]:>26.1f}" for n in names)
-        print(f"{group[:34]:<34}{cells}{worker[group] - floor[group]:>+16.1f}")
-    totals = [sum(results[n][0].values()) for n in names]
+        cells = "".join(f"{results[n].groups[group]:>26.1f}" for n in names)
+        print(f"{group[:34]:<34}{cells}{worker.groups[group] - floor.groups[group]:>+16.1f}")
+    totals = [sum(results[n].groups.values()) for n in names]
     print(f"{'total':<34}" + "".join(f"{t:>26.1f}" for t in totals)
           + f"{totals[0] - totals[1]:>+16.1f}")  # fmt: skip
     print(f"worker / floor at {rate}/s: {totals[0] / totals[1]:.2f}x the calls")
     print(f"\nthe project's functions called most per task ({names[0]}):")
-    for function, calls in results[names[0]][1].most_common(15):
+    for function, calls in worker.ours.most_common(15):
         print(f"  {calls:7.1f}  {function}")
-    worker_c, floor_c = results[names[0]][2], results[names[1]][2]
     print(f"\nthe builtins called more per task ({names[0]} - {names[1]}):")
-    names_only = [n for n in worker_c if "\t" not in n]
-    for name in sorted(names_only, key=lambda n: floor_c[n] - worker_c[n])[:12]:
-        print(f"  {worker_c[name] - floor_c[name]:+7.1f}  {name} "
-              f"({worker_c[name]:.1f} vs {floor_c[name]:.1f}), the worker's from:")  # fmt: skip
-        callers = [(c, n.split("\t")[1]) for n, c in worker_c.items()
-                   if n.startswith(f"{name}\t")]  # fmt: skip
+    more = {name: worker.builtins[name] - floor.builtins[name] for name in worker.builtins}
+    for name, extra in sorted(more.items(), key=lambda item: -item[1])[:12]:
+        print(f"  {extra:+7.1f}  {name} ({worker.builtins[name]:.1f} vs "
+              f"{floor.builtins[name]:.1f}), the worker's from:")  # fmt: skip
+        callers = [(calls, caller) for (of, caller), calls in worker.callers.items() if of == name]
         for calls, caller in sorted(callers, reverse=True)[:3]:
             print(f"  {'':7}    {calls:6.1f}  {caller}")
 
