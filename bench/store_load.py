@@ -6,9 +6,10 @@ changelog hold `--tasks` records each (bench/store_recovery.py's shapes, ~0.9 an
 RocksDB with the task store's own `load_partition` (no worker around it: the figure is
 the load's) and prints its time and peak RSS (VmHWM). Variants are `flush/fetch`:
 records between two flushes of the load's progress, and records taken a fetch (0: all
-that the consumer has).
+that the consumer has). `--profile DIR`: each variant's load under cProfile, its statistics
+in `DIR/<flush>-<fetch>.prof` (the time printed is then the profiled one).
 
-    python bench/store_load.py [--tasks 1000000] [--variants 20000/0,5000/1000]
+    python bench/store_load.py [--tasks 1000000] [--variants 20000/0,5000/1000] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ async def load(config: dict[str, object], flush: int, fetch: int) -> None:
                       "records": sum((counts or {}).values())}))  # fmt: skip
 
 
-async def main(tasks: int, variants: list[str]) -> None:
+async def main(tasks: int, variants: list[str], profile: Path | None) -> None:
     with ApacheKafka() as kafka:
         suffix = uuid.uuid4().hex[:6]
         url = f"kafka://{kafka.bootstrap}"
@@ -64,8 +65,13 @@ async def main(tasks: int, variants: list[str]) -> None:
                   "topics": settings.topics.model_dump(include=set(TOPICS))}  # fmt: skip
         print(f"{'flush / fetch':>16} {'load':>8} {'peak RSS':>10} {'records':>10}")
         for variant in variants:
+            child = [sys.executable, __file__, "--child", json.dumps(config), variant]
+            if profile is not None:
+                profile.mkdir(parents=True, exist_ok=True)
+                out_file = profile / f"{variant.replace('/', '-')}.prof"
+                child[1:1] = ["-m", "cProfile", "-o", str(out_file)]
             out = subprocess.run(
-                [sys.executable, __file__, "--child", json.dumps(config), variant],
+                child,
                 capture_output=True,
                 text=True,
                 check=True,
@@ -83,5 +89,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=1_000_000)
     parser.add_argument("--variants", default="20000/0,5000/0,5000/1000")
+    parser.add_argument("--profile", type=Path, help="a folder for each load's cProfile")
     args = parser.parse_args()
-    asyncio.run(main(args.tasks, args.variants.split(",")))
+    asyncio.run(main(args.tasks, args.variants.split(","), args.profile))
