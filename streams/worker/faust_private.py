@@ -367,24 +367,39 @@ class InLoopConsumer(faust_aiokafka.Consumer):
                 return
             self.verify_event_path(now, tp)
 
-    async def _deliver(self, delivery: Awaitable[Any]) -> None:
-        """`callback(message)` until done, or until `stop_flow` abandons it."""
+    async def _deliver(self, message: Any) -> bool:
+        """`callback(message)` until done, or until `stop_flow` abandons it; whether the
+        record was handed over. A record is handed over only while the flow runs and the
+        group is still in the generation it was fetched in: a rebalance that began while
+        the drain was away from a delivery (at its yield every 100 records, at a commit)
+        stops no delivery, so the next one must not start — mode's `wait_first` with
+        `suspend_flow` set returned at once. Started anyway, it waited in the conductor
+        for the flow to resume and went through after the next generation's seek: an old
+        generation's record Faust's stream skips and acks, and a read offset past the
+        records re-fetched from the committed offset, which Faust then drops unread —
+        with no offset committed yet for the partition, Faust commits past them (a run of
+        tasks at the head of a partition lost after a rebalance, seen once in CI)."""
+        if not self.flow_active or message.generation_id != self.app.consumer_generation_id:
+            return False
         task = self._delivering = asyncio.current_task()
         try:
-            await delivery
+            await self.callback(message)
         except asyncio.CancelledError:
             # Ours alone: carry on with the next record; anyone else's: stop.
             if not self._abandoning or task is None or task.uncancel() > 0:
                 raise
+            return False
         finally:
             self._delivering, self._abandoning = None, False
+        return True
 
     async def _drain_messages(self, fetcher: Any) -> None:  # noqa: C901  # Faust's, as it is
         # faust.transport.consumer.Consumer._drain_messages (faust-streaming 0.15.3), with
-        # two changes: a record is handed over by `_deliver`, not mode's `wait_first`; and
-        # the yield after each fetch is a bare `asyncio.sleep(0)`, not mode's `sleep(0)`
-        # (a task for `wait_for`, its timeout and its cancel).
-        callback = self.callback
+        # three changes: a record is handed over by `_deliver`, not mode's `wait_first`;
+        # the read offset moves only past a record handed over (Faust's moved past an
+        # abandoned one too); and the yield after each fetch is a bare
+        # `asyncio.sleep(0)`, not mode's `sleep(0)` (a task for `wait_for`, its timeout
+        # and its cancel).
         getmany = self.getmany
         consumer_should_stop = self._stopped.is_set
         fetcher_should_stop = fetcher._stopped.is_set
@@ -417,8 +432,8 @@ class InLoopConsumer(faust_aiokafka.Consumer):
                             if commit_every is not None and self._n_acked >= commit_every:
                                 self._n_acked = 0
                                 await self.commit()
-                            await self._deliver(callback(message))
-                            set_read_offset(tp, offset)
+                            if await self._deliver(message):
+                                set_read_offset(tp, offset)
                     unset_flag(flag_consumer_fetching)
         except self.consumer_stopped_errors:
             if self.transport.app.should_stop:

@@ -80,8 +80,9 @@ class _Fetcher:
 
 
 class _Message:
-    def __init__(self, tp: TP, offset: int) -> None:
+    def __init__(self, tp: TP, offset: int, generation_id: int = 0) -> None:
         self.tp, self.topic, self.offset = tp, tp.topic, offset
+        self.generation_id = generation_id  # the group's generation it was fetched in
 
 
 async def test_the_drain_loop_delivers_in_place_and_a_rebalance_abandons_a_blocked_one(
@@ -89,7 +90,8 @@ async def test_the_drain_loop_delivers_in_place_and_a_rebalance_abandons_a_block
 ) -> None:
     """Faust's drain loop, one task per record fewer: each record is delivered in the
     drain task itself; one blocked on a full buffer is abandoned by `stop_flow` (as
-    mode's `wait_first` abandoned it), and the loop goes on to the next."""
+    mode's `wait_first` abandoned it), and none after it is handed over while the flow
+    is stopped (Faust's `getmany` stops yielding them; this one goes on)."""
     app = _app()
     consumer_ = app.consumer
     fetcher = _Fetcher()
@@ -124,10 +126,58 @@ async def test_the_drain_loop_delivers_in_place_and_a_rebalance_abandons_a_block
     await asyncio.wait_for(blocked.wait(), 5)
     consumer_.stop_flow()  # what a rebalance does first
     await asyncio.wait_for(drain_task, 5)
-    assert delivered == [0, 2]
+    assert delivered == [0]
     assert abandoned == [1]
-    assert consumer_._read_offset[tp] == 2  # what Faust records, read again after the seek
+    assert consumer_._read_offset[tp] == 0  # the last record handed over
     assert drain_task.cancelling() == 0
+
+
+async def test_a_rebalance_while_the_drain_is_away_from_a_delivery_hands_over_nothing_old(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The drain is at an await between two deliveries (its commit, its yield every 100
+    records) while a whole rebalance goes by: the partition kept, nothing committed for
+    it yet, the seek sets its read offset back to none. The record it was about to
+    deliver belongs to the old generation: it is not handed over, and the read offset
+    stays where the seek put it. Before, the delivery waited for the flow to resume and
+    went through: the stream skipped and acked the old record, and the read offset,
+    moved to it, made Faust drop the records before it as they were fetched again — and
+    commit past them: a run of tasks at the head of a partition lost (CI, a broker
+    restart test whose group rebalanced as its third worker joined)."""
+    app = _app()
+    consumer_ = app.consumer
+    fetcher = _Fetcher()
+    tp = TP("llm-tasks", 7)
+    app.consumer_generation_id = 1
+    fetches = [[_Message(tp, 0, 2), _Message(tp, 1, 2)], [_Message(tp, 42, 1)]]
+    delivered: list[tuple[int, int | None]] = []
+
+    async def getmany(**_: Any) -> Any:
+        if not fetches:
+            fetcher._stopped.set()
+            return
+        for message in fetches.pop():
+            yield tp, message
+
+    async def rebalance() -> None:  # the drain's commit, while the group rebalances
+        consumer_.stop_flow()
+        app.consumer_generation_id = 2
+        consumer_._read_offset[tp] = None  # the seek: no offset committed for the partition
+        consumer_.resume_flow()
+
+    async def callback(message: _Message) -> None:
+        delivered.append((message.offset, message.generation_id))
+
+    monkeypatch.setattr(consumer_, "getmany", getmany)
+    monkeypatch.setattr(consumer_, "callback", callback)
+    monkeypatch.setattr(consumer_, "commit", rebalance)
+    monkeypatch.setattr(consumer_, "_commit_every", 1)
+    consumer_._n_acked = 1  # a commit is due before the next delivery
+    await asyncio.wait_for(consumer_._drain_messages(fetcher), 5)
+    # The old generation's record 42 is not handed over; the partition's records are
+    # read again from its start, none of them dropped.
+    assert delivered == [(0, 2), (1, 2)]
+    assert consumer_._read_offset[tp] == 1
 
 
 async def test_a_real_cancel_during_a_delivery_still_stops_the_drain() -> None:
@@ -139,7 +189,8 @@ async def test_a_real_cancel_during_a_delivery_still_stops_the_drain() -> None:
         started.set()
         await asyncio.Event().wait()
 
-    task = asyncio.ensure_future(consumer_._deliver(forever()))
+    consumer_.callback = lambda _: forever()
+    task = asyncio.ensure_future(consumer_._deliver(_Message(TP("llm-tasks", 0), 0)))
     await started.wait()
     task.cancel()  # the fetcher stopping
     consumer_.stop_flow()  # and a rebalance at the same moment
@@ -151,7 +202,8 @@ async def test_a_real_cancel_during_a_delivery_still_stops_the_drain() -> None:
 async def test_stop_flow_between_deliveries_cancels_nothing() -> None:
     app = _app()
     consumer_ = app.consumer
-    assert await asyncio.wait_for(consumer_._deliver(_as_coro(lambda: 5)()), 5) is None
+    consumer_.callback = _as_coro(lambda _: 5)
+    assert await asyncio.wait_for(consumer_._deliver(_Message(TP("llm-tasks", 0), 0)), 5)
     consumer_.stop_flow()  # no delivery in progress
     assert consumer_._delivering is None and not consumer_._abandoning
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
