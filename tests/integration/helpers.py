@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,10 +180,25 @@ def assert_each_task_answered_once(got: Collected, task_ids: set[str]) -> dict[s
     return {task_id: next(iter(k)) for task_id, k in keys.items()}
 
 
-def assert_one_outcome_each(got: Collected, task_ids: set[str]) -> None:
+def _runs(positions: list[tuple[int, int]]) -> str:
+    """(partition, offset) pairs said as runs: "p7 0-41, p3 12"."""
+    runs: list[list[int]] = []  # [partition, first, last]
+    for partition, offset in sorted(positions):
+        if runs and runs[-1][0] == partition and runs[-1][2] == offset - 1:
+            runs[-1][2] = offset
+        else:
+            runs.append([partition, offset, offset])
+    said = [f"p{p} {a}" if a == b else f"p{p} {a}-{b}" for p, a, b in runs[:8]]
+    return ", ".join(said) + (" ..." if len(runs) > 8 else "")
+
+
+def assert_one_outcome_each(
+    got: Collected, task_ids: set[str], where: Mapping[str, tuple[int, int]] | None = None
+) -> None:
     """Each task ends as one outcome, its result or its dead letter: never both, never
     none. Repeats (at-least-once) only under the same result key with the same output,
-    or as the same error."""
+    or as the same error. `where`: each task's (partition, offset) in the tasks topic, to
+    say where lost tasks were."""
     answered = {r["task_id"] for r in got.results}
     dead: dict[str, set[str]] = defaultdict(set)
     for d in got.dead_letters:
@@ -191,7 +206,9 @@ def assert_one_outcome_each(got: Collected, task_ids: set[str]) -> None:
     both = answered & set(dead)
     assert not both, f"{len(both)} tasks have a result and a dead letter: {sorted(both)[:5]}"
     missing = task_ids - answered - set(dead)
-    assert not missing, f"{len(missing)} tasks lost: {sorted(missing)[:5]}"
+    assert not missing, f"{len(missing)} tasks lost: {sorted(missing)[:5]}" + (
+        f" (at {_runs([where[t] for t in missing if t in where])})" if where else ""
+    )
     assert all(len(e) == 1 for e in dead.values()), "a task dead-lettered with two errors"
     answered_ids = task_ids & answered
     assert_each_task_answered_once(

@@ -67,6 +67,14 @@ def _ids(records: list[tuple[bytes | None, bytes | None]]) -> set[str]:
     return {k.decode() for k, _ in records if k}
 
 
+async def _produce(
+    settings: Settings, records: list[tuple[bytes | None, bytes | None]]
+) -> dict[str, tuple[int, int]]:
+    """`records` sent to the tasks topic; where each task went (partition, offset)."""
+    placed = await produce(settings, records)
+    return {k.decode(): at for (k, _), at in zip(records, placed, strict=True) if k}
+
+
 class Group:
     """n worker processes with the same settings (one consumer group), each with its
     own data dir and web port."""
@@ -174,7 +182,7 @@ async def test_three_workers_split_the_partitions_and_take_over_from_a_killed_on
     simulator.sim.config.latency_ms, simulator.sim.config.latency_dist = 200, "fixed"
     settings = group_settings(processing_guarantee=guarantee)
     records = _tasks(3000, "s")
-    await produce(settings, records)
+    where = await _produce(settings, records)
     group = Group(settings, 3, tmp_path).start()
     try:
         # All three in the group, four partitions each, each answering its own.
@@ -194,7 +202,7 @@ async def test_three_workers_split_the_partitions_and_take_over_from_a_killed_on
     finally:
         group.stop()
     assert not got.dead_letters, got.dead_letters[:3]
-    assert_one_outcome_each(got, _ids(records))
+    assert_one_outcome_each(got, _ids(records), where)
     if guarantee == "exactly_once":  # the victim's unfinished writes were aborted
         assert len(got.results) == len(records), len(got.results) - len(records)
     taken_over = {r["source"]["partition"] for r in got.results} & victim_parts
@@ -228,7 +236,7 @@ async def test_a_standby_takes_over_a_killed_workers_partitions_reading_only_the
     and new, still ends once."""
     settings = group_settings(store_standby_replicas=1)
     first, late = _tasks(1500, "w"), _tasks(40, "z")
-    await produce(settings, first)
+    where = await _produce(settings, first)
     group = Group(settings, 2, tmp_path).start()
     try:
         await wait_until(group, split_evenly(settings.topics.tasks, 2), timeout_s=120,
@@ -240,7 +248,7 @@ async def test_a_standby_takes_over_a_killed_workers_partitions_reading_only_the
         loaded_before = (await survivor.scrape()).value(LOADED)
         history = await _store_records(settings, victim_parts)
         victim.kill()
-        await produce(settings, late)
+        where |= await _produce(settings, late)
         got = await collect_all(settings, first + late, timeout_s=240)
         assert survivor.alive(), survivor.log_tail()
         scrape = await survivor.scrape()
@@ -249,7 +257,7 @@ async def test_a_standby_takes_over_a_killed_workers_partitions_reading_only_the
     finally:
         group.stop()
     assert not got.dead_letters, got.dead_letters[:3]
-    assert_one_outcome_each(got, _ids(first + late))
+    assert_one_outcome_each(got, _ids(first + late), where)
     assert history > len(first) / 3, history  # the victim's partitions hold history ...
     assert followed > 0
     # ... which the takeover did not read again: at most what came after the standby's
@@ -265,7 +273,7 @@ async def test_a_broker_restart_mid_run_loses_no_task(
     with ApacheKafka(heap_mb=512) as kafka:
         settings = group_settings(kafka={"broker_url": kafka.url})
         records = _tasks(3000, "b")
-        await produce(settings, records)
+        where = await _produce(settings, records)
         group = Group(settings, 3, tmp_path).start()
         try:
             await wait_until(group, split_evenly(settings.topics.tasks, 3), timeout_s=120,
@@ -278,7 +286,7 @@ async def test_a_broker_restart_mid_run_loses_no_task(
         finally:
             group.stop()
     assert not got.dead_letters, got.dead_letters[:3]
-    assert_one_outcome_each(got, _ids(records))
+    assert_one_outcome_each(got, _ids(records), where)
 
 
 async def test_a_worker_started_while_the_broker_is_down_joins_once_it_is_back(
@@ -290,7 +298,7 @@ async def test_a_worker_started_while_the_broker_is_down_joins_once_it_is_back(
     with ApacheKafka(heap_mb=512) as kafka:
         settings = group_settings(kafka={"broker_url": kafka.url})
         records = _tasks(40, "w")
-        await produce(settings, records)
+        where = await _produce(settings, records)
         await asyncio.to_thread(kafka.stop_node, 0)
         worker = WorkerProcess(settings, tmp_path / "worker.log").start()
         try:
@@ -304,7 +312,7 @@ async def test_a_worker_started_while_the_broker_is_down_joins_once_it_is_back(
             worker.stop()
     assert "Kafka at start" in log and "retry" in log, log
     assert not got.dead_letters, got.dead_letters[:3]
-    assert_one_outcome_each(got, _ids(records))
+    assert_one_outcome_each(got, _ids(records), where)
 
 
 async def test_llm_unreachable_for_thirty_seconds_every_task_still_ends_once(
@@ -313,7 +321,7 @@ async def test_llm_unreachable_for_thirty_seconds_every_task_still_ends_once(
     simulator.sim.config.latency_ms, simulator.sim.config.latency_dist = 100, "fixed"
     settings = group_settings(llm={"task_deadline_s": 180})
     records = _tasks(3000, "o")
-    await produce(settings, records)
+    where = await _produce(settings, records)
     group = Group(settings, 3, tmp_path).start()
     try:
         await wait_until(group, split_evenly(settings.topics.tasks, 3), timeout_s=120,
@@ -328,7 +336,7 @@ async def test_llm_unreachable_for_thirty_seconds_every_task_still_ends_once(
         assert len(scrapes) == 3, group.logs()
     finally:
         group.stop()
-    assert_one_outcome_each(got, _ids(records))
+    assert_one_outcome_each(got, _ids(records), where)
     # The breaker opened on the dead endpoint, and attempts that failed while it was
     # unreachable were not charged to the tasks: a 30-s cut inside the tasks' deadline
     # costs no task, every one is answered once the endpoint is back.
@@ -352,7 +360,7 @@ async def test_three_broker_cluster_loses_no_task_when_a_broker_dies(
     simulator.sim.config.latency_ms, simulator.sim.config.latency_dist = 200, "fixed"
     settings = group_settings(kafka={"broker_url": cluster.url, "replication_factor": 3})
     records = _tasks(3000, "r")
-    await produce(settings, records)
+    where = await _produce(settings, records)
     group = Group(settings, 2, tmp_path).start()
     try:
         await wait_until(group, split_evenly(settings.topics.tasks, 2), timeout_s=120,
@@ -365,4 +373,4 @@ async def test_three_broker_cluster_loses_no_task_when_a_broker_dies(
     finally:
         group.stop()
     assert not got.dead_letters, got.dead_letters[:3]
-    assert_one_outcome_each(got, _ids(records))
+    assert_one_outcome_each(got, _ids(records), where)
