@@ -25,7 +25,9 @@ rate, not here: from its first such answer, the gate is open (`unlimited`).
 
 The same service-time estimate bounds an attempt's read timeout (`timeout_for`):
 never below the setting, and at least `TIMEOUT_FACTOR` times what the request should
-take, so a long prompt on a slow CPU is not cut as if it hung.
+take, so a long prompt on a slow CPU is not cut as if it hung — times the waves the
+server needs for the calls in flight, since the calls the gate lets through beyond
+the server's slots (one or two, by design) wait there for a slot first.
 
 No library does this for asyncio with priority lanes (aiolimiter limits a rate;
 netflix concurrency-limits is Java), hence this module.
@@ -94,6 +96,7 @@ class ConcurrencyLimit:
         self.unlimited = False  # the endpoint sends rate limits: its rate limits it
         self.learn = learn  # False: a fixed limit (benchmarks' sweeps)
         self.in_flight = 0
+        self.slots: int | None = None  # what the server says it works on at once
         self.typical_s = 1.0  # a call's usual seconds, sent to answered (a moving mean)
         self.on_change = on_change  # told the whole limit (None: unlimited) when it moves
         self._queue: list[_Waiter] = []
@@ -256,6 +259,8 @@ class ConcurrencyLimit:
 
     def tell_slots(self, slots: int | None) -> None:
         """The server says how many requests it works on at once: start there."""
+        if slots:
+            self.slots = slots
         if slots and not self.unlimited and self.learn:
             self._slow_start = False  # its slots and one ready to take a freed slot
             self._set(float(min(self.max_limit, slots + 1)), f"the server has {slots} slots")
@@ -268,13 +273,19 @@ class ConcurrencyLimit:
     # -- timeouts -----------------------------------------------------------------------
 
     def timeout_for(self, configured: float, prompt_tokens: int, completion_budget: int) -> float:
-        """A read timeout for a call this large: the setting, or `TIMEOUT_FACTOR` times
-        what the server's typical pace says it should take, whichever is longer."""
+        """A read timeout for a call this large, sent with `in_flight` calls out (itself
+        among them): the setting, or `TIMEOUT_FACTOR` times what the server's typical
+        pace says it should take once the calls ahead of it have had their slots,
+        whichever is longer. The slots are what the server says, else the limit less the
+        one call it holds ready. A 2-slot llama.cpp with 4 calls out, one taking 5 s on
+        a busy CPU, timed the fourth out while the server was still working for it."""
         if self.unlimited or not self._rates:
             return configured
         units = completion_budget + PROMPT_UNIT * prompt_tokens + 1.0
         typical = sorted(self._rates)[len(self._rates) // 2]  # the median rate, not the best
-        return max(configured, TIMEOUT_FACTOR * typical * units)
+        slots = self.slots or max(1, int(self.limit) - 1)
+        waves = -(-max(1, self.in_flight) // slots)  # services until this one is done
+        return max(configured, TIMEOUT_FACTOR * typical * units * waves)
 
 
 __all__ = ["ConcurrencyLimit", "Served"]

@@ -14,7 +14,7 @@ from streams.errors import Timeout
 from streams.llm.client import LLMRequest, LLMResponse
 from streams.llm.endpoint import EndpointFacts
 from streams.resilience.breaker import CircuitBreaker
-from streams.resilience.concurrency import START, ConcurrencyLimit, Served
+from streams.resilience.concurrency import START, TIMEOUT_FACTOR, ConcurrencyLimit, Served
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
 
@@ -142,6 +142,33 @@ async def test_the_read_timeout_stretches_to_the_servers_pace() -> None:
     long = gate.timeout_for(30.0, 4500, 400)  # a long prompt: ~960 units
     assert long > 4 * 20.0 * (960 / 276) * 0.95
     assert gate.timeout_for(30.0, 10, 5) == 30.0  # a short one: the setting
+
+
+async def test_the_read_timeout_covers_the_wait_for_a_slot_behind_the_calls_out() -> None:
+    """The gate lets one or two calls more than the server's slots out (they wait there
+    for a slot): their read timeout counts the services ahead of them, so a call queued
+    at a busy server is not timed out while the server is about to work on it."""
+    gate = ConcurrencyLimit()
+    gate.tell_slots(2)
+    for _ in range(5):
+        await gate.acquire()
+        gate.release(Served(2.0, 100, 40, 2.0))  # 2 s for ~53 units
+    await gate.acquire()
+    alone = gate.timeout_for(4.0, 100, 40)  # one call out: a slot is free
+    assert alone > 4.0
+    for _ in range(2):  # three out (its limit): the third waits for a slot at the server
+        await gate.acquire()
+    assert gate.in_flight == 3
+    assert gate.timeout_for(4.0, 100, 40) == pytest.approx(2 * alone)
+    # A server that does not say its slots: the limit less the one it holds ready.
+    quiet = ConcurrencyLimit(start=3)
+    await quiet.acquire()
+    quiet.release(Served(2.0, 100, 40, 2.0))
+    await quiet.acquire()
+    assert quiet.timeout_for(4.0, 100, 40) == pytest.approx(TIMEOUT_FACTOR * 2.0)  # a slot free
+    for _ in range(2):
+        await quiet.acquire()
+    assert quiet.timeout_for(4.0, 100, 40) == pytest.approx(2 * TIMEOUT_FACTOR * 2.0)
 
 
 class SlotServer:
