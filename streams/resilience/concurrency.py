@@ -277,8 +277,7 @@ class ConcurrencyLimit:
         among them): the setting, or `TIMEOUT_FACTOR` times what the server's typical
         pace says it should take once the calls ahead of it have had their slots,
         whichever is longer. The slots are what the server says, else the limit less the
-        one call it holds ready. A 2-slot llama.cpp with 4 calls out, one taking 5 s on
-        a busy CPU, timed the fourth out while the server was still working for it."""
+        one call it holds ready."""
         if self.unlimited or not self._rates:
             return configured
         units = completion_budget + PROMPT_UNIT * prompt_tokens + 1.0

@@ -368,17 +368,11 @@ class InLoopConsumer(faust_aiokafka.Consumer):
             self.verify_event_path(now, tp)
 
     async def _deliver(self, message: Any) -> bool:
-        """`callback(message)` until done, or until `stop_flow` abandons it; whether the
-        record was handed over. A record is handed over only while the flow runs and the
-        group is still in the generation it was fetched in: a rebalance that began while
-        the drain was away from a delivery (at its yield every 100 records, at a commit)
-        stops no delivery, so the next one must not start — mode's `wait_first` with
-        `suspend_flow` set returned at once. Started anyway, it waited in the conductor
-        for the flow to resume and went through after the next generation's seek: an old
-        generation's record Faust's stream skips and acks, and a read offset past the
-        records re-fetched from the committed offset, which Faust then drops unread —
-        with no offset committed yet for the partition, Faust commits past them (a run of
-        tasks at the head of a partition lost after a rebalance, seen once in CI)."""
+        """`callback(message)` until done or abandoned by `stop_flow`; whether it was handed
+        over. Only while the flow runs, in the generation the record was fetched in: a
+        rebalance begun while the drain was elsewhere (its yield, a commit) cancels
+        nothing, and a delivery begun after it went through after the next seek — the old
+        record acked unread, and a read offset that dropped the records fetched again."""
         if not self.flow_active or message.generation_id != self.app.consumer_generation_id:
             return False
         task = self._delivering = asyncio.current_task()
