@@ -259,9 +259,10 @@ class ConcurrencyLimit:
 
     def tell_slots(self, slots: int | None) -> None:
         """The server says how many requests it works on at once: start there."""
-        if slots:
-            self.slots = slots
-        if slots and not self.unlimited and self.learn:
+        if not slots:
+            return
+        self.slots = slots  # the read timeout's waves count them, whatever the gate does
+        if not self.unlimited and self.learn:
             self._slow_start = False  # its slots and one ready to take a freed slot
             self._set(float(min(self.max_limit, slots + 1)), f"the server has {slots} slots")
             self._changed()  # said, even when it is where the limit stood
