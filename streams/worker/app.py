@@ -33,7 +33,11 @@ log = logging.getLogger(__name__)
 
 
 class ThreadedApp(faust_private.BoundedWaitEmpty, faust.App):
-    """Faust's app, its rebalances' wait for records bounded (`faust_private`)."""
+    """Faust's app, its consumer on Faust's thread, its drain the worker's
+    (`faust_private.Consumer`) and its rebalances' wait for records bounded."""
+
+    def _new_transport(self) -> Any:
+        return faust_private.Transport(self.conf.broker_consumer, self)
 
 
 class InLoopApp(ThreadedApp):

@@ -306,46 +306,19 @@ def _current() -> asyncio.Task[Any] | None:
         return None
 
 
-class InLoopConsumer(faust_aiokafka.Consumer):
-    """Faust's aiokafka consumer, its aiokafka client on the app's loop, and its drain
-    loop (`_drain_messages`) without a task per record: Faust hands each record to its
-    conductor in mode's `wait_first(callback(message), suspend_flow.wait())` — four tasks,
-    an `asyncio.wait` and three cancels per record, so that a rebalance's `stop_flow` can
-    abandon a delivery blocked on a full stream buffer. Here the delivery is awaited in
-    place and `stop_flow` abandons it by cancelling the drain task at that await, the way
-    `asyncio.timeout` interrupts a task (`uncancel`, no task made)."""
+class Consumer(faust_aiokafka.Consumer):
+    """Faust's aiokafka consumer with its drain loop (`_drain_messages`) handing a record
+    over only while the flow runs, in the generation it was fetched in, and without a
+    task per record: Faust hands each record to its conductor in mode's
+    `wait_first(callback(message), suspend_flow.wait())` — four tasks, an `asyncio.wait`
+    and three cancels per record, so that a rebalance's `stop_flow` can abandon a
+    delivery blocked on a full stream buffer. Here the delivery is awaited in place and
+    `stop_flow` abandons it by cancelling the drain task at that await, the way
+    `asyncio.timeout` interrupts a task (`uncancel`, no task made). Both apps' consumer:
+    on Faust's thread (`kafka.consumer_thread`) and on the app's loop (`InLoopConsumer`)."""
 
     _delivering: asyncio.Task[Any] | None = None  # the drain task, while it delivers
     _abandoning = False
-    _acked_since: asyncio.Event | None = None  # a record acked since the last commit began
-
-    def _acked_event(self) -> asyncio.Event:
-        if self._acked_since is None:
-            self._acked_since = asyncio.Event()
-        return self._acked_since
-
-    def ack(self, message: Any) -> bool:
-        acked: bool = super().ack(message)
-        if acked:
-            self._acked_event().set()
-        return acked
-
-    @Service.task
-    async def _commit_handler(self) -> None:
-        """Faust's commit timer — a commit every commit interval, whatever was acked —
-        asleep while nothing is acked: an idle worker woke for it twice a second, each a
-        mode `sleep` (a task for `wait_for`, its timeout and its cancel). The first ack
-        after a quiet spell wakes it; what is acked within the interval after it commits
-        together, as before, at most one commit an interval."""
-        acked = self._acked_event()
-        while not self.should_stop:
-            await acked.wait()
-            await asyncio.sleep(self.commit_interval)
-            acked.clear()  # an ack from here on waits for the next commit
-            await self.commit()
-
-    def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
-        return _OnTheLoop(self, loop=self.loop, beacon=self.beacon)
 
     def stop_flow(self) -> None:
         super().stop_flow()
@@ -353,19 +326,6 @@ class InLoopConsumer(faust_aiokafka.Consumer):
         if delivering is not None and not self._abandoning and delivering is not _current():
             self._abandoning = True  # the record is read again after the rebalance
             delivering.cancel()
-
-    async def verify_all_partitions_active(self) -> None:
-        """Faust's livelock check (every 2.5 commit intervals), without mode's `sleep(0)`
-        before each partition: a task for `wait_for`, its timeout and its cancel per
-        partition, two loop steps each, for a check of a few attribute reads. A bare
-        yield every 100 partitions keeps a large assignment from holding the loop."""
-        now = monotonic()
-        for n, tp in enumerate(self.assignment(), 1):
-            if n % 100 == 0:
-                await asyncio.sleep(0)
-            if self.should_stop:
-                return
-            self.verify_event_path(now, tp)
 
     async def _deliver(self, message: Any) -> bool:
         """`callback(message)` until done or abandoned by `stop_flow`; whether it was handed
@@ -444,6 +404,61 @@ class InLoopConsumer(faust_aiokafka.Consumer):
             raise
         finally:
             unset_flag(flag_consumer_fetching)
+
+
+class InLoopConsumer(Consumer):
+    """`Consumer` with its aiokafka client on the app's loop (`_OnTheLoop`), its commit
+    timer asleep while nothing is acked and its livelock check without a task per
+    partition."""
+
+    _acked_since: asyncio.Event | None = None  # a record acked since the last commit began
+
+    def _acked_event(self) -> asyncio.Event:
+        if self._acked_since is None:
+            self._acked_since = asyncio.Event()
+        return self._acked_since
+
+    def ack(self, message: Any) -> bool:
+        acked: bool = super().ack(message)
+        if acked:
+            self._acked_event().set()
+        return acked
+
+    @Service.task
+    async def _commit_handler(self) -> None:
+        """Faust's commit timer — a commit every commit interval, whatever was acked —
+        asleep while nothing is acked: an idle worker woke for it twice a second, each a
+        mode `sleep` (a task for `wait_for`, its timeout and its cancel). The first ack
+        after a quiet spell wakes it; what is acked within the interval after it commits
+        together, as before, at most one commit an interval."""
+        acked = self._acked_event()
+        while not self.should_stop:
+            await acked.wait()
+            await asyncio.sleep(self.commit_interval)
+            acked.clear()  # an ack from here on waits for the next commit
+            await self.commit()
+
+    def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
+        return _OnTheLoop(self, loop=self.loop, beacon=self.beacon)
+
+    async def verify_all_partitions_active(self) -> None:
+        """Faust's livelock check (every 2.5 commit intervals), without mode's `sleep(0)`
+        before each partition: a task for `wait_for`, its timeout and its cancel per
+        partition, two loop steps each, for a check of a few attribute reads. A bare
+        yield every 100 partitions keeps a large assignment from holding the loop."""
+        now = monotonic()
+        for n, tp in enumerate(self.assignment(), 1):
+            if n % 100 == 0:
+                await asyncio.sleep(0)
+            if self.should_stop:
+                return
+            self.verify_event_path(now, tp)
+
+
+class Transport(faust_aiokafka.Transport):
+    """Faust's aiokafka transport with `Consumer`: its client on Faust's thread."""
+
+    Consumer: ClassVar[Any] = Consumer
 
 
 class InLoopTransport(faust_aiokafka.Transport):

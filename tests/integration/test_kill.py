@@ -49,15 +49,18 @@ async def _wait_for_results(
         await consumer.stop()
 
 
+# Also with the consumer on Faust's thread (`kafka.consumer_thread`): its drain is the
+# worker's too (streams.worker.faust_private.Consumer).
+@pytest.mark.parametrize("consumer_thread", [False, True], ids=["in-loop", "threaded"])
 async def test_sigkill_mid_batch_loses_nothing(
-    make_settings: Any, simulator: SimulatorServer, tmp_path: Path
+    make_settings: Any, simulator: SimulatorServer, tmp_path: Path, consumer_thread: bool
 ) -> None:
     simulator.sim.config.latency_ms = 300
     simulator.sim.config.latency_jitter_ms = 100
     settings = make_settings(
         llm={"base_url": simulator.base_url, "api_key": "k", "model": "sim-1"},
         batch={"size": 50, "window_s": 0.05, "concurrency": 32},
-        kafka={"commit_interval_s": 1.0},
+        kafka={"commit_interval_s": 1.0, "consumer_thread": consumer_thread},
     )
     tasks = [
         {"task_id": f"k-{i:04d}", "pipeline": "comment-analysis",

@@ -1,5 +1,7 @@
 """The worker's Kafka consumer runs on the app's loop (streams.worker.faust_private.InLoopConsumer); the
-integration suite consumes through it (rebalances, fences, stops), these pin its shape."""
+integration suite consumes through it (rebalances, fences, stops), these pin its shape. Its
+drain loop is the threaded consumer's too (`faust_private.Consumer`, `kafka.consumer_thread`):
+those tests run on both."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import threading
 from typing import Any
 
 import pytest
-from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
 
 from streams.settings import load_settings
@@ -66,9 +67,9 @@ async def test_rebalance_callbacks_reach_faust_directly(monkeypatch: pytest.Monk
     assert seen == [("revoked", {tp}, me), ("assigned", {tp}, me)]
 
 
-async def test_consumer_thread_setting_keeps_fausts_threaded_consumer() -> None:
+async def test_consumer_thread_setting_keeps_fausts_thread_with_the_workers_drain() -> None:
     app = _app(consumer_thread=True)
-    assert type(app.consumer) is faust_aiokafka.Consumer
+    assert type(app.consumer) is faust_private.Consumer  # the drain below, on either
     delegate = app.consumer._thread
     assert not isinstance(delegate, faust_private._OnTheLoop)
     assert delegate.thread_loop is not app.loop
@@ -80,19 +81,22 @@ class _Fetcher:
 
 
 class _Message:
+    key = value = None  # what Faust's drain logs of a record it drops
+
     def __init__(self, tp: TP, offset: int, generation_id: int = 0) -> None:
         self.tp, self.topic, self.offset = tp, tp.topic, offset
         self.generation_id = generation_id  # the group's generation it was fetched in
 
 
+@pytest.mark.parametrize("thread", [False, True], ids=["in-loop", "threaded"])
 async def test_the_drain_loop_delivers_in_place_and_a_rebalance_abandons_a_blocked_one(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, thread: bool
 ) -> None:
     """Faust's drain loop, one task per record fewer: each record is delivered in the
     drain task itself; one blocked on a full buffer is abandoned by `stop_flow` (as
     mode's `wait_first` abandoned it), and none after it is handed over while the flow
     is stopped (Faust's `getmany` stops yielding them; this one goes on)."""
-    app = _app()
+    app = _app(consumer_thread=thread)
     consumer_ = app.consumer
     fetcher = _Fetcher()
     tp = TP("llm-tasks", 0)
@@ -132,8 +136,9 @@ async def test_the_drain_loop_delivers_in_place_and_a_rebalance_abandons_a_block
     assert drain_task.cancelling() == 0
 
 
+@pytest.mark.parametrize("thread", [False, True], ids=["in-loop", "threaded"])
 async def test_a_rebalance_while_the_drain_is_away_from_a_delivery_hands_over_nothing_old(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, thread: bool
 ) -> None:
     """The drain is at an await between two deliveries (its commit, its yield every 100
     records) while a whole rebalance goes by: the partition kept, nothing committed for
@@ -144,7 +149,7 @@ async def test_a_rebalance_while_the_drain_is_away_from_a_delivery_hands_over_no
     moved to it, made Faust drop the records before it as they were fetched again — and
     commit past them: a run of tasks at the head of a partition lost (CI, a broker
     restart test whose group rebalanced as its third worker joined)."""
-    app = _app()
+    app = _app(consumer_thread=thread)
     consumer_ = app.consumer
     fetcher = _Fetcher()
     tp = TP("llm-tasks", 7)
@@ -180,8 +185,9 @@ async def test_a_rebalance_while_the_drain_is_away_from_a_delivery_hands_over_no
     assert consumer_._read_offset[tp] == 1
 
 
-async def test_a_real_cancel_during_a_delivery_still_stops_the_drain() -> None:
-    app = _app()
+@pytest.mark.parametrize("thread", [False, True], ids=["in-loop", "threaded"])
+async def test_a_real_cancel_during_a_delivery_still_stops_the_drain(thread: bool) -> None:
+    app = _app(consumer_thread=thread)
     consumer_ = app.consumer
     started = asyncio.Event()
 
@@ -199,8 +205,9 @@ async def test_a_real_cancel_during_a_delivery_still_stops_the_drain() -> None:
     assert consumer_._delivering is None
 
 
-async def test_stop_flow_between_deliveries_cancels_nothing() -> None:
-    app = _app()
+@pytest.mark.parametrize("thread", [False, True], ids=["in-loop", "threaded"])
+async def test_stop_flow_between_deliveries_cancels_nothing(thread: bool) -> None:
+    app = _app(consumer_thread=thread)
     consumer_ = app.consumer
     consumer_.callback = _as_coro(lambda _: 5)
     assert await asyncio.wait_for(consumer_._deliver(_Message(TP("llm-tasks", 0), 0)), 5)
