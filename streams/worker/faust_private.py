@@ -320,6 +320,16 @@ class Consumer(faust_aiokafka.Consumer):
     _delivering: asyncio.Task[Any] | None = None  # the drain task, while it delivers
     _abandoning = False
 
+    def ack(self, message: Any) -> bool:
+        """Faust's ack, refusing a record no stream took in (`tracked`): a stream acks
+        each record it skips, and it skips the ones it takes from its buffer while a
+        rebalance or a stop runs — counted done unread, then committed past once the
+        records before it are acked. Unacked, it is read again from the committed offset."""
+        if not message.tracked:
+            return False
+        acked: bool = super().ack(message)
+        return acked
+
     def stop_flow(self) -> None:
         super().stop_flow()
         delivering = self._delivering

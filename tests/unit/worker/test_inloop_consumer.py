@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from faust.types import TP
+from faust.types.tuples import ConsumerMessage
 
 from streams.settings import load_settings
 from streams.worker import faust_private
@@ -313,3 +314,37 @@ async def test_offsets_commit_an_interval_after_an_ack_and_not_while_nothing_is_
     finally:
         handler.cancel()
         await asyncio.gather(handler, return_exceptions=True)
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["in-loop", "threaded"])
+async def test_a_record_a_stream_skipped_unread_is_not_committed_past(thread: bool) -> None:
+    """A stream skips, and acks, a record it takes from its buffer while a rebalance or a
+    stop runs (Faust's flow control suspended) or from an older generation; it never took
+    it in. Faust counted that ack: once the records before it were acked, the commit went
+    past it, and it was never run. Refused, the record stays below the commit until a run
+    of it is acked."""
+    app = _app(consumer_thread=thread)
+    consumer_ = app.consumer
+    app.topics._acking_topics.add("llm-tasks")  # what the task agent's stream declares
+    tp = TP("llm-tasks", 3)
+
+    def fetched(offset: int) -> ConsumerMessage:
+        message = ConsumerMessage("llm-tasks", 3, offset, 0.0, 0, None, b"k", b"v", None,
+                                  tp=tp, generation_id=1)  # fmt: skip
+        message.incref()  # the conductor's, per stream it delivers to
+        return message
+
+    def taken_in(offset: int) -> ConsumerMessage:
+        message = fetched(offset)
+        message.tracked = True  # the stream took it in: a run of it acks it
+        return message
+
+    consumer_._committed_offset[tp] = 10
+    skipped = fetched(14)
+    skipped.ack(consumer_)  # the stream's skip path: `event.ack()`
+    for offset in range(10, 14):
+        assert taken_in(offset).ack(consumer_)
+    assert consumer_._new_offset(tp) == 14  # not 15: record 14 was never run
+    consumer_._committed_offset[tp] = 14  # committed
+    assert taken_in(14).ack(consumer_)  # read again after the rebalance, run and acked
+    assert consumer_._new_offset(tp) == 15
