@@ -17,6 +17,9 @@ from streams.settings import load_settings
 from streams.worker import faust_private
 from streams.worker.app import create_app
 
+# The drain's tests run on both consumers: on the app's loop and on Faust's thread.
+ON_BOTH = pytest.mark.parametrize("thread", [False, True], ids=["in-loop", "threaded"])
+
 
 def _app(**kafka: Any) -> Any:
     return create_app(load_settings(kafka={"broker_url": "kafka://127.0.0.1:1", **kafka}))
@@ -89,7 +92,7 @@ class _Message:
         self.generation_id = generation_id  # the group's generation it was fetched in
 
 
-@pytest.mark.parametrize("thread", [False, True], ids=["in-loop", "threaded"])
+@ON_BOTH
 async def test_the_drain_loop_delivers_in_place_and_a_rebalance_abandons_a_blocked_one(
     monkeypatch: pytest.MonkeyPatch, thread: bool
 ) -> None:
@@ -137,7 +140,7 @@ async def test_the_drain_loop_delivers_in_place_and_a_rebalance_abandons_a_block
     assert drain_task.cancelling() == 0
 
 
-@pytest.mark.parametrize("thread", [False, True], ids=["in-loop", "threaded"])
+@ON_BOTH
 async def test_a_rebalance_while_the_drain_is_away_from_a_delivery_hands_over_nothing_old(
     monkeypatch: pytest.MonkeyPatch, thread: bool
 ) -> None:
@@ -186,7 +189,7 @@ async def test_a_rebalance_while_the_drain_is_away_from_a_delivery_hands_over_no
     assert consumer_._read_offset[tp] == 1
 
 
-@pytest.mark.parametrize("thread", [False, True], ids=["in-loop", "threaded"])
+@ON_BOTH
 async def test_a_real_cancel_during_a_delivery_still_stops_the_drain(thread: bool) -> None:
     app = _app(consumer_thread=thread)
     consumer_ = app.consumer
@@ -206,7 +209,7 @@ async def test_a_real_cancel_during_a_delivery_still_stops_the_drain(thread: boo
     assert consumer_._delivering is None
 
 
-@pytest.mark.parametrize("thread", [False, True], ids=["in-loop", "threaded"])
+@ON_BOTH
 async def test_stop_flow_between_deliveries_cancels_nothing(thread: bool) -> None:
     app = _app(consumer_thread=thread)
     consumer_ = app.consumer
@@ -316,7 +319,7 @@ async def test_offsets_commit_an_interval_after_an_ack_and_not_while_nothing_is_
         await asyncio.gather(handler, return_exceptions=True)
 
 
-@pytest.mark.parametrize("thread", [False, True], ids=["in-loop", "threaded"])
+@ON_BOTH
 async def test_a_record_a_stream_skipped_unread_is_not_committed_past(thread: bool) -> None:
     """A stream skips, and acks, a record it takes from its buffer while a rebalance or a
     stop runs (Faust's flow control suspended) or from an older generation; it never took
