@@ -9,8 +9,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import orjson
-
 from streams.contract.headers import Headers
 from streams.contract.records import ValueLimits
 from streams.core.budget import Budgets
@@ -20,7 +18,7 @@ from streams.llm.deployments import load_deployments
 from streams.llm.openai_client import OpenAIClient
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
-from streams.pipelines.sources import Erase, Skipped, SourceMapper
+from streams.pipelines.sources import Erase, Skipped, SourceMapper, source_document
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.limiter import GroupShare, RateLimiter
 from streams.resilience.pool import ClientPool
@@ -98,11 +96,7 @@ class SourceReader:
         elif spec.format == "registry":
             document = await self._decoded(decoded, "value", value)
         else:
-            try:
-                document = orjson.loads(value)
-            except orjson.JSONDecodeError as exc:
-                raise InvalidInput(f"source record is not JSON: {exc}",
-                                   code="source_not_json") from exc  # fmt: skip
+            document = source_document(value)
         the_key: Any = key
         if key is not None and spec.key_format == "registry":
             the_key = await self._decoded(decoded, "key", key)

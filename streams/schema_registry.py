@@ -48,6 +48,7 @@ import jsonschema
 import orjson
 from fastavro.types import Schema as AvroSchema
 
+from streams.contract.records import shallow
 from streams.errors import InvalidInput
 from streams.observability.metrics import Metrics
 from streams.settings import SchemaRegistrySettings
@@ -305,13 +306,14 @@ def decode_body(schema: Schema, body: bytes) -> Any:
         if left:
             raise InvalidInput(f"source record has {left} bytes after its Avro body (schema "
                                f"{schema.id})", code="source_undecodable")  # fmt: skip
-        return jsonable(document)
+        return jsonable(shallow(document, source=True))
     if schema.kind == "JSON":
         try:
             document = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             raise InvalidInput(f"source record's body is not JSON: {exc}",
                                code="source_undecodable") from None  # fmt: skip
+        shallow(document, body, source=True)
         error = jsonschema.exceptions.best_match(schema.validator.iter_errors(document))
         if error is not None:
             where = "/" + "/".join(str(p) for p in error.absolute_path)

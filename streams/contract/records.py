@@ -165,6 +165,11 @@ class DeadLetter(_Record):
 MESSAGE_LIMIT = 4000
 # Characters of a task id a dead letter may name (the contract's task_id limit).
 TASK_ID_LIMIT = 512
+# Objects and arrays a record's JSON may nest. orjson reads 1,024 levels but writes 254,
+# and a record's document is written again a level or more down (a task's input, a dead
+# letter's payload, a source record kept for its sink): deeper, it would be read and
+# never written back — neither its answer nor its dead letter.
+MAX_DEPTH = 128
 
 
 @dataclass(frozen=True)
@@ -258,13 +263,48 @@ def task_keys(
     )
 
 
+def too_deep(document: Any, raw: bytes | str | None = None) -> bool:
+    """Whether objects and arrays nest deeper than `MAX_DEPTH` in `document` (decoded
+    from `raw`, when given: a text with so few brackets is not walked)."""
+    # Each level opens a bracket: a text with so few nests no deeper.
+    if isinstance(raw, bytes) and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return False
+    if isinstance(raw, str) and raw.count("[") + raw.count("{") <= MAX_DEPTH:
+        return False
+    level = [document] if isinstance(document, dict | list) else []
+    for _ in range(MAX_DEPTH):
+        level = [
+            child
+            for node in level
+            for child in (node.values() if isinstance(node, dict) else node)
+            if isinstance(child, dict | list)
+        ]
+        if not level:
+            return False
+    return True
+
+
+def shallow(document: Any, raw: bytes | None = None, *, source: bool = False) -> Any:
+    """`document` (decoded from `raw`, when given), or InvalidInput when it nests deeper
+    than `MAX_DEPTH` (`too_deep`; of a pipeline's source topic: `source_too_deep`)."""
+    if too_deep(document, raw):
+        what, code = ("source record", "source_too_deep") if source else ("record", "too_deep")
+        raise InvalidInput(f"{what} nests objects and arrays over {MAX_DEPTH} levels deep",
+                           code=code)  # fmt: skip
+    return document
+
+
 def payload_of(raw: bytes | None) -> Any:
-    """The original record as JSON when it is JSON, else its bytes in base64."""
+    """The original record as JSON when it is JSON that can be written back, else its
+    bytes in base64."""
     if raw is not None:
         try:
-            return orjson.loads(raw)
+            document = orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass
+        else:
+            if not too_deep(document, raw):
+                return document
     return {"raw_base64": base64.b64encode(raw or b"").decode()}
 
 
@@ -304,7 +344,8 @@ def dead_letter_value(letter: DeadLetter, raw: bytes | None, max_bytes: int) -> 
         head //= 2
 
 
-def _describe(exc: ValidationError) -> str:
+def describe(exc: ValidationError) -> str:
+    """What a validation error says, on one line: `field: message; ...`."""
     parts = []
     for err in exc.errors(include_url=False):
         where = ".".join(str(p) for p in err["loc"]) or "record"
@@ -324,6 +365,7 @@ def decode_task(raw: bytes | None, *, max_bytes: int) -> Task:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"record is not JSON: {exc}", code="not_json") from exc
+    shallow(data, raw)
     if not isinstance(data, dict):
         raise InvalidInput(
             f"record is JSON {type(data).__name__}, not an object", code="not_an_object"
@@ -331,7 +373,7 @@ def decode_task(raw: bytes | None, *, max_bytes: int) -> Task:
     try:
         return Task.model_validate(data)
     except ValidationError as exc:
-        raise InvalidInput(f"record breaks the task contract: {_describe(exc)}") from exc
+        raise InvalidInput(f"record breaks the task contract: {describe(exc)}") from exc
 
 
 def json_object(value: bytes | None) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from streams.contract.records import MAX_DEPTH, too_deep
 from streams.errors import InvalidOutput
 from streams.llm.client import LLMResponse, unfenced
 from streams.pipelines.defaults import fill_defaults
@@ -70,6 +71,9 @@ def parse_output(
             data = None
         if data is None:
             raise InvalidOutput(f"answer is not JSON: {exc}", code="not_json") from exc
+    if too_deep(data, response.content):
+        raise InvalidOutput(f"answer nests objects and arrays over {MAX_DEPTH} levels deep",
+                            code="too_deep")  # fmt: skip
     return check_output(data, pipeline, variables, originals)
 
 

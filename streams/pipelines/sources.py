@@ -43,6 +43,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from streams.contract.headers import Headers
+from streams.contract.records import TASK_ID_LIMIT, shallow
 from streams.errors import ConfigError, InvalidInput
 from streams.pipelines.jinja import ENV, over_record
 from streams.pipelines.sinks import SinkSpec
@@ -138,6 +139,16 @@ def pointer_get(document: Any, pointer: str) -> Any:
     return node
 
 
+def source_document(value: bytes) -> Any:
+    """A source record's JSON value; InvalidInput when it is not JSON, or nests deeper
+    than a task can hold."""
+    try:
+        document = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"source record is not JSON: {exc}", code="source_not_json") from exc
+    return shallow(document, value, source=True)
+
+
 def _text(value: bytes | None) -> str | None:
     return value.decode(errors="replace") if value is not None else None
 
@@ -152,6 +163,18 @@ def _key_text(key: bytes | Any) -> str:
     if isinstance(key, dict | list):
         return orjson.dumps(key, option=orjson.OPT_SORT_KEYS).decode()
     return str(key)
+
+
+def _checked_id(task_id: str, what: str, code: str) -> str:
+    """A mapped task id, or InvalidInput when it is empty or longer than the contract's
+    task ids (the forward's key is the task id: a longer one would also break the room
+    its topic's limit keeps for a key)."""
+    if not task_id:
+        raise InvalidInput(f"{what} is empty", code=code)
+    if len(task_id) > TASK_ID_LIMIT:
+        raise InvalidInput(f"{what} is {len(task_id)} characters long, over the "
+                           f"{TASK_ID_LIMIT} a task id may take", code=code)  # fmt: skip
+    return task_id
 
 
 class SourceMapper:
@@ -194,11 +217,7 @@ class SourceMapper:
             if self._erase_when is None:
                 return Skipped("tombstone")
             return self.map(None, key, headers, timestamp)
-        try:
-            document = orjson.loads(value)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidInput(f"source record is not JSON: {exc}", code="source_not_json") from exc
-        return self.map(document, key, headers, timestamp)
+        return self.map(source_document(value), key, headers, timestamp)
 
     def map(
         self,
@@ -256,20 +275,16 @@ class SourceMapper:
             return self._task_id(document, key, scope)
         with over_record("source erase.task_id", "source_erase"):
             task_id = self._erase_id.render(**scope).strip()
-        if not task_id:
-            raise InvalidInput("source erase.task_id is empty", code="source_erase")
-        return task_id
+        return _checked_id(task_id, "source erase.task_id", "source_erase")
 
     def _task_id(self, document: Any, key: bytes | Any, scope: dict[str, Any]) -> str:
         how = self.spec.task_id
         if self._id_template is not None:
             with over_record("source task_id", "source_task_id"):
                 task_id = self._id_template.render(**scope).strip()
-            if not task_id:
-                raise InvalidInput("source task_id is empty", code="source_task_id")
-            return task_id
+            return _checked_id(task_id, "source task_id", "source_task_id")
         if how == "key":
-            return _key_text(key)
+            return _checked_id(_key_text(key), "source record's key", "source_key")
         pointers = how if isinstance(how, list) else [how]
         values = [self._pointed(document, p, "task_id") for p in pointers]
         if isinstance(how, str):
@@ -280,9 +295,7 @@ class SourceMapper:
         else:
             digest = hashlib.sha256(orjson.dumps(values, option=orjson.OPT_SORT_KEYS))
             task_id = f"{self.pipeline}-{digest.hexdigest()[:32]}"
-        if not task_id:
-            raise InvalidInput("source task_id is empty", code="source_task_id")
-        return task_id
+        return _checked_id(task_id, "source task_id", "source_task_id")
 
     def _slot(self, name: str, how: Any, document: Any, scope: dict[str, Any]) -> Any:
         if isinstance(how, str):
@@ -299,4 +312,4 @@ class SourceMapper:
                                code="source_pointer") from None  # fmt: skip
 
 
-__all__ = ["Skipped", "SourceMapper", "SourceSpec", "pointer_get"]
+__all__ = ["Skipped", "SourceMapper", "SourceSpec", "pointer_get", "source_document"]

@@ -29,10 +29,11 @@ from typing import Any
 
 import aiohttp
 import orjson
+from pydantic import ValidationError
 
 from streams.assembly import SourceReader, uses_registry
 from streams.contract.headers import ERASE_HEADER, SOURCE_OF_HEADER, header_items
-from streams.contract.records import EraseRequest, Source
+from streams.contract.records import EraseRequest, Source, describe
 from streams.core.processor import TaskProcessor
 from streams.errors import ConfigError, InvalidInput, TaskError
 from streams.kafka import clients
@@ -95,10 +96,7 @@ class SourceIngest:
                     kept.update(topic=source.topic, partition=source.partition,
                                 offset=source.offset)  # fmt: skip
                 value = orjson.dumps(task)
-                max_bytes = self.limits.value_bytes(self.settings.topics.tasks)
-                if len(value) > max_bytes:
-                    why = f"the mapped task takes {len(value)} bytes, over the {max_bytes} it may"
-                    raise InvalidInput(why, code="source_too_large")
+                self._fits(value, "the mapped task")
             except TaskError as exc:
                 await self._dead_letter(exc, message, source, processor, mapper.pipeline)
                 self.metrics.source_records.labels(mapper.pipeline, "dead_letter").inc()
@@ -115,15 +113,27 @@ class SourceIngest:
             await self.writer.write_or_stop(forward, what=f"the task mapped from {where}")
             count.inc()
 
+    def _fits(self, value: bytes, what: str) -> None:
+        """InvalidInput when `value` is more than a record of the task topic may take."""
+        max_bytes = self.limits.value_bytes(self.settings.topics.tasks)
+        if len(value) > max_bytes:
+            raise InvalidInput(f"{what} takes {len(value)} bytes, over the {max_bytes} it may",
+                               code="source_too_large")  # fmt: skip
+
     async def _erase(self, erase: Erase, pipeline: str, where: str) -> None:
         """A delete upstream: the request to erase its task, to the task's partition (its
         session's, for a task of a session)."""
-        request = EraseRequest(
-            task_id=erase.task_id, pipeline=pipeline, source_key=jsonable(erase.key),
-            session_id=erase.session_id,
-        )  # fmt: skip
+        try:
+            request = EraseRequest(
+                task_id=erase.task_id, pipeline=pipeline, source_key=jsonable(erase.key),
+                session_id=erase.session_id,
+            )  # fmt: skip
+        except ValidationError as exc:
+            raise InvalidInput(f"the erasure the record asks for breaks the contract: "
+                               f"{describe(exc)}", code="source_erase") from None  # fmt: skip
         home = partition_for(erase.session_id or erase.task_id, self.settings.kafka.partitions)
         value = request.model_dump_json().encode()
+        self._fits(value, "the erasure")
 
         def forward() -> Awaitable[int]:
             return self.writer.send(

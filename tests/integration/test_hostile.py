@@ -97,6 +97,14 @@ async def test_hostile_records_and_answers_end_as_one_outcome_each(
         ),
         (b"h-long", _task("h-long", "Tell me everything.", "long-answer"), []),
         (b"h-future", _task("h-future", "The lid broke on day one."), []),
+        # 2 KB nested 300 deep: read by orjson, and written back by nothing (not even its
+        # dead letter, before: the lane crashed on it after each restart).
+        (
+            b"h-deep",
+            b'{"task_id": "h-deep", "pipeline": "comment-analysis", "input": '
+            b'{"text": ' + b'{"x": ' * 300 + b"1" + b"}" * 300 + b"}}",
+            [],
+        ),
     ]
     # Keys other than the task id: some land on another partition than their task's.
     records += [(f"other-key-{i}".encode(), _task(f"h-rekey-{i}", f"Nice mug {i}."), [])
@@ -147,6 +155,8 @@ async def test_hostile_records_and_answers_end_as_one_outcome_each(
     assert dead["h-notjson"]["error"]["code"] == "not_json"
     assert dead[None]["error"]["code"] == "not_json"
     assert dead[None]["payload"]["raw_base64"]
+    assert dead["h-deep"]["error"]["code"] == "too_deep"
+    assert dead["h-deep"]["payload"]["raw_base64"]  # the bytes, as it came
     answered = {r["task_id"]: r for r in got.results}
     assert {f"h-ok-{i}" for i in range(20)} | {"h-headers", "h-future", "h-badkey"} <= set(answered)
     for i in range(8):  # answered on the partition their task id maps to

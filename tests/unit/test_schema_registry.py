@@ -82,6 +82,32 @@ def test_an_avro_body_decodes_to_json_ready_values() -> None:
     orjson.dumps(document)  # results stay JSON: every value serialises
 
 
+def test_a_body_nested_deeper_than_a_task_can_hold_is_invalid_input() -> None:
+    """A recursive Avro schema (a thread of replies) or an open JSON Schema lets a record
+    nest as deep as its bytes go: past 128 levels it could not be written back."""
+    import jsonschema
+
+    thread = {"type": "record", "name": "Reply", "fields": [
+        {"name": "text", "type": "string"},
+        {"name": "reply", "type": ["null", "Reply"], "default": None}]}  # fmt: skip
+
+    def replies(n: int) -> dict[str, Any]:
+        node: dict[str, Any] = {"text": "last", "reply": None}
+        for i in range(n - 1):
+            node = {"text": f"reply {i}", "reply": node}
+        return node
+
+    assert (
+        decode_body(avro_schema(8, thread), avro_body(thread, replies(128)))["text"] == "reply 126"
+    )
+    open_schema = Schema(9, "JSON", validator=jsonschema.Draft7Validator({"type": "object"}))
+    for schema, body in [(avro_schema(8, thread), avro_body(thread, replies(300))),
+                         (open_schema, b'{"a": ' + b"[" * 300 + b"]" * 300 + b"}")]:  # fmt: skip
+        with pytest.raises(InvalidInput) as caught:
+            decode_body(schema, body)
+        assert caught.value.code == "source_too_deep"
+
+
 @pytest.mark.parametrize(
     ("body", "code"),
     [

@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from streams.contract.records import (
+    MAX_DEPTH,
     MESSAGE_LIMIT,
     DeadLetter,
     Source,
@@ -21,6 +22,7 @@ from streams.contract.records import (
     result_key,
     task_id_hint,
     task_keys,
+    too_deep,
 )
 from streams.errors import Category, InvalidInput
 
@@ -117,6 +119,46 @@ def test_payload_keeps_json_or_base64_of_the_bytes() -> None:
     assert payload_of(b'{"a": 1}') == {"a": 1}
     assert payload_of(b"\xff\x00") == {"raw_base64": "/wA="}
     assert payload_of(None) == {"raw_base64": ""}
+
+
+def nested(levels: int) -> bytes:
+    """A task whose input nests objects and arrays `levels` deep, the task itself counted."""
+    inner = b'{"x": [' * ((levels - 2) // 2) + b"1" + b"]}" * ((levels - 2) // 2)
+    return b'{"task_id": "t", "pipeline": "p", "input": {"a": ' + inner + b"}}"
+
+
+def test_a_record_nested_deeper_than_it_could_be_written_back_is_refused_at_decode() -> None:
+    """orjson reads 1,024 levels and writes 254: a task nested 300 deep decoded, and then
+    neither its keys, nor its answer, nor its dead letter (its payload) could be written."""
+    assert decode_task(nested(MAX_DEPTH), max_bytes=10_000).task_id == "t"
+    with pytest.raises(TypeError):  # what the decode used to let through
+        orjson.dumps(orjson.loads(nested(300)))
+    for levels in (MAX_DEPTH + 2, 300, 1000):
+        with pytest.raises(InvalidInput) as caught:
+            decode_task(nested(levels), max_bytes=10_000)
+        assert (
+            caught.value.code == "too_deep" and f"over {MAX_DEPTH} levels" in caught.value.message
+        )
+        # Its dead letter keeps the bytes, as for a record that is not JSON.
+        payload = payload_of(nested(levels))
+        assert base64.b64decode(payload["raw_base64"]) == nested(levels)
+        error = error_info(Category.INVALID_INPUT, "too_deep", "m", False)
+        letter = DeadLetter(task_id="t", error=error, attempts=0, payload=payload,
+                            source=Source(topic="t", partition=0, offset=0),
+                            failed_at="2026-12-05T00:00:00Z")  # fmt: skip
+        assert (
+            orjson.loads(dead_letter_value(letter, nested(levels), 100_000))["payload"] == payload
+        )
+
+
+def test_depth_is_counted_in_levels_not_brackets() -> None:
+    wide = [{"a": [i]} for i in range(5000)]  # 10,000 brackets, three levels
+    assert not too_deep(wide, orjson.dumps(wide))
+    chain: list[object] = []
+    for _ in range(MAX_DEPTH - 1):
+        chain = [chain]
+    assert not too_deep(chain) and too_deep([chain]) and too_deep({"k": [chain]})
+    assert not too_deep("text", b'"[[[["') and not too_deep(7)
 
 
 def test_task_id_hint_from_value_then_key() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import orjson
@@ -69,3 +70,34 @@ async def test_a_bug_in_the_worker_is_an_internal_error_never_retried(
     assert out.category == "internal_error" == letter["error"]["category"]
     assert letter["error"]["retryable"] is False and len(llm.requests) == 1
     assert Category.INTERNAL_ERROR not in REDRIVABLE
+
+
+async def test_a_task_nested_too_deep_to_write_back_is_its_dead_letter_not_a_crash(
+    make_processor: MakeProcessor,
+) -> None:
+    """1.8 KB of JSON nested 300 deep: orjson reads it, and writes neither its keys nor a
+    dead letter holding it. It used to raise out of the processor (the lane's crash, and
+    the same record again after the restart)."""
+    inner = b'{"x": ' * 300 + b"1" + b"}" * 300
+    raw = b'{"task_id": "t1", "pipeline": "comment-analysis", "input": {"text": ' + inner + b"}}"
+    llm = FakeLLM(lambda _r: answer(GOOD))
+    out = await make_processor(llm).process(raw, b"t1", SRC)
+    assert out.kind == "dead_letter" and out.category == "invalid_input"
+    letter = orjson.loads(out.value)
+    assert letter["error"]["code"] == "too_deep" and letter["task_id"] == "t1"
+    assert base64.b64decode(letter["payload"]["raw_base64"]) == raw  # the bytes, kept
+    assert llm.requests == []
+
+
+async def test_an_answer_nested_too_deep_to_write_back_is_invalid_output(
+    make_processor: MakeProcessor,
+) -> None:
+    """A model's answer nested 300 deep would pass a schema that leaves a field open, and
+    its result could not be written: it is an invalid answer (repaired, then dead-lettered
+    as `invalid_output`), not a bug of the worker."""
+    deep = orjson.dumps(GOOD)[:-1] + b', "notes": ' + b"[" * 300 + b"]" * 300 + b"}"
+    llm = FakeLLM(lambda _r: answer(deep.decode()))
+    out = await make_processor(llm).process(task("Great phone."), b"t1", SRC)
+    assert out.kind == "dead_letter" and out.category == "invalid_output"
+    assert orjson.loads(out.value)["error"]["code"] == "too_deep"
+    assert len(llm.requests) == 2  # the answer, and its repair

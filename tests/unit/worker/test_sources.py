@@ -145,3 +145,39 @@ async def test_a_pipeline_whose_sink_needs_the_record_gets_it_in_the_task() -> N
 def test_a_decoded_record_is_kept_as_json_holds_it() -> None:
     decoded = {"id": 7, "price": Decimal("9.99"), "raw": b"\x00\x01", 3: "three"}
     assert jsonable(decoded) == {"id": 7, "price": "9.99", "raw": "AAE=", "3": "three"}
+
+
+async def test_a_record_the_task_topic_could_not_take_is_its_dead_letter() -> None:
+    """Each of these used to raise out of the ingest — the sources agent's crash, and the
+    same record again after the restart — or to forward what the task topic must refuse:
+    a value nested deeper than it could be written back, a task id longer than the
+    contract's (as a record key: the forward's own key), an erasure naming such a task,
+    an erasure carrying a key larger than a task record may be."""
+    writer = Writer()
+    spec = SourceSpec(topics=["shop.reviews"], task_id="key", slots={"text": "/after/body"},
+                      erase={"when": "value.op == 'd'",
+                             "task_id": "{{ value.before.id }}"})  # fmt: skip
+    mappers = {"shop.reviews": [SourceMapper("reviews", spec)]}
+    limits = WriteLimits(producer_bytes=16_384)  # a value of the task topic: 12,288 bytes
+    ingest = SourceIngest(load_settings(), mappers, writer, limits, Metrics())  # type: ignore[arg-type]
+
+    def delete(row_id: str) -> bytes:
+        return orjson.dumps({"op": "d", "before": {"id": row_id}})
+
+    deep = b'{"op": "c", "after": {"body": ' + b"[" * 300 + b"]" * 300 + b"}}"  # a slot
+    hostile = [
+        (Message(deep, key=b"r-1"), "source_too_deep"),
+        (Message(change(2, 4), key=b"r" * 600), "source_key"),
+        (Message(delete("x" * 600), key=b"r-3"), "source_erase"),
+        (Message(delete("r-4"), key=b"k" * 20_000), "source_too_large"),
+    ]
+    for offset, (message, _) in enumerate(hostile):
+        message.offset = offset
+        await ingest.ingest(message, Processor())  # type: ignore[arg-type]
+        await ingest.ingest(Message(change(offset, 4), key=f"ok-{offset}".encode()),
+                            Processor())  # type: ignore[arg-type]  # fmt: skip
+    assert [(e.category, e.code) for e in writer.dead] == [
+        (Category.INVALID_INPUT, code) for _, code in hostile
+    ]
+    assert "600 characters long, over the 512" in writer.dead[1].message
+    assert [t["task_id"] for t in writer.forwarded] == [f"ok-{i}" for i in range(len(hostile))]
