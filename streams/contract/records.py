@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from streams.errors import Category, InvalidInput
+
+log = logging.getLogger(__name__)
 
 
 class _Record(BaseModel):
@@ -329,10 +332,17 @@ def truncated_payload(raw: bytes | None, head_bytes: int) -> dict[str, Any]:
 
 def dead_letter_value(letter: DeadLetter, raw: bytes | None, max_bytes: int) -> bytes:
     """The dead letter's value, its payload cut to a head (`truncated_payload`) when the
-    whole record would not fit in `max_bytes` bytes."""
-    value = orjson.dumps(letter.model_dump(mode="json"))
-    if len(value) <= max_bytes:
-        return value
+    whole record would not fit in `max_bytes` bytes, or would not write back at all (no
+    record reaches here so since `payload_of`: the last resort of the one way a record
+    ends when nothing else can be written for it)."""
+    try:
+        value = orjson.dumps(letter.model_dump(mode="json"))
+    except (TypeError, ValueError) as exc:  # orjson's and pydantic's depth limits, say
+        log.error("dead letter of %s: its payload does not write back (%r); its head is "
+                  "kept", letter.task_id, exc)  # fmt: skip
+    else:
+        if len(value) <= max_bytes:
+            return value
     bare = len(orjson.dumps(letter.model_copy(update={"payload": None}).model_dump(mode="json")))
     head = max(0, max_bytes - bare - 512)
     while True:

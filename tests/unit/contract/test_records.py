@@ -151,6 +151,22 @@ def test_a_record_nested_deeper_than_it_could_be_written_back_is_refused_at_deco
         )
 
 
+def test_a_dead_letter_whose_payload_does_not_write_back_keeps_its_head() -> None:
+    """The last resort of the one way a record ends when nothing else can be written:
+    whatever its payload holds, its dead letter is written (before, it raised, the record
+    was never acked and its partition's commit stopped behind it)."""
+    deep: list[object] = []
+    for _ in range(300):
+        deep = [deep]
+    raw = orjson.dumps({"task_id": "t", "note": "read with a reader of our own"})
+    letter = DeadLetter(task_id="t", error=error_info(Category.INTERNAL_ERROR, "c", "m", False),
+                        attempts=0, payload=deep, source=Source(topic="t", partition=0, offset=0),
+                        failed_at="2026-12-05T00:00:00Z")  # fmt: skip
+    kept = orjson.loads(dead_letter_value(letter, raw, 100_000))["payload"]
+    assert kept["truncated"] and kept["size"] == len(raw) and kept["head"] == raw.decode()
+    assert kept["sha256"] == hashlib.sha256(raw).hexdigest()
+
+
 def test_depth_is_counted_in_levels_not_brackets() -> None:
     wide = [{"a": [i]} for i in range(5000)]  # 10,000 brackets, three levels
     assert not too_deep(wide, orjson.dumps(wide))
