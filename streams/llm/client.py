@@ -149,15 +149,15 @@ def parse_completion(
         choice = data["choices"][0]
         message = choice.get("message") or {}
         usage = data.get("usage") or {}
-        content = message.get("content") or ""
+        content = _text(message.get("content"))
         calls = message.get("tool_calls") or []
         if not content and calls:  # the answer as the forced function call's arguments
             content = str((calls[0].get("function") or {}).get("arguments") or "")
         return LLMResponse(
             content=content,
             model=str(data.get("model") or requested_model),
-            prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
+            prompt_tokens=_count(usage.get("prompt_tokens")),
+            completion_tokens=_count(usage.get("completion_tokens")),
             finish_reason=str(choice.get("finish_reason") or "stop"),
             rate_headers=headers or {},
             server_s=_server_seconds(data.get("timings")),
@@ -179,17 +179,39 @@ def parse_completion(
         ) from exc
 
 
+def _text(content: Any) -> str:
+    """A message's content as text: a string; the text parts of a list of parts (as
+    Mistral's reasoning models send it, a `thinking` part before the `text` one); none."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(
+            part["text"] for part in content
+            if isinstance(part, dict) and part.get("type", "text") == "text"
+            and isinstance(part.get("text"), str)
+        )  # fmt: skip
+    raise TypeError(f"message content is a {type(content).__name__}")
+
+
+def _count(said: Any) -> int:
+    """A token count as the answer says it; a count that is not a whole number of zero or
+    more (a broken usage block) is as good as unsaid: 0, the answer kept."""
+    if isinstance(said, bool) or not isinstance(said, int | float | str):
+        return 0
+    try:
+        count = int(said)
+    except (ValueError, OverflowError):
+        return 0
+    return max(0, count)
+
+
 def _cached_tokens(usage: dict[str, Any]) -> int:
     """Prompt tokens the provider says it read from its cache (at most the prompt's)."""
     details = usage.get("prompt_tokens_details")
     said = details.get("cached_tokens") if isinstance(details, dict) else None
     if said is None:
         said = usage.get("prompt_cache_hit_tokens")
-    try:
-        cached = int(said or 0)
-    except (TypeError, ValueError):
-        return 0
-    return max(0, min(cached, int(usage.get("prompt_tokens") or 0)))
+    return min(_count(said), _count(usage.get("prompt_tokens")))
 
 
 def _server_seconds(timings: Any) -> float | None:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from pathlib import Path
 
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from streams.contract.records import Source, ValueLimits
 from streams.core.processor import Outcome
 from streams.core.spend import Prices
 from streams.errors import REDRIVABLE, Category
+from streams.llm.client import parse_completion
 from tests.conftest import MakeProcessor
 from tests.fakes import FakeLLM, answer
 
@@ -101,3 +105,45 @@ async def test_an_answer_nested_too_deep_to_write_back_is_invalid_output(
     assert out.kind == "dead_letter" and out.category == "invalid_output"
     assert orjson.loads(out.value)["error"]["code"] == "too_deep"
     assert len(llm.requests) == 2  # the answer, and its repair
+
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
+                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))  # fmt: skip
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)  # fmt: skip
+_GOOD = orjson.dumps(GOOD).decode()
+_COUNT = st.integers(-5, 10**6) | st.floats(-1, 1e6) | st.text(max_size=4) | _JSON
+_PARTS = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "thinking"]),
+                                         "text": st.just(_GOOD) | _JSON}) | _JSON, max_size=3)  # fmt: skip
+_MESSAGE = st.fixed_dictionaries({}, optional={
+    "content": st.just(_GOOD) | st.text(max_size=20) | _PARTS | _JSON,
+    "tool_calls": st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries(
+        {}, optional={"arguments": st.just(_GOOD) | _JSON})})) | _JSON})  # fmt: skip
+_BODY = st.fixed_dictionaries(
+    {"choices": st.lists(st.fixed_dictionaries({}, optional={
+        "message": _MESSAGE | _JSON,
+        "finish_reason": st.sampled_from(["stop", "length", "tool_calls"]) | _JSON}),
+        min_size=1, max_size=2) | _JSON},
+    optional={"usage": st.fixed_dictionaries({}, optional={
+        "prompt_tokens": _COUNT, "completion_tokens": _COUNT,
+        "prompt_tokens_details": st.fixed_dictionaries({"cached_tokens": _COUNT}) | _JSON,
+    }) | _JSON, "model": _JSON, "timings": _JSON, "service_tier": _JSON},
+)  # fmt: skip
+
+
+@settings(max_examples=300, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@given(body=_BODY)
+def test_whatever_a_server_answers_the_task_ends_as_a_result_or_a_dead_letter_saying_why(
+    make_processor: MakeProcessor, body: dict[str, object]
+) -> None:
+    """Bodies as servers other than OpenAI might send them, garbled anywhere: the task is
+    answered, or dead-lettered as the server's fault or the answer's — never a bug of the
+    worker's (before: content in parts or a negative token count was `internal_error`,
+    and the answer, paid for, was dropped)."""
+    raw = orjson.dumps(body)
+    llm = FakeLLM(lambda _r: parse_completion(raw, "m"))
+    out = asyncio.run(make_processor(llm).process(task("Great phone."), b"t1", SRC))
+    assert out.kind == "result" or out.category in ("upstream_error", "invalid_output"), (
+        body, out.value
+    )  # fmt: skip
