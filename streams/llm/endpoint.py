@@ -61,8 +61,8 @@ def facts_from(
     """The facts in the bodies of `GET /v1/models`, llama.cpp's `GET /props` and Ollama's
     `POST /api/show` (each None when the server has no such route); `server`: what its
     `Server` header said."""
-    entries = [e for e in (models or {}).get("data") or [] if isinstance(e, Mapping)] if (
-        isinstance(models, Mapping)) else []  # fmt: skip
+    listed = models.get("data") if isinstance(models, Mapping) else None
+    entries = [e for e in listed if isinstance(e, Mapping)] if isinstance(listed, list) else []
     ids = tuple(str(e.get("id")) for e in entries if e.get("id"))
     entry = next((e for e in entries if e.get("id") == model), None)
     if entry is None and len(entries) == 1:

@@ -3,7 +3,9 @@ llama.cpp server as it answered here), and the window a client keeps of it."""
 
 from __future__ import annotations
 
-from streams.llm.endpoint import DEFAULT_WINDOW, ContextWindow, facts_from
+import pytest
+
+from streams.llm.endpoint import DEFAULT_WINDOW, ContextWindow, EndpointFacts, facts_from
 
 LLAMA_MODELS = {"models": [{"name": "smollm2", "model": "smollm2"}], "object": "list",
                 "data": [{"id": "smollm2", "object": "model", "owned_by": "llamacpp",
@@ -33,6 +35,16 @@ def test_vllm_openrouter_groq_and_ollama_say_theirs_where_they_do() -> None:
     assert (ollama.server, ollama.context_window) == ("ollama", 8192)
     openai = {"data": [{"id": "gpt-4o-mini", "owned_by": "system"}, {"id": "gpt-4o"}]}
     assert facts_from("gpt-4o-mini", openai).context_window is None  # says nothing
+
+
+@pytest.mark.parametrize(
+    "models", [{"data": True}, {"data": 5}, {"data": "m"}, {"data": {"id": "m"}}, [1], "x"]
+)
+def test_a_model_list_of_another_shape_says_nothing_rather_than_failing(models: object) -> None:
+    """What `GET /v1/models` answers is asked at start and before the first call: a body
+    of another shape failed both (the worker's start, then every task) with a TypeError."""
+    facts = EndpointFacts(server="llama.cpp", context_window=2048, slots=2)
+    assert facts_from("m", models, LLAMA_PROPS) == facts
 
 
 def test_a_window_set_wins_then_an_overflows_then_the_endpoints() -> None:
