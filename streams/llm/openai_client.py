@@ -306,9 +306,13 @@ class OpenAIClient:
 
     def _status_error(self, status: int, headers: Any, content: bytes) -> openai.APIStatusError:
         """The SDK's exception for an error answer, as its own calls would raise it."""
+        # As bytes: aiohttp decodes a header as UTF-8 (bytes it cannot, surrogate-escaped),
+        # and httpx takes a text value only in ASCII — a gateway's header in its users'
+        # language made every refusal a UnicodeEncodeError.
+        raw = [(k.encode("utf-8", "surrogateescape"), v.encode("utf-8", "surrogateescape"))
+               for k, v in headers.items()]  # fmt: skip
         response = httpx2.Response(
-            status, headers=list(headers.items()), content=content,
-            request=httpx2.Request("POST", self._url),
+            status, headers=raw, content=content, request=httpx2.Request("POST", self._url),
         )  # fmt: skip
         # The SDK's status-to-exception map (BadRequestError ... InternalServerError, body
         # and message parsed): private, but the one the SDK's own calls raise through.

@@ -121,3 +121,44 @@ async def test_an_attempt_may_carry_a_longer_read_timeout_than_the_clients(
         assert answer.content
     finally:
         await client.close()
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[str]:
+    """An OpenAI-compatible gateway that says why it refuses in a header of its own, in
+    its users' language (a header value that is not ASCII)."""
+    from aiohttp import web
+
+    async def refuse(request: web.Request) -> web.Response:
+        status = int(request.match_info["status"])
+        body = b'{"error": {"message": "too many requests", "code": "rate_limited"}}'
+        return web.Response(status=status, body=body, content_type="application/json",
+                            headers={"retry-after": "2", "x-error-detail": "请求过多，请稍后再试"})  # fmt: skip
+
+    app = web.Application()
+    app.router.add_post("/{status}/v1/chat/completions", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    yield f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+@pytest.mark.parametrize(("status", "error"), [(429, RateLimited), (503, UpstreamError)])
+async def test_an_error_answer_with_a_header_that_is_not_ascii_is_mapped_as_any(
+    gateway: str, status: int, error: type[TaskError]
+) -> None:
+    """The SDK's exception is built over the answer's headers: one that is not ASCII made
+    the build fail (UnicodeEncodeError), and every refusal of such a gateway an internal
+    error — never retried, never told to the limiter or the breaker."""
+    c = OpenAIClient(base_url=f"{gateway}/{status}/v1", api_key="k", connect_timeout_s=1,
+                     read_timeout_s=1)  # fmt: skip
+    try:
+        with pytest.raises(error) as raised:
+            await c.complete(REQ)
+    finally:
+        await c.close()
+    if status == 429:
+        assert raised.value.retry_after == 2.0
