@@ -36,25 +36,17 @@ from streams.llm.client import (
 )
 from streams.llm.deployments import AzureDeployment, Deployment
 from streams.llm.endpoint import EndpointFacts, facts_from
+from streams.llm.ratelimit_headers import number
 
 
 def retry_after_seconds(headers: Any) -> float | None:
     """Seconds the provider asks us to wait: `retry-after-ms` wins over `retry-after`."""
     if headers is None:
         return None
-    ms = headers.get("retry-after-ms")
+    ms = number(headers.get("retry-after-ms"))
     if ms is not None:
-        try:
-            return max(0.0, float(ms) / 1000.0)
-        except ValueError:
-            pass
-    seconds = headers.get("retry-after")
-    if seconds is not None:
-        try:
-            return max(0.0, float(seconds))
-        except ValueError:
-            return None
-    return None
+        return ms / 1000.0
+    return number(headers.get("retry-after"))
 
 
 def rate_headers(headers: Any) -> dict[str, str]:

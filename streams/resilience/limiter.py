@@ -37,9 +37,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from streams.contract.lanes import Lane
+from streams.llm.ratelimit_headers import number, seconds
 from streams.resilience.bucket import EPSILON, Bucket, Granted
 from streams.resilience.clock import Clock, MonotonicClock
-from streams.resilience.ratelimit_headers import number, seconds
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ class RateLimiter:
         if self.tokens is None:
             # A token limit we were not told about: start a bucket at the provider's figure.
             tpm = number(headers.get("x-ratelimit-limit-tokens"))
-            if tpm and tpm > 0:
+            if tpm is not None and tpm >= 1:
                 self.tokens = Bucket(tpm, self.requests.burst_s, now, **self._margins)
                 self.tpm_ceiling = tpm
         if self.tokens is not None:
@@ -433,7 +433,7 @@ class RateLimiter:
     ) -> None:
         limit = number(headers.get(f"x-ratelimit-limit-{kind}"))
         remaining = number(headers.get(f"x-ratelimit-remaining-{kind}"))
-        if limit and limit > 0 and limit != getattr(self, ceiling_attr):
+        if limit is not None and limit >= 1 and limit != getattr(self, ceiling_attr):
             log.info(
                 "provider %s limit is %g/min (was %g)", kind, limit, getattr(self, ceiling_attr)
             )

@@ -92,6 +92,32 @@ async def test_headers_set_the_ceiling_and_the_shared_remaining() -> None:
 
 
 @pytest.mark.parametrize(
+    "said",
+    [
+        {"x-ratelimit-limit-requests": "1e-322"},  # a rate of 0 a second: a division by 0
+        {"x-ratelimit-limit-requests": "nan", "x-ratelimit-remaining-requests": "nan"},
+        {"x-ratelimit-limit-requests": "inf", "x-ratelimit-remaining-requests": "inf"},
+        {"x-ratelimit-remaining-requests": "-3", "x-ratelimit-reset-requests": "-1"},
+        {"x-ratelimit-limit-tokens": "0.5", "x-ratelimit-remaining-tokens": "1e999"},
+    ],
+)
+async def test_headers_that_say_no_number_a_limit_can_be_are_not_followed(
+    said: dict[str, str],
+) -> None:
+    """A gateway's nonsense is no limit: the limiter keeps the last it knew, and grants
+    (before, `1e-322` divided by zero in the next wait, `nan` compared false forever, `inf`
+    admitted everything). A negative `remaining` (past the limit) is none left."""
+    clock = FakeClock()
+    limiter = exact(rpm=600, clock=clock)
+    limiter.observe(said, await limiter.acquire())
+    snap = limiter.snapshot()
+    assert snap.rpm_ceiling == 600 and snap.rpm == 600 and limiter.tokens is None
+    start = clock.now()
+    await limiter.acquire()  # the next call goes within a refill (0.1 s at 600/min)
+    assert clock.now() - start <= 0.1 + 1e-9
+
+
+@pytest.mark.parametrize(
     ("remaining", "reset", "left"),
     [
         ("2400", "12s", 40.0),  # counted against the minute (OpenAI): 2400/60 of a second's 50

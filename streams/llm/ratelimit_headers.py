@@ -1,8 +1,9 @@
-"""The numbers of a provider's `x-ratelimit-*` headers: plain numbers, and resets in
-OpenAI's duration form (`6m0s`, `1.5s`, `20ms`) or in seconds."""
+"""The numbers of a provider's headers (`x-ratelimit-*`, `retry-after`): plain numbers,
+and resets in OpenAI's duration form (`6m0s`, `1.5s`, `20ms`) or in seconds."""
 
 from __future__ import annotations
 
+import math
 import re
 
 _DURATION = re.compile(
@@ -26,12 +27,15 @@ def seconds(value: str | None) -> float | None:
 
 
 def number(value: str | None) -> float | None:
+    """A header's number: finite and at least 0 (a negative count, as a gateway past its
+    limit may say, is 0); None for none, `nan` or `inf`."""
     if value is None:
         return None
     try:
-        return float(value)
+        found = float(value)
     except ValueError:
         return None
+    return max(0.0, found) if math.isfinite(found) else None
 
 
 __all__ = ["number", "seconds"]
