@@ -36,7 +36,7 @@ from streams.llm.client import (
 )
 from streams.llm.deployments import AzureDeployment, Deployment
 from streams.llm.endpoint import EndpointFacts, facts_from
-from streams.llm.ratelimit_headers import number
+from streams.llm.ratelimit_headers import delay, number
 
 
 def retry_after_seconds(headers: Any) -> float | None:
@@ -46,7 +46,7 @@ def retry_after_seconds(headers: Any) -> float | None:
     ms = number(headers.get("retry-after-ms"))
     if ms is not None:
         return ms / 1000.0
-    return number(headers.get("retry-after"))
+    return delay(headers.get("retry-after"))
 
 
 def rate_headers(headers: Any) -> dict[str, str]:

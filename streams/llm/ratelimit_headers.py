@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import re
+import time
+from email.utils import parsedate_to_datetime
 
 _DURATION = re.compile(
     r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?"
@@ -38,4 +40,19 @@ def number(value: str | None) -> float | None:
     return max(0.0, found) if math.isfinite(found) else None
 
 
-__all__ = ["number", "seconds"]
+def delay(value: str | None, now: float | None = None) -> float | None:
+    """A `retry-after` header in seconds: a number of them, or an HTTP date (RFC 9110)
+    as the seconds from `now` (the wall clock's) until then, at least 0."""
+    found = number(value)
+    if found is not None or not value:
+        return found
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:  # a date in no zone: no telling when
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+__all__ = ["delay", "number", "seconds"]
