@@ -332,9 +332,9 @@ def truncated_payload(raw: bytes | None, head_bytes: int) -> dict[str, Any]:
 
 def dead_letter_value(letter: DeadLetter, raw: bytes | None, max_bytes: int) -> bytes:
     """The dead letter's value, its payload cut to a head (`truncated_payload`) when the
-    whole record would not fit in `max_bytes` bytes, or would not write back at all (no
-    record reaches here so since `payload_of`: the last resort of the one way a record
-    ends when nothing else can be written for it)."""
+    whole record would not fit in `max_bytes` bytes, or would not write back at all:
+    `payload_of` keeps no such payload, and this is the last resort of the one way a
+    record ends when nothing else can be written for it."""
     try:
         value = orjson.dumps(letter.model_dump(mode="json"))
     except (TypeError, ValueError) as exc:  # orjson's and pydantic's depth limits, say
