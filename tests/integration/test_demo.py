@@ -52,7 +52,14 @@ def test_demo_kept_up_shows_its_worker_until_ctrl_c_and_leaves_nothing(tmp_path:
             assert isinstance(orjson.loads(answer.read()), dict)
         assert list(tmp_path.glob("llm-streams-demo-*"))  # in use while kept up
         demo.send_signal(signal.SIGINT)
-        assert demo.wait(60) == 0
+        try:  # its output read to the end meanwhile: a full pipe must not hold its exit
+            rest, _ = demo.communicate(timeout=60)
+        except subprocess.TimeoutExpired as exc:
+            logs = {p.name: p.read_text(errors="replace")[-3000:]
+                    for p in tmp_path.glob("llm-streams-demo-*/*.log")}  # fmt: skip
+            raise AssertionError(f"the demo did not stop within 60 s of Ctrl-C; it said "
+                                 f"{exc.output!r}; {logs}") from None  # fmt: skip
+        assert demo.returncode == 0, rest
     finally:
         if demo.poll() is None:
             demo.kill()
