@@ -23,11 +23,19 @@ def test_demo_kept_up_shows_its_worker_until_ctrl_c_and_leaves_nothing(tmp_path:
         if not k.startswith(("LLM_STREAMS_", "OPENAI_")) or k == "LLM_STREAMS_KAFKA_JARS"
     }
     env.update({"TMPDIR": str(tmp_path), "COLUMNS": "300"})  # fmt: skip
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "streams.cli", "demo", "--count", "6", "--quiet", "--keep",
-         "--timeout", "90"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-    )  # fmt: skip
+    # A suite started in the background by a shell without job control ignores SIGINT,
+    # and a child inherits that: the demo would never see its Ctrl-C. A handled signal
+    # is reset to its default in the child, an ignored one is not: handled while it starts.
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:  # its own session: the broker and worker it starts are stopped with it, whatever
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "streams.cli", "demo", "--count", "6", "--quiet", "--keep",
+             "--timeout", "90"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+            start_new_session=True,
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, handler)
     assert demo.stdout is not None
     lines: list[str] = []
     try:
@@ -62,7 +70,7 @@ def test_demo_kept_up_shows_its_worker_until_ctrl_c_and_leaves_nothing(tmp_path:
         assert demo.returncode == 0, rest
     finally:
         if demo.poll() is None:
-            demo.kill()
+            os.killpg(demo.pid, signal.SIGKILL)  # the demo, its broker and its worker
             demo.wait()
         demo.stdout.close()
     assert not list(tmp_path.glob("llm-streams-demo-*"))  # cleaned up after itself
