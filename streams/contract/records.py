@@ -23,6 +23,11 @@ from streams.errors import Category, InvalidInput
 log = logging.getLogger(__name__)
 
 
+# Characters of a task id: the contract's limit (a source's mapped ids are held to it,
+# and a dead letter names no longer hint).
+TASK_ID_LIMIT = 512
+
+
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -51,7 +56,7 @@ class EraseRequest(_Record):
     request to erase one — its results, dead letter, state, review and sink records —
     on its partition (a delete upstream, or `llm-streams erase`)."""
 
-    task_id: str = Field(min_length=1, max_length=512)
+    task_id: str = Field(min_length=1, max_length=TASK_ID_LIMIT)
     pipeline: str = Field(min_length=1, max_length=128)
     source_key: Any = Field(
         None, description="The source record's key (a sink keyed by it is erased under it)."
@@ -68,7 +73,7 @@ class EraseRequest(_Record):
 class Task(_Record):
     """An input record: one unit of LLM work, keyed by task_id."""
 
-    task_id: str = Field(min_length=1, max_length=512)
+    task_id: str = Field(min_length=1, max_length=TASK_ID_LIMIT)
     pipeline: str = Field(min_length=1, max_length=128)
     input: dict[str, Any] = Field(min_length=1)
     prompt_version: str | None = Field(None, min_length=1, max_length=64)
@@ -166,8 +171,6 @@ class DeadLetter(_Record):
 
 # Characters of an error message a dead letter keeps (a message may quote an answer).
 MESSAGE_LIMIT = 4000
-# Characters of a task id a dead letter may name (the contract's task_id limit).
-TASK_ID_LIMIT = 512
 # Objects and arrays a record's JSON may nest. orjson reads 1,024 levels but writes 254,
 # and a record's document is written again a level or more down (a task's input, a dead
 # letter's payload, a source record kept for its sink): deeper, it would be read and
