@@ -4,6 +4,7 @@ prompt is made, answered once, its bad input dead-lettered once."""
 
 from __future__ import annotations
 
+import asyncio
 import decimal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,19 +16,23 @@ import orjson
 import pytest
 import yaml
 from aiokafka.errors import MessageSizeTooLargeError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from streams.contract.headers import (
     BACKTRACK_HEADER,
     ERASE_HEADER,
     FORCE_HEADER,
+    REPLAY_OF_HEADER,
     REROUTED_FROM_HEADER,
     RESULT_KEY_HEADER,
     SOURCE_OF_HEADER,
+    TIER_HEADER,
 )
 from streams.contract.lanes import Lane
 from streams.contract.records import EraseRequest, Source
 from streams.core.cache import ContentCache
-from streams.core.decide import Decider
+from streams.core.decide import Decider, Ended
 from streams.kafka.limits import WriteLimits
 from streams.kafka.routing import partition_for, partition_of
 from streams.kafka.topics import state_topic
@@ -94,6 +99,21 @@ async def _flow(
         await store.close()
 
 
+def _registry(tmp_path: Path, *, sink: bool = False, session: bool = False) -> PipelineRegistry:
+    """The shipped comment pipeline, with a sink (enriched, keyed by task id, its dead
+    letters copied to a topic of its own) and keeping sessions (the earlier turns' text and
+    label), as asked."""
+    spec = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
+    if sink:
+        spec["sink"] = {"topic": SINK, "dead_letters": f"{SINK}.dlq"}
+    if session:
+        spec["versions"]["v1"]["session"] = {"budget_tokens": 2000,
+                                             "keep": {"slots": ["text"], "fields": ["sentiment"]}}  # fmt: skip
+        spec.pop("chunking", None)
+    (tmp_path / "comment-analysis.yaml").write_text(yaml.safe_dump(spec))
+    return PipelineRegistry.load(tmp_path, ROOT / "schemas")
+
+
 @pytest.fixture
 async def flow(make_processor: MakeProcessor, monkeypatch: pytest.MonkeyPatch) -> Any:
     async with _flow(make_processor, monkeypatch) as made:
@@ -106,11 +126,7 @@ async def sink_flow(
 ) -> Any:
     """The shipped comment pipeline with a sink: enriched, keyed by task id, its dead
     letters copied to a topic of its own."""
-    spec = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
-    spec["sink"] = {"topic": SINK, "dead_letters": f"{SINK}.dlq"}
-    (tmp_path / "comment-analysis.yaml").write_text(yaml.safe_dump(spec))
-    registry = PipelineRegistry.load(tmp_path, ROOT / "schemas")
-    async with _flow(make_processor, monkeypatch, registry) as made:
+    async with _flow(make_processor, monkeypatch, _registry(tmp_path, sink=True)) as made:
         yield made
 
 
@@ -119,13 +135,7 @@ async def session_flow(
     make_processor: MakeProcessor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> Any:
     """The shipped comment pipeline keeping sessions (the earlier turns' text and label)."""
-    spec = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
-    spec["versions"]["v1"]["session"] = {"budget_tokens": 2000,
-                                         "keep": {"slots": ["text"], "fields": ["sentiment"]}}  # fmt: skip
-    spec.pop("chunking", None)
-    (tmp_path / "comment-analysis.yaml").write_text(yaml.safe_dump(spec))
-    registry = PipelineRegistry.load(tmp_path, ROOT / "schemas")
-    async with _flow(make_processor, monkeypatch, registry) as made:
+    async with _flow(make_processor, monkeypatch, _registry(tmp_path, session=True)) as made:
         yield made
 
 
@@ -476,3 +486,71 @@ async def test_a_sink_record_its_registered_schema_cannot_hold_makes_the_tasks_d
     assert "registered schema cannot hold" in outcome.error["message"]
     assert SINK not in [s[0] for s in sent]  # nothing half-written there
     assert orjson.loads(sent[-1][2])["status"] == "dead_lettered"
+
+
+_HEADER_NAMES = st.sampled_from([ERASE_HEADER, FORCE_HEADER, BACKTRACK_HEADER, TIER_HEADER,
+                                 REPLAY_OF_HEADER, REROUTED_FROM_HEADER, SOURCE_OF_HEADER,
+                                 RESULT_KEY_HEADER, "x-other"])  # fmt: skip
+_HEADER_VALUES = st.sampled_from([b"1", b"rerun", b"restore", b"batch", b"flex", b"sync",
+                                  b"tasks/0/x", b"tasks/1/-3", b"a/b", b"\xff\xfe", b""]) | st.binary(
+    max_size=24
+)  # fmt: skip
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
+                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))  # fmt: skip
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)  # fmt: skip
+_IDS = st.sampled_from(["t-1", "t-2", "s-1"])
+_ID = _IDS | st.text(max_size=8) | st.text(min_size=500, max_size=600) | _JSON
+_GOOD_TASK = st.fixed_dictionaries(
+    {"task_id": _IDS, "pipeline": st.just("comment-analysis"),
+     "input": st.fixed_dictionaries({"text": st.sampled_from(["Great phone.", "Bad."])})},
+    optional={"session_id": _IDS, "prompt_version": st.just("v1")},
+)  # fmt: skip
+_BAD_TASK = st.fixed_dictionaries(
+    {"task_id": _ID, "pipeline": st.sampled_from(["comment-analysis", "reply-draft", "nope"]) | _JSON},
+    optional={"input": st.fixed_dictionaries({"text": st.text(max_size=40) | _JSON}) | _JSON,
+              "session_id": _ID, "prompt_version": st.sampled_from(["v1", "v9"]) | _JSON,
+              "metadata": _JSON, "source_key": _JSON, "source_record": _JSON, "extra": _JSON},
+)  # fmt: skip
+_VALUE = (
+    (_GOOD_TASK | _BAD_TASK).map(orjson.dumps) | _JSON.map(orjson.dumps) | st.binary(max_size=64)
+)
+_KEY = st.none() | st.sampled_from([b"t-1", b"t-2", b"s-1"]) | st.binary(max_size=16)
+
+
+@settings(max_examples=150, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@given(records=st.lists(st.tuples(_KEY, _VALUE, st.lists(st.tuples(_HEADER_NAMES, _HEADER_VALUES),
+                                                         max_size=3), st.integers(0, PARTITIONS - 1)),
+                        min_size=1, max_size=3))  # fmt: skip
+def test_whatever_a_producer_writes_the_record_ends_never_as_a_bug_of_the_worker(
+    make_processor: MakeProcessor,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    records: list[tuple[bytes | None, bytes, list[tuple[str, bytes]], int]],
+) -> None:
+    """Records of any key, value and headers (garbled task fields, erase requests, backtrack,
+    tier, replay and source headers of any bytes), on any partition, through the whole way
+    of a pipeline keeping sessions and writing a sink: each ends — answered, forwarded home,
+    a dead letter saying why — and none as `internal_error` or an exception."""
+    registry = _registry(tmp_path, sink=True, session=True)
+
+    async def go() -> None:
+        async with _flow(make_processor, monkeypatch, registry) as (run, sent, llm, settings, _r):
+            outcomes = {settings.topics.results, settings.topics.dead_letters, SINK,
+                        f"{SINK}.dlq"}  # fmt: skip
+            for offset, (key, value, headers, partition) in enumerate(records):
+                record = StoredRecord("tasks", partition, offset, key, value, headers, None)
+                kind = await run.run(record, taken_at=0.0)
+                asked, written = len(llm.requests), len(sent)
+                again = await run.run(record, taken_at=0.0)  # delivered again: ends once
+                assert len(llm.requests) == asked, (records, kind, again)
+                twice = [s for s in sent[written:] if s[0] in outcomes]
+                assert twice == [] and again in (kind, Ended.ALREADY_DONE), (kind, again, twice)
+                assert kind not in (Ended.PARKED, Ended.RELEASED), kind
+            letters = [orjson.loads(s[2]) for s in sent
+                       if s[0] == settings.topics.dead_letters and s[2] is not None]  # fmt: skip
+            bugs = [d["error"] for d in letters if d["error"]["category"] == "internal_error"]
+            assert bugs == [], (records, bugs)
+
+    asyncio.run(go())
