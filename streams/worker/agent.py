@@ -45,7 +45,7 @@ from streams.worker.parked import Resumer, StoredRecord
 from streams.worker.shutdown import Watchdog
 from streams.worker.sources import SourceIngest
 from streams.worker.take import take
-from streams.worker.writer import Headers, Writer
+from streams.worker.writer import CannotWrite, Headers, Writer
 
 log = logging.getLogger(__name__)
 
@@ -433,7 +433,23 @@ class TaskAgent:
     ) -> Callable[[], Any]:
         async def job() -> None:
             assert self._flow is not None  # made with the processor
-            kind = await self._flow.run(ticket.item.message, taken_at)
+            try:
+                kind = await self._flow.run(ticket.item.message, taken_at)
+            except (CannotWrite, asyncio.CancelledError):
+                raise  # the worker is stopping: the record stays unacked
+            except Exception as exc:
+                # A bug past the record's own `internal_error` path (its dead letter's
+                # write, its metrics): neither answered nor acked, so its partition's
+                # commit could never pass it, and every later record's ack would wait in
+                # memory. The worker stops instead, as when it cannot write: the record
+                # runs again after the restart, and a bug that stays is a crash loop an
+                # operator sees, not a commit stalled for good.
+                message = ticket.item.message
+                log.critical("record %s/%d/%d neither answered nor dead-lettered",
+                             message.topic, message.partition, message.offset,
+                             exc_info=True)  # fmt: skip
+                await self.writer.crash(exc)
+                return
             if kind is Ended.RELEASED:  # not acked, nor waited for: its partition's owner runs it
                 with contextlib.suppress(Exception):  # no consumer (stopping)
                     faust_private.forget_unacked(self.app.consumer, [ticket.item.message])

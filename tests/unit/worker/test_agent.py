@@ -225,3 +225,36 @@ async def test_records_of_a_partition_given_away_are_acked_by_no_earlier_run(
     await agent._job(Stream(), ticket, None, 0.0)()  # type: ignore[arg-type]
     assert Stream.acked == [] and forgotten[-1] is ticket.item.message
     await agent.store.close()
+
+
+async def test_a_record_neither_answered_nor_dead_lettered_stops_the_worker_unacked(
+    agent: TaskAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug past a record's own `internal_error` path (here: its dead letter's write
+    raises a TypeError) used to end in the dispatcher's log line: the record's ticket never
+    finished, its partition's commit stopped behind it, and every later ack waited in
+    memory. The worker stops instead, as when it cannot write: nothing acked, the record
+    runs again after the restart."""
+    crashed: list[BaseException] = []
+
+    async def crash(exc: BaseException) -> None:
+        crashed.append(exc)
+
+    class Broken:
+        async def run(self, *_: Any) -> Ended:
+            raise TypeError("a bug in the dead letter's write")
+
+    class Stream:
+        acked: list[Any] = []
+
+        async def ack(self, event: Any) -> None:
+            self.acked.append(event)
+
+    tp = type("TP", (), {"topic": "tasks", "partition": 0})()
+    message = type("M", (), {"tp": tp, "topic": "tasks", "partition": 0, "offset": 7})()
+    ticket = agent.acks.started(tp, type("E", (), {"message": message})())
+    monkeypatch.setattr(agent, "_flow", Broken())
+    monkeypatch.setattr(agent.writer, "crash", crash)
+    await agent._job(Stream(), ticket, None, 0.0)()  # type: ignore[arg-type]
+    assert [type(e) for e in crashed] == [TypeError]
+    assert Stream.acked == [] and not ticket.done  # still unacked: it runs again
