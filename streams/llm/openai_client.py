@@ -38,6 +38,29 @@ from streams.llm.deployments import AzureDeployment, Deployment
 from streams.llm.endpoint import EndpointFacts, facts_from
 from streams.llm.ratelimit_headers import delay, number
 
+# What the worker reads of an answer at most (after its content-encoding is undone): a
+# chat completion is kilobytes, one with logprobs of a long answer a few megabytes. A server
+# or proxy that sends more (an endless body, a gzip bomb) is cut off there, not read into
+# memory whole.
+MAX_RESPONSE_BYTES = 32 * 1024 * 1024
+
+
+async def read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The answer's body, or None when it is over `limit` bytes (read no further: the
+    connection is closed, not drained)."""
+    if response.content_length is not None and "Content-Encoding" not in response.headers:
+        if response.content_length <= limit:
+            return await response.read()  # the common case: said, and small
+        response.close()
+        return None
+    body = bytearray()
+    while chunk := await response.content.read(min(1 << 20, limit + 1 - len(body))):
+        body += chunk
+        if len(body) > limit:
+            response.close()
+            return None
+    return bytes(body)
+
 
 def retry_after_seconds(headers: Any) -> float | None:
     """Seconds the provider asks us to wait: `retry-after-ms` wins over `retry-after`."""
@@ -183,7 +206,7 @@ class OpenAIClient:
         try:
             async with session.post(self._url, data=body, proxy=self._proxy, timeout=timeout,
                                     params=self._query) as response:  # fmt: skip
-                content = await response.read()
+                content = await read_at_most(response, MAX_RESPONSE_BYTES)
                 status, headers = response.status, response.headers
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise Timeout(f"LLM call timed out: {exc!r}", code="timeout") from exc
@@ -191,9 +214,18 @@ class OpenAIClient:
             raise UpstreamError(
                 f"cannot reach the LLM endpoint: {exc}", code="connection_error"
             ) from exc
+        return self._answer(status, headers, content, request.model)
+
+    def _answer(self, status: int, headers: Any, content: bytes | None, model: str) -> LLMResponse:
+        """A chat completion's answer read: the completion, or the error it says."""
+        if content is None:
+            if status >= 400:  # its status says enough
+                raise map_error(self._status_error(status, headers, b""))
+            raise UpstreamError(f"the endpoint's answer is over {MAX_RESPONSE_BYTES} bytes",
+                                code="response_too_large")  # fmt: skip
         if status >= 400:
             raise map_error(self._status_error(status, headers, content))
-        return parse_completion(content, request.model, rate_headers(headers))
+        return parse_completion(content, model, rate_headers(headers))
 
     async def describe(self, model: str, timeout_s: float = 5.0) -> EndpointFacts:
         """What the endpoint says of itself and of `model` (`llm.endpoint`): its model
@@ -218,11 +250,11 @@ class OpenAIClient:
         url = self._endpoint.rstrip("/") + "/models"
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                proxy=self._proxy) as response:  # fmt: skip
-            body = await response.read()
+            body = await read_at_most(response, MAX_RESPONSE_BYTES)
         if response.status != 200:
             return response.status, []
         try:
-            data = orjson.loads(body)
+            data = orjson.loads(body or b"")
         except orjson.JSONDecodeError:
             return response.status, []
         entries = data.get("data") if isinstance(data, dict) else None
@@ -270,13 +302,12 @@ class OpenAIClient:
                 self._url, data=orjson.dumps(body), proxy=self._proxy, params=self._query,
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as response:  # fmt: skip
-                content, status, headers = await response.read(), response.status, response.headers
+                content = await read_at_most(response, MAX_RESPONSE_BYTES)
+                status, headers = response.status, response.headers
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise UpstreamError(f"cannot reach the LLM endpoint: {exc!r}",
                                 code="connection_error") from exc  # fmt: skip
-        if status >= 400:
-            raise map_error(self._status_error(status, headers, content))
-        return parse_completion(content, str(body.get("model") or ""))
+        return self._answer(status, headers, content, str(body.get("model") or ""))
 
     async def _get_json(
         self, method: str, url: str, timeout_s: float, server: list[str], body: Any = None
@@ -292,7 +323,7 @@ class OpenAIClient:
                     server.append(response.headers["Server"])
                 if response.status != 200:
                     return None
-                return orjson.loads(await response.read())
+                return orjson.loads(await read_at_most(response, MAX_RESPONSE_BYTES) or b"")
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
             return None
 

@@ -3,9 +3,11 @@ the project's categories exactly as the SDK's own calls would be."""
 
 from __future__ import annotations
 
+import gzip
 import socket
 from collections.abc import AsyncIterator
 
+import orjson
 import pytest
 
 from streams.dev.simulator import SimulatorServer
@@ -17,6 +19,7 @@ from streams.errors import (
     Timeout,
     UpstreamError,
 )
+from streams.llm import openai_client
 from streams.llm.openai_client import OpenAIClient
 from tests.fakes import SIM_REQUEST
 
@@ -162,3 +165,67 @@ async def test_an_error_answer_with_a_header_that_is_not_ascii_is_mapped_as_any(
         await c.close()
     if status == 429:
         assert raised.value.retry_after == 2.0
+
+
+@pytest.fixture
+async def flood() -> AsyncIterator[str]:
+    """A server (or a proxy before it) answering a chat completion with more than any
+    completion is: said in its Content-Length, sent in chunks without one, or gzipped
+    small on the wire and large once unzipped; `/{status}/...` answers with that status."""
+    from aiohttp import web
+
+    big = orjson.dumps({"choices": [{"message": {"content": "x" * 5_000}}]})
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        status, how = int(request.match_info["status"]), request.match_info["how"]
+        if how == "length":
+            return web.Response(status=status, body=big, content_type="application/json")
+        response = web.StreamResponse(status=status)
+        if how == "gzip":
+            response.headers["Content-Encoding"] = "gzip"
+            response.content_length = len(packed := gzip.compress(big))
+            await response.prepare(request)
+            await response.write(packed)
+            return response
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for i in range(0, len(big), 512):
+            await response.write(big[i : i + 512])
+        return response
+
+    app = web.Application()
+    app.router.add_post("/{how}/{status}/v1/chat/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await runner.cleanup()
+
+
+@pytest.mark.parametrize("how", ["length", "chunked", "gzip"])
+async def test_an_answer_larger_than_any_completion_is_cut_off_not_read_whole(
+    flood: str, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An endless body, or a gzip bomb, was read into memory whole: the worker's memory
+    was the server's to fill. It is read up to MAX_RESPONSE_BYTES (here 4 KB), then the
+    call is an upstream error saying so; an error status over it is still that status."""
+    monkeypatch.setattr(openai_client, "MAX_RESPONSE_BYTES", 4_096)
+    for status, error, code in [(200, UpstreamError, "response_too_large"),
+                                (503, UpstreamError, None), (429, RateLimited, None)]:  # fmt: skip
+        c = OpenAIClient(base_url=f"{flood}/{how}/{status}/v1", api_key="k",
+                         connect_timeout_s=1, read_timeout_s=1)  # fmt: skip
+        try:
+            with pytest.raises(error) as raised:
+                await c.complete(REQ)
+        finally:
+            await c.close()
+        if code is not None:
+            assert raised.value.code == code and "4096 bytes" in raised.value.message
+    monkeypatch.setattr(openai_client, "MAX_RESPONSE_BYTES", 6_000)  # under it: answered
+    c = OpenAIClient(base_url=f"{flood}/{how}/200/v1", api_key="k", connect_timeout_s=1,
+                     read_timeout_s=1)  # fmt: skip
+    try:
+        assert (await c.complete(REQ)).content == "x" * 5_000
+    finally:
+        await c.close()
