@@ -47,7 +47,7 @@ from streams.core.outcome import Outcome, Prepared
 from streams.core.processor import TaskProcessor
 from streams.core.sessions import has_turn, without_turn
 from streams.core.sinks import erased
-from streams.errors import InternalError, InvalidInput
+from streams.errors import InternalError, InvalidInput, WriteRefused
 from streams.kafka.routing import partition_for
 from streams.observability.logs import current_task_id
 from streams.observability.metrics import Metrics
@@ -226,7 +226,12 @@ class RecordFlow:
         refused = self.processor.intake.refusal(message.value, message.key, source)
         if refused is not None:
             return await self.dead_here(refused, source)
-        await self._reroute(message, source, home, task_id)
+        try:
+            await self._reroute(message, source, home, task_id)
+        except WriteRefused as exc:  # with its new key and header, over what the topic takes
+            return await self.dead_here(
+                self.processor.dead_letter(exc, message.value, message.key, source), source
+            )
         return Ended.REROUTED, None
 
     def _as_run(self, prep: Prepared, message: Any, lane: Lane) -> Prepared:
@@ -346,11 +351,9 @@ class RecordFlow:
         log.info("record %s/%d/%d of task %r belongs to partition %d: forwarded there",
                  source.topic, source.partition, source.offset, task_id, home)  # fmt: skip
 
-        def forward() -> Awaitable[int]:
-            return self.writer.send(message.topic, task_id.encode(), message.value, home,
-                                    headers, via=source.partition)  # fmt: skip
-
-        await self.writer.write_or_stop(forward, what=f"the forward of {origin.decode()}")
+        await self.writer.forward(message.topic, task_id.encode(), message.value, home,
+                                  headers, what=f"the forward of {origin.decode()}",
+                                  via=source.partition)  # fmt: skip
         self.metrics.misrouted.labels(self.lane_of(message.topic).name.lower(),
                                       "rerouted").inc()  # fmt: skip
 

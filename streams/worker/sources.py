@@ -24,7 +24,6 @@ home's check makes safe. A source record's own dead letter stays at-least-once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
@@ -97,20 +96,17 @@ class SourceIngest:
                                 offset=source.offset)  # fmt: skip
                 value = orjson.dumps(task)
                 self._fits(value, "the mapped task")
+                task_id = str(task["task_id"])
+                await self.writer.forward(
+                    self.settings.topics.tasks, task_id.encode(), value,
+                    partition_for(task_id, self.settings.kafka.partitions),
+                    [(SOURCE_OF_HEADER, where.encode())], what=f"the task mapped from {where}",
+                    plain=True,
+                )  # fmt: skip
             except TaskError as exc:
                 await self._dead_letter(exc, message, source, processor, mapper.pipeline)
                 self.metrics.source_records.labels(mapper.pipeline, "dead_letter").inc()
                 continue
-            task_id = str(task["task_id"])
-            home = partition_for(task_id, self.settings.kafka.partitions)
-
-            def forward(task_id: str = task_id, value: bytes = value,
-                        home: int = home) -> Awaitable[int]:  # fmt: skip
-                return self.writer.send(self.settings.topics.tasks, task_id.encode(), value,
-                                        home, [(SOURCE_OF_HEADER, where.encode())],
-                                        plain=True)  # fmt: skip
-
-            await self.writer.write_or_stop(forward, what=f"the task mapped from {where}")
             count.inc()
 
     def _fits(self, value: bytes, what: str) -> None:
@@ -135,13 +131,11 @@ class SourceIngest:
         value = request.model_dump_json().encode()
         self._fits(value, "the erasure")
 
-        def forward() -> Awaitable[int]:
-            return self.writer.send(
-                self.settings.topics.tasks, erase.task_id.encode(), value, home,
-                [(ERASE_HEADER, b"source"), (SOURCE_OF_HEADER, where.encode())], plain=True,
-            )  # fmt: skip
-
-        await self.writer.write_or_stop(forward, what=f"the erasure asked by {where}")
+        await self.writer.forward(
+            self.settings.topics.tasks, erase.task_id.encode(), value, home,
+            [(ERASE_HEADER, b"source"), (SOURCE_OF_HEADER, where.encode())],
+            what=f"the erasure asked by {where}", plain=True,
+        )  # fmt: skip
 
     async def _dead_letter(
         self,

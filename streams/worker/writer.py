@@ -310,14 +310,45 @@ class Writer:
             return outcome.sink.topic
         return t.results if outcome.kind == "result" else t.dead_letters
 
+    async def forward(
+        self,
+        topic: str,
+        key: bytes,
+        value: bytes,
+        partition: int,
+        headers: Headers,
+        *,
+        what: str,
+        via: int | None = None,
+        plain: bool = False,
+    ) -> None:
+        """A record forwarded to its task's partition (a misrouted record, a source record's
+        task or erasure), again while the broker may take it later. Raises `WriteRefused`
+        when the broker refuses it for good (too large with its key and headers, invalid):
+        the record it came from becomes a dead letter where it stands. Stopping the worker
+        instead would stop it again on the same record after every restart."""
+        try:
+            await self._or_stop(
+                lambda: self.send(topic, key, value, partition, headers, via=via, plain=plain),
+                what, refusals=True,
+            )  # fmt: skip
+        except KafkaError as exc:
+            why = refused_for_good(exc)
+            self.metrics.writes_refused.labels(topic, why).inc()
+            log.warning("%s refused %s for good: %r", topic, what, exc)
+            raise WriteRefused(f"{topic} refused {what} ({why}): {exc!r}", code=why) from exc
+
     async def write_or_stop(self, write: Callable[[], Awaitable[object]], what: str) -> None:
         """One write, again while the broker may take it later; stop when it will not."""
         await self._or_stop(write, what)
 
-    async def _or_stop(self, write: Callable[[], Awaitable[object]], what: str) -> None:
+    async def _or_stop(
+        self, write: Callable[[], Awaitable[object]], what: str, refusals: bool = False
+    ) -> None:
         """`write()` again while it fails for a reason the broker may mend (with backoff, at
         most SEND_ATTEMPTS times); dropped when the partition is not this worker's any
-        more; otherwise the worker stops without acking."""
+        more; otherwise the worker stops without acking (`refusals`: a refusal for good
+        is raised to the caller instead)."""
 
         def transient(exc: BaseException) -> bool:
             return (
@@ -332,6 +363,8 @@ class Writer:
         except PartitionLost as exc:  # its new owner answers the record
             log.info("not writing %s: %s", what, exc)
         except KafkaError as exc:
+            if refusals and refused_for_good(exc) is not None:
+                raise
             await self.stop(f"cannot write {what}", exc)
 
     async def stop(self, why: str, exc: BaseException | None) -> NoReturn:

@@ -178,6 +178,33 @@ async def test_a_record_away_from_home_is_forwarded_before_its_prompt_is_made(
     assert (REROUTED_FROM_HEADER, f"tasks/{away}/7".encode()) in headers
 
 
+async def test_a_forward_the_broker_refuses_for_good_is_the_records_dead_letter(
+    flow: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record away from home that the task topic takes under its producer's key but not
+    under the task id with the forward's header (a record near the topic's limit), or
+    that a record policy refuses: its forward stopped the worker, and again on the same
+    record after every restart. It is the record's dead letter now, where it stands."""
+    run, sent, llm, settings, refuse = flow
+    stops: list[BaseException] = []
+
+    async def crash(exc: BaseException) -> None:
+        stops.append(exc)
+
+    monkeypatch.setattr(run.writer, "crash", crash)
+    refuse.add("tasks")
+    home = _home_of("t-2")
+    away = (home + 1) % PARTITIONS
+    assert await run.run(_record("t-2", away, 7), taken_at=0.0) == "dead_letter"
+    ((_, _, _, partition, _), (topic, key, value, where, _)) = sent  # the forward, refused
+    assert partition == home and (topic, key, where) == (settings.topics.dead_letters, b"t-2", away)
+    letter = orjson.loads(value)
+    assert (letter["error"]["category"], letter["error"]["code"]) == ("write_refused",
+                                                                      "record_too_large")  # fmt: skip
+    assert letter["source"] == {"topic": "tasks", "partition": away, "offset": 7}
+    assert stops == [] and llm.requests == []
+
+
 async def test_bad_input_is_one_dead_letter_however_often_the_record_runs(flow: Any) -> None:
     run, sent, llm, settings, _ = flow
     bad = StoredRecord("tasks", 1, 3, b"k", b"{not json", [], None)

@@ -5,7 +5,6 @@ letter or its task, and the ingest goes on to the next record."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -14,7 +13,7 @@ import orjson
 import pytest
 
 from streams.contract.records import Task
-from streams.errors import Category, StreamsError
+from streams.errors import Category, StreamsError, WriteRefused
 from streams.kafka.limits import WriteLimits
 from streams.observability.metrics import Metrics
 from streams.pipelines.sinks import SinkSpec
@@ -41,6 +40,7 @@ class Writer:
     def __init__(self) -> None:
         self.forwarded: list[dict[str, Any]] = []
         self.dead: list[StreamsError] = []
+        self.refused: set[bytes] = set()  # task ids whose forward the broker refuses for good
 
     async def send(self, topic: str, key: bytes, value: bytes, partition: int,
                    headers: list[tuple[str, bytes]], *, plain: bool = False) -> int:  # fmt: skip
@@ -48,8 +48,11 @@ class Writer:
         self.forwarded.append(orjson.loads(value))
         return 0
 
-    async def write_or_stop(self, write: Callable[[], Awaitable[int]], *, what: str) -> int:
-        return await write()
+    async def forward(self, topic: str, key: bytes, value: bytes, partition: int,
+                      headers: list[tuple[str, bytes]], *, what: str, plain: bool = False) -> None:  # fmt: skip
+        if key in self.refused:  # the broker's refusal for good, as `worker.writer` says it
+            raise WriteRefused(f"{topic} refused {what} (invalid_record)", code="invalid_record")
+        await self.send(topic, key, value, partition, headers, plain=plain)
 
     async def deliver(self, outcome: StreamsError, partition: int, *, plain: bool = False) -> None:
         assert plain, "a source record's dead letter through the task store"
@@ -181,3 +184,20 @@ async def test_a_record_the_task_topic_could_not_take_is_its_dead_letter() -> No
     ]
     assert "600 characters long, over the 512" in writer.dead[1].message
     assert [t["task_id"] for t in writer.forwarded] == [f"ok-{i}" for i in range(len(hostile))]
+
+
+async def test_a_task_the_broker_refuses_for_good_is_its_source_records_dead_letter(
+    ingest: tuple[SourceIngest, Writer, Metrics],
+) -> None:
+    """A forward the task topic refuses for good (a broker's record policy) stopped the
+    worker — and again on the same record after every restart. It is the source record's
+    dead letter now, and the ingest goes on."""
+    ingest_, writer, _ = ingest
+    writer.refused.add(b"review-1")
+    for offset in range(3):
+        message = Message(change(offset, 4), headers=[("origin", b"web")], offset=offset)
+        await ingest_.ingest(message, Processor())  # type: ignore[arg-type]
+    assert [(e.category, e.code) for e in writer.dead] == [
+        (Category.WRITE_REFUSED, "invalid_record")
+    ]
+    assert [t["task_id"] for t in writer.forwarded] == ["review-0", "review-2"]
