@@ -146,6 +146,12 @@ def parse_completion(
     """A chat completion body -> LLMResponse; a body that is not one is an upstream error."""
     try:
         data = orjson.loads(raw)
+        if (
+            isinstance(data, dict)
+            and isinstance(data.get("error"), dict)
+            and not data.get("choices")
+        ):
+            raise _said_error(data["error"])
         choice = data["choices"][0]
         message = choice.get("message") or {}
         usage = data.get("usage") or {}
@@ -177,6 +183,19 @@ def parse_completion(
             f"endpoint answered with something that is not a chat completion: {exc!r}",
             code="malformed_response",
         ) from exc
+
+
+def _said_error(error: dict[str, Any]) -> TaskError:
+    """An error sent in a 200 answer's body: OpenRouter answers 200 once the model began,
+    and an error after that comes as `{"error": {"code": 502, "message": ...}}`, its code
+    the HTTP status it stands for. Mapped as that status (a 429 is a rate limit the limiter
+    hears, an overflow an overflow); a code that is no such status, as a 502."""
+    code = error.get("code")
+    status = code if isinstance(code, int) and 400 <= code < 600 else 502
+    said = None if status == code or code is None else str(code)[:100]
+    message = str(error.get("message") or "")[:1000]
+    return error_for_status(status, said, f"HTTP 200 saying an error {code}: {message}",
+                            body={"error": error})  # fmt: skip
 
 
 def _text(content: Any) -> str:

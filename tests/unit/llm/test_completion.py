@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from streams.errors import UpstreamError
+from streams.errors import ContextOverflow, RateLimited, TaskError, Timeout, UpstreamError
 from streams.llm.client import parse_completion
 
 
@@ -48,3 +48,30 @@ def test_a_token_count_that_is_no_whole_number_of_zero_or_more_counts_as_unsaid(
     answer = parse_completion(_body('{"ok": true}', usage), "m")
     assert answer.content == '{"ok": true}'
     assert answer.prompt_tokens == answer.completion_tokens == answer.cached_prompt_tokens == count
+
+
+@pytest.mark.parametrize(
+    ("error", "raised", "code"),
+    [
+        ({"code": 429, "message": "Rate limit exceeded"}, RateLimited, "http_429"),
+        ({"code": 502, "message": "provider returned error"}, UpstreamError, "http_502"),
+        ({"code": 408, "message": "timed out"}, Timeout, "http_408"),
+        ({"code": "context_length_exceeded", "message": "This model's maximum context length "
+          "is 4096 tokens. However, you requested 5000 tokens"}, ContextOverflow,
+         "context_length_exceeded"),
+        ({"code": "server_error", "message": "boom"}, UpstreamError, "server_error"),
+        ({"message": "no code at all"}, UpstreamError, "http_502"),
+    ],
+)  # fmt: skip
+def test_an_error_in_a_200_answer_is_that_error_not_a_malformed_response(
+    error: dict[str, Any], raised: type[TaskError], code: str
+) -> None:
+    """OpenRouter answers 200 once the model began and puts a later error in the body,
+    its code the status it stands for. It was a `malformed_response`: a rate limit the
+    limiter never heard, an overflow retried as if the server had failed."""
+    with pytest.raises(raised) as found:
+        parse_completion(orjson.dumps({"error": error, "id": "gen-1"}), "m")
+    assert type(found.value) is raised and found.value.code == code
+    assert str(error["message"])[:20] in found.value.message
+    if raised is ContextOverflow:
+        assert found.value.window == 4096  # the server's numbers, read as from any overflow
