@@ -3,9 +3,11 @@ group's assignment of the task topics (both lanes), loading each partition once.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import faust
+import orjson
 import pytest
 
 from streams.core.decide import Ended
@@ -258,3 +260,37 @@ async def test_a_record_neither_answered_nor_dead_lettered_stops_the_worker_unac
     await agent._job(Stream(), ticket, None, 0.0)()  # type: ignore[arg-type]
     assert [type(e) for e in crashed] == [TypeError]
     assert Stream.acked == [] and not ticket.done  # still unacked: it runs again
+
+
+async def test_a_parked_record_another_version_wrote_is_read_and_a_broken_one_left() -> None:
+    """The ledger outlives a version. A parked record written with more (a newer
+    version's field) or less (no key, headers or timestamp) is run as any; one that is
+    no parked record is left in the ledger, said in an error — before, either raised out
+    of the resumer's job, and a record of a newer version's shape was never run."""
+    from streams.core.dispatch import LaneSlots
+    from streams.worker.parked import Resumer
+
+    ran: list[StoredRecord] = []
+    deleted: list[bytes] = []
+
+    class Store:
+        def owned(self) -> set[int]:
+            return {0}
+
+        async def put(self, kind: Kind, partition: int, key: bytes, value: None) -> None:
+            deleted.append(key)
+
+    async def run(record: StoredRecord) -> Ended:
+        ran.append(record)
+        return Ended.RESULT
+
+    resumer = Resumer(Store(), LaneSlots(4), run)  # type: ignore[arg-type]
+    newer = {"topic": "replay", "partition": 0, "offset": 9, "value": "e30=", "lane": "x"}
+    resumer.resume(0, "new", orjson.dumps(newer))
+    resumer.resume(0, "broken", b'{"topic": "replay"}')
+    resumer.resume(0, "garbage", b"\xff not json")
+    await asyncio.sleep(0)  # the submissions
+    await resumer._dispatcher.drain()
+    assert ran == [StoredRecord("replay", 0, 9, None, b"{}", [], None)]
+    assert len(deleted) == 1  # the record run: its entry goes; the broken ones stay
+    await resumer.close()
