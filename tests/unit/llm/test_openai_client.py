@@ -6,6 +6,8 @@ from __future__ import annotations
 import gzip
 import socket
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import orjson
 import pytest
@@ -126,6 +128,22 @@ async def test_an_attempt_may_carry_a_longer_read_timeout_than_the_clients(
         await client.close()
 
 
+@asynccontextmanager
+async def _serving(route: str, handler: Any) -> AsyncIterator[str]:
+    """A server on a free loopback port answering POSTs to `route` with `handler`."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post(route, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
 @pytest.fixture
 async def gateway() -> AsyncIterator[str]:
     """An OpenAI-compatible gateway that says why it refuses in a header of its own, in
@@ -138,15 +156,8 @@ async def gateway() -> AsyncIterator[str]:
         return web.Response(status=status, body=body, content_type="application/json",
                             headers={"retry-after": "2", "x-error-detail": "请求过多，请稍后再试"})  # fmt: skip
 
-    app = web.Application()
-    app.router.add_post("/{status}/v1/chat/completions", refuse)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with _serving("/{status}/v1/chat/completions", refuse) as url:
+        yield url
 
 
 @pytest.mark.parametrize(("status", "error"), [(429, RateLimited), (503, UpstreamError)])
@@ -193,14 +204,8 @@ async def flood() -> AsyncIterator[str]:
             await response.write(big[i : i + 512])
         return response
 
-    app = web.Application()
-    app.router.add_post("/{how}/{status}/v1/chat/completions", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    await runner.cleanup()
+    async with _serving("/{how}/{status}/v1/chat/completions", answer) as url:
+        yield url
 
 
 @pytest.mark.parametrize("how", ["length", "chunked", "gzip"])
