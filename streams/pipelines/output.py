@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from streams.contract.records import MAX_DEPTH, too_deep
-from streams.errors import InvalidOutput
+from streams.errors import InvalidOutput, UpstreamError
 from streams.llm.client import LLMResponse, unfenced
 from streams.pipelines.defaults import fill_defaults
 from streams.pipelines.pipeline import Pipeline
@@ -61,6 +61,9 @@ def parse_output(
     `variables`: the slots as the prompt had them; `originals`: as the task gave them."""
     if response.finish_reason == "length":
         raise InvalidOutput("answer was cut at max_tokens (finish_reason=length)", code="truncated")
+    if response.finish_reason == "error":  # OpenRouter: the model failed mid-answer
+        raise UpstreamError("the endpoint ended the answer with an error (finish_reason=error)",
+                            code="finish_error")  # fmt: skip
     try:
         data = orjson.loads(response.content)
     except orjson.JSONDecodeError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
@@ -147,3 +148,18 @@ def test_whatever_a_server_answers_the_task_ends_as_a_result_or_a_dead_letter_sa
     assert out.kind == "result" or out.category in ("upstream_error", "invalid_output"), (
         body, out.value
     )  # fmt: skip
+
+
+async def test_an_answer_the_endpoint_ended_with_an_error_is_asked_again_and_paid_for(
+    make_processor: MakeProcessor,
+) -> None:
+    """OpenRouter ends an answer whose model failed mid-way with `finish_reason: "error"`
+    and what it had written. That partial text was parsed as the answer: a repair asked of
+    the model about text it never finished. It is the endpoint's failure now, asked again,
+    and its tokens counted in the task's spend all the same."""
+    answers = iter([replace(answer('{"sentiment": "pos'), finish_reason="error"), answer(GOOD)])
+    llm = FakeLLM(lambda _r: next(answers))
+    out = await make_processor(llm, prices=Prices(1.0, 2.0)).process(task("Great."), b"t1", SRC)
+    assert out.kind == "result" and out.attempts == 2 and len(llm.requests) == 2
+    assert out.prompt_tokens == 20  # both calls' tokens: the failed one was paid too
+    assert orjson.loads(out.value)["rejected_answers"] == 0  # not the model's invalid answer
