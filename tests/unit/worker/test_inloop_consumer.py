@@ -351,3 +351,38 @@ async def test_a_record_a_stream_skipped_unread_is_not_committed_past(thread: bo
     consumer_._committed_offset[tp] = 14  # committed
     assert taken_in(14).ack(consumer_)  # read again after the rebalance, run and acked
     assert consumer_._new_offset(tp) == 15
+
+
+class _Fetched:
+    """An aiokafka consumer as Faust's seek sees it: what each partition has committed
+    (aiokafka seeks, itself, only where an offset above 0 is), and the seeks made."""
+
+    def __init__(self, committed: dict[Any, int | None]) -> None:
+        self.committed, self.to_start = committed, list[Any]()
+
+    async def seek_to_committed(self) -> dict[Any, int | None]:
+        return dict(self.committed)
+
+    def assignment(self) -> set[Any]:
+        return set(self.committed)
+
+    async def seek_to_beginning(self, *tps: Any) -> None:
+        self.to_start += tps
+
+
+async def test_fausts_seek_back_puts_a_partition_never_committed_at_its_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Faust's `perform_seek` (a rebalance's, or a fetch answered while the flow is
+    stopped) goes through `seek_from_committed`: the partitions with nothing committed go
+    back to their start, not left past records fetched and dropped unread
+    (tests/integration/test_consumer.py shows it on a real broker)."""
+    app = _app()
+    never, zero, some = (TP("llm-tasks", n) for n in range(3))
+    fetched = _Fetched({never: None, zero: 0, some: 12})
+    monkeypatch.setattr(app.consumer._thread, "_ensure_consumer", lambda: fetched)
+    app.consumer._read_offset[never] = 16  # read up to 16 in the generation before
+    await app.consumer.perform_seek()
+    assert sorted(fetched.to_start) == [never, zero]
+    assert app.consumer._read_offset[never] is None  # every record read from there is new
+    assert app.consumer._read_offset[some] == 12
