@@ -121,6 +121,7 @@ class RegistryClient:
         try:  # not in the registry, or there but not parseable: unknown either way
             schema = await self._parse(schema_id, await self._get(f"/schemas/ids/{schema_id}"))
         except UnknownSchema:
+            self._unknown.pop(schema_id, None)  # asked again after its ttl: the newest now
             self._unknown[schema_id] = asyncio.get_running_loop().time()
             if len(self._unknown) > self.settings.cache_size:
                 self._unknown.pop(next(iter(self._unknown)))
@@ -164,9 +165,11 @@ class RegistryClient:
         (depth first: a reference's own references come before it)."""
         if depth > _MAX_REFERENCE_DEPTH:
             raise UnknownSchema(f"references nested over {_MAX_REFERENCE_DEPTH} deep")
+        if not isinstance(refs, list) or not all(isinstance(ref, dict) for ref in refs):
+            raise UnknownSchema(f"references that are no list of objects: {str(refs)[:200]}")
         for ref in refs:
-            subject, version = ref.get("subject"), ref.get("version")
-            body = await self._get(f"/subjects/{subject}/versions/{version}")
+            subject, version = quote(str(ref.get("subject")), safe=""), ref.get("version")
+            body = await self._get(f"/subjects/{subject}/versions/{quote(str(version), safe='')}")
             await self._references(body.get("references") or [], named, depth + 1)
             fastavro.parse_schema(orjson.loads(body["schema"]), named_schemas=named)
 

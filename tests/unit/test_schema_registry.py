@@ -237,3 +237,67 @@ async def test_a_schema_that_does_not_parse_is_an_unknown_schema(
             await client.schema(31)
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize(
+    "references",
+    [{"name": "shop.Product", "subject": "product-value", "version": 1}, ["product-value"], 7],
+    ids=["an object", "names", "a number"],
+)
+async def test_references_that_are_no_list_of_objects_make_an_unknown_schema(
+    fake_registry: FakeRegistry, references: Any
+) -> None:
+    """What the registry holds is another team's: a schema whose references are not the
+    list of objects Confluent's API gives is invalid input with its reason, not a bug
+    of the worker (it was an AttributeError, each record an internal_error)."""
+    fake_registry.schemas[41] = {"schema": orjson.dumps(REVIEW).decode(),
+                                 "references": references}  # fmt: skip
+    decoder = RecordDecoder(client_for(fake_registry))
+    try:
+        with pytest.raises(InvalidInput) as caught:
+            await decoder.decode(framed(41, avro_body(REVIEW, review())))
+        assert caught.value.code == "source_schema_unknown"
+    finally:
+        await decoder.client.close()
+
+
+async def test_a_reference_to_a_subject_with_a_slash_in_its_name_is_resolved(
+    fake_registry: FakeRegistry,
+) -> None:
+    """A subject's name is a path segment of the registry's API and may hold any
+    character: quoted, a subject named with a slash is found, not asked for at a path
+    that does not exist (a 404: every record of the schema a dead letter)."""
+    product = {"type": "record", "name": "Product", "namespace": "shop",
+               "fields": [{"name": "name", "type": "string"}]}  # fmt: skip
+    order = {"type": "record", "name": "Order", "namespace": "shop",
+             "fields": [{"name": "product", "type": "shop.Product"}]}  # fmt: skip
+    fake_registry.subjects[("team/product-value", "1")] = {"schema": orjson.dumps(product).decode()}
+    fake_registry.schemas[42] = {
+        "schema": orjson.dumps(order).decode(),
+        "references": [{"name": "shop.Product", "subject": "team/product-value", "version": 1}],
+    }
+    decoder = RecordDecoder(client_for(fake_registry))
+    body = avro_body({**order, "fields": [{"name": "product", "type": product}]},
+                     {"product": {"name": "Bag"}})  # fmt: skip
+    try:
+        assert await decoder.decode(framed(42, body)) == {"product": {"name": "Bag"}}
+    finally:
+        await decoder.client.close()
+
+
+async def test_an_unknown_id_asked_again_is_the_last_one_the_bound_drops(
+    fake_registry: FakeRegistry,
+) -> None:
+    """The unknown ids are remembered in a bounded map, the oldest dropped first: an id
+    asked again once its ttl ran out (still unknown) is the newest, not dropped next
+    while it is the one records are coming with."""
+    client = client_for(fake_registry, cache_size=2, unknown_ttl_s=0)
+    try:
+        for schema_id in (51, 52, 51):  # 51 asked again after its ttl
+            with pytest.raises(UnknownSchema):
+                await client.schema(schema_id)
+        with pytest.raises(UnknownSchema):
+            await client.schema(53)  # over the bound: the oldest goes
+        assert list(client._unknown) == [51, 53]
+    finally:
+        await client.close()
