@@ -81,10 +81,11 @@ class LaneSlots:
         try:
             await granted  # `_wake` counted the slot as ours when it set the result
         except asyncio.CancelledError:
+            waiting = self._waiters[lane]
             if granted.done() and not granted.cancelled():
-                self.release(lane)
-            else:
-                self._waiters[lane].remove(granted)
+                self.release(lane)  # granted as it was cancelled: the slot goes on
+            elif granted in waiting:  # else a slot freed since passed it over, dropped
+                waiting.remove(granted)
             raise
 
     def release(self, lane: Lane) -> None:

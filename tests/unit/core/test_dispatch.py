@@ -110,6 +110,24 @@ async def test_a_cancelled_wait_gives_no_slot_away() -> None:
     await asyncio.wait_for(slots.acquire(Lane.REPLAY), 1)
 
 
+async def test_a_wait_cancelled_as_a_slot_frees_ends_cancelled_with_no_slot_taken() -> None:
+    """Cancelled, a waiter's future is cancelled at once and its task resumes later: a
+    slot freed in between passes it over and drops it from the queue. The wait then ends
+    as cancelled (it raised ValueError from the queue, in place of the cancel), and the
+    slot goes to the next waiter."""
+    slots = LaneSlots(1)
+    await slots.acquire(Lane.LIVE)
+    cancelled = asyncio.create_task(slots.acquire(Lane.LIVE))
+    after = asyncio.create_task(slots.acquire(Lane.LIVE))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    slots.release(Lane.LIVE)  # before the cancelled wait's task runs again
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await asyncio.wait_for(after, 1)
+    assert slots.in_use == {Lane.LIVE: 1, Lane.REPLAY: 0}
+
+
 async def test_lanes_with_their_own_dispatchers_share_the_slots() -> None:
     slots = LaneSlots(2, reserve=1)
     live, replay = (
