@@ -146,7 +146,8 @@ class Metrics:
             "llm_streams_erasures",
             "Tasks whose answers were erased (results, dead letter, state, review and sink "
             "records): by a delete upstream (via=source) or by `llm-streams erase` "
-            "(via=command).", ["pipeline", "via"],
+            "(via=command); pipeline=unknown for a pipeline this worker does not know.",
+            ["pipeline", "via"],
             registry=r)  # fmt: skip
         self.schema_lookups = Counter(
             "llm_streams_schema_lookups",

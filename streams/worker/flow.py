@@ -336,7 +336,10 @@ class RecordFlow:
         await self.writer.erase(request.task_id, home, keys, sinks, turns)
         if state is not None and state.input_hash:  # nor handed to an identical input
             self.decider.cache.forget(state.input_hash)
-        self.metrics.erasures.labels(request.pipeline, via).inc()
+        # A pipeline this worker knows, or one label for the rest: the name is the
+        # request's, and a label per name any record brings would grow without bound.
+        known = request.pipeline in self.processor.registry.pipelines
+        self.metrics.erasures.labels(request.pipeline if known else "unknown", via).inc()
         log.info("task %s of %s erased (asked by %s): %d result(s), its state, dead letter "
                  "and sink records", request.task_id, request.pipeline, via, len(keys))  # fmt: skip
         return Ended.ERASED, None

@@ -364,6 +364,19 @@ async def test_an_erase_request_leaves_tombstones_where_the_task_was_written(
     assert run.store.state(record.partition, "t-7") is None
     assert run.metrics.erasures.labels("comment-analysis", "command")._value.get() == 1
     assert len(llm.requests) == 1  # nothing asked
+    # One for a pipeline this worker does not know (gone from its config, or a name
+    # made up): erased all the same, counted under one label for every such name.
+    for n, name in enumerate(["retired-pipeline", "made-up-1", "made-up-2"], 2):
+        unknown = EraseRequest(task_id="t-7", pipeline=name).model_dump_json().encode()
+        erase = StoredRecord("tasks", record.partition, n, b"t-7", unknown,
+                             [(ERASE_HEADER, b"command")], None)  # fmt: skip
+        kind, _ = await run.handle(erase, Source(topic="tasks", partition=record.partition,
+                                                 offset=n), Span())  # fmt: skip
+        assert kind == "erased"
+    assert run.metrics.erasures.labels("unknown", "command")._value.get() == 3
+    assert {sample.labels["pipeline"] for m in run.metrics.registry.collect()
+            if m.name == "llm_streams_erasures" for sample in m.samples} == {
+        "comment-analysis", "unknown"}  # fmt: skip
     again, _ = await run.handle(record, source, Span())  # the task sent again: a new answer
     assert again == "result" and len(llm.requests) == 2  # asked again: nothing of it kept
 
