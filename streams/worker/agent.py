@@ -453,6 +453,11 @@ class TaskAgent:
             if kind is Ended.RELEASED:  # not acked, nor waited for: its partition's owner runs it
                 with contextlib.suppress(Exception):  # no consumer (stopping)
                     faust_private.forget_unacked(self.app.consumer, [ticket.item.message])
+                if ticket.item.message.partition not in self.store.owned():
+                    # Started after the rebalance that gave its partition away had forgotten
+                    # the partition's records (the lane held it across): forgotten now, or
+                    # it stayed taken and unfinished until the partition came back.
+                    self._forget({ticket.partition})
                 return
             for done in self.acks.finished(ticket):  # parked too: the ledger holds it
                 await stream.ack(done)

@@ -226,6 +226,15 @@ async def test_records_of_a_partition_given_away_are_acked_by_no_earlier_run(
     ticket = agent.acks.started(tps[0], Event(tps[0], 11))
     await agent._job(Stream(), ticket, None, 0.0)()  # type: ignore[arg-type]
     assert Stream.acked == [] and forgotten[-1] is ticket.item.message
+    assert agent.acks.partitions() == [tps[0]]  # partition 0 is kept: its records go on
+    # A record of partition 1 the lane started after the rebalance had given it away
+    # (held in the lane across it): released, and not left taken and unfinished.
+    agent.metrics.unfinished.set(1)
+    late = agent.acks.started(tps[1], Event(tps[1], 12))
+    await agent._job(Stream(), late, None, 0.0)()  # type: ignore[arg-type]
+    assert Stream.acked == [] and forgotten[-1] is late.item.message
+    assert agent.acks.partitions() == [tps[0]]
+    assert agent.metrics.unfinished._value.get() == 0
     await agent.store.close()
 
 
