@@ -67,7 +67,7 @@ def add_turn(
     (with no turn that fits, it holds none)."""
     turns = [t for t in _turns(stored) if t.get("task_id") != turn["task_id"]]
     turns.append(turn)
-    turns.sort(key=lambda t: int(t.get("position", 0)))
+    turns.sort(key=_position)
     turns = turns[-spec.max_turns :]
     value = orjson.dumps({"turns": turns})
     while len(value) > max_bytes and turns:
@@ -98,8 +98,17 @@ def turn_position(stored: bytes | None, task_id: str) -> int | None:
     turn keeps its place."""
     for t in _turns(stored):
         if t.get("task_id") == task_id:
-            return int(t.get("position", 0))
+            return _position(t)
     return None
+
+
+def _position(turn: dict[str, Any]) -> int:
+    """A turn's place in its session; 0 (first) for a position this version cannot read
+    (another version's turn, a hand edit): its session goes on, not a bug per turn."""
+    try:
+        return int(turn.get("position", 0))
+    except (TypeError, ValueError, OverflowError):
+        return 0
 
 
 def _turns(stored: bytes | None) -> list[dict[str, Any]]:
@@ -116,6 +125,8 @@ def _turns(stored: bytes | None) -> list[dict[str, Any]]:
 def messages_of(turn: dict[str, Any]) -> list[Message]:
     """A turn as the user message it was and the answer it got."""
     kept = turn.get("input") or {}
+    if not isinstance(kept, dict):  # another version's turn: what it holds, as it is
+        kept = {"input": kept}
     if len(kept) == 1:
         said = str(next(iter(kept.values())))
     else:
@@ -133,7 +144,7 @@ def context_of(
 ) -> Context:
     """The earlier turns (before `position`, other tasks) within `spec.budget_tokens`."""
     earlier = [t for t in _turns(stored)
-               if int(t.get("position", 0)) < position and t.get("task_id") != task_id]  # fmt: skip
+               if _position(t) < position and t.get("task_id") != task_id]  # fmt: skip
     if not earlier:
         return NONE
     newest_first = list(reversed(earlier))
@@ -148,7 +159,7 @@ def context_of(
             used += cost
     if not chosen:
         return NONE
-    chosen.sort(key=lambda t: int(t.get("position", 0)))
+    chosen.sort(key=_position)
     messages = [m for t in chosen for m in messages_of(t)]
     digest = hashlib.sha256(orjson.dumps(messages)).hexdigest()[:32]
     return Context(messages, digest, len(chosen))

@@ -197,3 +197,20 @@ def test_a_duplicate_of_an_earlier_turn_after_later_ones_gets_its_first_prompt_a
     assert isinstance(again, Prepared)
     assert again.result_key == first.result_key and again.position == 3
     assert again.prompt.messages == first.prompt.messages  # `b` is not in its context
+
+
+def test_turns_another_version_wrote_in_another_shape_leave_the_session_working() -> None:
+    """A stored session is read by whatever version runs next: a turn whose position is
+    no number or whose input is no object (a newer version's, a hand edit) sorts first
+    and is quoted as it is; the session's next turn is prompted and stored, not an
+    internal_error for every turn of it."""
+    spec = SessionSpec()
+    odd = [{"task_id": "t-old", "position": "late", "input": ["a", "list"], "output": {}},
+           {"task_id": "t-null", "position": None, "input": {"text": "hi"}}]  # fmt: skip
+    value = orjson.dumps({"turns": [*odd, turn(1, spec)]})
+    context = context_of(value, "t2", 20, spec, words)
+    assert context.turns == 3
+    said = [m["content"] for m in context.messages if m["role"] == "user"]
+    assert sorted(said[:2]) == ["['a', 'list']", "hi"] and said[2] == "turn 1 says something"
+    value = add_turn(value, turn(2, spec), spec)
+    assert [t["task_id"] for t in orjson.loads(value)["turns"]] == ["t-old", "t-null", "t1", "t2"]
