@@ -13,10 +13,10 @@ import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from streams.errors import Category, InvalidInput
 
@@ -26,6 +26,18 @@ log = logging.getLogger(__name__)
 # Characters of a task id: the contract's limit (a source's mapped ids are held to it,
 # and a dead letter names no longer hint).
 TASK_ID_LIMIT = 512
+
+
+def _base64(value: str) -> str:
+    try:
+        base64.b64decode(value, validate=True)
+    except ValueError as exc:  # binascii.Error
+        raise ValueError(f"not base64: {exc}") from None
+    return value
+
+
+# Bytes a record carries as text (a key that is not UTF-8), checked to decode.
+Base64 = Annotated[str, AfterValidator(_base64)]
 
 
 class _Record(BaseModel):
@@ -41,7 +53,15 @@ class SourceRecord(_Record):
     partition: int | None = Field(None, ge=0)
     offset: int | None = Field(None, ge=0)
     key: Any = Field(
-        None, description="The record's key: its text, or the schema registry's decoded key."
+        None,
+        description="The record's key: its text (`base64:` and its bytes in base64 when it "
+        "is not UTF-8), or the schema registry's decoded key.",
+    )
+    # Added compatibly, and only when set: an older reader forbids what it does not know.
+    key_base64: Base64 | None = Field(
+        None,
+        description="The key's bytes in base64 when they are not UTF-8: what a sink keyed by "
+        "the source key writes.",
     )
     value: Any = Field(
         None, description="The record's value as decoded: its JSON, or the registry's record."
@@ -68,6 +88,18 @@ class EraseRequest(_Record):
         description="The task's session, for a pipeline that keeps sessions: the request "
         "goes to its partition, and the task's turn leaves the session.",
     )
+    # Added compatibly, and only when set (`wire`): an older reader forbids what it does
+    # not know.
+    source_key_base64: Base64 | None = Field(
+        None,
+        description="The source record's key bytes in base64 when they are not UTF-8 "
+        "(`source_key` is then their text): a sink keyed by it is erased under these bytes.",
+    )
+
+    def wire(self) -> bytes:
+        """The request as its record's value."""
+        skip = {"source_key_base64"} if self.source_key_base64 is None else set()
+        return self.model_dump_json(exclude=skip).encode()
 
 
 class Task(_Record):

@@ -4,6 +4,7 @@ outcome and sized to their topic like every record the worker writes."""
 
 from __future__ import annotations
 
+import base64
 import io
 import re
 from collections.abc import Callable
@@ -204,14 +205,18 @@ def _enriched(spec: SinkSpec, task: Task, result: dict[str, Any]) -> dict[str, A
 
 
 def erased(
-    spec: SinkSpec, task_id: str, source_key: Any, result_keys: list[str]
+    spec: SinkSpec,
+    task_id: str,
+    source_key: Any,
+    result_keys: list[str],
+    source_key_base64: str | None = None,
 ) -> list[tuple[str, bytes]]:
     """Where a task's sink records are (topic, key), to erase them: under each of its
     result keys, or its one key; and its dead letter's copy."""
     if spec.key == "result_key":
         found = [(spec.topic, key.encode()) for key in result_keys]
     elif spec.key == "source_key" and source_key is not None:
-        found = [(spec.topic, _key_bytes(source_key))]
+        found = [(spec.topic, _key_bytes(source_key, source_key_base64))]
     else:
         found = [(spec.topic, task_id.encode())]
     if spec.dead_letters is not None:
@@ -224,12 +229,15 @@ def _key(spec: SinkSpec, task: Task, result_key: str) -> bytes:
         return result_key.encode()
     kept = task.source_record
     if spec.key == "source_key" and kept is not None and kept.key is not None:
-        return _key_bytes(kept.key)
+        return _key_bytes(kept.key, kept.key_base64)
     return task.task_id.encode()
 
 
-def _key_bytes(key: Any) -> bytes:
-    """A source record's key as a sink record's: its text, or a structure's canonical JSON."""
+def _key_bytes(key: Any, raw_base64: str | None = None) -> bytes:
+    """A source record's key as a sink record's: its bytes as read when they are not
+    UTF-8 (`raw_base64`), its text, or a structure's canonical JSON."""
+    if raw_base64 is not None:
+        return base64.b64decode(raw_base64)
     if isinstance(key, str):
         return key.encode()
     return orjson.dumps(key, option=orjson.OPT_SORT_KEYS)

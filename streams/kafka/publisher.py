@@ -92,7 +92,7 @@ class TaskPublisher:
                                session_id=session_id)  # fmt: skip
         await (await self._producer.send(
             self.topic, key=(session_id or task_id).encode(),
-            value=request.model_dump_json().encode(),
+            value=request.wire(),
             headers=[(ERASE_HEADER, via.encode())],
         ))  # fmt: skip
 

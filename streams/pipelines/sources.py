@@ -123,6 +123,7 @@ class Erase:
     task_id: str
     key: Any  # the source record's key (a sink keyed by it is erased under it)
     session_id: str | None = None
+    key_base64: str | None = None  # its bytes, when they are not UTF-8 (`raw_key_base64`)
 
 
 def pointer_get(document: Any, pointer: str) -> Any:
@@ -153,13 +154,36 @@ def _text(value: bytes | None) -> str | None:
     return value.decode(errors="replace") if value is not None else None
 
 
+# How a raw key that is not UTF-8 reads as text (a task id, a template's `key`).
+RAW_KEY_PREFIX = "base64:"
+
+
+def raw_key_text(key: bytes) -> str:
+    """A raw record key as text: the key itself when it is UTF-8, else `base64:` and its
+    bytes in base64. Never two keys one text: decoded with replacement characters, keys
+    such as Java's LongSerializer's (8 bytes, most not UTF-8) made many records one task."""
+    try:
+        return key.decode()
+    except UnicodeDecodeError:
+        return RAW_KEY_PREFIX + base64.b64encode(key).decode()
+
+
+def raw_key_base64(key: bytes | Any) -> str | None:
+    """A raw key's bytes in base64 when its text is not the key itself (not UTF-8): what a
+    sink keyed by the source key writes then (`core.sinks`)."""
+    if not isinstance(key, bytes):
+        return None
+    text = raw_key_text(key)
+    return text.removeprefix(RAW_KEY_PREFIX) if text.startswith(RAW_KEY_PREFIX) else None
+
+
 def _key_text(key: bytes | Any) -> str:
-    """A record key as a task id: raw bytes as text, a decoded scalar as text, a decoded
-    structure as its canonical JSON."""
+    """A record key as a task id: raw bytes as text (`raw_key_text`), a decoded scalar as
+    text, a decoded structure as its canonical JSON."""
     if key is None or key == b"":
         raise InvalidInput("source record has no key for its task_id", code="source_key")
     if isinstance(key, bytes):
-        return key.decode(errors="replace")
+        return raw_key_text(key)
     if isinstance(key, dict | list):
         return orjson.dumps(key, option=orjson.OPT_SORT_KEYS).decode()
     return str(key)
@@ -231,7 +255,7 @@ class SourceMapper:
         the decoded one; `document` None: a tombstone."""
         scope = {
             "value": document,
-            "key": key.decode(errors="replace") if isinstance(key, bytes) else key,
+            "key": raw_key_text(key) if isinstance(key, bytes) else key,
             # A header's value may be null (Kafka allows it; aiokafka gives None): null here.
             "headers": {k: _text(v) for k, v in headers or ()},
             "timestamp": timestamp,
@@ -244,7 +268,8 @@ class SourceMapper:
                 if self._erase_session is not None:
                     with over_record("source erase.session_id", "source_erase"):
                         session = self._erase_session.render(**scope).strip() or None
-                return Erase(self._erased_id(document, key, scope), scope["key"], session)
+                return Erase(self._erased_id(document, key, scope), scope["key"], session,
+                             raw_key_base64(key))  # fmt: skip
             if document is None:
                 return Skipped("tombstone")
         if self._filter is not None:
@@ -267,6 +292,8 @@ class SourceMapper:
                 "value": jsonable(document),
                 "headers": {k: v for k, v in scope["headers"].items() if k in kept},
             }
+            if (raw := raw_key_base64(key)) is not None:  # only then: older readers lack it
+                task["source_record"]["key_base64"] = raw
         return task
 
     def _erased_id(self, document: Any, key: bytes | Any, scope: dict[str, Any]) -> str:
@@ -312,4 +339,12 @@ class SourceMapper:
                                code="source_pointer") from None  # fmt: skip
 
 
-__all__ = ["Skipped", "SourceMapper", "SourceSpec", "pointer_get", "source_document"]
+__all__ = [
+    "Skipped",
+    "SourceMapper",
+    "SourceSpec",
+    "pointer_get",
+    "raw_key_base64",
+    "raw_key_text",
+    "source_document",
+]

@@ -326,7 +326,9 @@ class RecordFlow:
             {k for k in [state.result_key, *(h.result_key for h in state.history)] if k}
         )  # fmt: skip
         spec = self.processor.registry.sink_of(request.pipeline)
-        sinks = [] if spec is None else erased(spec, request.task_id, request.source_key, keys)
+        sinks = [] if spec is None else erased(
+            spec, request.task_id, request.source_key, keys, request.source_key_base64
+        )  # fmt: skip
         turns = None
         if request.session_id is not None:  # the session without the task's turn
             key = request.session_id.encode()

@@ -39,7 +39,7 @@ from streams.kafka import clients
 from streams.kafka.limits import WriteLimits
 from streams.kafka.routing import partition_for
 from streams.observability.metrics import Metrics
-from streams.pipelines.sources import Erase, Skipped, SourceMapper, jsonable
+from streams.pipelines.sources import Erase, Skipped, SourceMapper, jsonable, raw_key_text
 from streams.schema_registry import RegistryClient, RegistryRefused
 from streams.settings import Settings
 from streams.worker.writer import Writer
@@ -122,13 +122,13 @@ class SourceIngest:
         try:
             request = EraseRequest(
                 task_id=erase.task_id, pipeline=pipeline, source_key=jsonable(erase.key),
-                session_id=erase.session_id,
+                session_id=erase.session_id, source_key_base64=erase.key_base64,
             )  # fmt: skip
         except ValidationError as exc:
             raise InvalidInput(f"the erasure the record asks for breaks the contract: "
                                f"{describe(exc)}", code="source_erase") from None  # fmt: skip
         home = partition_for(erase.session_id or erase.task_id, self.settings.kafka.partitions)
-        value = request.model_dump_json().encode()
+        value = request.wire()
         self._fits(value, "the erasure")
 
         await self.writer.forward(
@@ -147,7 +147,7 @@ class SourceIngest:
     ) -> None:
         outcome = processor.dead_letter(exc, message.value, message.key, source, pipeline)
         # Where a task of that key would live; a record with no key by its position.
-        key = message.key.decode(errors="replace") if message.key else str(source.offset)
+        key = raw_key_text(message.key) if message.key else str(source.offset)
         partition = partition_for(key, self.settings.kafka.partitions)
         log.info("source record %s/%d/%d: %s", source.topic, source.partition, source.offset,
                  exc.message)  # fmt: skip

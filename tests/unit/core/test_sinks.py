@@ -4,6 +4,7 @@ topic like every record the worker writes."""
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,11 @@ from jsonschema import Draft202012Validator
 from pydantic import ValidationError
 
 from streams.contract.headers import RESULT_KEY_HEADER, SOURCE_OF_HEADER, TASK_ID_HEADER
-from streams.contract.records import Source, Task, ValueLimits
+from streams.contract.records import EraseRequest, Source, Task, ValueLimits
 from streams.core.avro_schema import avro_schema
 from streams.core.sinks import (
     dead_letter_record,
+    erased,
     framing,
     registered_schema,
     result_record,
@@ -96,6 +98,23 @@ def test_a_structured_source_key_is_its_canonical_json_and_headers_carry_by_name
                          task, RESULT)  # fmt: skip
     assert sink.key == b'{"id":7,"shop":"s1"}'
     assert dict(sink.headers)["tenant"] == b"acme" and "none" not in dict(sink.headers)
+
+
+def test_a_source_key_that_is_not_utf8_keys_its_sink_records_and_erasure_as_read() -> None:
+    raw = (255).to_bytes(8, "big")  # Java's LongSerializer
+    text = "base64:" + base64.b64encode(raw).decode()
+    task = _task(key=text, key_base64=base64.b64encode(raw).decode())
+    spec = SinkSpec(topic="out", key="source_key")
+    assert result_record(spec, task, RESULT).key == raw
+    assert erased(spec, "r-1", text, [], base64.b64encode(raw).decode()) == [("out", raw)]
+    assert erased(spec, "r-1", "rev-7", []) == [("out", b"rev-7")]  # a text key as ever
+    request = EraseRequest(task_id="r-1", pipeline="reviews", source_key=text,
+                           source_key_base64=base64.b64encode(raw).decode())  # fmt: skip
+    assert EraseRequest.model_validate_json(request.wire()) == request
+    # Written only when set: a worker of an older version forbids fields it does not know.
+    assert b"source_key_base64" not in EraseRequest(task_id="r-1", pipeline="reviews").wire()
+    with pytest.raises(ValidationError, match="not base64"):
+        _task(key=text, key_base64="no base64!")
 
 
 def test_a_dead_letter_is_copied_only_to_a_topic_of_the_pipelines_own() -> None:

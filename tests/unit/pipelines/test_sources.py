@@ -3,6 +3,7 @@ refused with the reason (which becomes an invalid_input dead letter)."""
 
 from __future__ import annotations
 
+import base64
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from streams.errors import ConfigError, InvalidInput
 from streams.pipelines.registry import PipelineRegistry
+from streams.pipelines.sinks import SinkSpec
 from streams.pipelines.sources import Erase, Skipped, SourceMapper, SourceSpec
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -80,6 +82,27 @@ def test_task_id_key_takes_a_raw_key_a_decoded_scalar_or_a_structure(
     mapper = SourceMapper("p", SourceSpec(topics=["t"], task_id="key", slots={"text": "/t"}))
     assert mapper.map({"t": "x"}, key) == {"task_id": task_id, "pipeline": "p",
                                           "input": {"text": "x"}}  # fmt: skip
+
+
+def test_keys_that_are_not_utf8_stay_apart_and_a_sink_keeps_their_bytes() -> None:
+    # Java's LongSerializer: 8 big-endian bytes. 255 and 254 end in bytes that are no
+    # UTF-8; read with replacement characters they were one task id.
+    keys = [n.to_bytes(8, "big") for n in (65, 254, 255, 1 << 62 | 200)]
+    sink = SinkSpec(topic="out", key="source_key")
+    mapper = SourceMapper("p", SourceSpec(topics=["t"], slots={"k": "{{ key }}"},
+                                          erase={"when": "value is none"}), sink)  # fmt: skip
+    tasks = [mapper.task(b'{"t": "x"}', key) for key in keys]
+    ids = [t["task_id"] for t in tasks]  # type: ignore[index]
+    assert len(set(ids)) == len(keys)
+    assert ids[0] == "\x00" * 7 + "A"  # UTF-8 keys read as they always did
+    assert ids[1] == "base64:" + base64.b64encode(keys[1]).decode()
+    assert [t["input"]["k"] for t in tasks] == ids  # type: ignore[index]
+    kept = [t["source_record"] for t in tasks]  # type: ignore[index]
+    assert "key_base64" not in kept[0]  # only when needed: older readers forbid it
+    assert [base64.b64decode(k["key_base64"]) for k in kept[1:]] == keys[1:]
+    erase = mapper.task(None, keys[2])
+    assert erase == Erase(ids[2], ids[2], None, base64.b64encode(keys[2]).decode())
+    assert isinstance(erase, Erase) and base64.b64decode(erase.key_base64 or "") == keys[2]
 
 
 def test_a_plain_json_topic_takes_its_task_id_from_the_key(registry: PipelineRegistry) -> None:

@@ -5,6 +5,7 @@ letter or its task, and the ingest goes on to the next record."""
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from streams.contract.records import Task
+from streams.contract.records import EraseRequest, Task
 from streams.errors import Category, StreamsError, WriteRefused
 from streams.kafka.limits import WriteLimits
 from streams.observability.metrics import Metrics
@@ -143,6 +144,26 @@ async def test_a_pipeline_whose_sink_needs_the_record_gets_it_in_the_task() -> N
     }  # fmt: skip
     assert "source_record" not in plain
     assert Task.model_validate(kept).source_record is not None  # as the contract reads it
+
+
+async def test_a_key_that_is_not_utf8_reaches_the_task_and_its_erasure_as_read() -> None:
+    """A LongSerializer's key: the task and the erasure carry its bytes, in what the
+    contract reads (a sink keyed by it writes and erases under them)."""
+    writer = Writer()
+    spec = SourceSpec(topics=["shop.reviews"], task_id="key", slots={"text": "/after/body"},
+                      erase={"when": "value.op == 'd'"})  # fmt: skip
+    sink = SinkSpec(topic="shop.reviews.analysed", key="source_key")
+    mappers = {"shop.reviews": [SourceMapper("reviews", spec, sink)]}
+    ingest = SourceIngest(load_settings(), mappers, writer, WriteLimits(), Metrics())  # type: ignore[arg-type]
+    raw = (255).to_bytes(8, "big")
+    await ingest.ingest(Message(change(1, 4), key=raw), Processor())  # type: ignore[arg-type]
+    await ingest.ingest(Message(orjson.dumps({"op": "d"}), key=raw), Processor())  # type: ignore[arg-type]
+    assert writer.dead == []
+    task, request = writer.forwarded
+    assert base64.b64decode(Task.model_validate(task).source_record.key_base64 or "") == raw  # type: ignore[union-attr]
+    erase = EraseRequest.model_validate(request)
+    assert erase.task_id == task["task_id"] == erase.source_key
+    assert base64.b64decode(erase.source_key_base64 or "") == raw
 
 
 def test_a_decoded_record_is_kept_as_json_holds_it() -> None:
