@@ -222,7 +222,7 @@ class Calls:
             spend.took(response, repair=repair, discounted=discounted)
             try:
                 output = parse_output(response, pipeline, prompt.variables, prompt.originals)
-            except InvalidOutput as exc:
+            except (InvalidOutput, OutputRejected) as exc:  # OutputRejected: a refusal
                 spend.rejected += 1
                 self.count_output(response.model, ok=False)
                 mark_error(span, exc)

@@ -125,6 +125,9 @@ class LLMResponse:
     #: the deployment that answered (`llm.deployments`; set by the guarded client): its
     #: price is the one the tokens cost
     deployment: str = ""
+    #: the model declined to answer, in its words (OpenAI's `message.refusal` under
+    #: structured outputs, its content null); None: no refusal
+    refusal: str | None = None
 
 
 class LLMClient(Protocol):
@@ -170,6 +173,7 @@ def parse_completion(
             tool_called=bool(calls) and not message.get("content"),
             service_tier=str(data["service_tier"]) if data.get("service_tier") else None,
             cached_prompt_tokens=_cached_tokens(usage),
+            refusal=_text(message.get("refusal")) or None,
         )
     except (
         orjson.JSONDecodeError,

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from streams.contract.records import MAX_DEPTH, too_deep
-from streams.errors import InvalidOutput, UpstreamError
+from streams.errors import InvalidOutput, OutputRejected, UpstreamError
 from streams.llm.client import LLMResponse, unfenced
 from streams.pipelines.defaults import fill_defaults
 from streams.pipelines.pipeline import Pipeline
@@ -64,6 +64,13 @@ def parse_output(
     if response.finish_reason == "error":  # OpenRouter: the model failed mid-answer
         raise UpstreamError("the endpoint ended the answer with an error (finish_reason=error)",
                             code="finish_error")  # fmt: skip
+    # Asked again, the same input meets the same filter or refusal: paid for, not repaired.
+    if response.finish_reason == "content_filter":  # OpenAI, Azure, Gemini's OpenAI API
+        raise OutputRejected("the provider's content filter withheld the answer "
+                             "(finish_reason=content_filter)", code="content_filter")  # fmt: skip
+    if response.refusal is not None and not response.content.strip():
+        raise OutputRejected(f"the model refused to answer: {response.refusal[:500]}",
+                             code="refusal")  # fmt: skip
     try:
         data = orjson.loads(response.content)
     except orjson.JSONDecodeError as exc:

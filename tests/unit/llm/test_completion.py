@@ -1,6 +1,7 @@
 """A chat completion body read as servers other than OpenAI send it: the answer's text
-in parts, usage blocks that say nonsense. A body that is no completion is an upstream
-error (retried); one whose answer is there is never dropped for what its usage says."""
+in parts, usage blocks that say nonsense, a refusal, a content filter. A body that is no
+completion is an upstream error (retried); one whose answer is there is never dropped for
+what its usage says."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ from typing import Any
 import orjson
 import pytest
 
+from streams.contract.records import Source
+from streams.core.spend import Prices
 from streams.errors import ContextOverflow, RateLimited, TaskError, Timeout, UpstreamError
 from streams.llm.client import parse_completion
+from tests.conftest import MakeProcessor
+from tests.fakes import FakeLLM
+
+SRC = Source(topic="t", partition=0, offset=7)
 
 
 def _body(content: Any, usage: Any = None) -> bytes:
@@ -75,3 +82,43 @@ def test_an_error_in_a_200_answer_is_that_error_not_a_malformed_response(
     assert str(error["message"])[:20] in found.value.message
     if raised is ContextOverflow:
         assert found.value.window == 4096  # the server's numbers, read as from any overflow
+
+
+REFUSED = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
+
+
+@pytest.mark.parametrize(
+    ("message", "finish", "code", "said"),
+    [
+        (REFUSED, "stop", "refusal", "I can't help with that."),  # OpenAI structured outputs
+        ({"role": "assistant", "content": None}, "content_filter", "content_filter",
+         "content filter"),  # OpenAI, Azure, Gemini's OpenAI API
+        ({"role": "assistant", "content": '{"sentiment": "neg'}, "content_filter",
+         "content_filter", "content filter"),  # cut off by the filter mid-answer
+    ],
+)  # fmt: skip
+async def test_a_refused_or_filtered_answer_is_a_dead_letter_asked_once_and_paid(
+    make_processor: MakeProcessor, message: dict[str, Any], finish: str, code: str, said: str
+) -> None:
+    """It was `answer is not JSON`: retried with a repair turn (paid again, refused again)
+    and dead-lettered as a bad answer, the refusal's words lost."""
+    raw = orjson.dumps({"model": "m", "choices": [{"message": message, "finish_reason": finish}],
+                        "usage": {"prompt_tokens": 100, "completion_tokens": 9}})  # fmt: skip
+    assert parse_completion(raw, "m").refusal == message.get("refusal")
+    llm = FakeLLM(lambda _r: parse_completion(raw, "sim-1"))
+    task = orjson.dumps({"task_id": "t1", "pipeline": "comment-analysis",
+                         "input": {"text": "Some comment."}})  # fmt: skip
+    out = await make_processor(llm, prices=Prices(1.0, 2.0)).process(task, b"t1", SRC)
+    assert out.kind == "dead_letter" and out.category == "invalid_output"
+    letter = orjson.loads(out.value)
+    assert letter["error"]["code"] == code and not letter["error"]["retryable"]
+    assert said in letter["error"]["message"]
+    assert len(llm.requests) == 1 and out.attempts == 1
+    assert out.prompt_tokens == 100 and out.cost_usd > 0  # the call is booked
+    assert out.rejected == 1  # counted as an answer the checks refused
+
+
+def test_a_refusal_beside_an_answer_leaves_the_answer() -> None:
+    raw = orjson.dumps({"model": "m", "choices": [{"finish_reason": "stop", "message": {
+        "role": "assistant", "content": '{"ok": true}', "refusal": ""}}]})  # fmt: skip
+    assert parse_completion(raw, "m").refusal is None
