@@ -322,6 +322,18 @@ def too_deep(document: Any, raw: bytes | str | None = None) -> bool:
     return True
 
 
+BOM = b"\xef\xbb\xbf"
+
+
+def record_json(raw: bytes) -> Any:
+    """A record's value as JSON (orjson.JSONDecodeError when it is none), read past a
+    leading UTF-8 byte order mark: RFC 8259 lets a reader ignore one, Jackson (Kafka
+    Connect's JSON converter) and Python's json do, and a file written by Windows tools
+    and produced line by line carries one. Every reader of a task or source record reads
+    it so (one that did not would route the record otherwise than its decoder reads it)."""
+    return orjson.loads(memoryview(raw)[3:] if raw.startswith(BOM) else raw)
+
+
 def shallow(document: Any, raw: bytes | None = None, *, source: bool = False) -> Any:
     """`document` (decoded from `raw`, when given), or InvalidInput when it nests deeper
     than `MAX_DEPTH` (`too_deep`; of a pipeline's source topic: `source_too_deep`)."""
@@ -337,7 +349,7 @@ def payload_of(raw: bytes | None) -> Any:
     bytes in base64."""
     if raw is not None:
         try:
-            document = orjson.loads(raw)
+            document = record_json(raw)
         except orjson.JSONDecodeError:
             pass
         else:
@@ -407,7 +419,7 @@ def decode_task(raw: bytes | None, *, max_bytes: int) -> Task:
             f"record is {len(raw)} bytes, over the {max_bytes}-byte limit", code="too_large"
         )
     try:
-        data = orjson.loads(raw)
+        data = record_json(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"record is not JSON: {exc}", code="not_json") from exc
     shallow(data, raw)
@@ -444,7 +456,7 @@ def task_id_hint(raw: bytes | None, key: bytes | None) -> str | None:
     """Best guess of the task id of a record that failed to decode, for its dead letter."""
     if raw:
         try:
-            data = orjson.loads(raw)
+            data = record_json(raw)
             task_id = data.get("task_id") if isinstance(data, dict) else None
             if isinstance(task_id, str) and 0 < len(task_id) <= TASK_ID_LIMIT:
                 return task_id

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import orjson
 
-from streams.contract.records import Source, Task, decode_task, task_keys
+from streams.contract.records import Source, Task, decode_task, record_json, task_keys
 from streams.core.outcome import Outcome, Outcomes, Prepared
 from streams.core.sessions import NONE as NO_CONTEXT
 from streams.core.sessions import context_of, turn_position, with_context
@@ -58,7 +58,7 @@ class Intake:
         if raw is None:
             return None
         try:
-            data = orjson.loads(raw)
+            data = record_json(raw)
         except orjson.JSONDecodeError:
             return None
         task_id = data.get("task_id") if isinstance(data, dict) else None
@@ -93,7 +93,7 @@ class Intake:
         if raw is None or not self.sessions:
             return None
         try:
-            data = orjson.loads(raw)
+            data = record_json(raw)
         except orjson.JSONDecodeError:
             return None
         if not isinstance(data, dict):

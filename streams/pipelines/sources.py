@@ -43,7 +43,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from streams.contract.headers import Headers
-from streams.contract.records import TASK_ID_LIMIT, shallow
+from streams.contract.records import TASK_ID_LIMIT, record_json, shallow
 from streams.errors import ConfigError, InvalidInput
 from streams.pipelines.jinja import ENV, over_record
 from streams.pipelines.sinks import SinkSpec
@@ -144,7 +144,7 @@ def source_document(value: bytes) -> Any:
     """A source record's JSON value; InvalidInput when it is not JSON, or nests deeper
     than a task can hold."""
     try:
-        document = orjson.loads(value)
+        document = record_json(value)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"source record is not JSON: {exc}", code="source_not_json") from exc
     return shallow(document, value, source=True)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streams.contract.records import Source, ValueLimits
+from streams.contract.records import BOM, Source, ValueLimits
 from streams.core.processor import Outcome
 from streams.core.spend import Prices
 from streams.errors import REDRIVABLE, Category
@@ -163,3 +163,19 @@ async def test_an_answer_the_endpoint_ended_with_an_error_is_asked_again_and_pai
     assert out.kind == "result" and out.attempts == 2 and len(llm.requests) == 2
     assert out.prompt_tokens == 20  # both calls' tokens: the failed one was paid too
     assert orjson.loads(out.value)["rejected_answers"] == 0  # not the model's invalid answer
+
+
+async def test_a_record_after_a_utf8_byte_order_mark_is_read_as_its_json(
+    make_processor: MakeProcessor,
+) -> None:
+    """Windows tools write one before a file's text, and a file produced line by line
+    carries it into its first record: it was `not_json` (orjson refuses it; Jackson and
+    Python's json read past it, as RFC 8259 allows)."""
+    processor = make_processor(FakeLLM(lambda _r: answer(GOOD)))
+    raw = BOM + task("Great phone.")
+    assert processor.intake.route_of(raw) == ("t1", "t1")  # routed as it is decoded
+    out = await processor.process(raw, b"t1", SRC)
+    assert out.kind == "result" and orjson.loads(out.value)["task_id"] == "t1"
+    # Bad input after one is still bad input, kept as JSON where it is JSON.
+    letter = orjson.loads((await processor.process(BOM + b'{"task_id": "t2"}', b"t2", SRC)).value)
+    assert letter["task_id"] == "t2" and letter["payload"] == {"task_id": "t2"}

@@ -10,7 +10,7 @@ import orjson
 import pytest
 import yaml
 
-from streams.contract.records import Source, result_key
+from streams.contract.records import BOM, Source, result_key
 from streams.core.outcome import Prepared
 from streams.core.sessions import add_turn, context_of, has_turn, messages_of, turn_of
 from streams.pipelines.registry import PipelineRegistry
@@ -161,6 +161,8 @@ def test_a_session_keeps_its_version_and_is_read_for_ordering(
     assert chosen == {"v1", "v2"}  # the split still splits, by session
     assert processor.intake.session_hint(record("t", "s-7", "hi")) == "s-7"
     assert processor.intake.session_hint(b"{oops") is None
+    # A record after a UTF-8 byte order mark is read as its decoder reads it.
+    assert processor.intake.session_hint(BOM + record("t", "s-7", "hi")) == "s-7"
 
 
 def test_a_session_key_must_name_a_place() -> None:

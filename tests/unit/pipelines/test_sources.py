@@ -109,6 +109,8 @@ def test_a_plain_json_topic_takes_its_task_id_from_the_key(registry: PipelineReg
     (plain,) = registry.sources()["app.comments"]
     task = plain.task(b'{"comment": {"text": "Love it"}, "user": 7}', b"c-9")
     assert task == {"task_id": "c-9", "pipeline": "plain-comments", "input": {"text": "Love it"}}
+    # After a UTF-8 byte order mark (a file a Windows tool wrote, produced line by line).
+    assert plain.task(b'\xef\xbb\xbf{"comment": {"text": "Love it"}}', b"c-9") == task
 
 
 @pytest.mark.parametrize(
