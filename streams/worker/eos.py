@@ -52,6 +52,19 @@ log = logging.getLogger(__name__)
 _HELD: ContextVar[frozenset[int]] = ContextVar("llm_streams_eos_held", default=frozenset())
 
 
+async def _stopped(producer: AIOKafkaProducer, partition: int) -> None:
+    """A producer that did not start, stopped: its connections and background tasks
+    (a started client's metadata refresh, its sender) would stay for the worker's life, one
+    more each time the partition's start fails or is cancelled. Shielded: a cancellation
+    does not cut the stop short."""
+    try:
+        await asyncio.shield(producer.stop())
+    except Exception:
+        log.exception("exactly-once: could not stop the producer of partition %d", partition)
+    except asyncio.CancelledError:
+        pass  # cancelled again: the stop goes on, shielded
+
+
 class _Partition:
     """One task partition's producer and its open transaction."""
 
@@ -133,8 +146,12 @@ class Transactions:
                 linger_ms=5,
                 client_id=f"{self.settings.app_id}-eos-{partition}",
             )
-            await producer.start()  # InitProducerId: fences the older producer of p
-            await producer.begin_transaction()
+            try:
+                await producer.start()  # InitProducerId: fences the older producer of p
+                await producer.begin_transaction()
+            except BaseException:  # refused, or the rebalance cancelled it: none left open
+                await _stopped(producer, partition)
+                raise
             part = _Partition(producer)
             part.open.set()
             self._parts[partition] = part

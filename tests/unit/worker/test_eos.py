@@ -168,3 +168,50 @@ async def test_a_send_refused_for_another_reason_is_not_taken_for_a_fence() -> N
     with pytest.raises(IllegalOperation):
         await eos.send("llm-results", b"k", b"v", 5)
     assert not part.lost and fenced == []
+
+
+class Starting(Producer):
+    """A producer whose start is refused, or waits (InitProducerId) until cancelled."""
+
+    def __init__(self, refuse: bool) -> None:
+        super().__init__()
+        self.refuse = refuse
+
+    async def start(self) -> None:
+        self.calls.append("start")
+        if self.refuse:
+            raise IllegalOperation("TransactionalIdAuthorizationFailed")
+        await asyncio.Event().wait()
+
+    async def stop(self) -> None:
+        self.calls.append("stop")
+
+
+@pytest.mark.parametrize("refuse", [True, False])
+async def test_a_partitions_producer_that_does_not_start_is_stopped(
+    monkeypatch: pytest.MonkeyPatch, refuse: bool
+) -> None:
+    """Refused (no ACL for its transactional id), or cancelled by the next rebalance while
+    it waited for its id: its client's connections and tasks stayed for the worker's life,
+    one more at every try."""
+    made: list[Starting] = []
+
+    def producer(*_: Any, **__: Any) -> Starting:
+        made.append(Starting(refuse))
+        return made[-1]
+
+    monkeypatch.setattr(eos_module.clients, "producer", producer)
+    eos = Transactions(load_settings(processing_guarantee="exactly_once"))
+    assigning = asyncio.create_task(eos.assign({4}))
+    if refuse:
+        with pytest.raises(IllegalOperation):
+            await assigning
+    else:
+        await asyncio.sleep(0.01)
+        assigning.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await assigning
+    assert made[0].calls == ["start", "stop"]
+    assert eos._parts == {} and eos._starting == {}
+    if eos._committer is not None:
+        eos._committer.cancel()
