@@ -71,8 +71,8 @@ async def load_partition(
         settings, "state", client_id=f"{settings.app_id}-state-{partition}",
         max_partition_fetch_bytes=4 * 1024 * 1024,
     )  # fmt: skip
-    await consumer.start()
     try:
+        await consumer.start()  # in the try: one that fails or is cancelled is stopped too
         kind_of = {TopicPartition(topic, partition): kind for kind, topic in topics.items()}
         ends = await end_offsets(consumer, list(kind_of))
         progress = maps.checkpoint()
@@ -137,8 +137,8 @@ async def follow_partition(
         settings, "state", client_id=f"{settings.app_id}-standby-{partition}",
         max_partition_fetch_bytes=4 * 1024 * 1024, fetch_max_wait_ms=500,
     )  # fmt: skip
-    await consumer.start()
     try:
+        await consumer.start()  # in the try: one that fails or is cancelled is stopped too
         kind_of = {TopicPartition(topic, partition): kind for kind, topic in topics.items()}
         progress = maps.checkpoint()
         ends = await end_offsets(consumer, list(kind_of))
