@@ -69,6 +69,12 @@ class SourceRecord(_Record):
     headers: dict[str, str | None] = Field(
         default_factory=dict, description="The headers the pipeline's sink carries over."
     )
+    # Added compatibly, and only when set: an older reader forbids what it does not know.
+    headers_base64: dict[str, Base64] | None = Field(
+        None,
+        description="Those of the headers whose values are not UTF-8 (`headers` has them with "
+        "replacement characters): their bytes in base64, as the sink writes them.",
+    )
 
 
 class EraseRequest(_Record):

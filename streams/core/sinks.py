@@ -251,9 +251,12 @@ def _headers(spec: SinkSpec, task: Task, result: dict[str, Any]) -> tuple[tuple[
         if kept.topic is not None:
             where = f"{kept.topic}/{kept.partition}/{kept.offset}"
             headers.append((SOURCE_OF_HEADER, where.encode()))
+        raw = kept.headers_base64 or {}
         for name in spec.headers:
             value = kept.headers.get(name)
-            if value is not None:
+            if name in raw:  # bytes that are not UTF-8: as read
+                headers.append((name, base64.b64decode(raw[name])))
+            elif value is not None:
                 headers.append((name, value.encode()))
     return tuple(headers)
 

@@ -123,7 +123,7 @@ class Erase:
     task_id: str
     key: Any  # the source record's key (a sink keyed by it is erased under it)
     session_id: str | None = None
-    key_base64: str | None = None  # its bytes, when they are not UTF-8 (`raw_key_base64`)
+    key_base64: str | None = None  # its bytes, when they are not UTF-8 (`base64_unless_utf8`)
 
 
 def pointer_get(document: Any, pointer: str) -> Any:
@@ -158,23 +158,25 @@ def _text(value: bytes | None) -> str | None:
 RAW_KEY_PREFIX = "base64:"
 
 
+def base64_unless_utf8(value: Any) -> str | None:
+    """Bytes that are not UTF-8, in base64: what a sink writes as read (a key, a header),
+    where their text cannot say them. None for UTF-8 bytes (their text is them), or for
+    what is no bytes (a registry's decoded key)."""
+    if not isinstance(value, bytes):
+        return None
+    try:
+        value.decode()
+    except UnicodeDecodeError:
+        return base64.b64encode(value).decode()
+    return None
+
+
 def raw_key_text(key: bytes) -> str:
     """A raw record key as text: the key itself when it is UTF-8, else `base64:` and its
     bytes in base64. Never two keys one text: decoded with replacement characters, keys
     such as Java's LongSerializer's (8 bytes, most not UTF-8) made many records one task."""
-    try:
-        return key.decode()
-    except UnicodeDecodeError:
-        return RAW_KEY_PREFIX + base64.b64encode(key).decode()
-
-
-def raw_key_base64(key: bytes | Any) -> str | None:
-    """A raw key's bytes in base64 when its text is not the key itself (not UTF-8): what a
-    sink keyed by the source key writes then (`core.sinks`)."""
-    if not isinstance(key, bytes):
-        return None
-    text = raw_key_text(key)
-    return text.removeprefix(RAW_KEY_PREFIX) if text.startswith(RAW_KEY_PREFIX) else None
+    raw = base64_unless_utf8(key)
+    return key.decode() if raw is None else RAW_KEY_PREFIX + raw
 
 
 def _key_text(key: bytes | Any) -> str:
@@ -269,7 +271,7 @@ class SourceMapper:
                     with over_record("source erase.session_id", "source_erase"):
                         session = self._erase_session.render(**scope).strip() or None
                 return Erase(self._erased_id(document, key, scope), scope["key"], session,
-                             raw_key_base64(key))  # fmt: skip
+                             base64_unless_utf8(key))  # fmt: skip
             if document is None:
                 return Skipped("tombstone")
         if self._filter is not None:
@@ -286,15 +288,30 @@ class SourceMapper:
         if self.spec.prompt_version:
             task["prompt_version"] = self.spec.prompt_version
         if self.sink is not None:
-            kept = set(self.sink.headers)
-            task["source_record"] = {
-                "key": jsonable(scope["key"]),
-                "value": jsonable(document),
-                "headers": {k: v for k, v in scope["headers"].items() if k in kept},
-            }
-            if (raw := raw_key_base64(key)) is not None:  # only then: older readers lack it
-                task["source_record"]["key_base64"] = raw
+            task["source_record"] = self._kept(self.sink, document, key, headers, scope)
         return task
+
+    @staticmethod
+    def _kept(
+        sink: SinkSpec, document: Any, key: bytes | Any, headers: Headers | None,
+        scope: dict[str, Any],
+    ) -> dict[str, Any]:  # fmt: skip
+        """The source record as the task keeps it for the sink (its position is the
+        ingest's to add)."""
+        kept = set(sink.headers)
+        record = {
+            "key": jsonable(scope["key"]),
+            "value": jsonable(document),
+            "headers": {k: v for k, v in scope["headers"].items() if k in kept},
+        }
+        # Bytes their text cannot say, only when there are some: older readers lack them.
+        if (raw := base64_unless_utf8(key)) is not None:
+            record["key_base64"] = raw
+        binary = {k: b for k, v in dict(headers or ()).items()  # the last, as `headers`
+                  if k in kept and (b := base64_unless_utf8(v)) is not None}  # fmt: skip
+        if binary:
+            record["headers_base64"] = binary
+        return record
 
     def _erased_id(self, document: Any, key: bytes | Any, scope: dict[str, Any]) -> str:
         """The id of the task a delete deletes: by `erase.task_id`, else the source's rule."""
@@ -343,8 +360,8 @@ __all__ = [
     "Skipped",
     "SourceMapper",
     "SourceSpec",
+    "base64_unless_utf8",
     "pointer_get",
-    "raw_key_base64",
     "raw_key_text",
     "source_document",
 ]

@@ -117,6 +117,17 @@ def test_a_source_key_that_is_not_utf8_keys_its_sink_records_and_erasure_as_read
         _task(key=text, key_base64="no base64!")
 
 
+def test_a_header_that_is_not_utf8_is_carried_over_as_read() -> None:
+    """Confluent's schema ids in headers are 16 bytes of a GUID: read as text with
+    replacement characters, they went to the sink as other bytes."""
+    guid = bytes(range(0x80, 0x90))
+    task = _task(headers={"__value_schema_id": guid.decode(errors="replace"), "tenant": "acme"},
+                 headers_base64={"__value_schema_id": base64.b64encode(guid).decode()})  # fmt: skip
+    spec = SinkSpec(topic="out", headers=["__value_schema_id", "tenant"])
+    headers = dict(result_record(spec, task, RESULT).headers)
+    assert headers["__value_schema_id"] == guid and headers["tenant"] == b"acme"
+
+
 def test_a_dead_letter_is_copied_only_to_a_topic_of_the_pipelines_own() -> None:
     assert dead_letter_record(SinkSpec(topic="out"), "r-1", b"{}") is None
     copy = dead_letter_record(SinkSpec(topic="out", dead_letters="out.dlq"), "r-1", b"{}")

@@ -100,6 +100,17 @@ def test_keys_that_are_not_utf8_stay_apart_and_a_sink_keeps_their_bytes() -> Non
     kept = [t["source_record"] for t in tasks]  # type: ignore[index]
     assert "key_base64" not in kept[0]  # only when needed: older readers forbid it
     assert [base64.b64decode(k["key_base64"]) for k in kept[1:]] == keys[1:]
+    # A header carried over keeps its bytes the same way (the last of a name, as ever).
+    carried = SourceMapper("p", SourceSpec(topics=["t"], slots={"t": "/t"}),
+                           SinkSpec(topic="out", headers=["id", "tenant"]))  # fmt: skip
+    guid = bytes(range(0x80, 0x90))
+    kept_headers = carried.task(b'{"t": "x"}', b"k", [("id", b"old"), ("id", guid),
+                                                      ("tenant", b"acme"), ("x", guid)])  # fmt: skip
+    record = kept_headers["source_record"]  # type: ignore[index]
+    assert record["headers_base64"] == {"id": base64.b64encode(guid).decode()}
+    assert record["headers"] == {"id": guid.decode(errors="replace"), "tenant": "acme"}
+    plain = carried.task(b'{"t": "x"}', b"k", [("id", guid), ("id", b"new")])
+    assert "headers_base64" not in plain["source_record"]  # type: ignore[index]
     erase = mapper.task(None, keys[2])
     assert erase == Erase(ids[2], ids[2], None, base64.b64encode(keys[2]).decode())
     assert isinstance(erase, Erase) and base64.b64decode(erase.key_base64 or "") == keys[2]
