@@ -103,21 +103,27 @@ async def test_a_source_topic_comes_back_enriched_in_a_sink_keyed_as_it_was(
     source, sink, dlq = f"app.comments-{suffix}", f"app.comments.analysed-{suffix}", f"dlq-{suffix}"
     pipelines = _example_into_sink(
         tmp_path, "plain-comments", "app.comments", source,
-        f"  topic: {sink}\n  key: source_key\n  field: analysis\n  headers: [origin]\n"
+        f"  topic: {sink}\n  key: source_key\n  field: analysis\n  headers: [origin, sid]\n"
         f"  dead_letters: {dlq}\n",
     )  # fmt: skip
     settings = make_settings(llm={"base_url": simulator.base_url, "api_key": "k",
                                   "model": "sim-1"}, pipelines_dir=pipelines)  # fmt: skip
     await ensure_topics(settings)
     await _user_topic(settings, source)
-    comments = {f"c-{i}": {"comment": {"text": f"Love it, number {i}!"}, "shop": "s1"}
-                for i in range(24)}  # fmt: skip
+    # Text keys, and keys as Java's LongSerializer writes them (254 and 255 were one task
+    # id when keys were read with replacement characters).
+    keys = [f"c-{i}".encode() for i in range(20)]
+    keys += [n.to_bytes(8, "big") for n in (254, 255, 1 << 63 | 1, 0xFFFF)]
+    comments = {key: {"comment": {"text": f"Love it, number {i}!"}, "shop": "s1"}
+                for i, key in enumerate(keys)}  # fmt: skip
+    sid = bytes(range(0x80, 0x90))  # a binary header (Confluent's schema id: a GUID)
     producer = clients.producer(settings, acks="all")
     await producer.start()
     try:
         for key, value in comments.items():
-            await producer.send_and_wait(source, key=key.encode(), value=orjson.dumps(value),
-                                         headers=[("origin", b"eu"), ("x", b"no")])  # fmt: skip
+            await producer.send_and_wait(source, key=key, value=orjson.dumps(value),
+                                         headers=[("origin", b"eu"), ("sid", sid),
+                                                  ("x", b"no")])  # fmt: skip
         await producer.send_and_wait(source, key=b"c-bad", value=b'{"comment": {}}')
     finally:
         await producer.stop()
@@ -131,14 +137,15 @@ async def test_a_source_topic_comes_back_enriched_in_a_sink_keyed_as_it_was(
     finally:
         worker.stop()
 
-    assert sorted(r.key.decode() for r in records) == sorted(comments)  # once each
+    assert sorted(r.key for r in records) == sorted(comments)  # once each, keyed as read
     for record in records:
         value = orjson.loads(record.value)
-        original = comments[record.key.decode()]
+        original = comments[record.key]
         assert {k: value[k] for k in original} == original  # the user's record as it was
         assert value["analysis"]["output"]["sentiment"] and value["analysis"]["model"]
         headers = dict(record.headers)
         assert headers["origin"] == b"eu" and "x" not in headers  # carried by name
+        assert headers["sid"] == sid  # as read
         assert headers[RESULT_KEY_HEADER].decode() == value["analysis"]["result_key"]
         assert headers[SOURCE_OF_HEADER].decode().startswith(f"{source}/")
     (copy,) = copies
