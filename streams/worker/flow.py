@@ -335,9 +335,18 @@ class RecordFlow:
             stored = self.store.get(Kind.SESSIONS, home, key)
             if (left := without_turn(stored, request.task_id)) is not stored:
                 turns = (key, left)
-        await self.writer.erase(request.task_id, home, keys, sinks, turns)
+        try:
+            await self.writer.erase(request.task_id, home, keys, sinks, turns)
+        except WriteRefused as exc:  # the rest erased, the state kept: its own dead letter
+            refused: WriteRefused | None = exc
+        else:
+            refused = None
         if state is not None and state.input_hash:  # nor handed to an identical input
             self.decider.cache.forget(state.input_hash)
+        if refused is not None:
+            log.warning("task %s of %s: %s", request.task_id, request.pipeline, refused.message)
+            letter = self.processor.dead_letter(refused, message.value, message.key, source)
+            return await self.dead_here(letter, source)
         # A pipeline this worker knows, or one label for the rest: the name is the
         # request's, and a label per name any record brings would grow without bound.
         known = request.pipeline in self.processor.registry.pipelines

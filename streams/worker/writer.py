@@ -186,8 +186,7 @@ class Writer:
         back (its task becomes a write_refused dead letter); anything else means the worker
         cannot write."""
         topic = self._topic_of(name, outcome)
-        self.metrics.writes_refused.labels(topic, why).inc()
-        log.warning("%s refused the %s of %s for good: %r", topic, name, outcome.key, error)
+        self._refusal(topic, f"the {name} of {outcome.key}", error)  # counted and logged
         if name == "review" or (name == "sink" and outcome.kind != "result"):
             pending.discard(name)  # a copy (of the result, of a dead letter): left out
         elif name in ("outcome", "sink") and outcome.kind == "result":
@@ -274,27 +273,44 @@ class Writer:
         copies) under each of `result_keys`, its dead letter, its records in the sink
         topics (`sinks`: topic and key), its session's turns without its own (`session`:
         the session's key and what is left, None for nothing), then its state — last, so
-        that a run killed on the way finds the state and erases again."""
-        put, send = self.store.put, self.send
+        that a run killed on the way finds the state and erases again.
+
+        A tombstone a topic refuses for good (this worker may no longer write a sink
+        topic) raises `WriteRefused` once the others are written, the state kept: the
+        request sent again erases what is left. Stopping instead would stop the worker on
+        the same request after every restart."""
+        put, send, topics = self.store.put, self.send, self.store.topics
         review = self.settings.topics.review
-        writes: list[tuple[str, Callable[[], Awaitable[object]]]] = []
+        writes: list[tuple[str, str, Callable[[], Awaitable[object]]]] = []
         for key in result_keys:
-            writes.append((f"the result {key}", partial(put, Kind.RESULTS, partition,
-                                                        key.encode(), None)))  # fmt: skip
-            writes.append((f"the review copy of {key}", partial(send, review, key.encode(), None,
-                                                                partition)))  # fmt: skip
+            writes.append((topics[Kind.RESULTS], f"the result {key}",
+                           partial(put, Kind.RESULTS, partition, key.encode(), None)))  # fmt: skip
+            writes.append((review, f"the review copy of {key}",
+                           partial(send, review, key.encode(), None, partition)))  # fmt: skip
         letter = partial(put, Kind.DEAD_LETTERS, partition, task_id.encode(), None)
-        writes.append((f"the dead letter of {task_id}", letter))
+        writes.append((topics[Kind.DEAD_LETTERS], f"the dead letter of {task_id}", letter))
         for topic, sink_key in sinks:
             count = self.limits.partitions.get(topic, self.settings.kafka.partitions)
             where = partition_of(sink_key, count)
             tombstone = partial(send, topic, sink_key, None, where, via=partition)
-            writes.append((f"the {topic} record of {task_id}", tombstone))
+            writes.append((topic, f"the {topic} record of {task_id}", tombstone))
         if session is not None:
             turns = partial(put, Kind.SESSIONS, partition, session[0], session[1])
-            writes.append((f"the turn of {task_id} in its session", turns))
-        for what, write in writes:
-            await self._or_stop(write, f"the erasure of {what}")
+            writes.append((topics[Kind.SESSIONS], f"the turn of {task_id} in its session",
+                           turns))  # fmt: skip
+        refused: list[WriteRefused] = []
+        for topic, what, write in writes:
+            try:
+                await self._or_stop(write, f"the erasure of {what}", refusals=True)
+            except KafkaError as exc:  # refused for good (`refusals`): the rest still go
+                refused.append(self._refusal(topic, f"the erasure of {what}", exc))
+        if refused:
+            raise WriteRefused(
+                f"the erasure of {task_id} is not complete (its state is kept: asked again, "
+                f"`llm-streams erase` erases what is left): "
+                f"{'; '.join(r.message for r in refused)}",
+                code=refused[0].code,
+            )  # fmt: skip
         await self._or_stop(
             lambda: self.store.put(Kind.TASK_STATES, partition, task_id.encode(), None),
             f"the erasure of the state of {task_id}",
@@ -333,10 +349,14 @@ class Writer:
                 what, refusals=True,
             )  # fmt: skip
         except KafkaError as exc:
-            why = refused_for_good(exc)
-            self.metrics.writes_refused.labels(topic, why).inc()
-            log.warning("%s refused %s for good: %r", topic, what, exc)
-            raise WriteRefused(f"{topic} refused {what} ({why}): {exc!r}", code=why) from exc
+            raise self._refusal(topic, what, exc) from exc
+
+    def _refusal(self, topic: str, what: str, exc: BaseException) -> WriteRefused:
+        """A write `topic` refused for good, counted and logged, as the task's error."""
+        why = refused_for_good(exc) or "refused"
+        self.metrics.writes_refused.labels(topic, why).inc()
+        log.warning("%s refused %s for good: %r", topic, what, exc)
+        return WriteRefused(f"{topic} refused {what} ({why}): {exc!r}", code=why)
 
     async def write_or_stop(self, write: Callable[[], Awaitable[object]], what: str) -> None:
         """One write, again while the broker may take it later; stop when it will not."""

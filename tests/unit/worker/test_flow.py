@@ -381,6 +381,41 @@ async def test_an_erase_request_leaves_tombstones_where_the_task_was_written(
     assert again == "result" and len(llm.requests) == 2  # asked again: nothing of it kept
 
 
+async def test_an_erasure_a_sink_refuses_for_good_is_a_dead_letter_the_rest_erased(
+    sink_flow: Any,
+) -> None:
+    """A sink topic this worker may no longer write (its ACL revoked) stopped the worker —
+    and again on the same request after every restart. The other tombstones are written,
+    the state kept (sent again, the request erases what is left), and the request is its
+    own dead letter saying what was refused."""
+    run, sent, _, settings, refuse = sink_flow
+    record = _record("t-9", _home_of("t-9"))
+    _, outcome = await run.handle(record, Source(topic="tasks", partition=record.partition,
+                                                 offset=0), Span())  # fmt: skip
+    assert outcome is not None
+    sent.clear()
+    refuse.add(SINK)
+    value = EraseRequest(task_id="t-9", pipeline="comment-analysis").model_dump_json().encode()
+    erase = StoredRecord("tasks", record.partition, 1, b"t-9", value,
+                         [(ERASE_HEADER, b"command")], None)  # fmt: skip
+    kind, letter = await run.handle(erase, Source(topic="tasks", partition=record.partition,
+                                                  offset=1), Span())  # fmt: skip
+    assert kind == "dead_letter" and letter is not None and letter.error is not None
+    assert letter.category == "write_refused" and letter.error["code"] == "record_too_large"
+    assert f"{SINK} refused the erasure of the {SINK} record of t-9" in letter.error["message"]
+    written = [(topic, key, value) for topic, key, value, _, _ in sent]
+    assert (settings.topics.results, outcome.key.encode(), None) in written
+    assert (f"{SINK}.dlq", b"t-9", None) in written  # the rest went on
+    assert (state_topic(settings), b"t-9", None) not in written
+    assert run.store.result(record.partition, outcome.key) is None
+    assert run.store.state(record.partition, "t-9") is not None  # kept: sent again, ...
+    refuse.clear()
+    again = replace(erase, offset=2)
+    kind, _ = await run.handle(again, Source(topic="tasks", partition=record.partition,
+                                             offset=2), Span())  # fmt: skip
+    assert kind == "erased" and run.store.state(record.partition, "t-9") is None  # ... done
+
+
 async def test_an_erase_request_away_from_its_task_is_forwarded_and_a_bad_one_dead_lettered(
     sink_flow: Any,
 ) -> None:
