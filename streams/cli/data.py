@@ -48,17 +48,36 @@ def publish(source: Any, pipeline: str, topic: str | None) -> None:
 @click.option("--pipeline", required=True, help="The pipeline the tasks belong to.")
 @click.option("--source-key", default=None,
               help="The source record's key, for a sink keyed by it (one task only).")  # fmt: skip
+@click.option("--source-key-base64", default=None,
+              help="The same, for a key that is not UTF-8: its bytes in base64 (its task id "
+                   "reads `base64:` and them).")  # fmt: skip
 @click.option("--session-id", default=None,
               help="The tasks' session, for a pipeline keeping sessions.")  # fmt: skip
 def erase(
-    task_ids: tuple[str, ...], pipeline: str, source_key: str | None, session_id: str | None
+    task_ids: tuple[str, ...],
+    pipeline: str,
+    source_key: str | None,
+    source_key_base64: str | None,
+    session_id: str | None,
 ) -> None:
     """Erase tasks' answers for a deletion request: their results (every prompt version's),
     dead letters, states, review copies and sink records get tombstones. The workers that
     own their partitions write them; compaction removes the data later, on the topics'
     schedule."""
-    from streams.kafka.publisher import TaskPublisher
+    import base64
+    import binascii
 
+    from streams.kafka.publisher import TaskPublisher
+    from streams.pipelines.sources import RAW_KEY_PREFIX
+
+    if source_key_base64 is not None:
+        if source_key is not None:
+            raise click.UsageError("give --source-key or --source-key-base64, not both")
+        try:
+            base64.b64decode(source_key_base64, validate=True)
+        except binascii.Error as exc:
+            raise click.UsageError(f"--source-key-base64 is not base64: {exc}") from None
+        source_key = RAW_KEY_PREFIX + source_key_base64  # its text, as the worker reads it
     if source_key is not None and len(task_ids) > 1:
         raise click.UsageError("--source-key names one task's source record: give one --task-id")
     settings = settings_or_exit()
@@ -67,7 +86,8 @@ def erase(
     async def send() -> None:
         async with TaskPublisher(settings) as publisher:
             for task_id in task_ids:
-                await publisher.erase(task_id, pipeline, source_key, session_id=session_id)
+                await publisher.erase(task_id, pipeline, source_key, session_id=session_id,
+                                      source_key_base64=source_key_base64)  # fmt: skip
 
     on_kafka(settings, send())
     click.echo(f"asked to erase {len(task_ids)} task(s) of {pipeline}", err=True)

@@ -83,13 +83,16 @@ class TaskPublisher:
         *,
         session_id: str | None = None,
         via: str = "command",
+        source_key_base64: str | None = None,
     ) -> None:
         """Ask the workers to erase a task: its results, dead letter, state, review copies
         and sink records (a deletion request: the answers quote its input). Sent to its
         partition of the tasks topic with the `llm-streams-erase` header; the worker that
-        owns the partition writes the tombstones."""
+        owns the partition writes the tombstones. `source_key_base64`: the bytes of a source
+        key that is not UTF-8 (a sink keyed by it is erased under them)."""
         request = EraseRequest(task_id=task_id, pipeline=pipeline, source_key=source_key,
-                               session_id=session_id)  # fmt: skip
+                               session_id=session_id,
+                               source_key_base64=source_key_base64)  # fmt: skip
         await (await self._producer.send(
             self.topic, key=(session_id or task_id).encode(),
             value=request.wire(),
