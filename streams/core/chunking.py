@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from streams.llm.tokens import counter, truncate_tokens
+from streams.llm.tokens import counter, split_tokens
 
 _PARAGRAPHS = re.compile(r"\n\s*\n")
 # Between . ! ? and the blank after it, or after CJK sentence ends (no blank in Chinese);
@@ -46,19 +46,6 @@ def _sentences(text: str) -> list[str]:
     return out
 
 
-def _cut(sentence: str, max_tokens: int) -> list[str]:
-    """A sentence longer than a chunk, cut into pieces of at most max_tokens."""
-    pieces = []
-    rest = sentence
-    while rest:
-        head = truncate_tokens(rest, max_tokens)
-        if not head:
-            break
-        pieces.append(head)
-        rest = rest[len(head) :]
-    return pieces
-
-
 def split_text(
     text: str, max_tokens: int, overlap_tokens: int, count: Callable[[str], int] | None = None
 ) -> list[str]:
@@ -72,7 +59,7 @@ def split_text(
         if n <= max_tokens:
             units.append((sentence, n))
         else:
-            units.extend((piece, count(piece)) for piece in _cut(sentence, max_tokens))
+            units.extend((piece, count(piece)) for piece in split_tokens(sentence, max_tokens))
     chunks: list[str] = []
     current: list[tuple[str, int]] = []
     size = 0

@@ -9,6 +9,7 @@ falls back, loudly, to characters / 4.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import gzip
 import hashlib
@@ -18,6 +19,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +68,14 @@ def counter(encoding: str = "o200k_base") -> Callable[[str], int]:
 
 
 @functools.cache
-def _codec(encoding: str) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]] | None:
+def _codec(encoding: str) -> Any:
+    """tiktoken's `Encoding`, or None when it is unavailable (counter() has warned)."""
     try:
         import tiktoken
 
         _seed_cache(encoding)
-        enc = tiktoken.get_encoding(encoding)
-        return enc.encode_ordinary, enc.decode
-    except Exception:  # counter() has already warned
+        return tiktoken.get_encoding(encoding)
+    except Exception:
         return None
 
 
@@ -83,17 +85,37 @@ def truncate_tokens(
     """The first (keep="head") or last ("tail") `max_tokens` tokens of `text`."""
     if max_tokens <= 0:
         return ""
-    codec = _codec(encoding)
-    if codec is None:  # the chars/4 estimate, applied the same way
+    enc = _codec(encoding)
+    if enc is None:  # the chars/4 estimate, applied the same way
         chars = max_tokens * 4
         return text[:chars] if keep == "head" else text[-chars:]
-    encode, decode = codec
-    tokens = encode(text)
+    tokens = enc.encode_ordinary(text)
     if len(tokens) <= max_tokens:
         return text
     kept = tokens[:max_tokens] if keep == "head" else tokens[-max_tokens:]
     # A cut may split a multi-byte character: drop the replacement characters it leaves.
-    return decode(kept).strip("\ufffd")
+    return str(enc.decode(kept)).strip("\ufffd")
+
+
+def split_tokens(text: str, max_tokens: int, encoding: str = "o200k_base") -> list[str]:
+    """`text` in pieces of about `max_tokens` tokens each (a character whose bytes a cut
+    splits goes whole into the next piece), joined again the text itself. Encoded once:
+    cutting a head off the rest again and again encoded the rest each time, 8 s of the
+    event loop for a 1 MB text without a sentence end."""
+    max_tokens = max(1, max_tokens)
+    enc = _codec(encoding)
+    if enc is None:  # the chars/4 estimate
+        step = max_tokens * 4
+        return [text[i : i + step] for i in range(0, len(text), step)]
+    tokens = enc.encode_ordinary(text)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    pieces = []
+    for start in range(0, len(tokens), max_tokens):
+        last = start + max_tokens >= len(tokens)
+        piece = decoder.decode(enc.decode_bytes(tokens[start : start + max_tokens]), final=last)
+        if piece:
+            pieces.append(piece)
+    return pieces
 
 
 @functools.lru_cache(maxsize=512)

@@ -232,3 +232,32 @@ async def test_a_chunk_over_a_window_learned_since_the_plan_is_cut_again(
     assert out.kind == "result", result
     assert processor.registry.get("comment-analysis").is_valid(result["output"])
     assert result["attempts"] == simulator.sim.snapshot()["requests"]
+
+
+def test_a_text_without_a_sentence_end_is_cut_by_tokens_reading_it_once(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """A slot of one 'sentence' (a pasted log, base64, a language without . ! ?) was cut
+    by taking a head off the rest again and again, each time encoding the whole rest:
+    for 1 MB, 200 encodings of up to 1 MB, 8 s of the worker's event loop."""
+    import tiktoken
+
+    from streams.llm import tokens
+
+    count = counter()  # bound before the encoder counts: its own counts are not counted
+    encoded: list[int] = []
+    real = tiktoken.Encoding.encode_ordinary
+
+    def counted(self: tiktoken.Encoding, text: str) -> list[int]:
+        encoded.append(len(text))
+        return real(self, text)
+
+    monkeypatch.setattr(tiktoken.Encoding, "encode_ordinary", counted)
+    tokens._codec.cache_clear()  # bound again, to the counting encoder; and after the test
+    request.addfinalizer(tokens._codec.cache_clear)
+    text = ("ü😀中文 lorem-ipsum_" * 6000) + "the end"  # no sentence end, multi-byte runs
+    chunks = split_text(text, 300, 0, count=count)
+    assert 0 < sum(encoded) <= 2 * len(text)  # each character encoded once, not once a chunk
+    # Nothing lost, nothing doubled (no overlap; a chunk's own edges are trimmed).
+    assert "".join("".join(chunks).split()) == "".join(text.split())
+    assert len(chunks) > 100 and max(count(c) for c in chunks) <= 301
