@@ -122,3 +122,24 @@ async def test_no_raw_pii_reaches_the_llm_and_redactions_are_counted(
     assert "[EMAIL]" in prompt and "[BANK_CARD]" in prompt
     for kind in ("email", "phone", "cn_id", "bank_card"):
         assert metrics.redactions.labels("comment-analysis", kind)._value.get() == 1
+
+
+def test_an_email_is_found_where_it_was_before_the_pattern_began_only_at_runs() -> None:
+    """The email pattern starts its local part only where a run of its characters starts
+    (tried at each position of a long run without an @, it cost the square of the run's
+    length: `bench/hostile_inputs.py`). Whatever the text, it finds what it found."""
+    import random
+    import re
+
+    from streams.preprocess import _EMAIL
+
+    before = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}")
+    rng = random.Random(5)
+    for _ in range(5000):
+        text = "".join(rng.choice("ab.%+-@x1 .com\n_中") for _ in range(rng.randint(1, 80)))
+        assert [m.span() for m in _EMAIL.finditer(text)] == [
+            m.span() for m in before.finditer(text)
+        ], text
+    counts: Counter[str] = Counter()
+    redacted = Redactor().redact("write to x.y+z@mail.example.com or a@b.cn!", counts)
+    assert redacted == "write to [EMAIL] or [EMAIL]!" and counts["email"] == 2
