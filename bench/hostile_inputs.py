@@ -1,12 +1,13 @@
-"""What a large hostile slot costs the event loop before its call: cleaning and PII
-redaction (`version.bind`), and cutting it into chunks (`chunking.split_text`).
+"""What a large hostile slot costs the event loop before its call — cleaning and PII
+redaction (`version.bind`), cutting it into chunks (`chunking.split_text`) — and a
+large hostile answer after it (its Markdown fence taken off: `llm.client.unfenced`).
 
 One process. Each text is one slot as a comment could carry it — a run of letters,
 base64, digits, CJK, a card-like or phone-like run, a sentence without an end — at
 two sizes; the time printed is the thread's CPU for the step, and the last column the
 ratio of the larger size's time to the smaller's: ~4 for 4x the size when the cost is
-linear, ~16 when it is quadratic (what redaction's email pattern and the chunker's
-cut were: 19 s for 160 KB, 8.4 s for 1 MB).
+linear, ~16 when it is quadratic (what redaction's email pattern, the chunker's cut
+and the fence's pattern were: 19 s for 160 KB, 8.4 s for 1 MB, 67 s for 100 KB).
 
     python bench/hostile_inputs.py [--small 250000] [--large 1000000]
 """
@@ -20,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from streams.core.chunking import split_text
+from streams.llm.client import unfenced
 from streams.preprocess import Redactor, clean
 
 B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
@@ -57,6 +59,7 @@ def main() -> None:
     for step, run in (
         ("clean + redact", lambda text: redactor.redact(clean(text), Counter())),
         ("chunk (3,000 tokens)", lambda text: split_text(text, 3000, 200)),
+        ("an answer's fence taken off", lambda text: unfenced("```" + text)),
     ):
         print(f"{step}:")
         run("warm up: the tokenizer's files load at its first use")

@@ -122,3 +122,22 @@ def test_a_refusal_beside_an_answer_leaves_the_answer() -> None:
     raw = orjson.dumps({"model": "m", "choices": [{"finish_reason": "stop", "message": {
         "role": "assistant", "content": '{"ok": true}', "refusal": ""}}]})  # fmt: skip
     assert parse_completion(raw, "m").refusal is None
+
+
+def test_a_fence_is_taken_off_as_before_the_pattern_was_split() -> None:
+    """The fence's pattern was one for the whole answer and backtracked its language tag
+    against the body: an answer of a fence and a long run of letters or blanks cost the
+    square of the run (67 s for 100 KB). It finds what it found, on any text."""
+    import random
+    import re
+
+    from streams.llm.client import unfenced
+
+    before = re.compile(r"^\s*```[A-Za-z]*[ \t]*\n?(.*?)\n?```\s*$", re.DOTALL)
+    rng = random.Random(1)
+    parts = ["`", "```", "a", "json", "\n", " ", "\t", "{", "}", "\r", "\u3000", "x\n"]
+    for _ in range(20_000):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 12)))
+        found = before.match(text)
+        assert unfenced(text) == (found.group(1) if found else text), repr(text)
+    assert unfenced('```json\n{"ok": true}\n```\n') == '{"ok": true}'
