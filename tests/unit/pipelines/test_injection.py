@@ -103,3 +103,21 @@ async def test_injection_attempts_still_give_valid_outputs(
     prompt = pipeline.version(None, "x").render({"text": ATTEMPTS[1]}, "sim-1")
     assert comment_text(prompt.messages) == prompt.variables["text"]
     assert len(seen) == len(ATTEMPTS)
+
+
+def test_the_guard_finds_what_it_found_before_its_blanks_were_possessive() -> None:
+    """Backtracked, the blanks between `<` and a tag name cost the square of a run of
+    blanks and newlines after a `<` (5.6 s for 32 KB: `bench/hostile_inputs.py`). On any
+    text the guard escapes what it escaped."""
+    import random
+    import re
+
+    guard = delimiter_guard("<comment>{{ text }}</comment> <ctx.a-b>")
+    assert guard is not None
+    names = "|".join(re.escape(n) for n in ("comment", "ctx.a-b"))
+    before = re.compile(r"<(\s*/?\s*)(" + names + r")(?![\w.-])", re.IGNORECASE)
+    rng = random.Random(4)
+    parts = ["<", "/", " ", "\n", "comment", "COMMENT", "ctx.a-b", "x", "-", ".", "\t", "</"]
+    for _ in range(20_000):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 10)))
+        assert guard(text) == before.sub(r"&lt;\1\2", text), repr(text)
