@@ -247,7 +247,7 @@ class Calls:
         self.genai.attempt(
             request_model=request.model, pipeline=pipeline, version=version,
             seconds=time.monotonic() - sent if took is None else took,
-            response_model=response.model,
+            response_model=self.metrics.model_label(response.model),
             input_tokens=response.prompt_tokens, output_tokens=response.completion_tokens,
             endpoint=where,
         )  # fmt: skip
@@ -395,7 +395,7 @@ class Calls:
                         client.client.endpoint, model, mode, instead)  # fmt: skip
 
     def count_output(self, model: str, *, ok: bool) -> None:
-        self.metrics.outputs.labels(model, "pass" if ok else "fail").inc()
+        self.metrics.outputs.labels(self.metrics.model_label(model), "pass" if ok else "fail").inc()
 
 
 __all__ = ["Calls", "ClientFor", "RouteFor"]

@@ -145,7 +145,7 @@ class Outcomes:
         split = self.prices.split(spend)
         cost = round(sum(split.values()), 8)
         if cost > 0:
-            model = spend.model or self.default_model
+            model = self.metrics.model_label(spend.model or self.default_model)
             self.metrics.cost.labels(pipeline, model, spend.tier.value).inc(cost)
             for deployment, usd in split.items():
                 if usd > 0:

@@ -59,6 +59,7 @@ class Histogram(_KeptChildren, prometheus_client.Histogram):
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 RECENT_DEAD_LETTERS = 20  # the status page's latest dead letters
+MODEL_LABELS = 64  # model names an answer says with series of their own (`model_label`)
 
 
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus_client
@@ -87,6 +88,7 @@ class Metrics:
         # When each breaker took its state (wall time), for the page's "open since". One
         # entry per endpoint or deployment, which the configuration bounds.
         self.breaker_since: dict[str, float] = {}
+        self._models: set[str] = set()  # the answers' model names with series of their own
         r = self.registry
         self.tasks_received = Counter(
             "llm_streams_tasks_received", "Records taken from the input topics.", ["lane"],
@@ -340,6 +342,18 @@ class Metrics:
             "Tasks answered without an LLM call: kind=result (the task was answered before) "
             "or content (an identical input of another task was).",
             ["pipeline", "kind"], registry=r)  # fmt: skip
+
+    def model_label(self, model: str) -> str:
+        """A model name an answer says, as a label: the provider names it (a snapshot, the
+        model a router chose, a server's file path), so the first `MODEL_LABELS` names
+        have series of their own and the rest share `other`; cut to 128 characters."""
+        name = model[:128]
+        if name in self._models:
+            return name
+        if len(self._models) < MODEL_LABELS:
+            self._models.add(name)
+            return name
+        return "other"
 
     def used(self, model: str, prompt: int, completion: int, cached_prompt: int = 0) -> None:
         """One answer's tokens."""

@@ -15,7 +15,7 @@ from streams.core.spend import Prices
 from streams.errors import ContextOverflow, RateLimited, TaskError, Timeout, UpstreamError
 from streams.llm.client import parse_completion
 from tests.conftest import MakeProcessor
-from tests.fakes import FakeLLM
+from tests.fakes import FakeLLM, answer
 
 SRC = Source(topic="t", partition=0, offset=7)
 
@@ -141,3 +141,28 @@ def test_a_fence_is_taken_off_as_before_the_pattern_was_split() -> None:
         found = before.match(text)
         assert unfenced(text) == (found.group(1) if found else text), repr(text)
     assert unfenced('```json\n{"ok": true}\n```\n') == '{"ok": true}'
+
+
+async def test_model_names_answers_say_have_a_bounded_number_of_series(
+    make_processor: MakeProcessor,
+) -> None:
+    """An answer names its model (a snapshot, the model a router chose, a server's file
+    path): one series per name any answer brought, for `outputs_total` and
+    `cost_usd_total`, grew without bound. The result still says the name as given."""
+    from streams.observability.metrics import MODEL_LABELS
+
+    names = iter(f"router-pick-{n}-" + "x" * 300 for n in range(MODEL_LABELS + 20))
+    good = {"sentiment": "positive", "confidence": 0.9, "topics": [], "issues": [],
+            "summary": "ok", "language": "en"}  # fmt: skip
+    llm = FakeLLM(lambda _r: answer(good, model=next(names)))
+    processor = make_processor(llm, prices=Prices(1.0, 2.0))
+    for n in range(MODEL_LABELS + 20):
+        task = orjson.dumps({"task_id": f"t{n}", "pipeline": "comment-analysis",
+                             "input": {"text": f"Comment {n}."}})  # fmt: skip
+        out = await processor.process(task, f"t{n}".encode(), SRC)
+        assert orjson.loads(out.value)["model"].startswith(f"router-pick-{n}-")
+    for metric in ("llm_streams_outputs", "llm_streams_cost_usd"):
+        models = {s.labels["model"] for m in processor.metrics.registry.collect()
+                  if m.name == metric for s in m.samples}  # fmt: skip
+        assert len(models) == MODEL_LABELS + 1 and "other" in models, metric
+        assert max(len(name) for name in models) <= 128
