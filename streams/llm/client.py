@@ -173,7 +173,7 @@ def parse_completion(
             tool_called=bool(calls) and not message.get("content"),
             service_tier=str(data["service_tier"]) if data.get("service_tier") else None,
             cached_prompt_tokens=_cached_tokens(usage),
-            refusal=_text(message.get("refusal")) or None,
+            refusal=_refusal(message.get("refusal")),
         )
     except (
         orjson.JSONDecodeError,
@@ -214,6 +214,12 @@ def _text(content: Any) -> str:
             and isinstance(part.get("text"), str)
         )  # fmt: skip
     raise TypeError(f"message content is a {type(content).__name__}")
+
+
+def _refusal(said: Any) -> str | None:
+    """The model's refusal as the answer says it: text, or None (null, empty, or a shape
+    a server other than OpenAI sends there: the answer is read as it is)."""
+    return said if isinstance(said, str) and said.strip() else None
 
 
 def _count(said: Any) -> int:

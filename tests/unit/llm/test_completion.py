@@ -118,10 +118,13 @@ async def test_a_refused_or_filtered_answer_is_a_dead_letter_asked_once_and_paid
     assert out.rejected == 1  # counted as an answer the checks refused
 
 
-def test_a_refusal_beside_an_answer_leaves_the_answer() -> None:
+@pytest.mark.parametrize("refusal", ["", "  ", None, False, 0, {}, ["no"]])
+def test_a_refusal_that_says_nothing_leaves_the_answer(refusal: Any) -> None:
+    """An empty refusal, or one in a shape a server other than OpenAI sends there."""
     raw = orjson.dumps({"model": "m", "choices": [{"finish_reason": "stop", "message": {
-        "role": "assistant", "content": '{"ok": true}', "refusal": ""}}]})  # fmt: skip
-    assert parse_completion(raw, "m").refusal is None
+        "role": "assistant", "content": '{"ok": true}', "refusal": refusal}}]})  # fmt: skip
+    answer = parse_completion(raw, "m")
+    assert answer.refusal is None and answer.content == '{"ok": true}'
 
 
 def test_a_fence_is_taken_off_as_before_the_pattern_was_split() -> None:
