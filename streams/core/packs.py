@@ -26,8 +26,14 @@ from streams.core.packing import (
 )
 from streams.core.spend import Spend, Tokens
 from streams.core.window import fit_window
-from streams.errors import InvalidOutput, OutputRejected, TaskError
-from streams.llm.client import LLMRequest, LLMResponse, budget_key, completion_budget
+from streams.errors import InvalidOutput, OutputRejected, TaskError, UpstreamError
+from streams.llm.client import (
+    LLMRequest,
+    LLMResponse,
+    budget_key,
+    completion_budget,
+    finish_fault,
+)
 from streams.observability.genai import endpoint_attributes
 from streams.observability.tracing import child_span
 from streams.pipelines.output import check_output
@@ -164,8 +170,17 @@ class Packs:
                             "llm_streams.attempt": a.count},
             ):  # fmt: skip
                 response = await client.complete(request, lane=lane, deadline_at=deadline_at)
-            if response.finish_reason == "length":
-                raise OutputRejected("pack answer cut at max_tokens", code="truncated")
+            # A pack's partial answer is not handed out: cut or filtered, its items go
+            # alone (only one of them may have met the filter); failed, it is asked again.
+            fault, said = finish_fault(response.finish_reason), response.finish_reason[:100]
+            if fault == "truncated":
+                raise OutputRejected(f"pack answer cut at max_tokens ({said})", code="truncated")
+            if fault == "filtered":
+                raise OutputRejected(f"pack answer withheld by the content filter ({said})",
+                                     code="content_filter")  # fmt: skip
+            if fault == "failed":
+                raise UpstreamError(f"the endpoint ended the pack's answer with an error "
+                                    f"({said})", code="finish_error")  # fmt: skip
             return response
 
         return await call_with_retries(attempt, self.calls.policy, attempts)

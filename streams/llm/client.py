@@ -130,6 +130,28 @@ class LLMResponse:
     refusal: str | None = None
 
 
+# What an answer's `finish_reason` says of its text, in the words servers use for it (the
+# one map: single calls and packs read it alike). Compared in lower case.
+# - cut at the answer's budget or the model's window: OpenAI and most servers "length";
+#   Mistral "model_length" (the context was full); gateways passing on Anthropic's or
+#   Gemini's own words "max_tokens".
+# - the server gave up mid-answer (its text partial, the server's fault, asked again):
+#   OpenRouter "error"; vLLM and SGLang "abort" (an engine pause, shutdown or scale-down
+#   ends the request with HTTP 200 and what it had).
+# - withheld by the provider's filter: OpenAI, Azure, Gemini's OpenAI API "content_filter".
+_FINISHES = {
+    "length": "truncated", "model_length": "truncated", "max_tokens": "truncated",
+    "error": "failed", "abort": "failed",
+    "content_filter": "filtered",
+}  # fmt: skip
+
+
+def finish_fault(finish_reason: str) -> str | None:
+    """What is wrong with an answer as its finish reason says: "truncated", "failed",
+    "filtered", or None (it ended as it should: "stop", "tool_calls", "eos_token", ...)."""
+    return _FINISHES.get(finish_reason.lower())
+
+
 class LLMClient(Protocol):
     """One attempt at a chat completion; raises streams.errors.TaskError subclasses."""
 

@@ -19,7 +19,7 @@ import orjson
 
 from streams.contract.records import MAX_DEPTH, too_deep
 from streams.errors import InvalidOutput, OutputRejected, UpstreamError
-from streams.llm.client import LLMResponse, unfenced
+from streams.llm.client import LLMResponse, finish_fault, unfenced
 from streams.pipelines.defaults import fill_defaults
 from streams.pipelines.pipeline import Pipeline
 
@@ -59,15 +59,17 @@ def parse_output(
 ) -> dict[str, Any]:
     """The validated output object, or InvalidOutput saying what is wrong with it.
     `variables`: the slots as the prompt had them; `originals`: as the task gave them."""
-    if response.finish_reason == "length":
-        raise InvalidOutput("answer was cut at max_tokens (finish_reason=length)", code="truncated")
-    if response.finish_reason == "error":  # OpenRouter: the model failed mid-answer
-        raise UpstreamError("the endpoint ended the answer with an error (finish_reason=error)",
+    fault, said = finish_fault(response.finish_reason), response.finish_reason[:100]
+    if fault == "truncated":
+        raise InvalidOutput(f"answer was cut at max_tokens (finish_reason={said})",
+                            code="truncated")  # fmt: skip
+    if fault == "failed":  # the server gave up mid-answer: its text is partial
+        raise UpstreamError(f"the endpoint ended the answer with an error (finish_reason={said})",
                             code="finish_error")  # fmt: skip
     # Asked again, the same input meets the same filter or refusal: paid for, not repaired.
-    if response.finish_reason == "content_filter":  # OpenAI, Azure, Gemini's OpenAI API
+    if fault == "filtered":
         raise OutputRejected("the provider's content filter withheld the answer "
-                             "(finish_reason=content_filter)", code="content_filter")  # fmt: skip
+                             f"(finish_reason={said})", code="content_filter")  # fmt: skip
     if response.refusal is not None and not response.content.strip():
         raise OutputRejected(f"the model refused to answer: {response.refusal[:500]}",
                              code="refusal")  # fmt: skip

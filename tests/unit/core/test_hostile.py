@@ -150,14 +150,16 @@ def test_whatever_a_server_answers_the_task_ends_as_a_result_or_a_dead_letter_sa
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("finish", ["error", "abort", "ABORT"])
 async def test_an_answer_the_endpoint_ended_with_an_error_is_asked_again_and_paid_for(
-    make_processor: MakeProcessor,
+    make_processor: MakeProcessor, finish: str
 ) -> None:
-    """OpenRouter ends an answer whose model failed mid-way with `finish_reason: "error"`
-    and what it had written. That partial text was parsed as the answer: a repair asked of
-    the model about text it never finished. It is the endpoint's failure now, asked again,
-    and its tokens counted in the task's spend all the same."""
-    answers = iter([replace(answer('{"sentiment": "pos'), finish_reason="error"), answer(GOOD)])
+    """OpenRouter ends an answer whose model failed mid-way with `finish_reason: "error"`,
+    vLLM and SGLang one their engine aborted (a pause, shutdown, scale-down) with "abort",
+    each with HTTP 200 and what it had written. That partial text was parsed as the answer:
+    a repair asked of the model about text it never finished. It is the endpoint's failure
+    now, asked again, and its tokens counted in the task's spend all the same."""
+    answers = iter([replace(answer('{"sentiment": "pos'), finish_reason=finish), answer(GOOD)])
     llm = FakeLLM(lambda _r: next(answers))
     out = await make_processor(llm, prices=Prices(1.0, 2.0)).process(task("Great."), b"t1", SRC)
     assert out.kind == "result" and out.attempts == 2 and len(llm.requests) == 2

@@ -4,7 +4,9 @@ matched back by task id, validated one by one, the rest answered alone."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +26,13 @@ from streams.core.packing import (
 from streams.core.processor import Outcome, TaskProcessor
 from streams.core.spend import Prices
 from streams.dev.simulator import SimulatorServer
+from streams.llm.client import LLMRequest, LLMResponse
 from streams.llm.openai_client import OpenAIClient
 from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
 from tests.conftest import MakeProcessor
+from tests.fakes import FakeLLM, answer
 
 ROOT = Path(__file__).resolve().parents[3]
 PACKING = "packing: {slot: text, max_chars: 200, max_items: 20, linger_s: 0.05}\n"
@@ -229,3 +233,58 @@ async def test_a_failed_pack_sends_each_task_alone_and_each_ends_once(
         assert letter["attempts"] == 2 + 2  # the pack's two attempts, then its own two
     # One pack (2 attempts) and then each task alone (2 attempts each).
     assert simulator.sim.snapshot()["requests"] == 2 + 4 * 2
+
+
+def _fake_packing(tmp_path: Path, make_processor: MakeProcessor, llm: FakeLLM) -> TaskProcessor:
+    """A processor whose comment-analysis packs, on a fake endpoint."""
+    spec = (ROOT / "pipelines" / "comment-analysis.yaml").read_text()
+    (tmp_path / "comment-analysis.yaml").write_text(
+        spec.replace("versions:\n", PACKING + "versions:\n", 1)
+    )
+    return make_processor(llm, registry=PipelineRegistry.load(tmp_path, ROOT / "schemas"),
+                          prices=Prices(1.0, 2.0))  # fmt: skip
+
+
+GOOD = {"sentiment": "positive", "confidence": 0.9, "topics": ["quality"], "issues": [],
+        "summary": "good", "language": "en"}  # fmt: skip
+
+
+def _answers(finishes: list[str]) -> Any:
+    """Answers the packs with every item's answer whole, ending each in turn as
+    `finishes` says (then "stop"); answers a task alone as any call."""
+    ends = iter(finishes)
+
+    def behaviour(request: LLMRequest) -> LLMResponse:
+        ids = re.findall(r'<item id="([^"]+)">', request.messages[-1]["content"])
+        if not ids:
+            return answer(GOOD, prompt_tokens=10, completion_tokens=5)
+        body = {"answers": [{"id": i, "answer": GOOD} for i in ids]}
+        return replace(answer(body, prompt_tokens=100, completion_tokens=50),
+                       finish_reason=next(ends, "stop"))  # fmt: skip
+
+    return behaviour
+
+
+@pytest.mark.parametrize("finish", ["error", "abort"])
+async def test_a_pack_the_server_gave_up_on_is_asked_again(
+    tmp_path: Path, make_processor: MakeProcessor, finish: str
+) -> None:
+    """OpenRouter's "error", vLLM's and SGLang's "abort": HTTP 200 and the text the server
+    had. It was handed out as the answer (whatever of it parsed); it is asked again now."""
+    llm = FakeLLM(_answers([finish]))
+    outcomes = await _run(_fake_packing(tmp_path, make_processor, llm), TEXTS[:4])
+    assert [o.kind for o in outcomes] == ["result"] * 4
+    assert len(llm.requests) == 2  # the pack, and the pack again
+    assert all(orjson.loads(o.value)["attempts"] == 2 for o in outcomes)
+
+
+@pytest.mark.parametrize("finish", ["length", "model_length", "content_filter"])
+async def test_a_pack_cut_or_filtered_sends_each_task_alone(
+    tmp_path: Path, make_processor: MakeProcessor, finish: str
+) -> None:
+    """Mistral ends an answer its window cut with "model_length"; a filter withholds what
+    one item's text met. Neither was seen as such: the pack's answer was handed out."""
+    llm = FakeLLM(_answers([finish]))
+    outcomes = await _run(_fake_packing(tmp_path, make_processor, llm), TEXTS[:4])
+    assert [o.kind for o in outcomes] == ["result"] * 4
+    assert len(llm.requests) == 1 + 4  # the pack, then each task alone

@@ -52,6 +52,9 @@ def test_valid_output_passes(pipeline: Pipeline) -> None:
         ),
         (orjson.dumps({**GOOD, "extra": 1}).decode(), "stop", "schema"),
         (orjson.dumps(GOOD).decode(), "length", "truncated"),
+        # Mistral: the model's window was full; a gateway passing on Anthropic's words.
+        (orjson.dumps(GOOD)[:40].decode(), "model_length", "truncated"),
+        (orjson.dumps(GOOD)[:40].decode(), "max_tokens", "truncated"),
         (
             orjson.dumps(
                 {**GOOD, "issues": [{"category": "price", "evidence": "too pricey"}]}
