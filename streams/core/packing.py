@@ -9,7 +9,9 @@ inside `<item id="TASK_ID">…</item>`. The answer is one JSON object
 task id, never by position, and validated on its own. A task whose answer is
 missing, duplicated or invalid — or whose pack failed — is answered alone, the
 usual way. Tokens of a packed call are shared among its tasks (by the length
-of what each sent and got back), so cost per task stays accounted.
+of what each sent and got back), and those of a packed answer no task got (cut,
+filtered, ended by the server's error) by what each sent, so cost per task — and
+the budgets it is held to — stays accounted.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import orjson
 
 from streams.core.gathering import Gathering
+from streams.core.spend import Tokens
 from streams.pipelines.render import RenderedPrompt, delimiter_guard
 
 log = logging.getLogger(__name__)
@@ -120,6 +123,9 @@ class PackedAnswer:
     calls: int = 0
     cached_prompt_tokens: int = 0
     deployment: str = ""  # the deployment that answered the pack
+    # Its share of the answers the pack paid for and handed out to none (cut, filtered,
+    # ended by the server's error): the tokens, their model and deployment, each.
+    earlier: tuple[tuple[Tokens, str, str], ...] = ()
 
 
 @dataclass

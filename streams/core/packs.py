@@ -82,6 +82,8 @@ class Packs:
         packed = await self.ask(prep, prompt, lane, deadline_at)
         paid = Tokens(packed.prompt_tokens, packed.completion_tokens, packed.cached_prompt_tokens)
         spend.used(paid, packed.model, packed.deployment)
+        for tokens, model, deployment in packed.earlier:
+            spend.used(tokens, model, deployment)
         attempts.count = attempts.previous + packed.calls
         attempts.previous = attempts.count
         outcome = "packed" if packed.output is not None else "alone"
@@ -119,15 +121,17 @@ class Packs:
                 unique.append(item)
         items = unique
         attempts = Attempts()
+        refused: list[LLMResponse] = []  # answers paid for and not handed out
         try:
             request = self._request(key, items)
-            response = await self._call(request, items, lane, attempts)
+            response = await self._call(request, items, lane, attempts, refused)
         except TaskError as exc:
-            for item in items:
+            for item, earlier in zip(items, _shared(refused, items), strict=True):
                 item.settle(PackedAnswer(None, reason=f"pack failed ({exc.category.value}: "
-                                         f"{exc.message})", calls=attempts.count))  # fmt: skip
+                                         f"{exc.message})", calls=attempts.count,
+                                         earlier=earlier))  # fmt: skip
             return
-        self._hand_out(items, response, attempts)
+        self._hand_out(items, response, attempts, refused)
 
     def _request(self, key: Key, items: list[Item]) -> LLMRequest:
         """The pack's request: the system prompt once, each item's message in its tags,
@@ -152,7 +156,12 @@ class Packs:
                           response_format=response_format, tool=tool)  # fmt: skip
 
     async def _call(
-        self, request: LLMRequest, items: list[Item], lane: Lane, attempts: Attempts
+        self,
+        request: LLMRequest,
+        items: list[Item],
+        lane: Lane,
+        attempts: Attempts,
+        refused: list[LLMResponse],
     ) -> LLMResponse:
         """The pack's call, retried as a task's are, by the first item's deadline."""
         deadline_at = min(i.deadline_at for i in items)
@@ -173,6 +182,8 @@ class Packs:
             # A pack's partial answer is not handed out: cut or filtered, its items go
             # alone (only one of them may have met the filter); failed, it is asked again.
             fault, said = finish_fault(response.finish_reason), response.finish_reason[:100]
+            if fault is not None:
+                refused.append(response)
             if fault == "truncated":
                 raise OutputRejected(f"pack answer cut at max_tokens ({said})", code="truncated")
             if fault == "filtered":
@@ -185,25 +196,34 @@ class Packs:
 
         return await call_with_retries(attempt, self.calls.policy, attempts)
 
-    def _hand_out(self, items: list[Item], response: LLMResponse, attempts: Attempts) -> None:
+    def _hand_out(
+        self,
+        items: list[Item],
+        response: LLMResponse,
+        attempts: Attempts,
+        refused: list[LLMResponse],
+    ) -> None:
         """Each item its answer, matched by its task id and checked on its own, and its
-        share of the pack's tokens (by what it sent and got back)."""
+        share of the pack's tokens (by what it sent and got back) and of the answers
+        refused before it."""
         ids = [i.task_id for i in items]
         answers = split_answers(response.content, ids)
-        weights = [len(i.prompt.messages[-1]["content"]) for i in items]
+        weights = _weights(items)
         prompt_parts = shares(response.prompt_tokens, weights)
         cached_parts = shares(response.cached_prompt_tokens, weights)
         completion_parts = shares(
             response.completion_tokens,
             [len(orjson.dumps(answers[i])) if i in answers else 0 for i in ids],
         )
-        for item, prompt_tokens, completion_tokens, cached in zip(
-            items, prompt_parts, completion_parts, cached_parts, strict=True
-        ):
+        for item, prompt_tokens, completion_tokens, cached, earlier in zip(
+            items, prompt_parts, completion_parts, cached_parts, _shared(refused, items),
+            strict=True,
+        ):  # fmt: skip
             paid = PackedAnswer(None, prompt_tokens=prompt_tokens,
                                 completion_tokens=completion_tokens, model=response.model,
                                 calls=attempts.count, deployment=response.deployment,
-                                cached_prompt_tokens=min(cached, prompt_tokens))  # fmt: skip
+                                cached_prompt_tokens=min(cached, prompt_tokens),
+                                earlier=earlier)  # fmt: skip
             if item.task_id not in answers:
                 item.settle(replace(paid, reason="missing from the pack's answer"))
                 continue
@@ -215,6 +235,27 @@ class Packs:
                 continue
             self.calls.count_output(response.model, ok=True)
             item.settle(replace(paid, output=output))
+
+
+def _weights(items: list[Item]) -> list[int]:
+    """What each item sent: its share of a pack's prompt."""
+    return [len(i.prompt.messages[-1]["content"]) for i in items]
+
+
+def _shared(
+    responses: list[LLMResponse], items: list[Item]
+) -> list[tuple[tuple[Tokens, str, str], ...]]:
+    """Each item's share of answers no item got (by what each sent): paid all the same."""
+    weights = _weights(items)
+    parts: list[list[tuple[Tokens, str, str]]] = [[] for _ in items]
+    for response in responses:
+        split = zip(shares(response.prompt_tokens, weights),
+                    shares(response.completion_tokens, weights),
+                    shares(response.cached_prompt_tokens, weights), strict=True)  # fmt: skip
+        for part, (prompt, completion, cached) in zip(parts, split, strict=True):
+            tokens = Tokens(prompt, completion, min(cached, prompt))
+            part.append((tokens, response.model, response.deployment))
+    return [tuple(p) for p in parts]
 
 
 __all__ = ["Packs"]

@@ -276,6 +276,9 @@ async def test_a_pack_the_server_gave_up_on_is_asked_again(
     assert [o.kind for o in outcomes] == ["result"] * 4
     assert len(llm.requests) == 2  # the pack, and the pack again
     assert all(orjson.loads(o.value)["attempts"] == 2 for o in outcomes)
+    # Both answers paid for, each task its share: the refused one was booked by none.
+    assert sum(o.prompt_tokens for o in outcomes) == 2 * 100
+    assert sum(o.completion_tokens for o in outcomes) == 2 * 50
 
 
 @pytest.mark.parametrize("finish", ["length", "model_length", "content_filter"])
@@ -288,3 +291,5 @@ async def test_a_pack_cut_or_filtered_sends_each_task_alone(
     outcomes = await _run(_fake_packing(tmp_path, make_processor, llm), TEXTS[:4])
     assert [o.kind for o in outcomes] == ["result"] * 4
     assert len(llm.requests) == 1 + 4  # the pack, then each task alone
+    assert sum(o.prompt_tokens for o in outcomes) == 100 + 4 * 10  # the pack's booked too
+    assert all(o.cost_usd > 0 for o in outcomes)
