@@ -64,9 +64,10 @@ class Chunks:
         parts = await asyncio.gather(*(self._one(prep, prompt, part, gate, lane, deadline_at,
                                                    depth + 1) for part in smaller))  # fmt: skip
         outputs: list[dict[str, Any]] = []
-        for answer, theirs, spent in parts:
+        for _, theirs, spent in parts:  # every part's calls were paid, answered or not
             mine.count += theirs.count
             used.add(spent)
+        for answer, _, _ in parts:
             if isinstance(answer, TaskError):
                 return answer, mine, used
             outputs += answer

@@ -261,3 +261,25 @@ def test_a_text_without_a_sentence_end_is_cut_by_tokens_reading_it_once(
     # Nothing lost, nothing doubled (no overlap; a chunk's own edges are trimmed).
     assert "".join("".join(chunks).split()) == "".join(text.split())
     assert len(chunks) > 100 and max(count(c) for c in chunks) <= 301
+
+
+async def test_a_chunk_cut_again_books_every_part_when_one_fails(
+    processor: TaskProcessor, simulator: SimulatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk cut again (as above) whose first part fails for good: the parts after it
+    were answered and paid for, but their tokens were left out of the task's spend (its
+    dead letter's cost, the pipeline's budget)."""
+    known = processor.client.window.tokens()
+
+    async def as_planned(model: str) -> int:
+        return int(known * 1.4)
+
+    monkeypatch.setattr(processor.client, "context_window", as_planned)
+    simulator.sim.config.malformed_if_prompt_has = {"late by a week": 1.0}
+    out = await processor.process(_task(_long_comment(130)), None,
+                                  Source(topic="t", partition=0, offset=6))  # fmt: skip
+    assert out.kind == "dead_letter" and out.category == "invalid_output"
+    paid = simulator.sim.snapshot()
+    assert paid["requests"] > 3  # the failing part, and parts after it answered
+    assert out.prompt_tokens == paid["prompt_tokens"]
+    assert out.completion_tokens == paid["completion_tokens"]
