@@ -164,15 +164,29 @@ class Dispatcher:
         """Start `job` once a slot is free and earlier jobs of `key` are done."""
         await self._slots.acquire(self.lane)
         previous = self._tails.get(key)
-        task = asyncio.create_task(self._run(key, previous, job))
+        held = _Held(self._slots, self.lane)
+        task = asyncio.create_task(self._run(key, previous, job, held))
         self._tails[key] = task
         self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        # Freed when the task ends, however: one cancelled before its first step never
+        # runs a line of `_run`, and its slot and key were kept for the worker's life.
+        task.add_done_callback(lambda done: self._ended(key, done, held))
+
+    def _ended(self, key: str, task: asyncio.Task[None], held: _Held) -> None:
+        self._running.discard(task)
+        if held.held:
+            held.held = False
+            self._slots.release(self.lane)
+        if self._tails.get(key) is task:
+            del self._tails[key]
 
     async def _run(
-        self, key: str, previous: asyncio.Task[None] | None, job: Callable[[], Awaitable[None]]
+        self,
+        key: str,
+        previous: asyncio.Task[None] | None,
+        job: Callable[[], Awaitable[None]],
+        held: _Held,
     ) -> None:
-        held = _Held(self._slots, self.lane)
         _HELD.set(held)  # this task's own context: `parked()` inside the job finds it
         try:
             if previous is not None and not previous.done():
@@ -182,11 +196,6 @@ class Dispatcher:
             raise
         except Exception:  # jobs handle their own errors; this only keeps the loop alive
             log.exception("dispatched job for key %r failed", key)
-        finally:
-            if held.held:
-                self._slots.release(self.lane)
-            if self._tails.get(key) is asyncio.current_task():
-                del self._tails[key]
 
     async def drain(self) -> None:
         """Wait for every job submitted so far."""

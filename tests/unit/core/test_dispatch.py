@@ -69,6 +69,24 @@ async def test_a_failing_job_frees_its_slot() -> None:
     assert done.is_set()
 
 
+async def test_jobs_cancelled_before_they_started_free_their_slots_and_keys() -> None:
+    """Stopping cancels the jobs submitted but not yet started: they never ran a line,
+    and their slots (shared with the other lane) and keys were kept."""
+    slots = LaneSlots(4)
+    d = Dispatcher(slots=slots)
+    ran: list[str] = []
+
+    async def job() -> None:
+        ran.append("ran")
+
+    for key in ("a", "b", "a"):
+        await d.submit(key, job)
+    assert slots.in_use[Lane.LIVE] == 3
+    await d.cancel()  # before any job's first step
+    assert ran == [] and slots.in_use[Lane.LIVE] == 0 and d._tails == {}
+    assert d.in_flight == 0
+
+
 def test_limit_must_be_positive() -> None:
     with pytest.raises(ValueError):
         Dispatcher(0)
