@@ -110,10 +110,11 @@ def map_error(exc: Exception) -> TaskError:
     if isinstance(exc, openai.APIConnectionError):
         return UpstreamError(f"cannot reach the LLM endpoint: {exc}", code="connection_error")
     if isinstance(exc, openai.APIStatusError):
-        status = exc.status_code
+        status, headers = exc.status_code, exc.response.headers
         return error_for_status(
             status, _error_code(exc), f"HTTP {status}: {exc.message}",
-            retry_after=retry_after_seconds(exc.response.headers), body=exc.body,
+            retry_after=retry_after_seconds(headers), body=exc.body,
+            headers=rate_headers(headers),
         )  # fmt: skip
     return UpstreamError(f"unexpected LLM client error: {exc!r}", code="client_error")
 

@@ -72,6 +72,10 @@ async def test_a_429_says_how_long_to_wait(
         await client.complete(REQ)
     assert raised.value.retry_after is not None and raised.value.retry_after > 0
     assert "Rate limit reached" in str(raised.value)
+    # Its rate-limit headers, for the limiter to learn from as from any answer's: they
+    # were dropped, and a limit first met as a 429 was learned only from the answers.
+    assert raised.value.headers["x-ratelimit-limit-requests"] == "1"
+    assert raised.value.headers["x-ratelimit-remaining-requests"] == "0"
 
 
 async def test_a_prompt_past_the_context_window_is_a_context_overflow(
