@@ -14,14 +14,18 @@ Phases, each against the simulator set to one provider shape:
 4. a TPM limit that binds before RPM (per-second refill), `remaining` per minute;
 5. the same TPM limit, `remaining` counted against the enforcing second;
 6. the RPM of phase 1 with no `x-ratelimit-*` headers at all: only 429s with
-   `Retry-After` (a provider that enforces a limit and says nothing of it).
+   `Retry-After` (a provider that enforces a limit and says nothing of it);
+7. phase 1's RPM said in Anthropic's headers (`anthropic-ratelimit-*`, the reset an
+   RFC 3339 time to the second);
+8. phase 4's TPM said in Cerebras' headers (`x-ratelimit-*-tokens-minute`; its
+   requests as a per-day quota, the per-minute request limit enforced, not said).
 
 Printed per phase: what admitted requests took of the binding limit per minute over
 the busy span (requests, or the tokens the provider charged: prompt + max_tokens),
 the same over the steady middle 80% of the busy seconds (requests only), and the
 share of requests answered 429.
 
-    python bench/rate_limit_shapes.py [--rpm 3000] [--tasks 3000] [--phases 1,2,3,4,5]
+    python bench/rate_limit_shapes.py [--rpm 3000] [--tasks 3000] [--phases 1,2,3,4,5,6,7,8]
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ PHASES: dict[int, tuple[str, dict[str, Any], str, float]] = {
                                         "remaining_window_s": 1.0}, "tpm", 0.5),
     6: ("RPM per second, no rate headers", {"limit_shape": "bucket", "rate_headers": False},
         "rpm", 1.0),
+    7: ("RPM per second, Anthropic's headers", {"limit_shape": "bucket",
+        "remaining_window_s": 60.0, "header_style": "anthropic"}, "rpm", 1.0),
+    8: ("TPM binds, Cerebras' headers", {"limit_shape": "bucket",
+        "remaining_window_s": 60.0, "header_style": "cerebras"}, "tpm", 0.5),
 }  # fmt: skip
 
 
@@ -60,7 +68,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rpm", type=int, default=3000)
     parser.add_argument("--tasks", type=int, default=3000)
-    parser.add_argument("--phases", default="1,2,3,4,5,6")
+    parser.add_argument("--phases", default="1,2,3,4,5,6,7,8")
     args = parser.parse_args()
     rpm = args.rpm
     loose_tpm = rpm * 2000  # RPM binds: far more tokens than RPM x the ~700 charged a call
@@ -74,7 +82,8 @@ async def main() -> None:
             for phase in (int(p) for p in args.phases.split(",")):
                 name, knobs, binding, share = PHASES[phase]
                 tpm = tight_tpm if binding == "tpm" else loose_tpm
-                sim.call("/sim/config", {"rate_headers": True, **knobs, "tpm": tpm})
+                sim.call("/sim/config", {"rate_headers": True, "header_style": "openai",
+                                         **knobs, "tpm": tpm})  # fmt: skip
                 sim.reset(rpm)
                 n = int(args.tasks * share)
                 span = await run_workers(kafka, sim, n, 1, logdir)

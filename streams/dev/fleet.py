@@ -57,6 +57,7 @@ class Shape:
     tpm: int = 0
     burst_s: float = 1.0
     window_s: float = 60.0
+    header_style: str = "openai"  # a fake clock's resets: OpenAI's relative ones only
 
 
 SHAPES = {

@@ -1,13 +1,18 @@
 """The simulator's rate limits: requests and tokens per minute as a token bucket that
 refills continuously (OpenAI's shape) or as a fixed budget per window that resets when
 the window ends (providers that count per minute or per second), and the
-`x-ratelimit-*` headers OpenAI sends with every answer."""
+`x-ratelimit-*` headers OpenAI sends with every answer — or the same news in another
+provider's headers (`header_style`)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Protocol
+
+from streams.llm.ratelimit_headers import seconds
 
 Now = Callable[[], float]  # the limits' clock: time.monotonic, or a simulation's
 
@@ -24,6 +29,7 @@ class Limits(Protocol):
     limit_shape: str
     window_s: float
     remaining_window_s: float
+    header_style: str
 
 
 class _Bucket:
@@ -177,7 +183,48 @@ class SimLimits:
             headers["x-ratelimit-limit-tokens"] = str(cfg.tpm)
             headers["x-ratelimit-remaining-tokens"] = str(left)
             headers["x-ratelimit-reset-tokens"] = duration(self.tokens.reset_s(cfg.burst_s))
+        return styled(headers, cfg.header_style)
+
+
+# How providers other than OpenAI say the same: `anthropic` (Anthropic's API and its
+# OpenAI SDK compatibility: `anthropic-ratelimit-<kind>-<field>`, the reset an RFC 3339
+# time to the second), `cerebras` (per-minute token headers named `...-tokens-minute`,
+# its requests as a per-day quota: the per-minute request limit enforced, not said).
+HEADER_STYLES = ("openai", "anthropic", "cerebras")
+
+
+def styled(headers: dict[str, str], style: str, wall: float | None = None) -> dict[str, str]:
+    """OpenAI's rate-limit headers as a provider of `style` sends the same news."""
+    if style == "openai":
         return headers
+    if style not in HEADER_STYLES:
+        raise ValueError(f"header_style {style!r}: one of {', '.join(HEADER_STYLES)}")
+    now = datetime.fromtimestamp(time.time() if wall is None else wall, UTC)
+    out: dict[str, str] = {}
+    for kind in ("requests", "tokens"):
+        limit = headers.get(f"x-ratelimit-limit-{kind}")
+        if limit is None:
+            continue
+        left = headers.get(f"x-ratelimit-remaining-{kind}", limit)
+        reset = seconds(headers.get(f"x-ratelimit-reset-{kind}")) or 0.0
+        if style == "anthropic":
+            at = (now + timedelta(seconds=reset)).replace(microsecond=0)
+            if at < now + timedelta(seconds=reset):
+                at += timedelta(seconds=1)  # to the second, never before the bucket is full
+            out[f"anthropic-ratelimit-{kind}-limit"] = limit
+            out[f"anthropic-ratelimit-{kind}-remaining"] = left
+            out[f"anthropic-ratelimit-{kind}-reset"] = at.strftime("%Y-%m-%dT%H:%M:%SZ")
+        elif kind == "tokens":
+            out["x-ratelimit-limit-tokens-minute"] = limit
+            out["x-ratelimit-remaining-tokens-minute"] = left
+            out["x-ratelimit-reset-tokens-minute"] = f"{reset:.2f}"
+        else:  # a day's quota: 1,440 minutes of the limit, the day's end its reset
+            midnight = (now + timedelta(days=1)).replace(hour=0, minute=0, second=0,
+                                                        microsecond=0)  # fmt: skip
+            out["x-ratelimit-limit-requests-day"] = str(int(limit) * 1440)
+            out["x-ratelimit-remaining-requests-day"] = str(int(limit) * 1440 // 2)
+            out["x-ratelimit-reset-requests-day"] = str(math.ceil((midnight - now).total_seconds()))
+    return out
 
 
-__all__ = ["UNLIMITED_RPM", "Limits", "SimLimits", "duration"]
+__all__ = ["HEADER_STYLES", "UNLIMITED_RPM", "Limits", "SimLimits", "duration", "styled"]

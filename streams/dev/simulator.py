@@ -28,7 +28,7 @@ import orjson
 from aiohttp import web
 
 from streams.dev import sim_batch, sim_content
-from streams.dev.sim_limits import SimLimits, duration
+from streams.dev.sim_limits import HEADER_STYLES, SimLimits, duration
 from streams.llm.client import SCHEMA_IN_PROMPT
 from streams.llm.tokens import count_messages, counter
 
@@ -58,6 +58,8 @@ class SimConfig:
     # Send the `x-ratelimit-*` headers (OpenAI does); False: a provider that enforces
     # its limits and says nothing of them, only 429s with Retry-After.
     rate_headers: bool = True
+    # Whose headers say the limits: `openai`, `anthropic` or `cerebras` (`dev.sim_limits`).
+    header_style: str = "openai"
     error_500_rate: float = 0.0
     error_500_models: list[str] = field(default_factory=list)  # these models always answer 500
     error_503_rate: float = 0.0
@@ -113,6 +115,9 @@ class SimConfig:
         unknown = set(changes) - names
         if unknown:
             raise ValueError(f"unknown simulator settings: {sorted(unknown)}")
+        style = changes.get("header_style", self.header_style)
+        if style not in HEADER_STYLES:
+            raise ValueError(f"header_style {style!r}: one of {', '.join(HEADER_STYLES)}")
         for key, value in changes.items():
             setattr(self, key, value)
 

@@ -36,7 +36,7 @@ from streams.llm.client import (
 )
 from streams.llm.deployments import AzureDeployment, Deployment
 from streams.llm.endpoint import EndpointFacts, facts_from
-from streams.llm.ratelimit_headers import delay, number
+from streams.llm.ratelimit_headers import delay, number, openai_names
 
 # What the worker reads of an answer at most (after its content-encoding is undone): a
 # chat completion is kilobytes, one with logprobs of a long answer a few megabytes. A server
@@ -73,8 +73,8 @@ def retry_after_seconds(headers: Any) -> float | None:
 
 
 def rate_headers(headers: Any) -> dict[str, str]:
-    """The `x-ratelimit-*` headers of a response."""
-    return {k.lower(): v for k, v in headers.items() if k.lower().startswith("x-ratelimit-")}
+    """The rate-limit headers of a response, in OpenAI's names whoever sent them."""
+    return openai_names(headers)
 
 
 def _error_code(exc: openai.APIStatusError) -> str | None:
