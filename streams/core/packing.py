@@ -27,6 +27,7 @@ import orjson
 
 from streams.core.gathering import Gathering
 from streams.core.spend import Tokens
+from streams.llm.client import json_answer
 from streams.pipelines.render import RenderedPrompt, delimiter_guard
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def packed_messages(system: str, items: list[tuple[str, str]]) -> list[dict[str,
 def split_answers(content: str, ids: list[str]) -> dict[str, Any]:
     """Answers by item id; ids answered twice or not asked are dropped."""
     try:
-        data = orjson.loads(content)
+        data = json_answer(content)
     except orjson.JSONDecodeError:
         return {}
     answers = data.get("answers") if isinstance(data, dict) else None

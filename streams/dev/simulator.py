@@ -58,6 +58,9 @@ class SimConfig:
     # Send the `x-ratelimit-*` headers (OpenAI does); False: a provider that enforces
     # its limits and says nothing of them, only 429s with Retry-After.
     rate_headers: bool = True
+    # Answer as a reasoning model served without a reasoning parser (vLLM without one,
+    # Ollama, LM Studio): its thinking in `<think>...</think>` before the answer's text.
+    reasoning_in_content: bool = False
     # Whose headers say the limits: `openai`, `anthropic` or `cerebras` (`dev.sim_limits`).
     header_style: str = "openai"
     error_500_rate: float = 0.0
@@ -120,6 +123,12 @@ class SimConfig:
             raise ValueError(f"header_style {style!r}: one of {', '.join(HEADER_STYLES)}")
         for key, value in changes.items():
             setattr(self, key, value)
+
+
+REASONING = (
+    '<think>\nThe user wants the comment analysed. It reads {"sentiment": ...} '
+    "in my head first; then the JSON.\n</think>\n\n"
+)
 
 
 def _error(
@@ -473,6 +482,8 @@ class Simulator:
         """The answer's content (cut in half when `malformed`), cut at the budget as models
         do; its finish reason and its tokens."""
         content = self._content(body, messages)
+        if self.config.reasoning_in_content:
+            content = REASONING + content
         if malformed:
             content = content[: max(1, len(content) // 2)]
             self.by_outcome["malformed"] += 1

@@ -286,6 +286,36 @@ def _server_seconds(timings: Any) -> float | None:
 _OPEN_FENCE = re.compile(r"\s*```[A-Za-z]*[ \t]*\n?")
 
 
+# Where a reasoning model's thinking ends, when its server leaves it in the answer's text
+# (DeepSeek-R1, Qwen3, QwQ served by vLLM without a reasoning parser, Ollama, LM Studio,
+# llama.cpp with `--reasoning-format none`): `<think>…</think>` before the answer, or only
+# the closing tag where the chat template opened the block in the prompt.
+_THINK_END = "</think>"
+
+
+def without_reasoning(content: str) -> str:
+    """An answer without the reasoning written before it, if it has any (the text up to
+    the first `</think>`; the same object when there is none)."""
+    end = content.find(_THINK_END)
+    return content if end < 0 else content[end + len(_THINK_END) :].lstrip()
+
+
+def json_answer(content: str) -> Any:
+    """An answer's JSON: the text as it is, or — when that is no JSON — without reasoning
+    before it and a Markdown fence around it. Raises the first `orjson.JSONDecodeError`
+    when neither is JSON."""
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError as exc:
+        inner = unfenced(without_reasoning(content))
+        if inner is content:
+            raise
+        try:
+            return orjson.loads(inner)
+        except orjson.JSONDecodeError:
+            raise exc from None
+
+
 def unfenced(content: str) -> str:
     """An answer without the Markdown code fence around it, if it has one (small models
     and endpoints that ignore `response_format` write ```json ... ```)."""

@@ -30,9 +30,9 @@ from streams.llm.client import (
     LLMRequest,
     LLMResponse,
     error_for_status,
+    json_answer,
     parse_completion,
     request_body,
-    unfenced,
 )
 from streams.llm.deployments import AzureDeployment, Deployment
 from streams.llm.endpoint import EndpointFacts, facts_from
@@ -287,7 +287,7 @@ class OpenAIClient:
                 continue
             if name == "json_schema":
                 try:
-                    ok = isinstance(orjson.loads(unfenced(answer.content)).get("ok"), bool)
+                    ok = isinstance(json_answer(answer.content).get("ok"), bool)
                 except (orjson.JSONDecodeError, AttributeError):
                     ok = False
                 found[name] = "honoured" if ok else "answered as text"

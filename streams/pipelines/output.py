@@ -19,7 +19,7 @@ import orjson
 
 from streams.contract.records import MAX_DEPTH, too_deep
 from streams.errors import InvalidOutput, OutputRejected, UpstreamError
-from streams.llm.client import LLMResponse, finish_fault, unfenced
+from streams.llm.client import LLMResponse, finish_fault, json_answer
 from streams.pipelines.defaults import fill_defaults
 from streams.pipelines.pipeline import Pipeline
 
@@ -74,15 +74,9 @@ def parse_output(
         raise OutputRejected(f"the model refused to answer: {response.refusal[:500]}",
                              code="refusal")  # fmt: skip
     try:
-        data = orjson.loads(response.content)
+        data = json_answer(response.content)
     except orjson.JSONDecodeError as exc:
-        inner = unfenced(response.content)
-        try:
-            data = orjson.loads(inner) if inner is not response.content else None
-        except orjson.JSONDecodeError:
-            data = None
-        if data is None:
-            raise InvalidOutput(f"answer is not JSON: {exc}", code="not_json") from exc
+        raise InvalidOutput(f"answer is not JSON: {exc}", code="not_json") from exc
     if too_deep(data, response.content):
         raise InvalidOutput(f"answer nests objects and arrays over {MAX_DEPTH} levels deep",
                             code="too_deep")  # fmt: skip

@@ -293,3 +293,13 @@ async def test_a_pack_cut_or_filtered_sends_each_task_alone(
     assert len(llm.requests) == 1 + 4  # the pack, then each task alone
     assert sum(o.prompt_tokens for o in outcomes) == 100 + 4 * 10  # the pack's booked too
     assert all(o.cost_usd > 0 for o in outcomes)
+
+
+async def test_a_packed_answer_after_a_reasoning_models_thinking_is_handed_out(
+    packing: Any, simulator: SimulatorServer
+) -> None:
+    """Its thinking before the JSON made the whole pack `no answer`: each task alone."""
+    simulator.sim.config.reasoning_in_content = True
+    outcomes = await _run(packing(), [f"{TEXTS[i % 5]} ({i})" for i in range(6)])
+    assert [o.kind for o in outcomes] == ["result"] * 6
+    assert simulator.sim.snapshot()["requests"] == 1

@@ -468,3 +468,17 @@ async def test_prompt_tokens_read_from_the_providers_cache_are_priced_and_record
         "llm_streams_tokens_total", {"model": "sim-1", "kind": "cached_prompt"}
     )
     assert tokens == cached
+
+
+async def test_a_reasoning_models_thinking_before_its_answer_is_read_past(
+    processor: TaskProcessor, simulator: SimulatorServer
+) -> None:
+    """DeepSeek-R1, Qwen3 and QwQ served without a reasoning parser (vLLM without one,
+    Ollama, LM Studio) write `<think>…</think>` before the JSON. Every answer was
+    `not_json`: a repair paid for, thought through again, and a dead letter."""
+    simulator.sim.config.reasoning_in_content = True
+    out = await processor.process(_task("Arrived late, box crushed."), b"t1", SRC)
+    result = orjson.loads(out.value)
+    assert out.kind == "result", result
+    assert result["attempts"] == 1 and simulator.sim.snapshot()["requests"] == 1
+    assert processor.registry.get("comment-analysis").is_valid(result["output"])

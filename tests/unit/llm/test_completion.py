@@ -169,3 +169,26 @@ async def test_model_names_answers_say_have_a_bounded_number_of_series(
                   if m.name == metric for s in m.samples}  # fmt: skip
         assert len(models) == MODEL_LABELS + 1 and "other" in models, metric
         assert max(len(name) for name in models) <= 128
+
+
+@pytest.mark.parametrize(
+    ("content", "read"),
+    [
+        ('<think>\nA {"draft": 1} first.\n</think>\n\n{"ok": true}', {"ok": True}),
+        ('Only the closing tag: the template opened it.</think>{"ok": true}', {"ok": True}),
+        ('<think>hmm</think>\n```json\n{"ok": true}\n```', {"ok": True}),
+        ('{"said": "</think>"}', {"said": "</think>"}),  # JSON as it is: read as it is
+    ],
+)  # fmt: skip
+def test_an_answer_is_read_past_reasoning_before_it(content: str, read: Any) -> None:
+    from streams.llm.client import json_answer
+
+    assert json_answer(content) == read
+
+
+def test_an_answer_of_reasoning_alone_is_no_json() -> None:
+    from streams.llm.client import json_answer
+
+    for content in ("<think>still thinking", "<think>done</think>", "plain words"):
+        with pytest.raises(orjson.JSONDecodeError):
+            json_answer(content)
