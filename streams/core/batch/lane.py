@@ -26,12 +26,13 @@ from streams.core.batch.ledger import (
     item_key,
 )
 from streams.core.batch.parking import Parked, Parker, Parking, Released, Resume
-from streams.core.batch.remote import MaybeCreated, RemoteBatches, answer_of, failure_of
+from streams.core.batch.remote import MaybeCreated, RemoteBatches, failure_of
 from streams.core.batch.wire import (
     RESUBMIT,
     Answer,
     BatchOps,
     Resubmit,
+    answer_of,
     request_line,
 )
 from streams.core.dispatch import parked

@@ -9,13 +9,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import orjson
-
 from streams.core.batch.files import BatchFiles, BatchLines
 from streams.core.batch.ledger import BatchRecord
-from streams.core.batch.wire import RESUBMIT, TERMINAL, Answer, BatchOps, error_of
+from streams.core.batch.wire import RESUBMIT, TERMINAL, Answer, BatchOps
 from streams.errors import BadRequest, Permanent, RateLimited, Transient, UpstreamError
-from streams.llm.client import parse_completion
 from streams.resilience.clock import Clock
 from streams.resilience.retry import retry_transient
 from streams.settings import BatchApiSettings
@@ -32,15 +29,6 @@ CREATE_GRACE_S = 120.0
 class MaybeCreated(Exception):  # a state, not an error of ours
     """A create whose answer was lost, and the provider does not list the batch: it may
     exist all the same."""
-
-
-def answer_of(line: dict[str, Any]) -> Answer:
-    """A batch file's line as the attempt's answer: its completion, or its error in the
-    usual taxonomy (or: send again)."""
-    if int((line.get("response") or {}).get("status_code") or 0) == 200:
-        body = line["response"]["body"]
-        return parse_completion(orjson.dumps(body), str(body.get("model") or ""))
-    return error_of(line)
 
 
 def failure_of(batch: BatchRecord, others: int) -> Answer:
@@ -203,6 +191,5 @@ __all__ = [
     "METADATA_KEY",
     "MaybeCreated",
     "RemoteBatches",
-    "answer_of",
     "failure_of",
 ]

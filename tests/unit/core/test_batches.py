@@ -172,6 +172,45 @@ async def test_per_item_errors_come_back_in_the_taxonomy(
     await lane.close()
 
 
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {"status_code": 200, "body": {"choices": []}},  # no completion in a 200
+        {"status_code": 200, "body": "upstream said no"},
+        {"status_code": "OK", "body": {}},
+        "a gateway's text",
+        {"status_code": 502, "body": {"error": "bad gateway"}},  # its error a text
+    ],
+)  # fmt: skip
+async def test_a_broken_line_gets_its_error_and_spoils_no_other_answer(
+    client: OpenAIClient,
+    simulator: SimulatorServer,
+    monkeypatch: pytest.MonkeyPatch,
+    broken: object,
+) -> None:
+    """A line of the output file that is no completion raised while the batch's answers
+    were handed out: the requests after it in the batch lost their answers (paid for)
+    and were failed as `batch_lane_error`, to be asked — and paid for — again."""
+    answered = simulator.sim.batch._answered
+    lines = itertools.count()
+
+    def one_broken(request: dict[str, object]) -> object:
+        good = answered(request)  # type: ignore[arg-type]
+        return broken if next(lines) == 0 else good
+
+    monkeypatch.setattr(simulator.sim.batch, "_answered", one_broken)
+    lane = BatchLane(client, LedgerStore(), SETTINGS)  # type: ignore[arg-type]
+    answers = await asyncio.gather(
+        *(lane.complete(0, f"rk-{i}", 1, _request(f"Fine {i}.")) for i in range(6)),
+        return_exceptions=True,
+    )
+    failed = [a for a in answers if isinstance(a, BaseException)]
+    assert len(failed) == 1 and isinstance(failed[0], UpstreamError), answers
+    assert failed[0].code != "batch_lane_error"
+    assert all(not isinstance(a, BaseException) and a.content for a in answers if a not in failed)
+    await lane.close()
+
+
 async def test_a_restarted_worker_waits_for_the_batch_it_finds_in_the_ledger(
     client: OpenAIClient, simulator: SimulatorServer
 ) -> None:
