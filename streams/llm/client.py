@@ -190,7 +190,7 @@ def parse_completion(
             content=content,
             model=str(data.get("model") or requested_model),
             prompt_tokens=_count(usage.get("prompt_tokens")),
-            completion_tokens=_count(usage.get("completion_tokens")),
+            completion_tokens=_completion_tokens(usage),
             finish_reason=str(choice.get("finish_reason") or "stop"),
             rate_headers=headers or {},
             server_s=_server_seconds(data.get("timings")),
@@ -256,6 +256,21 @@ def _count(said: Any) -> int:
     except (ValueError, OverflowError):
         return 0
     return max(0, count)
+
+
+def _completion_tokens(usage: dict[str, Any]) -> int:
+    """The answer's tokens as billed: `completion_tokens`, its reasoning within them
+    (OpenAI and most servers) — or beside them, where the server counts them apart: xAI's
+    `completion_tokens` is the visible answer alone, its `reasoning_tokens` (billed at the
+    same price) in `completion_tokens_details`, and its `total_tokens` the sum of the
+    three. Added only where the total says so."""
+    said = _count(usage.get("completion_tokens"))
+    details = usage.get("completion_tokens_details")
+    reasoning = _count(details.get("reasoning_tokens")) if isinstance(details, dict) else 0
+    total = _count(usage.get("total_tokens"))
+    if reasoning and total == _count(usage.get("prompt_tokens")) + said + reasoning:
+        return said + reasoning
+    return said
 
 
 def _cached_tokens(usage: dict[str, Any]) -> int:

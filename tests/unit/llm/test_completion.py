@@ -192,3 +192,30 @@ def test_an_answer_of_reasoning_alone_is_no_json() -> None:
     for content in ("<think>still thinking", "<think>done</think>", "plain words"):
         with pytest.raises(orjson.JSONDecodeError):
             json_answer(content)
+
+
+@pytest.mark.parametrize(
+    ("usage", "completion"),
+    [
+        # xAI: the reasoning beside the visible answer, the total the sum of the three.
+        ({"prompt_tokens": 32, "completion_tokens": 9, "total_tokens": 135,
+          "completion_tokens_details": {"reasoning_tokens": 94}}, 103),
+        # OpenAI: the reasoning within completion_tokens; the total says so.
+        ({"prompt_tokens": 32, "completion_tokens": 103, "total_tokens": 135,
+          "completion_tokens_details": {"reasoning_tokens": 94}}, 103),
+        # No total, or one that adds up otherwise: completion_tokens as said.
+        ({"prompt_tokens": 32, "completion_tokens": 9,
+          "completion_tokens_details": {"reasoning_tokens": 94}}, 9),
+        ({"prompt_tokens": 32, "completion_tokens": 9, "total_tokens": 500,
+          "completion_tokens_details": {"reasoning_tokens": 94}}, 9),
+        ({"prompt_tokens": 32, "completion_tokens": 9, "total_tokens": 41,
+          "completion_tokens_details": {"reasoning_tokens": "many"}}, 9),
+    ],
+)  # fmt: skip
+def test_reasoning_counted_beside_the_answer_is_billed_with_it(
+    usage: dict[str, Any], completion: int
+) -> None:
+    """xAI bills its reasoning tokens as completion tokens but reports them apart: the
+    answer's cost (and the budgets held to it) left them out — 8x too low on a short
+    answer after long thought."""
+    assert parse_completion(_body('{"ok": true}', usage), "m").completion_tokens == completion
