@@ -149,7 +149,17 @@ class Timeout(Transient):
 
 
 class UpstreamError(Transient):
+    """The endpoint failed (5xx, an answer that is no completion, unreachable);
+    `retry_after` (seconds): when it said to come back (a 503's `Retry-After`: a model
+    loading, a server over capacity), if it did."""
+
     category = Category.UPSTREAM_ERROR
+
+    def __init__(
+        self, message: str, *, code: str | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
 
 
 class DeadlineExceeded(Permanent):

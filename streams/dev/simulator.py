@@ -66,6 +66,7 @@ class SimConfig:
     error_500_rate: float = 0.0
     error_500_models: list[str] = field(default_factory=list)  # these models always answer 500
     error_503_rate: float = 0.0
+    error_503_retry_after_s: float = 0.0  # a 503's Retry-After (0: none said)
     hang_rate: float = 0.0
     hang_s: float = 600.0
     malformed_rate: float = 0.0
@@ -471,6 +472,8 @@ class Simulator:
         roll -= cfg.error_500_rate
         if 0 <= roll < cfg.error_503_rate:
             self._count(503, "error_503")
+            if cfg.error_503_retry_after_s:  # when to come back, as RFC 9110 lets a 503 say
+                headers = {**headers, "retry-after": f"{cfg.error_503_retry_after_s:g}"}
             return _error(503, "The engine is currently overloaded, please try again later.",
                           "server_error", None, headers)  # fmt: skip
         return None

@@ -65,7 +65,7 @@ def error_for_status(
     if overflow is not None:
         return overflow
     if status >= 500 or status == 409:
-        return UpstreamError(message, code=code)
+        return UpstreamError(message, code=code, retry_after=retry_after)
     return BadRequest(message, code=code)
 
 

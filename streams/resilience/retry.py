@@ -28,7 +28,7 @@ from tenacity import (
     retry_if_exception,
 )
 
-from streams.errors import Category, RateLimited, StreamsError, Transient
+from streams.errors import Category, RateLimited, StreamsError, Transient, UpstreamError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -51,9 +51,9 @@ class RetryPolicy:
         self, number: int, exc: BaseException | None, rng: random.Random | None = None
     ) -> float:
         """The wait after the `number`-th attempt failed with `exc`: the backoff, or a
-        provider's Retry-After when longer."""
+        provider's Retry-After (with a 429, or a 503's) when longer."""
         wait = self.backoff(number, rng)
-        if isinstance(exc, RateLimited) and exc.retry_after is not None:
+        if isinstance(exc, RateLimited | UpstreamError) and exc.retry_after is not None:
             # Spread the herd: every caller throttled at once gets the same hint.
             hinted = min(exc.retry_after, self.max_retry_after_s)
             wait = max(wait, hinted * (rng or random).uniform(1.0, 1.5))

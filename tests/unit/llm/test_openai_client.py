@@ -91,7 +91,11 @@ async def test_5xx_is_an_upstream_error(simulator: SimulatorServer, client: Open
     simulator.sim.config.error_503_rate = 1.0
     with pytest.raises(UpstreamError) as raised:
         await client.complete(REQ)
-    assert "HTTP 503" in str(raised.value)
+    assert "HTTP 503" in str(raised.value) and raised.value.retry_after is None
+    simulator.sim.config.error_503_retry_after_s = 20
+    with pytest.raises(UpstreamError) as raised:
+        await client.complete(REQ)
+    assert raised.value.retry_after == 20.0  # when the server said to come back
 
 
 async def test_a_hanging_answer_times_out(simulator: SimulatorServer, client: OpenAIClient) -> None:

@@ -96,6 +96,21 @@ async def test_retry_after_wins_when_longer_than_backoff() -> None:
     assert 7.0 <= sleep.waits[0] <= 10.5
 
 
+async def test_a_503s_retry_after_is_waited_out_too() -> None:
+    """A model still loading, a server over capacity: a 503 says when to come back (RFC
+    9110). It was retried at the backoff's pace, ~4 s for every attempt together, and
+    the task dead-lettered while the server asked for 30."""
+    from streams.llm.client import error_for_status
+
+    error = error_for_status(503, None, "HTTP 503: overloaded", retry_after=30.0)
+    assert isinstance(error, UpstreamError) and error.retry_after == 30.0
+    sleep = FakeSleep()
+    fn, _ = _failing([error])
+    policy = RetryPolicy(backoff_base_s=0.01, backoff_max_s=0.01)
+    await call_with_retries(fn, policy, Attempts(), sleep=sleep, rng=random.Random(1))
+    assert 30.0 <= sleep.waits[0] <= 45.0
+
+
 async def test_retry_after_is_capped() -> None:
     sleep = FakeSleep()
     fn, _ = _failing([RateLimited("429", retry_after=3600)])
