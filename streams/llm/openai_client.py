@@ -36,6 +36,7 @@ from streams.llm.client import (
 )
 from streams.llm.deployments import AzureDeployment, Deployment
 from streams.llm.endpoint import EndpointFacts, facts_from
+from streams.llm.error_body import error_object, retry_delay
 from streams.llm.ratelimit_headers import delay, number, openai_names
 
 # What the worker reads of an answer at most (after its content-encoding is undone): a
@@ -78,13 +79,8 @@ def rate_headers(headers: Any) -> dict[str, str]:
 
 
 def _error_code(exc: openai.APIStatusError) -> str | None:
-    body = exc.body
-    if isinstance(body, dict):
-        inner = body.get("error", body)
-        if isinstance(inner, dict) and inner.get("code"):
-            return str(inner["code"])
-    code = getattr(exc, "code", None)
-    return str(code) if code else None
+    said = error_object(exc.body).get("code") or getattr(exc, "code", None)
+    return str(said) if said else None
 
 
 def _refused(exc: BaseException) -> OSError | None:
@@ -111,9 +107,13 @@ def map_error(exc: Exception) -> TaskError:
         return UpstreamError(f"cannot reach the LLM endpoint: {exc}", code="connection_error")
     if isinstance(exc, openai.APIStatusError):
         status, headers = exc.status_code, exc.response.headers
+        # The error's own words: the SDK finds them in an object only (a list of errors,
+        # as Gemini's OpenAI endpoint sends, it says as "Error code: 400" alone).
+        said = error_object(exc.body).get("message")
+        message = said if isinstance(said, str) and said else exc.message
         return error_for_status(
-            status, _error_code(exc), f"HTTP {status}: {exc.message}",
-            retry_after=retry_after_seconds(headers), body=exc.body,
+            status, _error_code(exc), f"HTTP {status}: {message}",
+            retry_after=retry_after_seconds(headers) or retry_delay(exc.body), body=exc.body,
             headers=rate_headers(headers),
         )  # fmt: skip
     return UpstreamError(f"unexpected LLM client error: {exc!r}", code="client_error")

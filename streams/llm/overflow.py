@@ -32,10 +32,10 @@ Shapes seen (status; where the window N and the prompt's tokens P are said):
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from typing import Any
 
 from streams.errors import ContextOverflow
+from streams.llm.error_body import error_object
 
 CODES = frozenset({"context_length_exceeded", "exceed_context_size_error",
                    "context_window_exceeded"})  # fmt: skip
@@ -75,7 +75,7 @@ def overflow_of(
 ) -> ContextOverflow | None:
     """The refusal as a ContextOverflow (with the window and prompt size when the server
     said them), or None when it is no overflow. `body`: the error's JSON body."""
-    error = _error_object(body)
+    error = error_object(body)
     kind = str(error.get("type") or "")
     said = code in CODES or kind in CODES or bool(_SAYS.search(message))
     if not said or status in (401, 403, 429) or status < 400:
@@ -84,14 +84,6 @@ def overflow_of(
     prompt_tokens = _int(error.get("n_prompt_tokens")) or _first(_PROMPT, message)
     return ContextOverflow(message, code="context_length_exceeded", window=window,
                            prompt_tokens=prompt_tokens)  # fmt: skip
-
-
-def _error_object(body: Any) -> Mapping[str, Any]:
-    if isinstance(body, Mapping):
-        inner = body.get("error", body)
-        if isinstance(inner, Mapping):
-            return inner
-    return {}
 
 
 def _first(patterns: list[re.Pattern[str]], text: str) -> int | None:

@@ -242,3 +242,44 @@ async def test_an_answer_larger_than_any_completion_is_cut_off_not_read_whole(
         assert (await c.complete(REQ)).content == "x" * 5_000
     finally:
         await c.close()
+
+
+GEMINI_429 = [{"error": {"code": 429, "status": "RESOURCE_EXHAUSTED", "message": (
+    "You exceeded your current quota."), "details": [
+    {"@type": "type.googleapis.com/google.rpc.QuotaFailure", "violations": []},
+    {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "37s"}]}}]  # fmt: skip
+GEMINI_400 = [{"error": {"code": 400, "status": "INVALID_ARGUMENT", "message": (
+    "The input token count (1048577) exceeds the maximum number of tokens allowed "
+    "(1048576).")}}]  # fmt: skip
+
+
+async def test_geminis_errors_in_a_list_say_their_wait_and_their_window() -> None:
+    """Gemini's OpenAI endpoint answers an error as a list of error objects, and says how
+    long to wait in the body (`RetryInfo`), not in a header: the wait was lost (the
+    limiter and the retries guessed), and the window of an overflow unread."""
+    from aiohttp import web
+
+    async def refuse(request: web.Request) -> web.Response:
+        body = GEMINI_429 if request.match_info["status"] == "429" else GEMINI_400
+        return web.Response(status=int(request.match_info["status"]), body=orjson.dumps(body),
+                            content_type="application/json")  # fmt: skip
+
+    async with _serving("/{status}/v1/chat/completions", refuse) as url:
+        for status in (429, 400):
+            error = await refused(f"{url}/{status}/v1", "k")
+            if status == 429:
+                assert isinstance(error, RateLimited) and error.retry_after == 37.0
+            else:
+                assert isinstance(error, ContextOverflow) and error.window == 1048576
+                assert error.prompt_tokens == 1048577
+
+
+def test_an_error_body_of_any_shape_says_what_it_can() -> None:
+    from streams.llm.error_body import error_object, retry_delay
+
+    assert error_object(GEMINI_429)["code"] == 429 and retry_delay(GEMINI_429) == 37.0
+    for body in (None, [], "text", [1], {"error": "text"}, {"error": {"details": "x"}},
+                 {"error": {"details": [{"@type": "type.googleapis.com/google.rpc.RetryInfo",
+                                         "retryDelay": 37}]}}):  # fmt: skip
+        assert retry_delay(body) is None
+    assert error_object({"message": "bare"}) == {"message": "bare"}
