@@ -26,10 +26,12 @@ class Category(StrEnum):
     INTERNAL_ERROR = "internal_error"
 
 
-# Dead letters worth sending again once their cause is gone (`llm-streams redrive`); the
-# others would fail the same way: bad input, a request the provider refuses, a wrong
-# key, an answer too large for its topic, a write Kafka refuses, a bug in the worker.
+# Dead letters worth sending again once their cause is gone (`llm-streams redrive`): a
+# key refused (revoked, expired) is set right by its operator; the others would fail the
+# same way: bad input, a request the provider refuses, an answer too large for its
+# topic, a write Kafka refuses, a bug in the worker.
 REDRIVABLE = (
+    Category.AUTH,  # once the key is set right again
     Category.RATE_LIMITED,
     Category.TIMEOUT,
     Category.UPSTREAM_ERROR,
@@ -108,7 +110,14 @@ class BadRequest(Permanent):
 
 
 class AuthError(Permanent):
+    """The endpoint refused the key (401) or what the key may do (403). `key_refused`:
+    the key itself (revoked, expired, wrong): refused for every call made with it."""
+
     category = Category.AUTH
+
+    def __init__(self, message: str, *, code: str | None = None, key_refused: bool = False):
+        super().__init__(message, code=code)
+        self.key_refused = key_refused
 
 
 class InvalidOutput(Transient):

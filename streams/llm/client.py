@@ -58,7 +58,7 @@ def error_for_status(
     if status == 429:
         return RateLimited(message, retry_after=retry_after, code=code, headers=headers)
     if status in (401, 403):
-        return AuthError(message, code=code)
+        return AuthError(message, code=code, key_refused=status == 401)
     if status == 408:
         return Timeout(message, code=code)
     overflow = overflow_of(status, code, message, body)

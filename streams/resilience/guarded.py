@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from streams.contract.lanes import Lane
 from streams.errors import (
+    AuthError,
     CircuitOpen,
     ContextOverflow,
     DeadlineExceeded,
@@ -213,6 +214,17 @@ class GuardedClient:
             call.verdict = True  # our prompt was too long; the endpoint is fine
             self.window.overflowed(exc.window, exc.prompt_tokens,
                                    self.count_prompt(request.messages))  # fmt: skip
+            permit.reconcile(0)
+            self._count(request.model, lane, permit.waited_s, started, exc)
+            raise
+        except AuthError as exc:
+            # A key refused (revoked, expired) is refused for every call made with it:
+            # the circuit opens, and the tasks wait for it — within their deadlines, then
+            # redrivable — instead of each ending as a refusal at the key's full pace. A
+            # 403 may be one model's or one request's: the endpoint is not judged by it.
+            call.verdict = not exc.key_refused
+            if exc.key_refused:
+                self.breaker.settle(admission, False)
             permit.reconcile(0)
             self._count(request.model, lane, permit.waited_s, started, exc)
             raise

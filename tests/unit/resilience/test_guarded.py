@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 import pytest
 
 from streams.dev.simulator import SimulatorServer
-from streams.errors import CircuitOpen, RateLimited, UpstreamError
+from streams.errors import REDRIVABLE, AuthError, CircuitOpen, RateLimited, UpstreamError
 from streams.llm.openai_client import OpenAIClient
 from streams.resilience.breaker import CircuitBreaker, State
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
-from tests.fakes import SIM_REQUEST
+from tests.fakes import SIM_REQUEST, FakeLLM
 
 REQ = SIM_REQUEST
 
@@ -115,3 +115,40 @@ async def test_a_refused_connection_is_an_unreachable_endpoint_not_a_timeout(
     assert "refused" in caught.value.message or "failed" in caught.value.message
     # Not charged to the task: the endpoint is down for everyone, though still closed.
     assert caught.value.endpoint_down and breaker.state is State.CLOSED
+
+
+async def test_a_refused_key_opens_the_breaker_and_calls_stop(
+    simulator: SimulatorServer, client: OpenAIClient
+) -> None:
+    """A key revoked or expired while the worker runs: every task was an `auth` dead
+    letter, at the key's full pace, none of them redrivable. The circuit opens now: the
+    tasks wait for it within their deadlines (then `circuit_open`), and no more calls
+    go with the key until a probe."""
+    breaker = CircuitBreaker("sim", window_s=60, min_calls=3, failure_rate=0.5, open_s=60)
+    guarded = GuardedClient(client, limiter=RateLimiter(rpm=100_000), breaker=breaker)
+    simulator.sim.config.api_key = "the-new-key"  # the client still sends "k"
+    for _ in range(3):
+        with pytest.raises(AuthError) as caught:
+            await guarded.complete(REQ)
+        assert caught.value.key_refused and caught.value.category.value in [
+            c.value for c in REDRIVABLE
+        ]  # fmt: skip
+    assert breaker.state is State.OPEN
+    with pytest.raises(CircuitOpen):
+        await guarded.complete(REQ, deadline_at=guarded.clock.now() + 0.1)
+    assert simulator.sim.snapshot()["requests"] == 3
+
+
+async def test_a_403_does_not_judge_the_endpoint() -> None:
+    """What a key may not do (one model, one region) says nothing of the others' calls."""
+    breaker = CircuitBreaker("fake", window_s=60, min_calls=3, failure_rate=0.5, open_s=60)
+
+    def forbidden(_r: object) -> AuthError:
+        return AuthError("HTTP 403: no access to this model", key_refused=False)
+
+    guarded = GuardedClient(FakeLLM(forbidden), limiter=RateLimiter(rpm=100_000),
+                            breaker=breaker)  # fmt: skip
+    for _ in range(5):
+        with pytest.raises(AuthError):
+            await guarded.complete(REQ)
+    assert breaker.state is State.CLOSED
