@@ -49,7 +49,7 @@ def error_for_status(
     headers: dict[str, str] | None = None,
 ) -> TaskError:
     """An HTTP error answer in the project's taxonomy, one map for the synchronous calls
-    and the Batch API's error lines: 429 rate_limited, 401/403 auth, 408 timeout, a
+    and the Batch API's error lines: 429 rate_limited, 401/402/403 auth, 408 timeout, a
     prompt over the window context_overflow in any server's words (`llm.overflow`; its
     error `body` carries some servers' numbers), 409 and 5xx upstream_error, other 4xx
     bad_request. `headers`: the answer's rate-limit headers, for a 429's limiter to learn
@@ -57,8 +57,8 @@ def error_for_status(
     code = code or f"http_{status}"
     if status == 429:
         return RateLimited(message, retry_after=retry_after, code=code, headers=headers)
-    if status in (401, 403):
-        return AuthError(message, code=code, key_refused=status == 401)
+    if status in (401, 402, 403):  # 402: the key's credit is spent (OpenRouter)
+        return AuthError(message, code=code, key_refused=status != 403)
     if status == 408:
         return Timeout(message, code=code)
     overflow = overflow_of(status, code, message, body)

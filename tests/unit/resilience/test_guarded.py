@@ -152,3 +152,13 @@ async def test_a_403_does_not_judge_the_endpoint() -> None:
         with pytest.raises(AuthError):
             await guarded.complete(REQ)
     assert breaker.state is State.CLOSED
+
+
+@pytest.mark.parametrize(("status", "refused"), [(401, True), (402, True), (403, False)])
+def test_which_refusals_are_the_keys(status: int, refused: bool) -> None:
+    """402: OpenRouter's "insufficient credits" — every call with the key is refused
+    until it is topped up. It was a `bad_request`: never redriven."""
+    from streams.llm.client import error_for_status
+
+    error = error_for_status(status, None, f"HTTP {status}")
+    assert isinstance(error, AuthError) and error.key_refused is refused
