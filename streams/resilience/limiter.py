@@ -47,6 +47,10 @@ UNKNOWN_RPM = 1_000_000.0  # no limit known and none learned: effectively unlimi
 PROBE_POLL_S = 0.05
 CALM_S = 5.0  # this long without a 429: a rate held below our share goes straight to it
 PACE_S = 10.0  # a header-less limit is what the provider answered over this long
+# The longest a 429's wait pauses every call: a daily quota's "come back in 9 hours" (or
+# a gateway's `retry-after: 1e9`) would otherwise hold the endpoint unasked until then —
+# or for ever —, whatever the provider does meanwhile. After it, one call asks again.
+MAX_PAUSE_S = 600.0
 
 
 @dataclass(order=True)
@@ -372,7 +376,7 @@ class RateLimiter:
                 )
         self.requests.level = min(self.requests.level, 0.0)
         if retry_after_s:
-            self.paused_until = max(self.paused_until, now + retry_after_s)
+            self.paused_until = max(self.paused_until, now + min(retry_after_s, MAX_PAUSE_S))
         self._last_recover = max(now, self.paused_until)
         log.info(
             "throttled: rpm now %.0f, paused %.2fs", self.requests.per_minute, retry_after_s or 0

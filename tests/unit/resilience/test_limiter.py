@@ -80,6 +80,22 @@ async def test_429_cuts_the_rate_pauses_and_recovers_additively() -> None:
     assert limiter.snapshot().rpm == 600  # back to the ceiling, additively
 
 
+@pytest.mark.parametrize("said", [9 * 3600.0, 1e9])
+async def test_a_429s_wait_pauses_every_call_ten_minutes_at_most(said: float) -> None:
+    """A daily quota's "come back in 9 hours", a gateway's `retry-after: 1e9`: every call
+    waited until then — the endpoint unasked for hours, or for ever, whatever it did
+    meanwhile. After ten minutes one call asks again (and learns the wait anew)."""
+    from streams.resilience.limiter import MAX_PAUSE_S
+
+    clock = FakeClock()
+    limiter = exact(rpm=600, clock=clock)
+    limiter.throttled(retry_after_s=said)
+    assert limiter.snapshot().paused_for_s == MAX_PAUSE_S == 600.0
+    start = clock.now()
+    await limiter.acquire()
+    assert clock.now() - start == pytest.approx(MAX_PAUSE_S, abs=1.0)
+
+
 async def test_headers_set_the_ceiling_and_the_shared_remaining() -> None:
     clock = FakeClock()
     limiter = exact(rpm=6000, clock=clock)
