@@ -183,9 +183,11 @@ def parse_completion(
         message = choice.get("message") or {}
         usage = data.get("usage") or {}
         content = _text(message.get("content"))
-        calls = message.get("tool_calls") or []
-        if not content and calls:  # the answer as the forced function call's arguments
-            content = str((calls[0].get("function") or {}).get("arguments") or "")
+        # A tool call is only asked for as the answer (the forced function): its arguments
+        # are the answer, whatever text a model wrote beside them ("I'll analyse this").
+        called = _arguments(message.get("tool_calls"))
+        if called:
+            content = called
         return LLMResponse(
             content=content,
             model=str(data.get("model") or requested_model),
@@ -194,7 +196,7 @@ def parse_completion(
             finish_reason=str(choice.get("finish_reason") or "stop"),
             rate_headers=headers or {},
             server_s=_server_seconds(data.get("timings")),
-            tool_called=bool(calls) and not message.get("content"),
+            tool_called=bool(called),
             service_tier=str(data["service_tier"]) if data.get("service_tier") else None,
             cached_prompt_tokens=_cached_tokens(usage),
             refusal=_refusal(message.get("refusal")),
@@ -238,6 +240,18 @@ def _text(content: Any) -> str:
             and isinstance(part.get("text"), str)
         )  # fmt: skip
     raise TypeError(f"message content is a {type(content).__name__}")
+
+
+def _arguments(calls: Any) -> str:
+    """The first tool call's arguments as JSON text: a string as sent (OpenAI's form), an
+    object or array encoded (as some servers send them, decoded); "" when none."""
+    if not isinstance(calls, list) or not calls or not isinstance(calls[0], dict):
+        return ""
+    function = calls[0].get("function")
+    said = function.get("arguments") if isinstance(function, dict) else None
+    if isinstance(said, dict | list):
+        return orjson.dumps(said).decode()
+    return said if isinstance(said, str) else ""
 
 
 def _refusal(said: Any) -> str | None:

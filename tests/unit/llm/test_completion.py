@@ -219,3 +219,22 @@ def test_reasoning_counted_beside_the_answer_is_billed_with_it(
     answer's cost (and the budgets held to it) left them out — 8x too low on a short
     answer after long thought."""
     assert parse_completion(_body('{"ok": true}', usage), "m").completion_tokens == completion
+
+
+@pytest.mark.parametrize(
+    ("content", "arguments"),
+    [
+        ("I'll analyse this comment.", '{"ok": true}'),  # words beside the forced call
+        (None, {"ok": True}),  # arguments sent decoded, an object
+        ("", '{"ok": true}'),
+    ],
+)  # fmt: skip
+def test_a_forced_calls_arguments_are_the_answer(content: Any, arguments: Any) -> None:
+    """The arguments were read only when the content was empty, and as `str()` of them:
+    a model's words beside the call, or arguments sent as an object (Python's repr, not
+    JSON), made every such answer `not_json` and a paid repair."""
+    raw = orjson.dumps({"model": "m", "choices": [{"finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": content, "tool_calls": [{"id": "c", "type": "function",
+        "function": {"name": "answer", "arguments": arguments}}]}}]})  # fmt: skip
+    answer = parse_completion(raw, "m")
+    assert orjson.loads(answer.content) == {"ok": True} and answer.tool_called
