@@ -47,7 +47,14 @@ class _Record(BaseModel):
 class SourceRecord(_Record):
     """The source-topic record a task was mapped from (a pipeline's `source:`), kept in
     the task only when the pipeline's sink needs it: its value for the `enriched` shape,
-    its key for `key: source_key`, the headers the sink carries over."""
+    its key for `key: source_key`, the headers the sink carries over.
+
+    Written by workers alone, so read leniently: a field a newer worker adds here is
+    passed over by an older one during a rolling upgrade, not a dead letter of a task
+    the older worker could answer (the task itself stays strict: a user's typo in it
+    is an error)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
     topic: str | None = Field(None, description="Where it was read (none: mapped by the API).")
     partition: int | None = Field(None, ge=0)

@@ -230,3 +230,19 @@ def test_a_task_id_hint_longer_than_the_contract_allows_is_no_hint() -> None:
 def test_every_error_category_is_in_the_dead_letter_schema() -> None:
     schema = contract_schemas()["dead-letter.schema.json"]
     assert schema["$defs"]["Category"]["enum"] == [c.value for c in Category]
+
+
+def test_a_field_a_newer_worker_adds_to_a_source_record_is_passed_over() -> None:
+    """A rolling upgrade: the newer worker's source ingest writes a field this version
+    does not know into `source_record`. The task was `invalid_input` here; the task's own
+    fields stay strict (a user's typo in them is an error)."""
+    import pydantic
+
+    from streams.contract.records import Task
+
+    task = {"task_id": "t", "pipeline": "p", "input": {"text": "x"},
+            "source_record": {"topic": "reviews", "key": "k", "added_later": {"v": 2}}}  # fmt: skip
+    read = Task.model_validate(task)
+    assert read.source_record is not None and read.source_record.key == "k"
+    with pytest.raises(pydantic.ValidationError):
+        Task.model_validate({**task, "inputs": {"text": "typo"}})
