@@ -211,9 +211,16 @@ class OpenAIClient:
                 status, headers = response.status, response.headers
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise Timeout(f"LLM call timed out: {exc!r}", code="timeout") from exc
-        except aiohttp.ClientError as exc:
+        except aiohttp.ClientConnectorError as exc:  # no connection: down for everyone
             raise UpstreamError(
                 f"cannot reach the LLM endpoint: {exc}", code="connection_error"
+            ) from exc
+        except aiohttp.ClientError as exc:
+            # Connected, then dropped with this call on it (reset, closed mid-answer): the
+            # server may have died of this very request (a prompt that crashes it), so the
+            # attempt counts — it is no outage that spares the task's attempts.
+            raise UpstreamError(
+                f"the LLM endpoint dropped the call: {exc!r}", code="connection_lost"
             ) from exc
         return self._answer(status, headers, content, request.model)
 

@@ -283,3 +283,40 @@ def test_an_error_body_of_any_shape_says_what_it_can() -> None:
                                          "retryDelay": 37}]}}):  # fmt: skip
         assert retry_delay(body) is None
     assert error_object({"message": "bare"}) == {"message": "bare"}
+
+
+async def test_a_call_the_server_drops_counts_as_an_attempt(make_processor: Any) -> None:
+    """A server that dies of a prompt (an assertion in its code on that input) drops the
+    connection with the call on it. That was `connection_error`, an outage that spares
+    the task's attempts: the task asked again and again — crashing the server each
+    time — until its deadline. Now the attempt counts; refusals still do not."""
+    from aiohttp import web
+
+    from streams.contract.records import Source
+    from streams.resilience.retry import RetryPolicy
+
+    async def crash(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(status=200)
+        response.content_length = 1000
+        await response.prepare(request)
+        await response.write(b'{"choices": [')
+        assert request.transport is not None
+        request.transport.close()  # the server process dies mid-answer
+        return response
+
+    async with _serving("/v1/chat/completions", crash) as url:
+        error = await refused(f"{url}/v1", "k")
+        assert isinstance(error, UpstreamError) and error.code == "connection_lost"
+        c = OpenAIClient(base_url=f"{url}/v1", api_key="k", connect_timeout_s=1,
+                         read_timeout_s=1)  # fmt: skip
+        try:
+            processor = make_processor(c, policy=RetryPolicy(max_attempts=3,
+                                       backoff_base_s=0.001), deadline_s=4)  # fmt: skip
+            task = orjson.dumps({"task_id": "t1", "pipeline": "comment-analysis",
+                                 "input": {"text": "Fine."}})  # fmt: skip
+            out = await processor.process(task, b"t1", Source(topic="t", partition=0, offset=1))
+        finally:
+            await c.close()
+    letter = orjson.loads(out.value)
+    assert letter["error"]["code"] == "connection_lost" and letter["attempts"] == 3, letter
