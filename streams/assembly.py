@@ -145,16 +145,21 @@ def processor_factory(
     deployments = load_deployments(llm.deployments_file) if llm.deployments_file else []
     config = ProcessorConfig.from_settings(settings, limits, deployments)
 
+    primary_key = llm.api_key.get_secret_value() if llm.api_key else None
+
     def http(url: str | None, key: str | None) -> OpenAIClient:
+        # The primary key, when read from a file, is read again when it is refused.
+        key_file = llm.api_key_file if (url, key) == (llm.base_url, primary_key) else None
         return OpenAIClient(
             base_url=url, api_key=key, connect_timeout_s=llm.connect_timeout_s,
             read_timeout_s=llm.read_timeout_s, max_connections=settings.batch.concurrency,
+            key_file=key_file,
         )  # fmt: skip
 
     def make() -> TaskProcessor:
         pool = ClientPool(
             base_url=llm.base_url,
-            api_key=llm.api_key.get_secret_value() if llm.api_key else None,
+            api_key=primary_key,
             make_http=http,
             # Without a configured limit the first call goes alone and the provider's
             # x-ratelimit headers set the ceiling (or none: unlimited).

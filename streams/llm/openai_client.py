@@ -12,6 +12,8 @@ stays the one `map_error`. Files and the Batch API keep the SDK's typed calls.
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -38,6 +40,8 @@ from streams.llm.deployments import AzureDeployment, Deployment
 from streams.llm.endpoint import EndpointFacts, facts_from
 from streams.llm.error_body import error_object, retry_delay
 from streams.llm.ratelimit_headers import delay, number, openai_names
+
+log = logging.getLogger(__name__)
 
 # What the worker reads of an answer at most (after its content-encoding is undone): a
 # chat completion is kilobytes, one with logprobs of a long answer a few megabytes. A server
@@ -133,7 +137,10 @@ class OpenAIClient:
         max_connections: int = 256,
         azure: AzureDeployment | None = None,
         headers: dict[str, str] | None = None,
+        key_file: Path | None = None,
     ) -> None:
+        """`key_file`: where the key was read from (a mounted secret); read again when the
+        endpoint refuses the key, so a rotated secret is taken up without a restart."""
         timeout = openai.Timeout(read_timeout_s, connect=connect_timeout_s)
         # aiohttp transport: the SDK's recommended one for high concurrency.
         http = openai.DefaultAioHttpClient(timeout=timeout)
@@ -153,11 +160,9 @@ class OpenAIClient:
         self._url = self._endpoint.rstrip("/") + "/chat/completions"
         # Azure's api-version, as the SDK sends it with every call.
         self._query = {k: str(v) for k, v in self._client.default_query.items()}
-        # The SDK's own headers (auth, user agent, platform), once: values it leaves
-        # out are its `Omit` markers, not strings.
-        sdk_headers = {**self._client.default_headers, **self._client.auth_headers}
-        self._headers = {k: v for k, v in sdk_headers.items() if isinstance(v, str)}
-        self._headers["Content-Type"] = "application/json"
+        self._headers = self._lean_headers()
+        self._key_file = key_file
+        self._retired: list[aiohttp.ClientSession] = []  # sessions of keys rotated out
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
         )
@@ -184,7 +189,36 @@ class OpenAIClient:
         return cls(base_url=spec.base_url, api_key=deployment.api_key,
                    connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s,
                    max_connections=max_connections, azure=deployment.azure,
-                   headers=dict(spec.headers))  # fmt: skip
+                   headers=dict(spec.headers), key_file=spec.api_key_file)  # fmt: skip
+
+    def _lean_headers(self) -> dict[str, str]:
+        """The SDK's own headers (auth, user agent, platform) for the lean path: values
+        it leaves out are its `Omit` markers, not strings."""
+        sdk_headers = {**self._client.default_headers, **self._client.auth_headers}
+        headers = {k: v for k, v in sdk_headers.items() if isinstance(v, str)}
+        headers["Content-Type"] = "application/json"
+        return headers
+
+    def _rotated(self) -> bool:
+        """The endpoint refused the key: its file read again. True when it holds another
+        key — taken up at once: later calls (and the SDK's) carry it, while the calls in
+        flight end on the session they began on."""
+        if self._key_file is None:
+            return False
+        try:
+            key = self._key_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return False
+        if not key or key == self._client.api_key:
+            return False
+        self._client.api_key = key
+        self._headers = self._lean_headers()
+        if self._session is not None:
+            self._retired.append(self._session)
+            self._session = None
+        log.warning("the key in %s changed: later calls to %s carry the new one",
+                    self._key_file, self._endpoint)  # fmt: skip
+        return True
 
     def _open(self) -> aiohttp.ClientSession:
         # The headers as the session's: aiohttp copies them per request (in C) instead of
@@ -232,6 +266,9 @@ class OpenAIClient:
             raise UpstreamError(f"the endpoint's answer is over {MAX_RESPONSE_BYTES} bytes",
                                 code="response_too_large")  # fmt: skip
         if status >= 400:
+            if status == 401 and self._rotated():  # refused with the key rotated out
+                raise UpstreamError("the endpoint refused the key its file no longer holds; "
+                                    "asked again with the new one", code="key_rotated")  # fmt: skip
             raise map_error(self._status_error(status, headers, content))
         return parse_completion(content, model, rate_headers(headers))
 
@@ -405,6 +442,7 @@ class OpenAIClient:
         return self._endpoint
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in [*self._retired, self._session]:
+            if session is not None:
+                await session.close()
         await self._client.close()

@@ -320,3 +320,32 @@ async def test_a_call_the_server_drops_counts_as_an_attempt(make_processor: Any)
             await c.close()
     letter = orjson.loads(out.value)
     assert letter["error"]["code"] == "connection_lost" and letter["attempts"] == 3, letter
+
+
+async def test_a_rotated_key_file_is_read_again_when_the_key_is_refused(
+    simulator: SimulatorServer, tmp_path: Any, make_processor: Any
+) -> None:
+    """A mounted secret rotated while the worker runs (the old key revoked): the key was
+    read once at start, so every call was refused until a restart. On a refusal the
+    file is read again; a new key in it is taken up, and the task asked again."""
+    from streams.contract.records import Source
+
+    secret = tmp_path / "key"
+    secret.write_text("old-key\n")
+    simulator.sim.config.api_key = "new-key"
+    c = OpenAIClient(base_url=simulator.base_url, api_key="old-key", connect_timeout_s=1,
+                     read_timeout_s=2, key_file=secret)  # fmt: skip
+    try:
+        with pytest.raises(AuthError):  # the file still holds the refused key
+            await c.complete(REQ)
+        secret.write_text("new-key\n")  # the secret rotated
+        task = orjson.dumps({"task_id": "t1", "pipeline": "comment-analysis",
+                             "input": {"text": "Fine."}})  # fmt: skip
+        out = await make_processor(c).process(task, b"t1", Source(topic="t", partition=0,
+                                                                  offset=1))  # fmt: skip
+        assert out.kind == "result", orjson.loads(out.value)
+        assert orjson.loads(out.value)["attempts"] == 2  # refused, then with the new key
+        assert (await c.complete(REQ)).content  # and every call after it
+    finally:
+        await c.close()
+    assert simulator.sim.snapshot()["by_status"] == {"401": 2, "200": 2}
