@@ -12,6 +12,7 @@ stays the one `map_error`. Files and the Batch API keep the SDK's typed calls.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,7 @@ class OpenAIClient:
         self._headers = self._lean_headers()
         self._key_file = key_file
         self._retired: list[aiohttp.ClientSession] = []  # sessions of keys rotated out
+        self._closing: set[asyncio.Task[None]] = set()
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
         )
@@ -214,11 +216,26 @@ class OpenAIClient:
         self._client.api_key = key
         self._headers = self._lean_headers()
         if self._session is not None:
-            self._retired.append(self._session)
+            self._retire(self._session)
             self._session = None
         log.warning("the key in %s changed: later calls to %s carry the new one",
                     self._key_file, self._endpoint)  # fmt: skip
         return True
+
+    def _retire(self, session: aiohttp.ClientSession) -> None:
+        """Close a rotated key's session once the calls in flight on it are done (their
+        read timeout at most; a longer attempt's is cut), at the latest with the client."""
+        self._retired.append(session)
+
+        async def close_later() -> None:
+            await asyncio.sleep(2 * (self._timeout.sock_read or 60.0))
+            if session in self._retired:
+                self._retired.remove(session)
+                await session.close()
+
+        task = asyncio.get_running_loop().create_task(close_later())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _open(self) -> aiohttp.ClientSession:
         # The headers as the session's: aiohttp copies them per request (in C) instead of
@@ -442,6 +459,8 @@ class OpenAIClient:
         return self._endpoint
 
     async def close(self) -> None:
+        for task in self._closing:
+            task.cancel()
         for session in [*self._retired, self._session]:
             if session is not None:
                 await session.close()

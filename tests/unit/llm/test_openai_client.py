@@ -346,6 +346,9 @@ async def test_a_rotated_key_file_is_read_again_when_the_key_is_refused(
         assert out.kind == "result", orjson.loads(out.value)
         assert orjson.loads(out.value)["attempts"] == 2  # refused, then with the new key
         assert (await c.complete(REQ)).content  # and every call after it
+        retired = c._retired  # the old key's session, closed once its calls are done
+        assert len(retired) == 1 and not retired[0].closed
     finally:
         await c.close()
+    assert retired[0].closed
     assert simulator.sim.snapshot()["by_status"] == {"401": 2, "200": 2}
