@@ -273,19 +273,29 @@ class OpenAIClient:
             raise UpstreamError(
                 f"the LLM endpoint dropped the call: {exc!r}", code="connection_lost"
             ) from exc
-        return self._answer(status, headers, content, request.model)
+        return self._answer(status, headers, content, request.model, session)
 
-    def _answer(self, status: int, headers: Any, content: bytes | None, model: str) -> LLMResponse:
-        """A chat completion's answer read: the completion, or the error it says."""
+    def _answer(
+        self,
+        status: int,
+        headers: Any,
+        content: bytes | None,
+        model: str,
+        session: aiohttp.ClientSession,
+    ) -> LLMResponse:
+        """A chat completion's answer read: the completion, or the error it says.
+        `session`: the one the call went on (its key's)."""
+        # Refused with a key rotated out — since the call went, by another call's refusal,
+        # or found in the key's file now: asked again with the new key, not an auth error.
+        if status == 401 and (session is not self._session or self._rotated()):
+            raise UpstreamError("the endpoint refused a key its file no longer holds; asked "
+                                "again with the new one", code="key_rotated")  # fmt: skip
         if content is None:
             if status >= 400:  # its status says enough
                 raise map_error(self._status_error(status, headers, b""))
             raise UpstreamError(f"the endpoint's answer is over {MAX_RESPONSE_BYTES} bytes",
                                 code="response_too_large")  # fmt: skip
         if status >= 400:
-            if status == 401 and self._rotated():  # refused with the key rotated out
-                raise UpstreamError("the endpoint refused the key its file no longer holds; "
-                                    "asked again with the new one", code="key_rotated")  # fmt: skip
             raise map_error(self._status_error(status, headers, content))
         return parse_completion(content, model, rate_headers(headers))
 
@@ -369,7 +379,7 @@ class OpenAIClient:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise UpstreamError(f"cannot reach the LLM endpoint: {exc!r}",
                                 code="connection_error") from exc  # fmt: skip
-        return self._answer(status, headers, content, str(body.get("model") or ""))
+        return self._answer(status, headers, content, str(body.get("model") or ""), session)
 
     async def _get_json(
         self, method: str, url: str, timeout_s: float, server: list[str], body: Any = None

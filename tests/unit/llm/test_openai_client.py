@@ -3,6 +3,7 @@ the project's categories exactly as the SDK's own calls would be."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import socket
 from collections.abc import AsyncIterator
@@ -339,16 +340,20 @@ async def test_a_rotated_key_file_is_read_again_when_the_key_is_refused(
         with pytest.raises(AuthError):  # the file still holds the refused key
             await c.complete(REQ)
         secret.write_text("new-key\n")  # the secret rotated
-        task = orjson.dumps({"task_id": "t1", "pipeline": "comment-analysis",
-                             "input": {"text": "Fine."}})  # fmt: skip
-        out = await make_processor(c).process(task, b"t1", Source(topic="t", partition=0,
-                                                                  offset=1))  # fmt: skip
-        assert out.kind == "result", orjson.loads(out.value)
-        assert orjson.loads(out.value)["attempts"] == 2  # refused, then with the new key
+        processor = make_processor(c)
+        tasks = [orjson.dumps({"task_id": f"t{i}", "pipeline": "comment-analysis",
+                               "input": {"text": "Fine."}}) for i in range(3)]  # fmt: skip
+        outs = await asyncio.gather(*(  # in flight together: each refused, none an error
+            processor.process(t, None, Source(topic="t", partition=0, offset=i))
+            for i, t in enumerate(tasks)
+        ))  # fmt: skip
+        for out in outs:
+            assert out.kind == "result", orjson.loads(out.value)
+            assert orjson.loads(out.value)["attempts"] == 2  # refused, then the new key
         assert (await c.complete(REQ)).content  # and every call after it
         retired = c._retired  # the old key's session, closed once its calls are done
         assert len(retired) == 1 and not retired[0].closed
     finally:
         await c.close()
     assert retired[0].closed
-    assert simulator.sim.snapshot()["by_status"] == {"401": 2, "200": 2}
+    assert simulator.sim.snapshot()["by_status"] == {"401": 4, "200": 4}
