@@ -18,14 +18,16 @@ Phases, each against the simulator set to one provider shape:
 7. phase 1's RPM said in Anthropic's headers (`anthropic-ratelimit-*`, the reset an
    RFC 3339 time to the second);
 8. phase 4's TPM said in Cerebras' headers (`x-ratelimit-*-tokens-minute`; its
-   requests as a per-day quota, the per-minute request limit enforced, not said).
+   requests as a per-day quota, the per-minute request limit enforced, not said);
+9. and 10. phases 1 and 4 in Azure OpenAI's headers: `remaining` of requests and
+   tokens alone, no limit and no reset said.
 
 Printed per phase: what admitted requests took of the binding limit per minute over
 the busy span (requests, or the tokens the provider charged: prompt + max_tokens),
 the same over the steady middle 80% of the busy seconds (requests only), and the
 share of requests answered 429.
 
-    python bench/rate_limit_shapes.py [--rpm 3000] [--tasks 3000] [--phases 1,2,3,4,5,6,7,8]
+    python bench/rate_limit_shapes.py [--rpm 3000] [--tasks 3000] [--phases 1,2,3,4,5,6,7,8,9,10]
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ PHASES: dict[int, tuple[str, dict[str, Any], str, float]] = {
         "remaining_window_s": 60.0, "header_style": "anthropic"}, "rpm", 1.0),
     8: ("TPM binds, Cerebras' headers", {"limit_shape": "bucket",
         "remaining_window_s": 60.0, "header_style": "cerebras"}, "tpm", 0.5),
+    9: ("RPM per second, Azure's headers", {"limit_shape": "bucket",
+        "remaining_window_s": 60.0, "header_style": "azure"}, "rpm", 1.0),
+    10: ("TPM binds, Azure's headers", {"limit_shape": "bucket",
+         "remaining_window_s": 60.0, "header_style": "azure"}, "tpm", 0.5),
 }  # fmt: skip
 
 
@@ -68,7 +74,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rpm", type=int, default=3000)
     parser.add_argument("--tasks", type=int, default=3000)
-    parser.add_argument("--phases", default="1,2,3,4,5,6,7,8")
+    parser.add_argument("--phases", default="1,2,3,4,5,6,7,8,9,10")
     args = parser.parse_args()
     rpm = args.rpm
     loose_tpm = rpm * 2000  # RPM binds: far more tokens than RPM x the ~700 charged a call

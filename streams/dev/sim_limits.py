@@ -189,14 +189,18 @@ class SimLimits:
 # How providers other than OpenAI say the same: `anthropic` (Anthropic's API and its
 # OpenAI SDK compatibility: `anthropic-ratelimit-<kind>-<field>`, the reset an RFC 3339
 # time to the second), `cerebras` (per-minute token headers named `...-tokens-minute`,
-# its requests as a per-day quota: the per-minute request limit enforced, not said).
-HEADER_STYLES = ("openai", "anthropic", "cerebras")
+# its requests as a per-day quota: the per-minute request limit enforced, not said),
+# `azure` (Azure OpenAI: `x-ratelimit-remaining-requests` and `-tokens` alone, no limit
+# and no reset said).
+HEADER_STYLES = ("openai", "anthropic", "cerebras", "azure")
 
 
 def styled(headers: dict[str, str], style: str, wall: float | None = None) -> dict[str, str]:
     """OpenAI's rate-limit headers as a provider of `style` sends the same news."""
     if style == "openai":
         return headers
+    if style == "azure":
+        return {k: v for k, v in headers.items() if k.startswith("x-ratelimit-remaining-")}
     if style not in HEADER_STYLES:
         raise ValueError(f"header_style {style!r}: one of {', '.join(HEADER_STYLES)}")
     now = datetime.fromtimestamp(time.time() if wall is None else wall, UTC)

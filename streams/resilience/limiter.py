@@ -153,7 +153,11 @@ class RateLimiter:
         self.tokens = Bucket(tpm, burst_s, now, **self._margins) if tpm else None
         self.decrease = decrease
         self.decrease_informed = decrease_informed
-        self.informed = False  # the provider sends x-ratelimit-* headers
+        # The provider says its limit (`x-ratelimit-limit-*`). One that says what is left
+        # and not of what (Azure OpenAI: `remaining` alone) is not: its limit is measured
+        # at its 429s, as a silent provider's is.
+        self.informed = False
+        self._said_rpm = False  # a request limit was said (or told): `remaining` steers
         self.tokens_reported = False  # ... and x-ratelimit-remaining-tokens among them
         self.recover_per_s = recover_per_s
         self.floor = floor
@@ -309,7 +313,7 @@ class RateLimiter:
         # had the key to itself would else spend a whole bucket beside the newcomer's.
         calm = self.informed and now - self._last_cut >= CALM_S
         step = float("inf") if calm else self.recover_per_s * elapsed
-        if self.measured and not self.informed and self._queue and now - self._last_cut >= CALM_S:
+        if self.measured and not self._said_rpm and self._queue and now - self._last_cut >= CALM_S:
             # A measured limit may be low (measured while the rate climbed) or may have
             # grown: while calls wait at it and no 429 comes, it creeps up, until the next
             # 429 measures it again (no higher than "unlimited", however long the calm).
@@ -365,7 +369,7 @@ class RateLimiter:
             # A provider that reports its limit and remaining capacity already steers
             # the buckets; a 429 then means jitter or a neighbour's burst: cut gently.
             factor = self.decrease_informed if self.informed else self.decrease
-            if not self.informed and not self.told:
+            if not self._said_rpm and not self.told:  # its request limit unsaid: measured
                 self._measure_ceiling(now)
             self.requests.set_rate(
                 max(self.rpm_ceiling * self.floor, self.requests.per_minute * factor), now
@@ -408,10 +412,14 @@ class RateLimiter:
         if permit is not None:
             requests = Granted(permit.granted_at, permit.taken[0])
             tokens = Granted(permit.granted_at, permit.taken[1])
-        self._steer(self.requests, headers, "requests", now, ceiling_attr="rpm_ceiling",
-                    since=requests)  # fmt: skip
-        if any(k.startswith("x-ratelimit-") for k in headers):
+        if "x-ratelimit-limit-requests" in headers:
+            self._said_rpm = True
+        if self.told or self._said_rpm:  # `remaining` of a limit not known says too little
+            self._steer(self.requests, headers, "requests", now, ceiling_attr="rpm_ceiling",
+                        since=requests)  # fmt: skip
+        if any(k.startswith("x-ratelimit-limit-") for k in headers):
             self.informed = True
+        if any(k.startswith("x-ratelimit-") for k in headers):
             self._learned()
         if self.tokens is None:
             # A token limit we were not told about: start a bucket at the provider's figure.
