@@ -313,7 +313,7 @@ class RateLimiter:
         # had the key to itself would else spend a whole bucket beside the newcomer's.
         calm = self.informed and now - self._last_cut >= CALM_S
         step = float("inf") if calm else self.recover_per_s * elapsed
-        if self.measured and not self._said_rpm and self._queue and now - self._last_cut >= CALM_S:
+        if self.measured and not self.informed and self._queue and now - self._last_cut >= CALM_S:
             # A measured limit may be low (measured while the rate climbed) or may have
             # grown: while calls wait at it and no 429 comes, it creeps up, until the next
             # 429 measures it again (no higher than "unlimited", however long the calm).
@@ -369,7 +369,9 @@ class RateLimiter:
             # A provider that reports its limit and remaining capacity already steers
             # the buckets; a 429 then means jitter or a neighbour's burst: cut gently.
             factor = self.decrease_informed if self.informed else self.decrease
-            if not self._said_rpm and not self.told:  # its request limit unsaid: measured
+            # No limit said (nor told): the request limit is measured. One that says its
+            # token limit alone (Cerebras) is not: its 429s are most likely the tokens'.
+            if not self.informed and not self.told:
                 self._measure_ceiling(now)
             self.requests.set_rate(
                 max(self.rpm_ceiling * self.floor, self.requests.per_minute * factor), now
