@@ -340,20 +340,56 @@ async def test_a_rotated_key_file_is_read_again_when_the_key_is_refused(
         with pytest.raises(AuthError):  # the file still holds the refused key
             await c.complete(REQ)
         secret.write_text("new-key\n")  # the secret rotated
-        processor = make_processor(c)
-        tasks = [orjson.dumps({"task_id": f"t{i}", "pipeline": "comment-analysis",
-                               "input": {"text": "Fine."}}) for i in range(3)]  # fmt: skip
-        outs = await asyncio.gather(*(  # in flight together: each refused, none an error
-            processor.process(t, None, Source(topic="t", partition=0, offset=i))
-            for i, t in enumerate(tasks)
-        ))  # fmt: skip
-        for out in outs:
-            assert out.kind == "result", orjson.loads(out.value)
-            assert orjson.loads(out.value)["attempts"] == 2  # refused, then the new key
+        task = orjson.dumps({"task_id": "t1", "pipeline": "comment-analysis",
+                             "input": {"text": "Fine."}})  # fmt: skip
+        out = await make_processor(c).process(task, b"t1", Source(topic="t", partition=0,
+                                                                  offset=1))  # fmt: skip
+        assert out.kind == "result", orjson.loads(out.value)
+        assert orjson.loads(out.value)["attempts"] == 2  # refused, then with the new key
         assert (await c.complete(REQ)).content  # and every call after it
         retired = c._retired  # the old key's session, closed once its calls are done
         assert len(retired) == 1 and not retired[0].closed
     finally:
         await c.close()
     assert retired[0].closed
-    assert simulator.sim.snapshot()["by_status"] == {"401": 4, "200": 4}
+    assert simulator.sim.snapshot()["by_status"] == {"401": 2, "200": 2}
+
+
+async def test_calls_in_flight_when_the_key_rotates_are_asked_again(tmp_path: Any) -> None:
+    """Three calls go with the old key; all three are refused after the secret rotated.
+    The first refusal reads the new key; the other two found it already in use and were
+    auth errors — dead letters of calls the new key answers."""
+    from aiohttp import web
+
+    arrived: list[str] = []
+    all_in, rotated = asyncio.Event(), asyncio.Event()
+
+    async def gate(request: web.Request) -> web.Response:
+        said = request.headers.get("Authorization")
+        if said == "Bearer new-key":
+            body = {"model": "m", "choices": [{"finish_reason": "stop", "message": {
+                "role": "assistant", "content": '{"ok": true}'}}]}  # fmt: skip
+            return web.json_response(body)
+        arrived.append(str(said))
+        if len(arrived) == 3:
+            all_in.set()
+        await rotated.wait()  # refused once all three are in flight and the key rotated
+        return web.json_response({"error": {"message": "Incorrect API key provided.",
+                                            "code": "invalid_api_key"}}, status=401)  # fmt: skip
+
+    secret = tmp_path / "key"
+    secret.write_text("old-key\n")
+    async with _serving("/v1/chat/completions", gate) as url:
+        c = OpenAIClient(base_url=f"{url}/v1", api_key="old-key", connect_timeout_s=1,
+                         read_timeout_s=2, key_file=secret)  # fmt: skip
+        try:
+            calls = [asyncio.ensure_future(c.complete(REQ)) for _ in range(3)]
+            await asyncio.wait_for(all_in.wait(), 5)
+            secret.write_text("new-key\n")  # rotated while they are in flight
+            rotated.set()
+            refused = await asyncio.gather(*calls, return_exceptions=True)
+            assert all(isinstance(e, UpstreamError) and e.code == "key_rotated"
+                       for e in refused), refused  # fmt: skip
+            assert (await c.complete(REQ)).content == '{"ok": true}'
+        finally:
+            await c.close()
