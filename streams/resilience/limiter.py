@@ -157,7 +157,7 @@ class RateLimiter:
         # and not of what (Azure OpenAI: `remaining` alone) is not: its limit is measured
         # at its 429s, as a silent provider's is.
         self.informed = False
-        self._said_rpm = False  # a request limit was said (or told): `remaining` steers
+        self._said_rpm = False  # a request limit was said: `remaining` steers it (a told one too)
         self.tokens_reported = False  # ... and x-ratelimit-remaining-tokens among them
         self.recover_per_s = recover_per_s
         self.floor = floor
