@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -135,8 +136,38 @@ class OutputRejected(Permanent):
     category = Category.INVALID_OUTPUT
 
 
+MINUTE_S = 60.0
+
+
+@dataclass(frozen=True)
+class LimitHit:
+    """Which limit a 429 says was hit. `kind`: "requests" or "tokens" (None: it names
+    neither); `per_s`: the limit's period in seconds (60: per minute; 86400: a day's
+    quota; None: unsaid); `limit` and `requested`: its figures, when said. `partial`: a
+    limit on input or output tokens alone, which the limiter's one token bucket (prompt
+    and answer together) cannot take as its own."""
+
+    kind: str | None
+    per_s: float | None = None
+    limit: float | None = None
+    requested: float | None = None
+    partial: bool = False
+
+    @property
+    def quota(self) -> bool:
+        """A quota over more than a minute (an hour's, a day's): no pace to learn from."""
+        return self.per_s is not None and self.per_s > MINUTE_S
+
+    @property
+    def never_fits(self) -> bool:
+        """The request alone asks more tokens than the limit ever admits at once."""
+        return (self.kind == "tokens" and not self.quota and self.limit is not None
+                and self.requested is not None and self.requested > self.limit)  # fmt: skip
+
+
 class RateLimited(Transient):
-    """The provider throttled us; `retry_after` (seconds) is its hint, if it gave one."""
+    """The provider throttled us; `retry_after` (seconds) is its hint, if it gave one;
+    `hit`: which of its limits its body says was hit, if it says."""
 
     category = Category.RATE_LIMITED
 
@@ -147,10 +178,12 @@ class RateLimited(Transient):
         retry_after: float | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        hit: LimitHit | None = None,
     ):
         super().__init__(message, code=code)
         self.retry_after = retry_after
         self.headers = headers or {}
+        self.hit = hit
 
 
 class Timeout(Transient):

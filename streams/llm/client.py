@@ -16,6 +16,7 @@ from streams.errors import (
     Timeout,
     UpstreamError,
 )
+from streams.llm.error_body import limit_hit
 from streams.llm.overflow import overflow_of
 from streams.llm.params import body_fields
 
@@ -53,10 +54,19 @@ def error_for_status(
     prompt over the window context_overflow in any server's words (`llm.overflow`; its
     error `body` carries some servers' numbers), 409 and 5xx upstream_error, other 4xx
     bad_request. `headers`: the answer's rate-limit headers, for a 429's limiter to learn
-    from as from any answer's."""
+    from as from any answer's. A request larger than the token limit itself (OpenAI's
+    429, Groq's 413 "Request too large") is a bad_request: asked again, it never fits."""
     code = code or f"http_{status}"
+    hit = limit_hit(body, message) if status in (413, 429) else None
+    if hit is not None and hit.never_fits:
+        return BadRequest(
+            f"the request asks {hit.requested:.0f} tokens, more than the provider's limit of "
+            f"{hit.limit:.0f} per minute ever admits: lower its max_tokens or its input, or "
+            f"raise the limit ({message})",
+            code="request_over_limit",
+        )
     if status == 429:
-        return RateLimited(message, retry_after=retry_after, code=code, headers=headers)
+        return RateLimited(message, retry_after=retry_after, code=code, headers=headers, hit=hit)
     if status in (401, 402, 403):  # 402: the key's credit is spent (OpenRouter)
         return AuthError(message, code=code, key_refused=status != 403)
     if status == 408:

@@ -1,0 +1,174 @@
+"""Which limit a 429 hit, in each provider's words (as their servers send them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from streams.errors import BadRequest, LimitHit, RateLimited
+from streams.llm.client import error_for_status
+from streams.llm.error_body import limit_hit
+
+GROQ_TPM = {
+    "error": {
+        "message": "Rate limit reached for model `llama-3.3-70b-versatile` in organization "
+        "`org_01` service tier `on_demand` on tokens per minute (TPM): Limit 6000, Used 3513, "
+        "Requested 3166. Please try again in 6.780999999s. Visit https://console.groq.com/docs/"
+        "rate-limits for more information.",
+        "type": "tokens",
+        "code": "rate_limit_exceeded",
+    }
+}
+OPENAI_RPM = {
+    "error": {
+        "message": "Rate limit reached for gpt-4o in organization org-x on requests per min "
+        "(RPM): Limit 3, Used 3, Requested 1. Please try again in 20s.",
+        "type": "requests",
+        "param": None,
+        "code": "rate_limit_exceeded",
+    }
+}
+OPENAI_TOO_LARGE = {
+    "error": {
+        "message": "Request too large for gpt-4o in organization org-V on tokens per min (TPM): "
+        "Limit 30000, Requested 30601. The input or output tokens must be reduced in order to "
+        "run successfully.",
+        "type": "tokens",
+        "param": None,
+        "code": "rate_limit_exceeded",
+    }
+}
+GROQ_RPD = {
+    "error": {
+        "message": "Rate limit reached for model `llama-3.1-8b-instant` in organization `org_01` "
+        "on requests per day (RPD): Limit 14400, Used 14400, Requested 1. Please try again in "
+        "6s.",
+        "type": "requests",
+        "code": "rate_limit_exceeded",
+    }
+}
+AZURE_TOKENS = {
+    "error": {
+        "code": "429",
+        "message": "Requests to the ChatCompletions_Create Operation under Azure OpenAI API version "
+        "2024-05-01-preview have exceeded token rate limit of your current OpenAI S0 pricing "
+        "tier. Please retry after 6 seconds.",
+    }
+}
+AZURE_CALLS = {
+    "error": {
+        "code": "429",
+        "message": "Your requests to gpt-5.1 for gpt-5.1 in East US 2 have exceeded the call rate limit "
+        "for your current AIServices S0 pricing tier. Please retry after 60 seconds.",
+    }
+}
+CEREBRAS_RPM = {
+    "message": "Requests per minute limit exceeded - too many requests sent.",
+    "type": "too_many_requests_error",
+    "param": "quota",
+    "code": "request_quota_exceeded",
+}
+CEREBRAS_TPD = {
+    "message": "Tokens per day limit exceeded - too many tokens processed.",
+    "type": "too_many_requests_error",
+    "param": "quota",
+    "code": "token_quota_exceeded",
+}
+ANTHROPIC_RPM = {
+    "type": "error",
+    "error": {
+        "type": "rate_limit_error",
+        "message": "This request would exceed the rate limit for your organization (4b2a) of 50 requests "
+        "per minute. For details, refer to the rate limits documentation.",
+    },
+}
+ANTHROPIC_ITPM = {
+    "type": "error",
+    "error": {
+        "type": "rate_limit_error",
+        "message": "This request would exceed your organization's rate limit of 40,000 input tokens per "
+        "minute.",
+    },
+}
+GEMINI_RPM = [
+    {
+        "error": {
+            "code": 429,
+            "message": "You exceeded your current quota.",
+            "status": "RESOURCE_EXHAUSTED",
+            "details": [
+                {
+                    "@type": "type.googleapis.com/google.rpc.QuotaFailure",
+                    "violations": [
+                        {
+                            "quotaMetric": "generativelanguage.googleapis.com/"
+                            "generate_content_free_tier_requests",
+                            "quotaId": "GenerateRequestsPerMinutePerProjectPerModel-FreeTier",
+                            "quotaValue": "10",
+                        }
+                    ],
+                },
+                {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "37s"},
+            ],
+        }
+    }
+]
+GEMINI_DAY_TOKENS = [{"error": {"code": 429, "message": "You exceeded your current quota.",
+    "details": [{"@type": "type.googleapis.com/google.rpc.QuotaFailure", "violations": [{
+        "quotaMetric": "generativelanguage.googleapis.com/generate_content_input_token_count",
+        "quotaId": "GenerateContentInputTokensPerModelPerDay-FreeTier",
+        "quotaValue": "1000000"}]}]}}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("body", "hit"),
+    [
+        (GROQ_TPM, LimitHit("tokens", 60, 6000)),
+        (OPENAI_RPM, LimitHit("requests", 60, 3)),
+        (OPENAI_TOO_LARGE, LimitHit("tokens", 60, 30000, 30601)),
+        (GROQ_RPD, LimitHit("requests", 86400, 14400)),
+        (AZURE_TOKENS, LimitHit("tokens", 60)),
+        (AZURE_CALLS, LimitHit("requests", 60)),
+        (CEREBRAS_RPM, LimitHit("requests", 60)),
+        (CEREBRAS_TPD, LimitHit("tokens", 86400)),
+        (ANTHROPIC_RPM, LimitHit("requests", 60, 50)),
+        (ANTHROPIC_ITPM, LimitHit("tokens", 60, partial=True)),
+        (GEMINI_RPM, LimitHit("requests", 60, 10)),
+        (GEMINI_DAY_TOKENS, LimitHit("tokens", 86400, partial=True)),
+        ({"error": {"message": "Too Many Requests"}}, None),
+        ({"error": {"message": "slow down", "type": "tokens"}}, LimitHit("tokens")),
+        ("<html>429</html>", None),
+        (None, None),
+    ],
+    ids=["groq-tpm", "openai-rpm", "openai-too-large", "groq-rpd", "azure-tokens",
+         "azure-calls", "cerebras-rpm", "cerebras-tpd", "anthropic-rpm", "anthropic-itpm",
+         "gemini-rpm", "gemini-day-tokens", "silent", "type-only", "html", "none"],
+)  # fmt: skip
+def test_a_429s_body_says_which_limit_it_hit(body: Any, hit: LimitHit | None) -> None:
+    found = limit_hit(body)
+    if hit is not None and hit.requested is None and found is not None:
+        found = LimitHit(found.kind, found.per_s, found.limit, None, found.partial)
+    assert found == hit
+
+
+def test_the_figures_requested_and_quotas_are_read() -> None:
+    tpm = limit_hit(GROQ_TPM)
+    assert tpm is not None and tpm.requested == 3166 and not tpm.quota and not tpm.never_fits
+    rpd = limit_hit(GROQ_RPD)
+    assert rpd is not None and rpd.quota
+    too_large = limit_hit(OPENAI_TOO_LARGE)
+    assert too_large is not None and too_large.never_fits
+
+
+def test_a_429_carries_its_hit_and_a_request_over_the_limit_is_a_bad_request() -> None:
+    """OpenAI answers a request larger than the token limit itself with a 429 (Groq with a
+    413): asked again it never fits; it was retried until its deadline, pausing the
+    endpoint's every call at each refusal."""
+    limited = error_for_status(429, "rate_limit_exceeded", "HTTP 429", body=GROQ_TPM)
+    assert isinstance(limited, RateLimited) and limited.hit == limit_hit(GROQ_TPM)
+    for status in (429, 413):
+        refused = error_for_status(status, "rate_limit_exceeded", "HTTP", body=OPENAI_TOO_LARGE)
+        assert isinstance(refused, BadRequest) and refused.code == "request_over_limit"
+        assert "30601" in str(refused) and "30000" in str(refused)
+
