@@ -191,8 +191,9 @@ class SimLimits:
 # time to the second), `cerebras` (per-minute token headers named `...-tokens-minute`,
 # its requests as a per-day quota: the per-minute request limit enforced, not said),
 # `azure` (Azure OpenAI: `x-ratelimit-remaining-requests` and `-tokens` alone, no limit
-# and no reset said).
-HEADER_STYLES = ("openai", "anthropic", "cerebras", "azure")
+# and no reset said), `groq` (OpenAI's names, the request ones a day's quota: the
+# per-minute request limit said in its 429s' body alone).
+HEADER_STYLES = ("openai", "anthropic", "cerebras", "azure", "groq")
 
 
 def styled(headers: dict[str, str], style: str, wall: float | None = None) -> dict[str, str]:
@@ -201,6 +202,8 @@ def styled(headers: dict[str, str], style: str, wall: float | None = None) -> di
         return headers
     if style == "azure":
         return {k: v for k, v in headers.items() if k.startswith("x-ratelimit-remaining-")}
+    if style == "groq":
+        return _per_day(headers)
     if style not in HEADER_STYLES:
         raise ValueError(f"header_style {style!r}: one of {', '.join(HEADER_STYLES)}")
     now = datetime.fromtimestamp(time.time() if wall is None else wall, UTC)
@@ -231,4 +234,48 @@ def styled(headers: dict[str, str], style: str, wall: float | None = None) -> di
     return out
 
 
-__all__ = ["HEADER_STYLES", "UNLIMITED_RPM", "Limits", "SimLimits", "duration", "styled"]
+def _per_day(headers: dict[str, str]) -> dict[str, str]:
+    """Groq's: the request headers, in OpenAI's names, say a day's quota (1,440 minutes of
+    the limit, half of it left, one request back every day / quota)."""
+    limit = headers.get("x-ratelimit-limit-requests")
+    if limit is None:
+        return headers
+    per_day = int(limit) * 1440
+    return {**headers, "x-ratelimit-limit-requests": str(per_day),
+            "x-ratelimit-remaining-requests": str(per_day // 2),
+            "x-ratelimit-reset-requests": duration(86400 / per_day)}  # fmt: skip
+
+
+def refusal(
+    kind: str, limit: int, requested: int, wait_s: float, model: str, style: str, said: bool
+) -> tuple[str, str | None, str | None]:
+    """A 429's (message, type, code) as a provider of `style` words it, for the `kind` of
+    limit hit ("requests" or "tokens"); `said`: the provider names its limits (a silent
+    one's 429 says only that it refused)."""
+    if not said:
+        return "Too Many Requests", "rate_limit_error", None
+    per = "RPM" if kind == "requests" else "TPM"
+    if style == "azure":
+        what = "call" if kind == "requests" else "token"
+        return (f"Requests to the ChatCompletions_Create Operation under Azure OpenAI API "
+                f"version 2024-10-21 have exceeded {what} rate limit of your current OpenAI "
+                f"S0 pricing tier. Please retry after {max(1, math.ceil(wait_s))} seconds.",
+                None, "429")  # fmt: skip
+    if style == "cerebras":
+        if kind == "requests":
+            return ("Requests per minute limit exceeded - too many requests sent.",
+                    "too_many_requests_error", "request_quota_exceeded")  # fmt: skip
+        return ("Tokens per minute limit exceeded - too many tokens processed.",
+                "too_many_requests_error", "token_quota_exceeded")  # fmt: skip
+    if style == "anthropic":
+        return (f"This request would exceed the rate limit for your organization of "
+                f"{limit:,} {kind} per minute. For details, refer to the rate limits "
+                f"documentation.", "rate_limit_error", None)  # fmt: skip
+    minute = "minute" if style == "groq" else "min"
+    return (f"Rate limit reached for {model} in organization org-sim on {kind} per {minute} "
+            f"({per}): Limit {limit}, Requested {requested}. Please try again in "
+            f"{duration(wait_s)}.", kind, "rate_limit_exceeded")  # fmt: skip
+
+
+__all__ = ["HEADER_STYLES", "UNLIMITED_RPM", "Limits", "SimLimits", "duration", "refusal",
+           "styled"]  # fmt: skip

@@ -28,7 +28,7 @@ import orjson
 from aiohttp import web
 
 from streams.dev import sim_batch, sim_content
-from streams.dev.sim_limits import HEADER_STYLES, SimLimits, duration
+from streams.dev.sim_limits import HEADER_STYLES, SimLimits, refusal
 from streams.llm.client import SCHEMA_IN_PROMPT
 from streams.llm.tokens import count_messages, counter
 
@@ -61,7 +61,7 @@ class SimConfig:
     # Answer as a reasoning model served without a reasoning parser (vLLM without one,
     # Ollama, LM Studio): its thinking in `<think>...</think>` before the answer's text.
     reasoning_in_content: bool = False
-    # Whose headers say the limits: `openai`, `anthropic` or `cerebras` (`dev.sim_limits`).
+    # Whose headers, and 429s' words, say the limits (`dev.sim_limits.HEADER_STYLES`).
     header_style: str = "openai"
     error_500_rate: float = 0.0
     error_500_models: list[str] = field(default_factory=list)  # these models always answer 500
@@ -133,7 +133,7 @@ REASONING = (
 
 
 def _error(
-    status: int, message: str, etype: str, code: str | None, headers: dict[str, str]
+    status: int, message: str, etype: str | None, code: str | None, headers: dict[str, str]
 ) -> web.Response:
     body = {"error": {"message": message, "type": etype, "param": None, "code": code}}
     return web.Response(
@@ -437,12 +437,9 @@ class Simulator:
             headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
             self._count(429, f"rate_limited_{kind}")
             limit = cfg.rpm if kind == "requests" else cfg.tpm
-            return _error(
-                429,
-                f"Rate limit reached for {model} on {kind} per min: Limit {limit}. "
-                f"Please try again in {duration(wait)}.",
-                kind, "rate_limit_exceeded", headers,
-            ), headers  # fmt: skip
+            asked = 1 if kind == "requests" else prompt_tokens + max_tokens
+            words = refusal(kind, limit, asked, wait, model, cfg.header_style, cfg.rate_headers)
+            return _error(429, *words, headers), headers
         fmt = body.get("response_format") or {}
         if cfg.refuses_json_schema and fmt.get("type") == "json_schema":
             self._count(500, "json_schema_refused")

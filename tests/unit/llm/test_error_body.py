@@ -6,9 +6,12 @@ from typing import Any
 
 import pytest
 
+from streams.dev.simulator import SimulatorServer
 from streams.errors import BadRequest, LimitHit, RateLimited
 from streams.llm.client import error_for_status
 from streams.llm.error_body import limit_hit
+from streams.llm.openai_client import OpenAIClient
+from tests.fakes import SIM_REQUEST
 
 GROQ_TPM = {
     "error": {
@@ -172,3 +175,27 @@ def test_a_429_carries_its_hit_and_a_request_over_the_limit_is_a_bad_request() -
         assert isinstance(refused, BadRequest) and refused.code == "request_over_limit"
         assert "30601" in str(refused) and "30000" in str(refused)
 
+
+@pytest.mark.parametrize("style", ["openai", "anthropic", "cerebras", "azure", "groq", None])
+async def test_the_simulator_words_its_429s_as_each_provider(
+    simulator: SimulatorServer, style: str | None
+) -> None:
+    """The simulator's 429s in each provider's words (None: a provider that says nothing
+    of its limits), read back as a client reads them."""
+    simulator.sim.config.update({"rpm": 60, "tpm": 0, "header_style": style or "openai",
+                                 "rate_headers": style is not None})  # fmt: skip
+    client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
+                          read_timeout_s=2)  # fmt: skip
+    try:
+        await client.complete(SIM_REQUEST)
+        with pytest.raises(RateLimited) as refused:
+            await client.complete(SIM_REQUEST)
+    finally:
+        await client.close()
+    hit = refused.value.hit
+    if style is None:
+        assert hit is None
+    else:
+        assert hit is not None and hit.kind == "requests" and hit.per_s == 60
+        said = style in ("openai", "groq", "anthropic")
+        assert hit.limit == (60 if said else None)
