@@ -20,14 +20,22 @@ Phases, each against the simulator set to one provider shape:
 8. phase 4's TPM said in Cerebras' headers (`x-ratelimit-*-tokens-minute`; its
    requests as a per-day quota, the per-minute request limit enforced, not said);
 9. and 10. phases 1 and 4 in Azure OpenAI's headers: `remaining` of requests and
-   tokens alone, no limit and no reset said.
+   tokens alone, no limit and no reset said; its 429s worded "exceeded call rate limit"
+   or "token rate limit";
+11. phase 1's RPM in Groq's headers: OpenAI's names, the request ones a day's quota;
+    the per-minute request limit said in its 429s' words alone ("on requests per
+    minute (RPM): Limit ...");
+12. phase 1's RPM in Cerebras' headers: its token limit said (not binding), its request
+    limit named in its 429s alone ("Requests per minute limit exceeded").
+
+Each style's 429s are worded as that provider words them (`dev.sim_limits.refusal`).
 
 Printed per phase: what admitted requests took of the binding limit per minute over
 the busy span (requests, or the tokens the provider charged: prompt + max_tokens),
 the same over the steady middle 80% of the busy seconds (requests only), and the
 share of requests answered 429.
 
-    python bench/rate_limit_shapes.py [--rpm 3000] [--tasks 3000] [--phases 1,2,3,4,5,6,7,8,9,10]
+    python bench/rate_limit_shapes.py [--rpm 3000] [--tasks 3000] [--phases 1,2,...,12]
 """
 
 from __future__ import annotations
@@ -67,6 +75,10 @@ PHASES: dict[int, tuple[str, dict[str, Any], str, float]] = {
         "remaining_window_s": 60.0, "header_style": "azure"}, "rpm", 1.0),
     10: ("TPM binds, Azure's headers", {"limit_shape": "bucket",
          "remaining_window_s": 60.0, "header_style": "azure"}, "tpm", 0.5),
+    11: ("RPM per second, Groq's headers", {"limit_shape": "bucket",
+         "remaining_window_s": 60.0, "header_style": "groq"}, "rpm", 1.0),
+    12: ("RPM per second, Cerebras' headers", {"limit_shape": "bucket",
+         "remaining_window_s": 60.0, "header_style": "cerebras"}, "rpm", 1.0),
 }  # fmt: skip
 
 
@@ -74,7 +86,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rpm", type=int, default=3000)
     parser.add_argument("--tasks", type=int, default=3000)
-    parser.add_argument("--phases", default="1,2,3,4,5,6,7,8,9,10")
+    parser.add_argument("--phases", default=",".join(str(p) for p in PHASES))
     args = parser.parse_args()
     rpm = args.rpm
     loose_tpm = rpm * 2000  # RPM binds: far more tokens than RPM x the ~700 charged a call

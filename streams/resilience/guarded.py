@@ -251,7 +251,7 @@ class GuardedClient:
             self.limiter.observe(exc.headers, permit)
             self.concurrency.open()
         if exc.code not in CAPACITY_CODES:
-            self.limiter.throttled(exc.retry_after, permit)
+            self.limiter.throttled(exc.retry_after, permit, exc.hit)
         permit.reconcile(0)
         self.metrics.limiter_throttled.labels(request.model).inc()
 

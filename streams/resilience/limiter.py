@@ -24,6 +24,13 @@ Its limit is then what it let through: at each 429, the ceiling becomes the rate
 provider answered over the last few seconds, and the rate is cut from there. While calls
 wait at it and no 429 comes, the ceiling creeps up (never above "unlimited"), so a limit
 measured low, or one that grew, is found.
+
+A 429's body may say which limit it hit (`llm.error_body.limit_hit`): then only that
+limit is cut; a figure it says is the limit's ceiling (Groq says its per-minute request
+limit there alone: its headers' is per day, and is not steered by after); a limit it names
+without a figure (Azure's token rate, Cerebras' requests) is measured at the pace the
+provider let through, whatever other limit the headers say; a quota over more than a
+minute (a day's) pauses, and teaches no pace.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from streams.contract.lanes import Lane
+from streams.errors import LimitHit
 from streams.llm.ratelimit_headers import number, seconds
 from streams.resilience.bucket import EPSILON, Bucket, Granted
 from streams.resilience.clock import Clock, MonotonicClock
@@ -158,6 +166,11 @@ class RateLimiter:
         # at its 429s, as a silent provider's is.
         self.informed = False
         self._said_rpm = False  # a request limit was said: `remaining` steers it (a told one too)
+        self._said_tpm = tpm is not None  # ... a token limit (told, or said in headers)
+        # A per-minute request limit a 429's body said: headers saying another limit say
+        # one over another period (Groq's `x-ratelimit-limit-requests` is per day).
+        self._body_rpm: float | None = None
+        self._granted_tokens = 0.0  # tokens let go, with or without a token bucket
         self.tokens_reported = False  # ... and x-ratelimit-remaining-tokens among them
         self.recover_per_s = recover_per_s
         self.floor = floor
@@ -172,10 +185,13 @@ class RateLimiter:
         self._woken: asyncio.Future[None] | None = None  # the sleeping pump's wake-up
         self._mean_tokens = 0.0
         self._last_cut = float("-inf")  # when a 429 last cut the rate
-        # (time, requests answered) about once a second over the last PACE_S: the pace
-        # a provider that sends no headers let through, read at its 429s.
-        self._paces: deque[tuple[float, float]] = deque([(now, 0.0)], maxlen=int(PACE_S) + 1)
-        self.measured = False  # the ceiling is a header-less limit measured at 429s
+        # (time, requests, tokens let go) about once a second over the last PACE_S: the
+        # pace a provider that says no limit let through, read at its 429s.
+        self._paces: deque[tuple[float, float, float]] = deque(
+            [(now, 0.0, 0.0)], maxlen=int(PACE_S) + 1
+        )
+        self.measured = False  # the request ceiling is a limit measured at 429s
+        self.tokens_measured = False  # ... the token ceiling
 
     # -- granting ------------------------------------------------------------
     async def acquire(self, tokens: int = 0, lane: Lane = Lane.LIVE) -> Permit:
@@ -211,6 +227,7 @@ class RateLimiter:
         self._probe_out = self.probing
         self.requests.level -= 1
         self.requests.taken += 1
+        self._granted_tokens += tokens
         if self.tokens is not None:
             self.tokens.level -= tokens
             self.tokens.taken += tokens
@@ -231,7 +248,7 @@ class RateLimiter:
         if self.probing and self._probe_out:
             return PROBE_POLL_S  # until the first answer (or its 429) teaches us the limit
         if now - self._paces[-1][0] >= 1.0:
-            self._paces.append((now, self.requests.taken))
+            self._paces.append((now, self.requests.taken, self._granted_tokens))
         self._recover(now)
         self.requests.refill(now)
         wait = max(self.paused_until - now, self.requests.wait_for(1))
@@ -313,13 +330,15 @@ class RateLimiter:
         # had the key to itself would else spend a whole bucket beside the newcomer's.
         calm = self.informed and now - self._last_cut >= CALM_S
         step = float("inf") if calm else self.recover_per_s * elapsed
-        if self.measured and not self.informed and self._queue and now - self._last_cut >= CALM_S:
+        if self._queue and now - self._last_cut >= CALM_S:
             # A measured limit may be low (measured while the rate climbed) or may have
             # grown: while calls wait at it and no 429 comes, it creeps up, until the next
             # 429 measures it again (no higher than "unlimited", however long the calm).
-            self.rpm_ceiling = min(
-                UNKNOWN_RPM, self.rpm_ceiling * (1 + self.recover_per_s * elapsed)
-            )
+            grow = 1 + self.recover_per_s * elapsed
+            if self.measured and not self._said_rpm:
+                self.rpm_ceiling = min(UNKNOWN_RPM, self.rpm_ceiling * grow)
+            if self.tokens_measured and not self._said_tpm and self.tpm_ceiling:
+                self.tpm_ceiling *= grow
         buckets = [(self.requests, self.rpm_ceiling)]
         if self.tokens is not None and self.tpm_ceiling:
             buckets.append((self.tokens, self.tpm_ceiling))
@@ -352,35 +371,35 @@ class RateLimiter:
         others = bucket.others_per_s + bucket.others_margin * max(0.0, 1.0 - 2.0 * fraction)
         return max(due, ceiling - others * 60.0)
 
-    def throttled(self, retry_after_s: float | None, permit: Permit | None = None) -> None:
+    def throttled(
+        self, retry_after_s: float | None, permit: Permit | None = None, hit: LimitHit | None = None
+    ) -> None:
         """The provider answered 429: cut the rate, and pause everyone until Retry-After.
         `permit`: the refused call. One burst is one event: a call let go before the
         last cut was sent at the old rate, so its 429 pauses but does not cut again
-        (a burst of 24 refusals would otherwise cut the rate to 0.9**24 of itself)."""
+        (a burst of 24 refusals would otherwise cut the rate to 0.9**24 of itself).
+        `hit`: which limit the 429's body says ran out, when it says (only that one is
+        cut; a quota over more than a minute only pauses)."""
         now = self.clock.now()
         if permit is not None:
             # Not charged by the provider: were it counted among our grants, the trend of
             # `remaining` would read the others as taking that much less.
             self.requests.taken -= 1
+            self._granted_tokens -= permit.estimated_tokens
             if self.tokens is not None:
                 self.tokens.taken -= permit.estimated_tokens
-        if permit is None or permit.granted_at > self._last_cut:
+        kind = hit.kind if hit is not None and not hit.partial else None
+        learns = hit is None or not hit.quota  # a day's quota spent: its wait is the news
+        if learns and (permit is None or permit.granted_at > self._last_cut):
             self._last_cut = now
-            # A provider that reports its limit and remaining capacity already steers
-            # the buckets; a 429 then means jitter or a neighbour's burst: cut gently.
-            factor = self.decrease_informed if self.informed else self.decrease
-            # No limit said (nor told): the request limit is measured. One that says its
-            # token limit alone (Cerebras) is not: its 429s are most likely the tokens'.
-            if not self.informed and not self.told:
-                self._measure_ceiling(now)
-            self.requests.set_rate(
-                max(self.rpm_ceiling * self.floor, self.requests.per_minute * factor), now
-            )
-            if self.tokens is not None and self.tpm_ceiling:
-                self.tokens.set_rate(
-                    max(self.tpm_ceiling * self.floor, self.tokens.per_minute * factor), now
-                )
-        self.requests.level = min(self.requests.level, 0.0)
+            if kind != "tokens":
+                self._cut_requests(now, hit if kind == "requests" else None)
+            if kind != "requests":
+                self._cut_tokens(now, hit if kind == "tokens" else None)
+        if kind == "tokens" and self.tokens is not None:
+            self.tokens.level = min(self.tokens.level, 0.0)
+        else:
+            self.requests.level = min(self.requests.level, 0.0)
         if retry_after_s:
             self.paused_until = max(self.paused_until, now + min(retry_after_s, MAX_PAUSE_S))
         self._last_recover = max(now, self.paused_until)
@@ -389,13 +408,62 @@ class RateLimiter:
         )
         self._wake()
 
+    def _cut_requests(self, now: float, hit: LimitHit | None) -> None:
+        """A 429 of the request limit (`hit`: the body said so), or of a limit unnamed."""
+        if hit is not None and hit.limit is not None and hit.per_s is not None:
+            limit = hit.limit * 60.0 / hit.per_s
+            if limit != self.rpm_ceiling:
+                log.info("the provider says its request limit is %g/min (was %g)",
+                         limit, self.rpm_ceiling)  # fmt: skip
+                self.rpm_ceiling = limit
+                self.requests.peak_remaining = 0.0
+            self._body_rpm = limit
+            self._said_rpm = self.informed = True
+        elif not self._said_rpm and not self.told and (hit is not None or not self.informed):
+            # No request limit said (nor told): it is measured. One that says its token
+            # limit alone (Cerebras) is not, unless its body names the requests': its
+            # unnamed 429s are most likely the tokens'.
+            self._measure_ceiling(now)
+        # A provider that reports its limit and remaining capacity already steers the
+        # buckets; a 429 then means jitter or a neighbour's burst: cut gently.
+        factor = self.decrease_informed if self.informed else self.decrease
+        self.requests.set_rate(
+            max(self.rpm_ceiling * self.floor,
+                min(self.requests.per_minute, self.rpm_ceiling) * factor), now
+        )  # fmt: skip
+
+    def _cut_tokens(self, now: float, hit: LimitHit | None) -> None:
+        """A 429 of the token limit (`hit`: the body said so), or of a limit unnamed. A
+        token limit named and not said anywhere (Azure's) is measured, its bucket made."""
+        if hit is not None and hit.limit is not None and hit.per_s is not None:
+            limit = hit.limit * 60.0 / hit.per_s
+            if self.tokens is None:
+                self.tokens = Bucket(limit, self.requests.burst_s, now, **self._margins)
+            elif limit != self.tpm_ceiling:
+                self.tokens.peak_remaining = 0.0
+            self.tpm_ceiling = limit
+            self._said_tpm = self.informed = True
+        elif hit is not None and not self._said_tpm:
+            self._measure_tokens(now)
+        if self.tokens is not None and self.tpm_ceiling:
+            factor = self.decrease_informed if self.informed else self.decrease
+            self.tokens.set_rate(
+                max(self.tpm_ceiling * self.floor,
+                    min(self.tokens.per_minute, self.tpm_ceiling) * factor), now
+            )  # fmt: skip
+
+    def _pace(self, now: float, column: int, current: float) -> float:
+        """Per minute, what was let go over the last PACE_S (at least over one second):
+        requests (column 1) or tokens (2)."""
+        since, then = self._paces[0][0], self._paces[0][column]
+        return (current - then) / max(now - since, 1.0) * 60.0
+
     def _measure_ceiling(self, now: float) -> None:
         """A 429 from a provider that says nothing of its limit: the limit is the pace it
         answered at over the last PACE_S (at least over one second), and our rate, if
         above, comes down to it before the cut. In a group, our pace is our part of the
         key's: the key's limit is taken as that pace over our share of the group."""
-        since, answered = self._paces[0]
-        pace = (self.requests.taken - answered) / max(now - since, 1.0) * 60.0
+        pace = self._pace(now, 1, self.requests.taken)
         if pace <= 0:
             return
         self.rpm_ceiling = pace / max(self.floor, self.group.fraction or 1.0)
@@ -403,6 +471,20 @@ class RateLimiter:
         if self.requests.per_minute > pace:
             self.requests.set_rate(pace, now)
         log.info("the provider refused a call and says no limit: measured %.0f RPM", pace)
+
+    def _measure_tokens(self, now: float) -> None:
+        """The same for a token limit the provider names at its 429s and says nowhere."""
+        pace = self._pace(now, 2, self._granted_tokens)
+        if pace <= 0:
+            return
+        self.tpm_ceiling = pace / max(self.floor, self.group.fraction or 1.0)
+        self.tokens_measured = True
+        if self.tokens is None:
+            self.tokens = Bucket(pace, self.requests.burst_s, now, **self._margins)
+        elif self.tokens.per_minute > pace:
+            self.tokens.set_rate(pace, now)
+        log.info("the provider refused a call for tokens and says no limit: measured %.0f TPM",
+                 pace)  # fmt: skip
 
     def observe(self, headers: Mapping[str, str], permit: Permit | None = None) -> None:
         """Steer the buckets by the provider's `x-ratelimit-*` headers, when it sends them.
@@ -414,26 +496,38 @@ class RateLimiter:
         if permit is not None:
             requests = Granted(permit.granted_at, permit.taken[0])
             tokens = Granted(permit.granted_at, permit.taken[1])
-        if "x-ratelimit-limit-requests" in headers:
+        said = number(headers.get("x-ratelimit-limit-requests"))
+        # A 429's body said the per-minute request limit, these headers another: theirs is
+        # over another period (Groq's is per day), and so is their `remaining`.
+        per_minute = self._body_rpm is None or said is None or said == self._body_rpm
+        if said is not None and per_minute:
             self._said_rpm = True
-        if self.told or self._said_rpm:  # `remaining` of a limit not known says too little
+        # `remaining` of a limit not known says too little.
+        if (self.told or self._said_rpm) and per_minute:
             self._steer(self.requests, headers, "requests", now, ceiling_attr="rpm_ceiling",
                         since=requests)  # fmt: skip
         if any(k.startswith("x-ratelimit-limit-") for k in headers):
             self.informed = True
         if any(k.startswith("x-ratelimit-") for k in headers):
             self._learned()
+        self._observe_tokens(headers, now, tokens)
+
+    def _observe_tokens(
+        self, headers: Mapping[str, str], now: float, since: Granted | None
+    ) -> None:
         if self.tokens is None:
             # A token limit we were not told about: start a bucket at the provider's figure.
             tpm = number(headers.get("x-ratelimit-limit-tokens"))
             if tpm is not None and tpm >= 1:
                 self.tokens = Bucket(tpm, self.requests.burst_s, now, **self._margins)
                 self.tpm_ceiling = tpm
-        if self.tokens is not None:
+        if "x-ratelimit-limit-tokens" in headers:
+            self._said_tpm = True
+        if self.tokens is not None and self._said_tpm:
             self._steer(self.tokens, headers, "tokens", now, ceiling_attr="tpm_ceiling",
-                        since=tokens)  # fmt: skip
-            if "x-ratelimit-remaining-tokens" in headers:
-                self.tokens_reported = True
+                        since=since)  # fmt: skip
+        if "x-ratelimit-remaining-tokens" in headers:
+            self.tokens_reported = True  # it charges at admission: nothing unused comes back
 
     def _steer(
         self,

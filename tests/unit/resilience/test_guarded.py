@@ -162,3 +162,29 @@ def test_which_refusals_are_the_keys(status: int, refused: bool) -> None:
 
     error = error_for_status(status, None, f"HTTP {status}")
     assert isinstance(error, AuthError) and error.key_refused is refused
+
+
+@pytest.mark.parametrize(
+    ("style", "rpm", "tpm"),
+    [("groq", 30, 0), ("azure", 0, 4200), ("cerebras", 30, 600_000)],
+    ids=["groq-requests", "azure-tokens", "cerebras-requests"],
+)
+async def test_a_429s_words_teach_the_limiter_which_limit_ran_out(
+    simulator: SimulatorServer, client: OpenAIClient, style: str, rpm: int, tpm: int
+) -> None:
+    """Groq's per-minute request limit is said in its 429s alone (its headers' is per
+    day), Azure's token limit and Cerebras' request limit are named there and said
+    nowhere: each was taken for another limit, or for none."""
+    simulator.sim.config.update({"rpm": rpm, "tpm": tpm, "header_style": style,
+                                 "latency_ms": 0, "latency_jitter_ms": 0})  # fmt: skip
+    guarded = GuardedClient(client, limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("sim"))
+    await guarded.complete(REQ)  # a bucket of one call (or of 70 tokens): it is spent
+    with pytest.raises(RateLimited):
+        await guarded.complete(REQ)
+    limiter = guarded.limiter
+    if style == "groq":
+        assert limiter.rpm_ceiling == 30  # the body's figure, not the day's 43,200
+    elif style == "azure":
+        assert limiter.tokens_measured and not limiter.measured
+    else:
+        assert limiter.measured and limiter.rpm_ceiling < 1_000_000

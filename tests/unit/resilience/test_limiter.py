@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streams.contract.lanes import Lane
+from streams.errors import LimitHit
 from streams.resilience.bucket import Granted
 from streams.resilience.clock import FakeClock
 from streams.resilience.limiter import GroupShare, RateLimiter
@@ -564,3 +565,89 @@ async def test_a_request_limit_not_said_is_measured_at_its_429s() -> None:
     limiter.throttled(retry_after_s=0.5, permit=permits[-1])
     assert limiter.measured and limiter.rpm_ceiling == pytest.approx(30 * 60, rel=0.1)
     assert limiter.snapshot().rpm <= limiter.rpm_ceiling
+
+
+GROQ = {  # Groq's headers: the request ones a day's quota, the token ones per minute
+    "x-ratelimit-limit-requests": "14400", "x-ratelimit-remaining-requests": "14370",
+    "x-ratelimit-reset-requests": "2m59.56s", "x-ratelimit-limit-tokens": "18000",
+    "x-ratelimit-remaining-tokens": "17997", "x-ratelimit-reset-tokens": "7.66s",
+}  # fmt: skip
+
+
+async def test_a_request_limit_said_in_a_429s_body_holds_over_a_days_quota_in_the_headers() -> None:
+    """Groq says its per-minute request limit only in its 429s' words; its headers' request
+    limit is per day. The day's 14,400 was taken for a per-minute pace, and the 429s of the
+    real 30 RPM were cut gently from there, never learned."""
+    clock = FakeClock()
+    limiter = RateLimiter(rpm=None, clock=clock)
+    first = await limiter.acquire(10)
+    limiter.observe(GROQ, first)
+    first.reconcile(10)
+    assert limiter.rpm_ceiling == 14400
+    permits = [await limiter.acquire(10) for _ in range(5)]
+    limiter.observe(GROQ, permits[-1])
+    limiter.throttled(2.0, permits[-1], LimitHit("requests", 60, 30))
+    assert limiter.rpm_ceiling == 30 and limiter.snapshot().rpm <= 30
+    clock.advance(120)
+    later = await limiter.acquire(10)
+    limiter.observe(GROQ, later)  # the day's figure again: not a per-minute limit
+    clock.advance(60)
+    await limiter.acquire(10)
+    assert limiter.rpm_ceiling == 30 and limiter.snapshot().rpm <= 30
+    assert limiter.tpm_ceiling == 18000  # the token limit, said per minute, stands
+
+
+async def test_a_429_of_the_token_limit_cuts_the_tokens_alone() -> None:
+    clock = FakeClock()
+    limiter = exact(rpm=None, clock=clock)
+    limiter.observe({"x-ratelimit-limit-requests": "600", "x-ratelimit-limit-tokens": "60000"})
+    limiter.throttled(1.0, None, LimitHit("tokens", 60, 60000))
+    snap = limiter.snapshot()
+    assert snap.rpm == pytest.approx(600) and snap.tpm == pytest.approx(54000)
+    limiter.throttled(1.0, None, LimitHit("requests", 60, 600))
+    clock.advance(0.5)  # (a later burst: a new cut)
+    limiter.throttled(1.0, None, LimitHit("requests", 60, 600))
+    assert limiter.snapshot().tpm == pytest.approx(54000)  # untouched by the requests'
+
+
+async def test_a_token_limit_named_and_never_said_is_measured() -> None:
+    """Azure OpenAI says `remaining` alone and words its 429s "token rate limit": its token
+    429s were read as a request pace (the request ceiling measured, the tokens unbounded:
+    2.32% of calls refused where its TPM binds, bench/rate_limit_shapes.py phase 10)."""
+    clock = FakeClock()
+    limiter = RateLimiter(rpm=None, clock=clock)
+    first = await limiter.acquire(1000)
+    azure = {"x-ratelimit-remaining-requests": "79", "x-ratelimit-remaining-tokens": "61353"}
+    limiter.observe(azure, first)
+    permits = [await limiter.acquire(1000) for _ in range(20)]
+    clock.advance(1.0)
+    limiter.throttled(1.0, permits[-1], LimitHit("tokens", 60))
+    assert limiter.tokens is not None and limiter.tokens_measured
+    assert limiter.tpm_ceiling == pytest.approx(20 * 1000 * 60, rel=0.1)
+    assert not limiter.measured and limiter.rpm_ceiling == 1_000_000  # no request limit hit
+
+
+async def test_a_request_limit_named_beside_a_said_token_limit_is_measured() -> None:
+    """Cerebras says its token limit per minute, and its request limit only in the words
+    of its 429s: those are measured; an unnamed 429 there is taken as the tokens'."""
+    clock = FakeClock()
+    limiter = RateLimiter(rpm=None, clock=clock)
+    said = {"x-ratelimit-limit-tokens": "60000", "x-ratelimit-remaining-tokens": "59000"}
+    limiter.observe(said, await limiter.acquire(100))
+    permits = [await limiter.acquire(100) for _ in range(10)]
+    clock.advance(1.0)
+    limiter.throttled(1.0, permits[-1])  # unnamed
+    assert not limiter.measured
+    clock.advance(2.0)
+    limiter.throttled(1.0, await limiter.acquire(100), LimitHit("requests", 60))
+    assert limiter.measured and limiter.rpm_ceiling < 1_000_000
+
+
+async def test_a_days_quota_spent_pauses_and_cuts_nothing() -> None:
+    clock = FakeClock()
+    limiter = exact(rpm=600, clock=clock)
+    permit = await limiter.acquire()
+    limiter.throttled(30.0, permit, LimitHit("requests", 86400, 14400))
+    snap = limiter.snapshot()
+    assert snap.rpm == 600 and snap.paused_for_s == pytest.approx(30.0)
+    assert not limiter.measured
