@@ -167,9 +167,11 @@ class RateLimiter:
         self.informed = False
         self._said_rpm = False  # a request limit was said: `remaining` steers it (a told one too)
         self._said_tpm = tpm is not None  # ... a token limit (told, or said in headers)
-        # A per-minute request limit a 429's body said: headers saying another limit say
-        # one over another period (Groq's `x-ratelimit-limit-requests` is per day).
-        self._body_rpm: float | None = None
+        # The request limit the headers last said; and one a 429's body contradicted with a
+        # per-minute figure of its own: while the headers say it, theirs is a limit over
+        # another period (Groq's `x-ratelimit-limit-requests` is per day), not steered by.
+        self._header_rpm: float | None = None
+        self._other_period_rpm: float | None = None
         self._granted_tokens = 0.0  # tokens let go, with or without a token bucket
         self.tokens_reported = False  # ... and x-ratelimit-remaining-tokens among them
         self.recover_per_s = recover_per_s
@@ -417,7 +419,8 @@ class RateLimiter:
                          limit, self.rpm_ceiling)  # fmt: skip
                 self.rpm_ceiling = limit
                 self.requests.peak_remaining = 0.0
-            self._body_rpm = limit
+            if self._header_rpm is not None and self._header_rpm != limit:
+                self._other_period_rpm = self._header_rpm
             self._said_rpm = self.informed = True
         elif not self._said_rpm and not self.told and (hit is not None or not self.informed):
             # No request limit said (nor told): it is measured. One that says its token
@@ -497,11 +500,12 @@ class RateLimiter:
             requests = Granted(permit.granted_at, permit.taken[0])
             tokens = Granted(permit.granted_at, permit.taken[1])
         said = number(headers.get("x-ratelimit-limit-requests"))
-        # A 429's body said the per-minute request limit, these headers another: theirs is
-        # over another period (Groq's is per day), and so is their `remaining`.
-        per_minute = self._body_rpm is None or said is None or said == self._body_rpm
-        if said is not None and per_minute:
-            self._said_rpm = True
+        # The figure a 429's body contradicted: a limit over another period, and so is its
+        # `remaining`. Another figure (the limits changed) is read again.
+        per_minute = said is None or said != self._other_period_rpm
+        if said is not None:
+            self._header_rpm = said
+            self._said_rpm = self._said_rpm or per_minute
         # `remaining` of a limit not known says too little.
         if (self.told or self._said_rpm) and per_minute:
             self._steer(self.requests, headers, "requests", now, ceiling_attr="rpm_ceiling",

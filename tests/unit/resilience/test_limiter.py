@@ -651,3 +651,19 @@ async def test_a_days_quota_spent_pauses_and_cuts_nothing() -> None:
     snap = limiter.snapshot()
     assert snap.rpm == 600 and snap.paused_for_s == pytest.approx(30.0)
     assert not limiter.measured
+
+
+async def test_a_limit_said_alike_in_headers_and_body_follows_the_headers_when_it_grows() -> None:
+    """OpenAI says its request limit in both: a 429's figure that agrees with the headers
+    marks nothing, and a limit raised later (a higher tier) is taken from the headers."""
+    clock = FakeClock()
+    limiter = RateLimiter(rpm=None, clock=clock)
+    said = {"x-ratelimit-limit-requests": "3000", "x-ratelimit-remaining-requests": "2999"}
+    first = await limiter.acquire()
+    limiter.observe(said, first)
+    limiter.throttled(1.0, first, LimitHit("requests", 60, 3000))
+    assert limiter.rpm_ceiling == 3000
+    raised = {"x-ratelimit-limit-requests": "5000", "x-ratelimit-remaining-requests": "4999"}
+    clock.advance(5.0)
+    limiter.observe(raised, await limiter.acquire())
+    assert limiter.rpm_ceiling == 5000
