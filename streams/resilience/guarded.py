@@ -248,7 +248,7 @@ class GuardedClient:
         """What a 429 teaches the limiter: the limits its headers tell, and to wait
         (unless it is a tier without capacity, no rate limit); no token was used."""
         if exc.headers:
-            self.limiter.observe(exc.headers, permit)
+            self.limiter.observe(exc.headers, permit, refused=True)
             self.concurrency.open()
         if exc.code not in CAPACITY_CODES:
             self.limiter.throttled(exc.retry_after, permit, exc.hit)

@@ -489,9 +489,12 @@ class RateLimiter:
         log.info("the provider refused a call for tokens and says no limit: measured %.0f TPM",
                  pace)  # fmt: skip
 
-    def observe(self, headers: Mapping[str, str], permit: Permit | None = None) -> None:
+    def observe(
+        self, headers: Mapping[str, str], permit: Permit | None = None, *, refused: bool = False
+    ) -> None:
         """Steer the buckets by the provider's `x-ratelimit-*` headers, when it sends them.
-        `permit`: the call they answer (its report is as old as the call)."""
+        `permit`: the call they answer (its report is as old as the call); `refused`: a
+        429's headers (what is left then says nothing of the limit)."""
         now = self.clock.now()
         self._follow_group(now)
         # What we had granted of each bucket when the call the report answers was let go.
@@ -514,14 +517,27 @@ class RateLimiter:
             self.informed = True
         if any(k.startswith("x-ratelimit-") for k in headers):
             self._learned()
-        self._observe_tokens(headers, now, tokens)
+        self._observe_tokens(headers, now, tokens, None if refused else permit)
 
     def _observe_tokens(
-        self, headers: Mapping[str, str], now: float, since: Granted | None
+        self,
+        headers: Mapping[str, str],
+        now: float,
+        since: Granted | None,
+        answered: Permit | None,
     ) -> None:
+        """`answered`: the call the headers answer, when it was answered (not refused)."""
         if self.tokens is None:
             # A token limit we were not told about: start a bucket at the provider's figure.
             tpm = number(headers.get("x-ratelimit-limit-tokens"))
+            left = number(headers.get("x-ratelimit-remaining-tokens"))
+            if tpm is None and left is not None and answered is not None:
+                # What is left and not of what (Azure OpenAI, counted against the minute):
+                # at the first report, what is left plus what the call took is about the
+                # limit. A start, measured again at its 429s (else its first burst of
+                # calls, at "unlimited", met a wall of them).
+                tpm = left + answered.estimated_tokens
+                self.tokens_measured = True
             if tpm is not None and tpm >= 1:
                 self.tokens = Bucket(tpm, self.requests.burst_s, now, **self._margins)
                 self.tpm_ceiling = tpm

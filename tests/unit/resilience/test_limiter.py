@@ -617,8 +617,7 @@ async def test_a_token_limit_named_and_never_said_is_measured() -> None:
     clock = FakeClock()
     limiter = RateLimiter(rpm=None, clock=clock)
     first = await limiter.acquire(1000)
-    azure = {"x-ratelimit-remaining-requests": "79", "x-ratelimit-remaining-tokens": "61353"}
-    limiter.observe(azure, first)
+    limiter.observe({"x-ratelimit-remaining-requests": "79"}, first)  # (no token figure)
     permits = [await limiter.acquire(1000) for _ in range(20)]
     clock.advance(1.0)
     limiter.throttled(1.0, permits[-1], LimitHit("tokens", 60))
@@ -667,3 +666,19 @@ async def test_a_limit_said_alike_in_headers_and_body_follows_the_headers_when_i
     clock.advance(5.0)
     limiter.observe(raised, await limiter.acquire())
     assert limiter.rpm_ceiling == 5000
+
+
+async def test_a_token_limit_never_said_starts_at_what_the_first_answer_leaves() -> None:
+    """Azure OpenAI says what is left of its tokens (against the minute) and not of what:
+    the limiter started 'unlimited', and a worker's first burst met a wall of 429s (57 in
+    a minute where 6 came after: the simulator in Azure's style, TPM binding)."""
+    clock = FakeClock()
+    limiter = RateLimiter(rpm=None, clock=clock)
+    refused = await limiter.acquire(700)
+    limiter.observe({"x-ratelimit-remaining-tokens": "0"}, refused, refused=True)
+    assert limiter.tokens is None  # a 429's report: no start from it
+    first = await limiter.acquire(700)
+    limiter.observe({"x-ratelimit-remaining-requests": "59",
+                     "x-ratelimit-remaining-tokens": "524300"}, first)  # fmt: skip
+    assert limiter.tokens is not None and limiter.tpm_ceiling == 525_000
+    assert limiter.tokens_measured  # measured again at its 429s, and creeps
