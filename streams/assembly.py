@@ -19,6 +19,7 @@ from streams.llm.openai_client import OpenAIClient
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
 from streams.pipelines.sources import Erase, Skipped, SourceMapper, source_document
+from streams.pipelines.specs import Caps
 from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.limiter import GroupShare, RateLimiter
 from streams.resilience.pool import ClientPool
@@ -157,6 +158,11 @@ def processor_factory(
         )  # fmt: skip
 
     def make() -> TaskProcessor:
+        seen = metrics or Metrics()
+        caps = budgets or Budgets(group=group, metrics=seen)
+        caps.cap_deployments({d.name: Caps(usd_per_hour=d.spec.usd_per_hour,
+                                           usd_per_day=d.spec.usd_per_day)
+                              for d in deployments})  # fmt: skip
         pool = ClientPool(
             base_url=llm.base_url,
             api_key=primary_key,
@@ -184,15 +190,16 @@ def processor_factory(
                 open_s=res.breaker_open_s,
                 probes=res.breaker_probes,
             ),
-            metrics=metrics,
+            metrics=seen,
             slow_call_s=res.breaker_slow_call_s,
             context_window=llm.context_window,
             read_timeout_s=llm.read_timeout_s,
             max_concurrency=settings.batch.concurrency,
+            capped=caps.deployment_wait,
         )
         return TaskProcessor(
             registry, pool.primary(llm.model), config, clients=pool.for_model, routes=pool.route,
-            metrics=metrics, close=pool.close, group=group, budgets=budgets,
+            metrics=seen, close=pool.close, group=group, budgets=caps,
         )  # fmt: skip
 
     return make

@@ -13,6 +13,13 @@ estimate of the cap.
 Several workers share a cap without a shared store: each holds the part of it its
 partitions are due (`resilience.limiter.GroupShare`, as the limiters claim theirs).
 
+A deployment's caps (`llm.deployments`: `usd_per_hour`, `usd_per_day`) count what every
+pipeline's calls to it cost, booked to the task's partition when the task ends, and
+saved like a pipeline's (under `deployment:<name>`). At its cap a deployment takes no
+call while another of its model's has room (`resilience.router`); when all are at
+theirs, a task of the model waits before its deadline starts, as at a pipeline's cap.
+Calls in flight when a deployment reaches its cap may pass it by their cost.
+
 Written here: budget features of LLM gateways (LiteLLM's `max_budget`) count spend in a
 shared database after each call and refuse the next one; a cap kept before the call,
 on estimates, without losing the record that waits, is the few lines below.
@@ -23,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from streams.contract.lanes import Lane
@@ -36,6 +43,7 @@ log = logging.getLogger(__name__)
 
 WINDOWS = {"hour": 3600.0, "day": 86400.0}  # clock hours and UTC days since the epoch
 ALL = "all"  # the scope of a pipeline's caps over every lane
+DEPLOYMENT = "deployment:"  # a deployment's caps' name (no pipeline's name has a colon)
 
 
 class Withdrawn(Exception):
@@ -115,6 +123,7 @@ class Budgets:
         self._marks: dict[tuple[str, str, str, int], tuple[int, float]] = {}  # read back
         self._unsaved: set[tuple[str, str, str, int]] = set()
         self._synced: asyncio.Event | None = asyncio.Event() if saved else None
+        self._deployments: dict[str, BudgetSpec] = {}  # a deployment's caps, by its name
 
     def caps(self, pipeline: str, spec: BudgetSpec | None) -> BudgetSpec | None:
         """The caps a pipeline is held to: the ones set while it runs, else its file's."""
@@ -166,6 +175,82 @@ class Budgets:
         for account in accounts:
             account.in_flight += estimate
         return Hold(lambda cost: self._settle(accounts, estimate, cost, partition))
+
+    def cap_deployments(self, caps: Mapping[str, Caps]) -> None:
+        """The deployments' own caps (`llm.deployments`), over every pipeline's calls."""
+        self._deployments = {
+            name: BudgetSpec(usd_per_hour=c.usd_per_hour, usd_per_day=c.usd_per_day)
+            for name, c in caps.items()
+            if c.usd_per_hour is not None or c.usd_per_day is not None
+        }
+
+    @property
+    def deployment_caps(self) -> bool:
+        """Some deployment has caps: what tasks cost at each is booked."""
+        return bool(self._deployments)
+
+    def deployment_wait(self, name: str) -> float:
+        """Seconds until deployment `name` is under its caps again (0: it is, or has
+        none): what the router leaves it out for."""
+        spec = self._deployments.get(name)
+        if spec is None:
+            return 0.0
+        wait = 0.0
+        for account in self._of(DEPLOYMENT + name, spec, Lane.LIVE):
+            if self._spent(account) >= self._share(account):
+                wait = max(wait, self._to_next(account))
+                if not account.said:
+                    account.said = True
+                    log.warning(
+                        "deployment %s: at its spend cap ($%.4f of this worker's $%.4f this "
+                        "%s); no call goes to it while another deployment of its model has "
+                        "room", name, self._spent(account), self._share(account),
+                        account.key[2],
+                    )  # fmt: skip
+        return wait
+
+    async def deployments_room(
+        self,
+        pipeline: str,
+        names: Collection[str],
+        lane: Lane,
+        owned: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """A task of `pipeline` whose model the deployments `names` serve waits here,
+        before its deadline starts, while every one of them is at its spend cap."""
+        if not any(name in self._deployments for name in names):
+            return
+        if self._synced is not None and not self._synced.is_set():
+            await self._synced.wait()
+        waited = False
+        while (wait := min(self.deployment_wait(name) for name in names)) > 0:
+            if not waited:
+                waited = True
+                self.metrics.budget_waits.labels(pipeline, lane.name.lower()).inc()
+                log.warning("pipeline %s: every deployment of its model (%s) is at its spend "
+                            "cap: its %s tasks wait %.0fs for the next window; nothing is "
+                            "dead-lettered", pipeline, ", ".join(sorted(names)),
+                            lane.name.lower(), wait)  # fmt: skip
+            gauge = self.metrics.budget_waiting.labels(pipeline, lane.name.lower())
+            gauge.inc()
+            try:
+                await self._wait(wait)
+            finally:
+                gauge.dec()
+            if not owned():
+                raise Withdrawn(f"pipeline {pipeline}: a task waiting at its deployments' "
+                                "spend caps was given away with its partition")  # fmt: skip
+
+    def book(self, costs: Mapping[str, float], partition: int) -> None:
+        """What a task's calls cost at each deployment (`core.spend.Prices.split`), counted
+        against the caps of those that have some."""
+        for name, usd in costs.items():
+            spec = self._deployments.get(name)
+            if spec is None or usd <= 0:
+                continue
+            for account in self._of(DEPLOYMENT + name, spec, Lane.LIVE):
+                account.spent[partition] = account.spent.get(partition, 0.0) + usd
+                self._unsaved.add((*account.key, partition))
 
     def synced(self) -> None:
         """The caps and the spend saved were read (or could not be: then the count starts
@@ -325,4 +410,4 @@ class Budgets:
             self.changed()
 
 
-__all__ = ["ALL", "WINDOWS", "Budgets", "Hold", "SpendMark", "Withdrawn"]
+__all__ = ["ALL", "DEPLOYMENT", "WINDOWS", "Budgets", "Hold", "SpendMark", "Withdrawn"]

@@ -198,25 +198,34 @@ class TaskProcessor:
 
         `earlier`: answers by stage of an earlier run of this task and version that
         failed at a later stage; they are used, not asked again. `tier`: sync, flex or
-        batch (see `tier_for`). A pipeline at its spend cap waits here, before the deadline
-        starts (`core.budget`)."""
+        batch (see `tier_for`). A pipeline at its spend cap, or whose model's deployments
+        are all at theirs, waits here, before the deadline starts (`core.budget`)."""
         spend = Spend(tier=self.tier_for(prep.pipeline, lane, tier))
-        budget = self.budgets.caps(prep.pipeline.name, prep.pipeline.spec.budget)
-        if budget is None:
+        pipeline, partition = prep.pipeline.name, prep.source.partition
+        budget = self.budgets.caps(pipeline, prep.pipeline.spec.budget)
+        if self.budgets.deployment_caps:
+            names = [m.name for m in self.calls.route_for(prep.prompt.model).members]
+            await self.budgets.deployments_room(pipeline, names, lane,
+                                                owned=lambda: self.owns(partition))  # fmt: skip
+        elif budget is None:
             return await self._answer(prep, lane, earlier, spend)
-        partition = prep.source.partition
-        hold = await self.budgets.hold(prep.pipeline.name, budget, lane,
-                                       self._estimate(prep, spend.tier),
-                                       owned=lambda: self.owns(partition),
-                                       partition=partition)  # fmt: skip
+        hold = None
+        if budget is not None:
+            hold = await self.budgets.hold(pipeline, budget, lane,
+                                           self._estimate(prep, spend.tier),
+                                           owned=lambda: self.owns(partition),
+                                           partition=partition)  # fmt: skip
         try:
             return await self._answer(prep, lane, earlier, spend)
         finally:  # whatever the end (a dead letter, parked, cancelled): what it cost
-            hold.settle(self.outcomes.prices.of(spend))
-            tokens, tasks = self._completions.get(prep.pipeline.name, (0.0, 0))
-            if spend.completion_tokens:
-                self._completions[prep.pipeline.name] = (tokens + spend.completion_tokens,
-                                                         tasks + 1)  # fmt: skip
+            costs = self.outcomes.prices.split(spend)
+            self.budgets.book(costs, partition)
+            if hold is not None:
+                hold.settle(round(sum(costs.values()), 8))
+                tokens, tasks = self._completions.get(pipeline, (0.0, 0))
+                if spend.completion_tokens:
+                    self._completions[pipeline] = (tokens + spend.completion_tokens,
+                                                   tasks + 1)  # fmt: skip
 
     def _estimate(self, prep: Prepared, tier: Tier) -> float:
         """What a task's calls may cost: its prompt, and the answer its pipeline's tasks

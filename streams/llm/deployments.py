@@ -12,6 +12,7 @@ deployments in several regions, a provider beside a self-hosted server:
         api_key_env: EAST_KEY           # or api_key_file: /run/secrets/east
         rpm: 3000                       # optional starting limits (learned from there)
         price_per_1k_prompt_usd: 0.00015
+        usd_per_day: 200                # optional spend caps (and usd_per_hour)
       - name: west
         model: gpt-4o-mini
         auth: azure                     # `api-key` header, /openai/deployments/<name>/
@@ -21,10 +22,15 @@ deployments in several regions, a provider beside a self-hosted server:
         api_key_file: /run/secrets/west
 
 Each deployment has its own breaker, rate limiter and concurrency limit; a call goes
-to the one that can take it soonest (`resilience.router`). A model the file does not
-name is served by the endpoint of `OPENAI_BASE_URL` / `OPENAI_API_KEY` as before, which
-stays the only deployment when there is no file. Keys are read once at start, from
-the environment variable or file each deployment names, and never printed.
+to the one that can take it soonest (`resilience.router`). A deployment may have spend
+caps (`usd_per_hour`, `usd_per_day`, as LiteLLM's per-deployment `max_budget`): at its
+cap it takes no call while another of its model's has room; when all are at theirs,
+the model's tasks wait for the next window, nothing dead-lettered (`core.budget`).
+
+A model the file does not name is served by the endpoint of `OPENAI_BASE_URL` /
+`OPENAI_API_KEY` as before, which stays the only deployment when there is no file. Keys
+are read once at start, from the environment variable or file each deployment names,
+and never printed.
 """
 
 from __future__ import annotations
@@ -72,6 +78,10 @@ class DeploymentSpec(BaseModel):
     price_per_1k_prompt_usd: float | None = Field(None, ge=0, description="Unset: the llm's.")
     price_per_1k_cached_prompt_usd: float | None = Field(None, ge=0)
     price_per_1k_completion_usd: float | None = Field(None, ge=0)
+    usd_per_hour: float | None = Field(
+        None, gt=0, description="Spend cap per clock hour, every pipeline's calls together."
+    )
+    usd_per_day: float | None = Field(None, gt=0, description="Spend cap per UTC day.")
 
     @model_validator(mode="after")
     def _consistent(self) -> DeploymentSpec:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 
 from streams.llm.client import LLMClient
 from streams.llm.deployments import DEFAULT, Deployment, by_model
@@ -40,7 +42,10 @@ class ClientPool:
         deployments: list[Deployment] | None = None,
         make_deployed: Callable[[Deployment], LLMClient] | None = None,
         make_deployed_limiter: Callable[[Deployment], RateLimiter] | None = None,
+        capped: Callable[[str], float] | None = None,
     ) -> None:
+        """`capped`: seconds until a deployment (by name) is under its spend caps again
+        (`core.budget.Budgets.deployment_wait`)."""
         self.base_url = base_url
         self.api_key = api_key
         self.make_http = make_http
@@ -59,6 +64,7 @@ class ClientPool:
         self.make_deployed = make_deployed
         self.make_deployed_limiter = make_deployed_limiter
         self._routes: dict[str, Route] = {}
+        self.capped = capped
 
     def get(self, base_url: str | None, api_key: str | None, model: str) -> GuardedClient:
         key = (base_url, api_key, model)
@@ -117,13 +123,11 @@ class ClientPool:
             self.metrics.watch_deployment(deployment.name, model, limiter.rates)
             http = self.make_deployed(deployment)
             self._http[(deployment.name, None)] = http  # closed with the rest
-            members.append(
-                Member(
-                    deployment.name,
-                    self._guard(http, deployment.name, model, limiter, deployment),
-                    deployment.spec.weight,
-                )
-            )
+            client = self._guard(http, deployment.name, model, limiter, deployment)
+            member = Member(deployment.name, client, deployment.spec.weight)
+            if self.capped is not None:
+                member = replace(member, capped=partial(self.capped, deployment.name))
+            members.append(member)
         route = self._routes[model] = Route(model, members)
         return route
 

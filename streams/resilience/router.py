@@ -9,7 +9,8 @@ others at once, and they come back when it has room again. While several have ro
 now, calls are spread by their weights, except that a prompt whose prefix is long
 enough to be cached and went to a deployment before — its first message; a session's
 turns, their first turn too — goes there again (the provider's prompt cache) when that
-costs no wait.
+costs no wait. A deployment at its spend cap (`core.budget`) is behind every other
+until its next window, like a breaker that admits no call.
 
 Written here: LiteLLM's router picks a deployment by usage it counts in Redis; ours
 reads the limiters the worker already keeps (limits learned from the provider's
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from streams.contract.lanes import Lane
@@ -36,11 +38,23 @@ BLOCKED_S = 1_000.0  # a breaker that admits no call: behind every one that does
 AFFINITY_KEYS = 4096  # prompt prefixes remembered, least recently used out first
 
 
+def _uncapped() -> float:
+    return 0.0
+
+
 @dataclass(frozen=True)
 class Member:
     name: str
     client: GuardedClient
     weight: float = 1.0
+    # Seconds until the deployment is under its spend caps again (0: it is).
+    capped: Callable[[], float] = _uncapped
+
+    def wait(self) -> float:
+        """Seconds until it could take a call (`wait_of`), behind every deployment that
+        can while it is at its spend cap."""
+        capped = self.capped()
+        return BLOCKED_S + capped if capped > 0 else wait_of(self.client)
 
 
 class Route:
@@ -68,7 +82,7 @@ class Route:
         earlier calls a provider may have cached, `prefix_of`)."""
         if len(self.members) == 1:
             return self.members[0].client
-        waits = [(wait_of(m.client), m) for m in self.members]
+        waits = [(m.wait(), m) for m in self.members]
         key = _key(prefix) if prefix else None
         best = min(w for w, _ in waits)
         if key is not None and (name := self._served.get(key)) is not None:

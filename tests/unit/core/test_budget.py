@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import orjson
@@ -20,8 +21,11 @@ from streams.core.spend import Prices
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
 from streams.pipelines.specs import BudgetSpec, Caps
+from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.clock import FakeClock
-from streams.resilience.limiter import GroupShare
+from streams.resilience.guarded import GuardedClient
+from streams.resilience.limiter import GroupShare, RateLimiter
+from streams.resilience.router import Member, Route
 from tests.conftest import MakeProcessor
 from tests.fakes import FakeLLM, answer
 
@@ -272,3 +276,53 @@ async def test_with_saved_spend_no_capped_task_goes_before_it_is_read() -> None:
     await asyncio.sleep(0)
     assert not early.done()  # read, and at the cap: it waits for tomorrow
     early.cancel()
+
+
+async def test_a_deployment_at_its_cap_takes_no_call_while_another_has_room() -> None:
+    """A deployment's own caps (LiteLLM's per-deployment `max_budget`) count what every
+    pipeline's calls to it cost; at its cap the route leaves it out until its window
+    ends; its spend is saved and read back like a pipeline's."""
+    clock = StillClock(START)
+    budgets = Budgets(clock)
+    budgets.cap_deployments({"east": Caps(usd_per_hour=1.0), "west": Caps(usd_per_day=5.0),
+                             "free": Caps()})  # fmt: skip
+    budgets.book({"east": 0.6, "west": 0.1, "": 0.3}, partition=0)
+    assert budgets.deployment_wait("east") == 0.0
+    budgets.book({"east": 0.5}, partition=1)  # $1.1 this hour: at its cap
+    assert budgets.deployment_wait("east") == pytest.approx(HOUR)  # until 11:00
+    assert budgets.deployment_wait("west") == 0.0 and budgets.deployment_wait("free") == 0.0
+    east, west = (GuardedClient(FakeLLM(), limiter=RateLimiter(rpm=6000),
+                                breaker=CircuitBreaker(n), deployment=n)
+                  for n in ("east", "west"))  # fmt: skip
+    route = Route("m", [Member("east", east, capped=partial(budgets.deployment_wait, "east")),
+                        Member("west", west, capped=partial(budgets.deployment_wait, "west"))],
+                  seed=1)  # fmt: skip
+    assert {route.pick().deployment for _ in range(50)} == {"west"}
+    saved = budgets.unsaved()
+    assert {(m.pipeline, m.window, m.partition, m.spent_usd) for m in saved} == {
+        ("deployment:east", "hour", 0, 0.6), ("deployment:east", "hour", 1, 0.5),
+        ("deployment:west", "day", 0, 0.1)}  # fmt: skip
+    again = Budgets(StillClock(START + 60))  # a restart, within the hour
+    again.cap_deployments({"east": Caps(usd_per_hour=1.0)})
+    again.seed(saved)
+    assert again.deployment_wait("east") == pytest.approx(HOUR - 60)
+    clock.advance(HOUR)
+    assert budgets.deployment_wait("east") == 0.0  # the next hour: it takes calls again
+    assert {route.pick().deployment for _ in range(50)} == {"east", "west"}
+
+
+async def test_when_every_deployment_of_a_model_is_at_its_cap_its_tasks_wait() -> None:
+    clock = FakeClock(START + 0.5 * HOUR)
+    budgets = Budgets(clock)
+    budgets.cap_deployments({"east": Caps(usd_per_hour=1.0), "west": Caps(usd_per_hour=1.0)})
+    await budgets.deployments_room("p", ["east", "west"], Lane.LIVE)  # room: at once
+    assert clock.now() == START + 0.5 * HOUR
+    budgets.book({"east": 1.0, "west": 2.0}, partition=0)
+    await budgets.deployments_room("p", ["east", "west"], Lane.LIVE)
+    assert clock.now() == pytest.approx(START + HOUR)  # the fake clock's timer: 11:00
+    assert gauge(budgets.metrics, "llm_streams_budget_waits_total", pipeline="p",
+                 lane="live") == 1.0  # fmt: skip
+    budgets.book({"east": 1.0, "west": 1.0}, partition=0)
+    budgets.owned = lambda: {0}
+    with pytest.raises(Withdrawn):
+        await budgets.deployments_room("p", ["east", "west"], Lane.LIVE, owned=lambda: False)

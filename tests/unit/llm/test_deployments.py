@@ -295,3 +295,34 @@ async def test_pipelines_validate_endpoint_reports_each_deployment_of_a_model(
     assert "deployment azure endpoint" in said and "/openai/deployments/mini-prod" in said
     assert "refused" not in said  # both honoured json_schema with their own keys
     assert azure.sim.by_status[200] >= 3 and azure.sim.by_status[401] == 0
+
+
+async def test_a_deployment_at_its_spend_cap_leaves_its_calls_to_the_others(
+    tmp_path: Path,
+) -> None:
+    """LiteLLM's per-deployment `max_budget`, here: a deployment's `usd_per_hour` counts
+    what every task's calls to it cost; past it, the model's calls go to the others."""
+    dear = await SimulatorServer(SimConfig(latency_ms=5)).start()
+    cheap = await SimulatorServer(SimConfig(latency_ms=5)).start()
+    path = write(tmp_path, [
+        {"name": "dear", "model": "sim-1", "base_url": dear.base_url,
+         "price_per_1k_prompt_usd": 1.0, "usd_per_hour": 0.05},
+        {"name": "cheap", "model": "sim-1", "base_url": cheap.base_url},
+    ])  # fmt: skip
+    settings = load_settings(llm={"base_url": "http://127.0.0.1:1/v1", "model": "sim-1",
+                                  "deployments_file": path})  # fmt: skip
+    try:
+        async with Analyzer(settings) as analyzer:
+            outcomes = [await analyzer.analyze({"task_id": f"t-{i}", "pipeline":
+                                                "comment-analysis", "input": {"text":
+                                                f"Comment {i}: works fine."}})
+                        for i in range(30)]  # fmt: skip
+            spent = analyzer.metrics.deployment_cost.labels("dear")._value.get()
+    finally:
+        for server in (dear, cheap):
+            await server.stop()
+    assert [o.kind for o in outcomes] == ["result"] * 30
+    served = dear.sim.by_status[200]
+    # A call costs more than the cap at this price: the first one to it is its last.
+    assert served == 1 and spent >= 0.05
+    assert cheap.sim.by_status[200] == 29
