@@ -121,24 +121,25 @@ def _budget_options(command: Any) -> Any:
 @_budget_options
 @click.option("--reset", is_flag=True, help="Back to the caps of the pipeline's file.")
 def budget_command(pipeline: str, reset: bool, **caps: float | str | None) -> None:
-    """A pipeline's spend caps: shown, or changed while the workers run (they take them
-    within LLM_STREAMS_BUDGET__REFRESH_S; tasks waiting at a cap raised go on at once).
-    Each option changes one cap, the others stay; `none` removes one."""
+    """A pipeline's spend caps (or a deployment's: `deployment:NAME`): shown, or changed
+    while the workers run (they take them within LLM_STREAMS_BUDGET__REFRESH_S; tasks
+    waiting at a cap raised go on at once). Each option changes one cap, the others
+    stay; `none` removes one."""
     from streams.pipelines.specs import BudgetSpec
     from streams.store.budgets import load_budgets, save_budget
 
     settings = settings_or_exit()
-    found = pipeline_or_exit(settings, pipeline, "budget")
     given = {k: v for k, v in caps.items() if v is not None}
     if reset and given:
         click.echo("budget: --reset sets the file's caps back; give no cap with it", err=True)
         sys.exit(2)
+    filed = _filed_caps(settings, pipeline, given)
     stored = on_kafka(settings, load_budgets(settings)).get(pipeline)
-    now: BudgetSpec | None = stored[0] if stored is not None else found.spec.budget
+    now: BudgetSpec | None = stored[0] if stored is not None else filed
     if reset or given:
         new = None if reset else _changed(now or BudgetSpec(), given)
         on_kafka(settings, save_budget(settings, pipeline, new))
-        now = found.spec.budget if reset else new
+        now = filed if reset else new
         whose = "the file's" if reset else "set"
         click.echo(f"{pipeline}: spend caps now {_shown(now)} ({whose}; the workers take them "
                    f"within {settings.budget.refresh_s:g} s)")  # fmt: skip
@@ -146,7 +147,27 @@ def budget_command(pipeline: str, reset: bool, **caps: float | str | None) -> No
     whose = f"set {stored[1].get('at', '')}".strip() if stored is not None else "its file's"
     click.echo(f"{pipeline}: spend caps {_shown(now)} ({whose})")
     if stored is not None:
-        click.echo(f"  its file says: {_shown(found.spec.budget)} (`--reset` to go back)")
+        click.echo(f"  its file says: {_shown(filed)} (`--reset` to go back)")
+
+
+def _filed_caps(settings: Any, name: str, given: dict[str, float | str]) -> Any:
+    """The caps its file gives a pipeline, or a deployment (`deployment:NAME`, from the
+    deployments file: caps over every lane only); a name neither file knows: exit."""
+    from streams.errors import ConfigError
+    from streams.ops.caps import deployment_caps, is_deployment
+
+    if not is_deployment(name):
+        return pipeline_or_exit(settings, name, "budget").spec.budget
+    lanes = sorted(k for k in given if CAPS[k][0] is not None)
+    if lanes:
+        flag = "--" + lanes[0].replace("_", "-")
+        click.echo(f"budget: a deployment's caps are over every lane: no {flag}", err=True)
+        sys.exit(2)
+    try:
+        return deployment_caps(settings, name)
+    except ConfigError as exc:
+        click.echo(f"budget: {exc}", err=True)
+        sys.exit(2)
 
 
 def _changed(spec: Any, given: dict[str, float | str]) -> Any:

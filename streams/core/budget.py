@@ -18,7 +18,9 @@ pipeline's calls to it cost, booked to the task's partition when the task ends, 
 saved like a pipeline's (under `deployment:<name>`). At its cap a deployment takes no
 call while another of its model's has room (`resilience.router`); when all are at
 theirs, a task of the model waits before its deadline starts, as at a pipeline's cap.
-Calls in flight when a deployment reaches its cap may pass it by their cost.
+What the model's tasks in flight may cost counts against what its deployments have
+left (the model stops within a task's cost of their caps); one deployment may pass its
+own by the calls in flight to it when it reaches it while others have room.
 
 Written here: budget features of LLM gateways (LiteLLM's `max_budget`) count spend in a
 shared database after each call and refuse the next one; a cap kept before the call,
@@ -124,6 +126,9 @@ class Budgets:
         self._unsaved: set[tuple[str, str, str, int]] = set()
         self._synced: asyncio.Event | None = asyncio.Event() if saved else None
         self._deployments: dict[str, BudgetSpec] = {}  # a deployment's caps, by its name
+        # What the tasks in flight of each model (its deployments' names) may cost: bounded
+        # by the models of the deployments file.
+        self._model_in_flight: dict[tuple[str, ...], float] = {}
 
     def caps(self, pipeline: str, spec: BudgetSpec | None) -> BudgetSpec | None:
         """The caps a pipeline is held to: the ones set while it runs, else its file's."""
@@ -137,7 +142,8 @@ class Budgets:
         for name in sorted(set(overrides) | set(self.overrides)):
             if overrides.get(name) != self.overrides.get(name):
                 said = overrides[name].describe() if name in overrides else "its file's"
-                log.info("pipeline %s: spend caps now %s", name, said)
+                whose = name if name.startswith(DEPLOYMENT) else f"pipeline {name}"
+                log.info("%s: spend caps now %s", whose, said)
         self.overrides = dict(overrides)
         self.changed()
 
@@ -186,13 +192,22 @@ class Budgets:
 
     @property
     def deployment_caps(self) -> bool:
-        """Some deployment has caps: what tasks cost at each is booked."""
-        return bool(self._deployments)
+        """Some deployment has caps (its file's, or set while the workers run): what tasks
+        cost at each is booked."""
+        return bool(self._deployments) or any(k.startswith(DEPLOYMENT) for k in self.overrides)
+
+    def _deployment(self, name: str) -> BudgetSpec | None:
+        """A deployment's caps: set while the workers run (`llm-streams budget
+        deployment:<name>`), else its file's; None: it has none."""
+        spec = self.overrides.get(DEPLOYMENT + name, self._deployments.get(name))
+        if spec is None or (spec.usd_per_hour is None and spec.usd_per_day is None):
+            return None
+        return spec
 
     def deployment_wait(self, name: str) -> float:
         """Seconds until deployment `name` is under its caps again (0: it is, or has
         none): what the router leaves it out for."""
-        spec = self._deployments.get(name)
+        spec = self._deployment(name)
         if spec is None:
             return 0.0
         wait = 0.0
@@ -214,23 +229,27 @@ class Budgets:
         pipeline: str,
         names: Collection[str],
         lane: Lane,
+        estimate: float,
         owned: Callable[[], bool] = lambda: True,
-    ) -> None:
-        """A task of `pipeline` whose model the deployments `names` serve waits here,
-        before its deadline starts, while every one of them is at its spend cap."""
-        if not any(name in self._deployments for name in names):
-            return
+    ) -> Hold | None:
+        """A task of `pipeline` whose model the deployments `names` serve, and that may
+        cost `estimate` USD, waits here, before its deadline starts, while what is left
+        under their caps (less what the model's tasks in flight may cost) would not cover
+        it; a task alone goes while some deployment is under its cap. None: no deployment
+        of the model has caps."""
+        if all(self._deployment(name) is None for name in names):
+            return None
         if self._synced is not None and not self._synced.is_set():
             await self._synced.wait()
+        key = tuple(sorted(names))
         waited = False
-        while (wait := min(self.deployment_wait(name) for name in names)) > 0:
+        while (wait := self._deployments_full(key, estimate)) is not None:
             if not waited:
                 waited = True
                 self.metrics.budget_waits.labels(pipeline, lane.name.lower()).inc()
-                log.warning("pipeline %s: every deployment of its model (%s) is at its spend "
-                            "cap: its %s tasks wait %.0fs for the next window; nothing is "
-                            "dead-lettered", pipeline, ", ".join(sorted(names)),
-                            lane.name.lower(), wait)  # fmt: skip
+                log.warning("pipeline %s: the deployments of its model (%s) are at their spend "
+                            "caps: its %s tasks wait; nothing is dead-lettered", pipeline,
+                            ", ".join(key), lane.name.lower())  # fmt: skip
             gauge = self.metrics.budget_waiting.labels(pipeline, lane.name.lower())
             gauge.inc()
             try:
@@ -240,12 +259,39 @@ class Budgets:
             if not owned():
                 raise Withdrawn(f"pipeline {pipeline}: a task waiting at its deployments' "
                                 "spend caps was given away with its partition")  # fmt: skip
+        self._model_in_flight[key] = self._model_in_flight.get(key, 0.0) + estimate
+
+        def settle(_cost: float) -> None:  # its cost is booked per deployment (`book`)
+            self._model_in_flight[key] = max(0.0, self._model_in_flight[key] - estimate)
+            if self._waiters:
+                self.changed()
+
+        return Hold(settle)
+
+    def _deployments_full(self, key: tuple[str, ...], estimate: float) -> float | None:
+        """Seconds to wait (at most: a task settling wakes the waiters) before a task of
+        the model served by `key` may cost `estimate`; None: it may go."""
+        left, soonest = 0.0, math.inf
+        for name in key:
+            spec = self._deployment(name)
+            if spec is None:
+                return None  # a deployment without caps takes it
+            for account in self._of(DEPLOYMENT + name, spec, Lane.LIVE):
+                soonest = min(soonest, self._to_next(account))
+            wait = self.deployment_wait(name)
+            if wait == 0:
+                left += min(self._share(a) - self._spent(a)
+                            for a in self._of(DEPLOYMENT + name, spec, Lane.LIVE))  # fmt: skip
+        committed = self._model_in_flight.get(key, 0.0)
+        if left <= 0 or (committed > 0 and committed + estimate > left):
+            return soonest
+        return None
 
     def book(self, costs: Mapping[str, float], partition: int) -> None:
         """What a task's calls cost at each deployment (`core.spend.Prices.split`), counted
         against the caps of those that have some."""
         for name, usd in costs.items():
-            spec = self._deployments.get(name)
+            spec = self._deployment(name)
             if spec is None or usd <= 0:
                 continue
             for account in self._of(DEPLOYMENT + name, spec, Lane.LIVE):

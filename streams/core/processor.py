@@ -203,10 +203,13 @@ class TaskProcessor:
         spend = Spend(tier=self.tier_for(prep.pipeline, lane, tier))
         pipeline, partition = prep.pipeline.name, prep.source.partition
         budget = self.budgets.caps(pipeline, prep.pipeline.spec.budget)
+        held = None
         if self.budgets.deployment_caps:
             names = [m.name for m in self.calls.route_for(prep.prompt.model).members]
-            await self.budgets.deployments_room(pipeline, names, lane,
-                                                owned=lambda: self.owns(partition))  # fmt: skip
+            estimate = self._estimate(prep, spend.tier)
+            held = await self.budgets.deployments_room(
+                pipeline, names, lane, estimate, owned=lambda: self.owns(partition)
+            )
         elif budget is None:
             return await self._answer(prep, lane, earlier, spend)
         hold = None
@@ -220,6 +223,8 @@ class TaskProcessor:
         finally:  # whatever the end (a dead letter, parked, cancelled): what it cost
             costs = self.outcomes.prices.split(spend)
             self.budgets.book(costs, partition)
+            if held is not None:
+                held.settle(0.0)
             if hold is not None:
                 hold.settle(round(sum(costs.values()), 8))
                 tokens, tasks = self._completions.get(pipeline, (0.0, 0))

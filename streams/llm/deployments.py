@@ -146,6 +146,12 @@ def load_deployments(path: Path) -> list[Deployment]:
     """The deployments a file declares, their keys read; a mistake is a ConfigError that
     names the file and the field (never a key)."""
     where = f"{path} (LLM_STREAMS_LLM__DEPLOYMENTS_FILE)"
+    return [Deployment(spec, _key_of(spec, where)) for spec in read_deployments(path)]
+
+
+def read_deployments(path: Path) -> list[DeploymentSpec]:
+    """The deployments a file declares, their keys not read (an operator's command)."""
+    where = f"{path} (LLM_STREAMS_LLM__DEPLOYMENTS_FILE)"
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -157,7 +163,7 @@ def load_deployments(path: Path) -> list[Deployment]:
     except ValidationError as exc:
         listed = "".join(f"\n  {m}" for m in mistakes_of(exc, DeploymentsFile))
         raise ConfigError(f"{where}: mistakes:{listed}") from None
-    return [Deployment(spec, _key_of(spec, where)) for spec in declared.deployments]
+    return declared.deployments
 
 
 def _key_of(spec: DeploymentSpec, where: str) -> str | None:
@@ -193,4 +199,5 @@ __all__ = [
     "DeploymentSpec",
     "by_model",
     "load_deployments",
+    "read_deployments",
 ]

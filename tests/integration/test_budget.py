@@ -119,3 +119,67 @@ async def test_a_spend_cap_holds_records_back_a_crash_loses_none_and_a_raise_let
         assert f"its file says: ${CAP_USD:g}/day" in shown.stdout
     finally:
         second.stop()
+
+
+async def test_a_deployments_spend_cap_holds_its_models_tasks_and_a_raise_lets_them_go(
+    make_settings: Any, simulator: SimulatorServer, tmp_path: Path
+) -> None:
+    """The deployments file's cap of a model's only deployment: reached, the model's
+    records wait unacked (no dead letter); raised with `llm-streams budget
+    deployment:NAME` while the worker runs, the rest go on, each answered once."""
+    deployments = tmp_path / "deployments.yaml"
+    deployments.write_text(yaml.safe_dump({"deployments": [
+        {"name": "solo", "model": "sim-1", "base_url": simulator.base_url,
+         "price_per_1k_prompt_usd": 1.0, "price_per_1k_completion_usd": 1.0,
+         "usd_per_day": CAP_USD}]}))  # fmt: skip
+    settings = make_settings(
+        llm={"base_url": "http://127.0.0.1:1/v1", "api_key": "k", "model": "sim-1",
+             "deployments_file": deployments},
+        budget={"refresh_s": 1},
+    )  # fmt: skip
+    to_midnight = 86400 - time.time() % 86400
+    if to_midnight < 120:  # the cap is per UTC day: not a run across its end
+        await asyncio.sleep(to_midnight + 1)
+    tasks = [{"task_id": f"d-{i}", "pipeline": "comment-analysis",
+              "input": {"text": f"Order {i}: the kettle boils fast, but the lid squeaks."}}
+             for i in range(TASKS)]  # fmt: skip
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    try:
+        await produce(settings, [(t["task_id"].encode(), orjson.dumps(t)) for t in tasks])
+        deadline = time.monotonic() + 60
+        while True:
+            assert worker.alive() and time.monotonic() < deadline, worker.log_tail()
+            try:
+                scrape = await worker.scrape()
+            except OSError:
+                await asyncio.sleep(0.5)
+                continue
+            waiting = scrape.value("llm_streams_budget_waiting_tasks",
+                                   pipeline="comment-analysis")  # fmt: skip
+            if waiting > 0 and scrape.value("llm_streams_tasks_in_flight") == waiting:
+                spent = scrape.value("llm_streams_budget_spent_usd", pipeline="deployment:solo",
+                                     lane="all", window="day")  # fmt: skip
+                break
+            await asyncio.sleep(0.5)
+        got = await collect(settings, set(), timeout_s=3, settle_s=0)
+        answered = len({r["task_id"] for r in got.results})
+        assert 0 < answered < TASKS and not got.dead_letters
+        # It stopped within a task's cost of the cap (a task alone under the cap goes).
+        assert CAP_USD <= spent < CAP_USD + max(r["cost_usd"] for r in got.results)
+        assert await committed(settings) <= answered  # the waiting records: unacked
+        assert "deployment solo: at its spend cap" in worker.log_path.read_text()
+        refused = run_cli(settings, "budget", "deployment:nowhere", "--usd-per-day", "5")
+        assert refused.returncode == 2 and "no deployment named 'nowhere'" in refused.stderr
+        raised = run_cli(settings, "budget", "deployment:solo", "--usd-per-day", "1000")
+        assert raised.returncode == 0, raised.stderr
+        assert "spend caps now $1000/day (set;" in raised.stdout
+        got = await collect(settings, set(), timeout_s=120, worker=worker,
+                            until=lambda c: len({r["task_id"] for r in c.results}) >= TASKS)  # fmt: skip
+        assert worker.alive()
+        assert_each_task_answered_once(got, {t["task_id"] for t in tasks})
+        assert not got.dead_letters
+        assert simulator.sim.snapshot()["requests"] == TASKS  # nothing paid twice
+        shown = run_cli(settings, "budget", "deployment:solo")
+        assert f"its file says: ${CAP_USD:g}/day" in shown.stdout, shown.stdout + shown.stderr
+    finally:
+        worker.stop()

@@ -315,14 +315,52 @@ async def test_when_every_deployment_of_a_model_is_at_its_cap_its_tasks_wait() -
     clock = FakeClock(START + 0.5 * HOUR)
     budgets = Budgets(clock)
     budgets.cap_deployments({"east": Caps(usd_per_hour=1.0), "west": Caps(usd_per_hour=1.0)})
-    await budgets.deployments_room("p", ["east", "west"], Lane.LIVE)  # room: at once
-    assert clock.now() == START + 0.5 * HOUR
+    held = await budgets.deployments_room("p", ["east", "west"], Lane.LIVE, 0.1)  # at once
+    assert held is not None and clock.now() == START + 0.5 * HOUR
+    held.settle(0.0)
     budgets.book({"east": 1.0, "west": 2.0}, partition=0)
-    await budgets.deployments_room("p", ["east", "west"], Lane.LIVE)
+    await budgets.deployments_room("p", ["east", "west"], Lane.LIVE, 0.1)
     assert clock.now() == pytest.approx(START + HOUR)  # the fake clock's timer: 11:00
     assert gauge(budgets.metrics, "llm_streams_budget_waits_total", pipeline="p",
                  lane="live") == 1.0  # fmt: skip
     budgets.book({"east": 1.0, "west": 1.0}, partition=0)
     budgets.owned = lambda: {0}
     with pytest.raises(Withdrawn):
-        await budgets.deployments_room("p", ["east", "west"], Lane.LIVE, owned=lambda: False)
+        await budgets.deployments_room("p", ["east", "west"], Lane.LIVE, 0.1,
+                                       owned=lambda: False)  # fmt: skip
+    uncapped = await budgets.deployments_room("p", ["east", "free"], Lane.LIVE, 0.1)
+    assert uncapped is not None  # a deployment without caps takes it: no wait
+
+
+async def test_the_models_tasks_in_flight_count_against_what_its_deployments_have_left() -> None:
+    """Spend is booked when a task ends: without what the tasks in flight may cost, every
+    record the worker holds went at once past a cap (30 of 30, on a worker)."""
+    clock = StillClock(START)
+    budgets = Budgets(clock)
+    budgets.cap_deployments({"east": Caps(usd_per_hour=1.0), "west": Caps(usd_per_hour=1.0)})
+    names = ["east", "west"]
+    first = await budgets.deployments_room("p", names, Lane.LIVE, 0.8)
+    second = await budgets.deployments_room("p", names, Lane.LIVE, 0.8)
+    third = asyncio.ensure_future(budgets.deployments_room("p", names, Lane.LIVE, 0.8))
+    await asyncio.sleep(0)
+    assert first is not None and second is not None and not third.done()  # 2.4 > 2.0 left
+    budgets.book({"east": 0.3}, partition=0)
+    first.settle(0.0)  # it cost less than feared: room for the third
+    assert (await third) is not None
+    alone = Budgets(StillClock(START))
+    alone.cap_deployments({"east": Caps(usd_per_hour=1.0)})
+    assert await alone.deployments_room("p", ["east"], Lane.LIVE, 5.0) is not None  # alone
+
+
+async def test_a_deployments_cap_set_while_the_workers_run_replaces_its_files() -> None:
+    budgets = Budgets(StillClock(START))
+    budgets.cap_deployments({"east": Caps(usd_per_hour=1.0)})
+    budgets.book({"east": 1.5, "west": 1.5}, partition=0)  # west: no cap, nothing counted
+    assert budgets.deployment_wait("east") > 0 and budgets.deployment_wait("west") == 0
+    budgets.override({"deployment:east": BudgetSpec(usd_per_hour=10.0),
+                      "deployment:west": BudgetSpec(usd_per_day=1.0)})  # fmt: skip
+    assert budgets.deployment_wait("east") == 0.0  # raised: $1.5 of $10
+    budgets.book({"west": 1.5}, partition=0)
+    assert budgets.deployment_wait("west") > 0  # a cap where its file has none
+    budgets.override({})  # back to the file's
+    assert budgets.deployment_wait("east") > 0 and budgets.deployment_wait("west") == 0
