@@ -41,8 +41,21 @@ def _pipelines(folder: Path, usd_per_day: float) -> Path:
     return folder
 
 
-async def _waiting_at_the_cap(worker: WorkerProcess, timeout_s: float = 60) -> float:
-    """Once tasks wait at the cap and no other task runs: the worker's spend so far."""
+async def _tasks_within_one_day(prefix: str) -> list[dict[str, Any]]:
+    """The tasks of a run, once it cannot cross a UTC day's end (the caps are per day)."""
+    to_midnight = 86400 - time.time() % 86400
+    if to_midnight < 120:
+        await asyncio.sleep(to_midnight + 1)
+    return [{"task_id": f"{prefix}-{i}", "pipeline": "comment-analysis",
+             "input": {"text": f"Order {i}: the kettle boils fast, but the lid squeaks."}}
+            for i in range(TASKS)]  # fmt: skip
+
+
+async def _waiting_at_the_cap(
+    worker: WorkerProcess, timeout_s: float = 60, capped: str = "comment-analysis"
+) -> float:
+    """Once tasks wait at the cap and no other task runs: the worker's spend so far under
+    the cap of `capped` (a pipeline, or `deployment:NAME`)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert worker.alive(), worker.log_tail()
@@ -54,8 +67,8 @@ async def _waiting_at_the_cap(worker: WorkerProcess, timeout_s: float = 60) -> f
         waiting = scrape.value("llm_streams_budget_waiting_tasks", pipeline="comment-analysis")
         running = scrape.value("llm_streams_tasks_in_flight")  # the waiting ones among them
         if waiting > 0 and running == waiting:
-            return scrape.value("llm_streams_budget_spent_usd", pipeline="comment-analysis",
-                                lane="all", window="day")  # fmt: skip
+            return scrape.value("llm_streams_budget_spent_usd", pipeline=capped, lane="all",
+                                window="day")  # fmt: skip
         await asyncio.sleep(0.5)
     raise AssertionError(f"no task waits at the cap:\n{worker.log_tail()}")
 
@@ -85,12 +98,7 @@ async def test_a_spend_cap_holds_records_back_a_crash_loses_none_and_a_raise_let
         pipelines_dir=_pipelines(tmp_path / "pipelines", CAP_USD),
         budget={"refresh_s": 1},
     )  # fmt: skip
-    to_midnight = 86400 - time.time() % 86400
-    if to_midnight < 120:  # the cap is per UTC day: not a run across its end
-        await asyncio.sleep(to_midnight + 1)
-    tasks = [{"task_id": f"b-{i}", "pipeline": "comment-analysis",
-              "input": {"text": f"Order {i}: the kettle boils fast, but the lid squeaks."}}
-             for i in range(TASKS)]  # fmt: skip
+    tasks = await _tasks_within_one_day("b")
     first = WorkerProcess(settings, tmp_path / "worker-1.log").start()
     try:
         await produce(settings, [(t["task_id"].encode(), orjson.dumps(t)) for t in tasks])
@@ -137,30 +145,11 @@ async def test_a_deployments_spend_cap_holds_its_models_tasks_and_a_raise_lets_t
              "deployments_file": deployments},
         budget={"refresh_s": 1},
     )  # fmt: skip
-    to_midnight = 86400 - time.time() % 86400
-    if to_midnight < 120:  # the cap is per UTC day: not a run across its end
-        await asyncio.sleep(to_midnight + 1)
-    tasks = [{"task_id": f"d-{i}", "pipeline": "comment-analysis",
-              "input": {"text": f"Order {i}: the kettle boils fast, but the lid squeaks."}}
-             for i in range(TASKS)]  # fmt: skip
+    tasks = await _tasks_within_one_day("d")
     worker = WorkerProcess(settings, tmp_path / "worker.log").start()
     try:
         await produce(settings, [(t["task_id"].encode(), orjson.dumps(t)) for t in tasks])
-        deadline = time.monotonic() + 60
-        while True:
-            assert worker.alive() and time.monotonic() < deadline, worker.log_tail()
-            try:
-                scrape = await worker.scrape()
-            except OSError:
-                await asyncio.sleep(0.5)
-                continue
-            waiting = scrape.value("llm_streams_budget_waiting_tasks",
-                                   pipeline="comment-analysis")  # fmt: skip
-            if waiting > 0 and scrape.value("llm_streams_tasks_in_flight") == waiting:
-                spent = scrape.value("llm_streams_budget_spent_usd", pipeline="deployment:solo",
-                                     lane="all", window="day")  # fmt: skip
-                break
-            await asyncio.sleep(0.5)
+        spent = await _waiting_at_the_cap(worker, capped="deployment:solo")
         got = await collect(settings, set(), timeout_s=3, settle_s=0)
         answered = len({r["task_id"] for r in got.results})
         assert 0 < answered < TASKS and not got.dead_letters
