@@ -203,22 +203,21 @@ class TaskProcessor:
         spend = Spend(tier=self.tier_for(prep.pipeline, lane, tier))
         pipeline, partition = prep.pipeline.name, prep.source.partition
         budget = self.budgets.caps(pipeline, prep.pipeline.spec.budget)
-        held = None
-        if self.budgets.deployment_caps:
-            names = [m.name for m in self.calls.route_for(prep.prompt.model).members]
-            estimate = self._estimate(prep, spend.tier)
-            held = await self.budgets.deployments_room(
-                pipeline, names, lane, estimate, owned=lambda: self.owns(partition)
-            )
-        elif budget is None:
+        if not self.budgets.deployment_caps and budget is None:
             return await self._answer(prep, lane, earlier, spend)
-        hold = None
-        if budget is not None:
-            hold = await self.budgets.hold(pipeline, budget, lane,
-                                           self._estimate(prep, spend.tier),
-                                           owned=lambda: self.owns(partition),
-                                           partition=partition)  # fmt: skip
-        try:
+        held = hold = None
+        try:  # what the waits reserved is given back whatever ends them (withdrawn, cancelled)
+            if self.budgets.deployment_caps:
+                names = [m.name for m in self.calls.route_for(prep.prompt.model).members]
+                held = await self.budgets.deployments_room(
+                    pipeline, names, lane, self._estimate(prep, spend.tier),
+                    owned=lambda: self.owns(partition),
+                )  # fmt: skip
+            if budget is not None:
+                hold = await self.budgets.hold(pipeline, budget, lane,
+                                               self._estimate(prep, spend.tier),
+                                               owned=lambda: self.owns(partition),
+                                               partition=partition)  # fmt: skip
             return await self._answer(prep, lane, earlier, spend)
         finally:  # whatever the end (a dead letter, parked, cancelled): what it cost
             costs = self.outcomes.prices.split(spend)

@@ -352,6 +352,38 @@ async def test_the_models_tasks_in_flight_count_against_what_its_deployments_hav
     assert await alone.deployments_room("p", ["east"], Lane.LIVE, 5.0) is not None  # alone
 
 
+async def test_a_task_ended_while_waiting_at_its_pipelines_cap_gives_back_its_deployment_room(
+    tmp_path: Path, make_processor: MakeProcessor
+) -> None:
+    """The deployments' room is taken before the pipeline's wait: a task cancelled (or
+    withdrawn) in that wait kept it, and the model's later tasks waited behind a task
+    that was gone."""
+    llm = FakeLLM(lambda _r: answer(GOOD, prompt_tokens=1000, completion_tokens=100))
+    processor = make_processor(
+        llm, registry=_budgeted(tmp_path, {"usd_per_hour": 0.001}),
+        prices=Prices(prompt_per_1k=0.001, completion_per_1k=0.002), deadline_s=1,
+    )  # fmt: skip
+    budgets = processor.budgets
+    budgets.clock = StillClock(START)
+    names = [m.name for m in processor.calls.route_for("gpt-4o-mini").members]
+    budgets.cap_deployments({name: Caps(usd_per_hour=1.0) for name in names})
+    src = Source(topic="t", partition=0, offset=0)
+    first = await processor.process(_task(0), b"t0", src)  # alone: goes, $0.0012 > $0.001
+    assert first.kind == "result"
+    waiting = asyncio.ensure_future(processor.process(_task(1), b"t1", src))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not waiting.done()  # at the pipeline's cap, holding its deployments' room
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    whole = asyncio.ensure_future(budgets.deployments_room("other", names, Lane.LIVE,
+                                                           len(names) * 1.0 - 0.0012))  # fmt: skip
+    await asyncio.sleep(0)
+    assert whole.done() and whole.result() is not None  # nothing left reserved
+    assert len(llm.requests) == 1
+
+
 async def test_a_deployments_cap_set_while_the_workers_run_replaces_its_files() -> None:
     budgets = Budgets(StillClock(START))
     budgets.cap_deployments({"east": Caps(usd_per_hour=1.0)})
