@@ -139,21 +139,37 @@ class Calls:
 
             return run
 
-        for i, (route, candidate) in enumerate(candidates):
-            has_next = i + 1 < len(candidates)
+        def next_open(i: int) -> int | None:
+            """The next candidate after `i` with a deployment under its spend caps: a task
+            is admitted under its primary model's caps only, so a fallback whose every
+            deployment is at its cap is not tried (the failure before it stands)."""
+            return next((j for j in range(i + 1, len(candidates))
+                         if candidates[j][0].capped_for() == 0), None)  # fmt: skip
+
+        i = 0
+        while True:
+            route, candidate = candidates[i]
+            has_next = i + 1 < len(candidates) and next_open(i) is not None
             try:
                 # With a fallback ready, an open circuit moves on at once instead of waiting.
                 return await call_with_retries(
                     attempt_on(route, candidate, not has_next), self.policy, attempts
                 )
             except TaskError as exc:
-                if not has_next or exc.category.value not in version.spec.fallback_on:
+                if exc.category.value not in version.spec.fallback_on:
+                    raise
+                after = next_open(i)  # again: a cap may have been reached meanwhile
+                if after is None:
+                    if i + 1 < len(candidates):
+                        log.warning("%s failed with %s; its fallbacks are at their spend "
+                                    "caps, not tried", candidate.model,
+                                    exc.category.value)  # fmt: skip
                     raise
                 log.warning("%s failed with %s; falling back to %s", candidate.model,
-                            exc.category.value, candidates[i + 1][1].model)  # fmt: skip
+                            exc.category.value, candidates[after][1].model)  # fmt: skip
                 attempts.previous = attempts.count
                 attempts.last_error = None
-        raise AssertionError("unreachable")  # pragma: no cover
+                i = after
 
     def fallback_route(self, fallback: Fallback) -> Route:
         """A fallback model's deployments, or its client (on its own endpoint, or on the

@@ -72,6 +72,11 @@ class Route:
     def single(cls, client: GuardedClient) -> Route:
         return cls("", [Member(client.deployment, client)])
 
+    def capped_for(self) -> float:
+        """Seconds until some deployment of the model is under its spend caps again (0:
+        one is, or has none)."""
+        return min(m.capped() for m in self.members)
+
     @property
     def primary(self) -> GuardedClient:
         """The first deployment: its window is the one prompts are fitted to."""

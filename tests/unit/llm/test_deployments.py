@@ -326,3 +326,47 @@ async def test_a_deployment_at_its_spend_cap_leaves_its_calls_to_the_others(
     # A call costs more than the cap at this price: the first one to it is its last.
     assert served == 1 and spent >= 0.05
     assert cheap.sim.by_status[200] == 29
+
+
+async def test_a_fallback_whose_deployments_are_at_their_caps_is_not_tried(
+    tmp_path: Path,
+) -> None:
+    """A task is admitted under its primary model's caps only: a fallback model's
+    deployments at theirs take no call (before, the route picked the soonest of them
+    anyway and each failing task spent past the cap); the primary's failure stands."""
+    down = await SimulatorServer(SimConfig(error_500_rate=1.0)).start()
+    spare = await SimulatorServer(SimConfig(latency_ms=5, models=["backup-1"])).start()
+    path = write(tmp_path, [
+        {"name": "main", "model": "sim-1", "base_url": down.base_url},
+        {"name": "spare", "model": "backup-1", "base_url": spare.base_url,
+         "price_per_1k_prompt_usd": 1.0, "usd_per_hour": 0.05},
+    ])  # fmt: skip
+    text = (ROOT / "pipelines" / "comment-analysis.yaml").read_text()
+    fallback = "    response_format: json_schema\n    fallbacks:\n      - model: backup-1\n"
+    assert "    response_format: json_schema\n" in text
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "c.yaml").write_text(
+        text.replace("    response_format: json_schema\n", fallback)
+    )
+    settings = load_settings(
+        llm={"base_url": "http://127.0.0.1:1/v1", "model": "sim-1", "deployments_file": path,
+             "max_attempts": 2, "backoff_base_s": 0.001, "backoff_max_s": 0.001},
+        pipelines_dir=tmp_path / "p", schemas_dir=ROOT / "schemas",
+    )  # fmt: skip
+    try:
+        async with Analyzer(settings) as analyzer:
+            outcomes = [await analyzer.analyze({"task_id": f"t-{i}", "pipeline":
+                                                "comment-analysis", "input": {"text":
+                                                f"Comment {i}: works fine."}})
+                        for i in range(4)]  # fmt: skip
+            spent = analyzer.metrics.deployment_cost.labels("spare")._value.get()
+    finally:
+        for server in (down, spare):
+            await server.stop()
+    assert outcomes[0].kind == "result"  # the fallback answered: its call passed its cap
+    assert outcomes[0].record()["model"] == "backup-1" and spent >= 0.05
+    assert spare.sim.by_status[200] == 1  # then never again this hour
+    for outcome in outcomes[1:]:
+        record = outcome.record()
+        assert outcome.kind == "dead_letter"
+        assert record["error"]["category"] in ("upstream_error", "circuit_open")
