@@ -133,6 +133,14 @@ class Task(_Record):
     )
 
 
+UNANSWERED = (
+    "Prompt tokens of this task's calls that were sent and got no answer (timed out, cut at "
+    "the task's deadline, dropped mid-way), counted locally: not in usage or cost_usd, "
+    "since no usage was reported; a server that finished them may bill them, and spend "
+    "caps count them at the prompt price."
+)
+
+
 class Usage(_Record):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
@@ -182,6 +190,7 @@ class Result(_Record):
         "LLM_STREAMS_LLM__DEPLOYMENTS_FILE; `default`: OPENAI_BASE_URL's), each at its own "
         "prices; empty when only the default endpoint answered.",
     )
+    unanswered_prompt_tokens: int = Field(0, ge=0, description=UNANSWERED)
 
 
 class ErrorInfo(_Record):
@@ -212,6 +221,7 @@ class DeadLetter(_Record):
         None, description="The prompt version the task was answered under, when it got one."
     )
     cost_usd: float = Field(0.0, ge=0, description="What the failed attempts cost.")
+    unanswered_prompt_tokens: int = Field(0, ge=0, description=UNANSWERED)
 
 
 # Characters of an error message a dead letter keeps (a message may quote an answer).

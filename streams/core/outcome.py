@@ -97,6 +97,7 @@ class Outcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cost_usd: float = 0.0
+    unanswered_tokens: int = 0  # prompt tokens of calls sent that got no answer
     output: dict[str, Any] | None = None
     model: str | None = None
     # Multi-stage pipelines: every answer known so far by stage name (kept in the task
@@ -173,6 +174,7 @@ class Outcomes:
         stages: dict[str, Any] | None = None,
         rejected: int = 0,
         by_deployment: dict[str, float] | None = None,
+        unanswered: int = 0,
     ) -> Outcome:
         latency_ms = (time.monotonic() - prep.started) * 1000
         record = Result(
@@ -192,6 +194,7 @@ class Outcomes:
             processed_at=now_iso(),
             rejected_answers=rejected,
             cost_by_deployment=by_deployment or {},
+            unanswered_prompt_tokens=unanswered,
         ).model_dump(mode="json")
         value = orjson.dumps(record)
         reasons = tuple(prep.pipeline.review_reasons(prep.prompt.variables, output))
@@ -205,6 +208,7 @@ class Outcomes:
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
             cost_usd=cost,
+            unanswered_tokens=unanswered,
             output=output,
             model=model,
             stages=stages,
@@ -277,6 +281,7 @@ class Outcomes:
             pipeline=pipeline,
             prompt_version=version,
             cost_usd=cost,
+            unanswered_prompt_tokens=spend.unanswered_tokens,
         )
         value = dead_letter_value(letter, raw, self.limits.dead_letter)
         letter_key = task_id or f"{source.topic}/{source.partition}/{source.offset}"
@@ -293,6 +298,7 @@ class Outcomes:
             prompt_tokens=spend.prompt_tokens,
             completion_tokens=spend.completion_tokens,
             cost_usd=cost,
+            unanswered_tokens=spend.unanswered_tokens,
             pipeline=pipeline,
             version=version,
             rejected=spend.rejected,
@@ -306,7 +312,8 @@ class Outcomes:
                             payload=payload_of(prep.raw), source=prep.source,
                             failed_at=now_iso(), pipeline=prep.pipeline.name,
                             prompt_version=prep.version.version,
-                            cost_usd=like.cost_usd)  # fmt: skip
+                            cost_usd=like.cost_usd,
+                            unanswered_prompt_tokens=like.unanswered_tokens)  # fmt: skip
         value = dead_letter_value(letter, prep.raw, self.limits.dead_letter)
         return Outcome(
             kind="dead_letter",
@@ -321,6 +328,7 @@ class Outcomes:
             prompt_tokens=like.prompt_tokens,
             completion_tokens=like.completion_tokens,
             cost_usd=like.cost_usd,
+            unanswered_tokens=like.unanswered_tokens,
             pipeline=prep.pipeline.name,
             version=prep.version.version,
             rejected=like.rejected,

@@ -220,7 +220,7 @@ class TaskProcessor:
                                                partition=partition)  # fmt: skip
             return await self._answer(prep, lane, earlier, spend)
         finally:  # whatever the end (a dead letter, parked, cancelled): what it cost
-            costs = self.outcomes.prices.split(spend)
+            costs = self.outcomes.prices.capped(spend)
             self.budgets.book(costs, partition)
             if held is not None:
                 held.settle(0.0)
@@ -275,6 +275,7 @@ class TaskProcessor:
                 cost=self.outcomes.cost(pipeline.name, spend), attempts=attempts.count,
                 cached=False, stages=kept, rejected=spend.rejected,
                 by_deployment=self.outcomes.by_deployment(spend),
+                unanswered=spend.unanswered_tokens,
             )  # fmt: skip
         except TaskError as exc:
             dead = self.outcomes.dead(exc, prep.raw, prep.key, prep.task, prep.source, attempts,

@@ -88,6 +88,16 @@ class Prices:
             out[""] = self.priced(rest)
         return out
 
+    def capped(self, spend: Spend) -> dict[str, float]:
+        """What spend caps count, per deployment: the answered calls' cost (`split`) and
+        the prompts of calls that got no answer at the prompt price (a server that went
+        on with them may bill them: a slow provider must not spend past a cap unseen)."""
+        out = self.split(spend)
+        for name, tokens in spend.unanswered.items():
+            usd = self.of_deployment(name).cost(tokens, 0)
+            out[name] = round(out.get(name, 0.0) + usd, 8)
+        return out
+
     def priced(self, tokens: Tokens) -> float:
         return self.cost(tokens.prompt, tokens.completion, tokens.discounted_prompt,
                          tokens.discounted_completion, tokens.cached)  # fmt: skip
@@ -147,6 +157,9 @@ class Spend:
     cached_prompt: int = 0  # prompt tokens the provider read from its cache
     # The tokens above, by the deployment that answered them (priced at its price).
     by_deployment: dict[str, Tokens] = field(default_factory=dict)
+    # Prompt tokens of calls sent that got no answer (`resilience.guarded.UNANSWERED`), by
+    # the deployment they went to: apart from the tokens above (no usage was reported).
+    unanswered: dict[str, int] = field(default_factory=dict)
 
     def took(
         self, response: LLMResponse, *, repair: bool = False, discounted: bool = False
@@ -170,6 +183,14 @@ class Spend:
         if deployment:
             self.by_deployment.setdefault(deployment, Tokens()).add(tokens)
 
+    def went_unanswered(self, deployment: str, prompt_tokens: int) -> None:
+        """A call with a prompt of `prompt_tokens` went to `deployment` and got no answer."""
+        self.unanswered[deployment] = self.unanswered.get(deployment, 0) + prompt_tokens
+
+    @property
+    def unanswered_tokens(self) -> int:
+        return sum(self.unanswered.values())
+
     @property
     def totals(self) -> Tokens:
         return Tokens(self.prompt_tokens, self.completion_tokens, self.cached_prompt,
@@ -188,6 +209,8 @@ class Spend:
         self.rejected += other.rejected
         for name, part in other.by_deployment.items():
             self.by_deployment.setdefault(name, Tokens()).add(part)
+        for name, tokens in other.unanswered.items():
+            self.went_unanswered(name, tokens)
         self.model = other.model or self.model
         self.last_prompt_tokens = max(self.last_prompt_tokens, other.last_prompt_tokens)
 

@@ -260,6 +260,9 @@ class OpenAIClient:
                                     params=self._query) as response:  # fmt: skip
                 content = await read_at_most(response, MAX_RESPONSE_BYTES)
                 status, headers = response.status, response.headers
+        except aiohttp.ConnectionTimeoutError as exc:  # not connected in time: nothing sent
+            raise Timeout(f"cannot connect to the LLM endpoint in time: {exc!r}",
+                          code="connect_timeout") from exc  # fmt: skip
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise Timeout(f"LLM call timed out: {exc!r}", code="timeout") from exc
         except aiohttp.ClientConnectorError as exc:  # no connection: down for everyone

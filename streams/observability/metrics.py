@@ -276,6 +276,12 @@ class Metrics:
             "llm_streams_deployment_cost_usd",
             "Spend in USD per deployment, at its price (tier discounts included).",
             ["deployment"], registry=r)  # fmt: skip
+        self.unanswered_tokens = Counter(
+            "llm_streams_unanswered_prompt_tokens",
+            "Prompt tokens of calls sent that got no answer (timed out, cut at the task's "
+            "deadline, dropped mid-way), by deployment: not in tokens_total or cost_usd_total; "
+            "a server that finished them may bill them, and spend caps count them.",
+            ["deployment"], registry=r)  # fmt: skip
         self.deployment_rate = Gauge(
             "llm_streams_deployment_rate_per_minute",
             "A deployment's current (learned) limiter rate.",

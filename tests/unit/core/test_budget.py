@@ -18,6 +18,8 @@ from streams.contract.lanes import Lane
 from streams.contract.records import Source
 from streams.core.budget import Budgets, SpendMark, Withdrawn
 from streams.core.spend import Prices
+from streams.dev.simulator import SimulatorServer
+from streams.llm.openai_client import OpenAIClient
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
 from streams.pipelines.specs import BudgetSpec, Caps
@@ -382,6 +384,44 @@ async def test_a_task_ended_while_waiting_at_its_pipelines_cap_gives_back_its_de
     await asyncio.sleep(0)
     assert whole.done() and whole.result() is not None  # nothing left reserved
     assert len(llm.requests) == 1
+
+
+async def test_calls_that_got_no_answer_count_their_prompts_against_the_cap(
+    tmp_path: Path, simulator: SimulatorServer, make_processor: MakeProcessor
+) -> None:
+    """A server that hangs (llama.cpp goes on with a call its client left; OpenAI bills a
+    finished one) reports no usage: the task cost $0 and a cap never stopped a slow
+    provider's retries. The prompts sent are said on the dead letter and counted."""
+    simulator.sim.config.update({"hang_rate": 1.0, "hang_s": 30})
+    client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
+                          read_timeout_s=0.2)  # fmt: skip
+    processor = make_processor(
+        client, registry=_budgeted(tmp_path, {"usd_per_hour": 0.05}),
+        prices=Prices(prompt_per_1k=1.0, completion_per_1k=1.0), deadline_s=5,
+    )  # fmt: skip
+    processor.budgets.clock = StillClock(START)
+    src = Source(topic="t", partition=0, offset=0)
+    try:
+        dead = await processor.process(_task(0), b"t0", src)
+    finally:
+        await client.close()
+    letter = dead.record()
+    assert dead.kind == "dead_letter" and letter["error"]["category"] == "timeout"
+    assert letter["attempts"] == 3 and letter["cost_usd"] == 0.0  # no usage reported
+    sent = letter["unanswered_prompt_tokens"]
+    assert sent > 0 and sent % 3 == 0  # the same prompt, three times
+    assert gauge(processor.metrics, "llm_streams_unanswered_prompt_tokens_total",
+                 deployment="default") == sent  # fmt: skip
+    spent = processor.budgets.spent("comment-analysis", "all", "hour")
+    assert spent == pytest.approx(sent / 1000)  # at the prompt price, past the $0.05 cap
+    waiting = asyncio.ensure_future(processor.process(_task(1), b"t1", src))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not waiting.done()  # held at the cap: no fourth call to the hanging server
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert simulator.sim.snapshot()["by_outcome"].get("hang", 0) == 3
 
 
 async def test_a_deployments_cap_set_while_the_workers_run_replaces_its_files() -> None:
