@@ -102,6 +102,9 @@ class SimConfig:
     # least this many tokens, says those tokens were cached (usage.prompt_tokens_details.
     # cached_tokens; OpenAI caches from 1,024). None: no cache, nothing said.
     prompt_cache_min_tokens: int | None = None
+    # The token usage its answers say: `said`, `none` (no usage block, as some gateways and
+    # older local servers answer) or `zeros` (every count 0).
+    usage: str = "said"
     api_key: str | None = None
     models: list[str] = field(default_factory=lambda: ["sim-1", "gpt-4o-mini"])
     seed: int = 0
@@ -551,6 +554,10 @@ class Simulator:
         }
         if cached:
             payload["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}  # type: ignore[index]
+        if self.config.usage == "none":
+            del payload["usage"]
+        elif self.config.usage == "zeros":
+            payload["usage"] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         if self.llama:
             del payload["service_tier"]  # never echoed
             share = prompt_tokens / 8 / (prompt_tokens / 8 + completion_tokens + 1)

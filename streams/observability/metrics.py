@@ -276,6 +276,11 @@ class Metrics:
             "llm_streams_deployment_cost_usd",
             "Spend in USD per deployment, at its price (tier discounts included).",
             ["deployment"], registry=r)  # fmt: skip
+        self.usage_unsaid = Counter(
+            "llm_streams_usage_unsaid",
+            "Answers that said no token usage (no usage block, or every count 0), by "
+            "deployment: their tokens were counted locally with the offline tokenizer.",
+            ["deployment"], registry=r)  # fmt: skip
         self.unanswered_tokens = Counter(
             "llm_streams_unanswered_prompt_tokens",
             "Prompt tokens of calls sent that got no answer (timed out, cut at the task's "

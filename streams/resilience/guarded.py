@@ -8,6 +8,7 @@ capacity, is counted by the breaker, and teaches the limiter.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -25,12 +26,14 @@ from streams.errors import (
 from streams.llm.client import LLMClient, LLMRequest, LLMResponse, completion_budget
 from streams.llm.deployments import DEFAULT
 from streams.llm.endpoint import ContextWindow, EndpointFacts
-from streams.llm.tokens import count_messages
+from streams.llm.tokens import count_messages, counter
 from streams.observability.metrics import Metrics
 from streams.resilience.breaker import Admission, CircuitBreaker, State
 from streams.resilience.clock import Clock, MonotonicClock
 from streams.resilience.concurrency import ConcurrencyLimit, Served
 from streams.resilience.limiter import Permit, RateLimiter
+
+log = logging.getLogger(__name__)
 
 # An attempt still waiting for its answer this close to the task's deadline is cut
 # short here (code CUT_SHORT), so the client sees a timeout rather than a cancellation.
@@ -241,12 +244,28 @@ class GuardedClient:
             permit.abandon()
             raise
         took = self.clock.now() - started
+        response = self._with_usage(request, response)
         call.verdict = True
         call.served = Served(took, response.prompt_tokens, response.completion_tokens,
                              response.server_s)  # fmt: skip
         self._learn(request, response, permit, estimate)
         self._count(request.model, lane, permit.waited_s, started, None, response)
         return replace(response, duration_s=took, deployment=self.deployment)
+
+    def _with_usage(self, request: LLMRequest, response: LLMResponse) -> LLMResponse:
+        """The answer with its token usage: an answer that said none (a gateway, an older
+        local server; every prompt has tokens, so 0 is none) has its tokens counted here,
+        so that it is priced, capped and learned from like any other."""
+        if response.prompt_tokens > 0:
+            return response
+        self.metrics.usage_unsaid.labels(self.deployment).inc()
+        if self.not_honoured("usage", "no token counts"):
+            log.warning("%s (%s) answers without token usage: its tokens are counted here "
+                        "with the offline tokenizer (prices and caps rest on them)",
+                        self.client.endpoint, request.model)  # fmt: skip
+        completion = response.completion_tokens or counter()(response.content)
+        return replace(response, prompt_tokens=self.count_prompt(request.messages),
+                       completion_tokens=completion)  # fmt: skip
 
     def _throttled(self, request: LLMRequest, exc: RateLimited, permit: Permit) -> None:
         """What a 429 teaches the limiter: the limits its headers tell, and to wait

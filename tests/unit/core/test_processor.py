@@ -71,6 +71,30 @@ async def test_success_yields_a_contract_result(
     )
 
 
+@pytest.mark.parametrize("usage", ["none", "zeros"])
+async def test_an_answer_without_token_usage_is_counted_here_and_priced(
+    processor: TaskProcessor, simulator: SimulatorServer, usage: str
+) -> None:
+    """A gateway or an older local server that says no usage (no block, or zeros): the
+    task cost $0, no cap counted it and the limiter learned no tokens. Its tokens are
+    counted with the offline tokenizer instead, as what the simulator itself counted."""
+    simulator.sim.config.usage = "said"
+    said = orjson.loads((await processor.process(_task(), b"t1", SRC)).value)["usage"]
+    simulator.sim.config.usage = usage
+    out = await processor.process(_task(), b"t2", Source(topic="t", partition=0, offset=8))
+    r = orjson.loads(out.value)
+    assert out.kind == "result" and r["usage"]["prompt_tokens"] > 0
+    assert abs(r["usage"]["prompt_tokens"] - said["prompt_tokens"]) <= 0.1 * said["prompt_tokens"]
+    assert r["usage"]["completion_tokens"] > 0
+    assert r["cost_usd"] == pytest.approx(
+        r["usage"]["prompt_tokens"] / 1000 + r["usage"]["completion_tokens"] * 2 / 1000
+    )
+    unsaid = processor.client.metrics.registry.get_sample_value(
+        "llm_streams_usage_unsaid_total", {"deployment": "default"}
+    )
+    assert unsaid == 1.0
+
+
 @pytest.mark.parametrize(
     ("knobs", "category", "attempts", "calls"),
     [
