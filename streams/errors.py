@@ -75,6 +75,9 @@ class Transient(TaskError):
 
     retryable = True
     endpoint_down = False
+    # A call sent that got no answer (timed out, dropped mid-way): its prompt's tokens,
+    # counted locally (`resilience.guarded.UNANSWERED`); 0 for every other failure.
+    unanswered_tokens = 0
 
 
 class Permanent(TaskError):

@@ -29,6 +29,7 @@ from streams.errors import (
     RateLimited,
     StreamsError,
     TaskError,
+    Transient,
     UpstreamError,
 )
 from streams.llm.client import LLMRequest, LLMResponse, completion_budget, with_budget
@@ -40,7 +41,7 @@ from streams.pipelines.pipeline import Pipeline
 from streams.pipelines.render import PipelineVersion, RenderedPrompt
 from streams.pipelines.specs import Fallback
 from streams.pipelines.structured import structured_output
-from streams.resilience.guarded import CAPACITY_CODES, UNANSWERED, GuardedClient
+from streams.resilience.guarded import CAPACITY_CODES, GuardedClient
 from streams.resilience.retry import Attempts, RetryPolicy, call_with_retries
 from streams.resilience.router import Route, prefix_of
 
@@ -223,11 +224,9 @@ class Calls:
                 raise
             except StreamsError as exc:
                 mark_error(span, exc)
-                if exc.code in UNANSWERED and spend.tier is not Tier.BATCH:
+                if isinstance(exc, Transient) and exc.unanswered_tokens:
                     # Sent, no answer: its prompt may be billed all the same.
-                    tokens = client.count_prompt(request.messages)
-                    spend.went_unanswered(client.deployment, tokens)
-                    self.metrics.unanswered_tokens.labels(client.deployment).inc(tokens)
+                    spend.went_unanswered(client.deployment, exc.unanswered_tokens)
                 self.genai.attempt(request_model=prompt.model, pipeline=pipeline.name,
                                    version=version, seconds=time.monotonic() - sent,
                                    error_type=exc.category.value, endpoint=where)  # fmt: skip

@@ -284,8 +284,8 @@ class Metrics:
         self.unanswered_tokens = Counter(
             "llm_streams_unanswered_prompt_tokens",
             "Prompt tokens of calls sent that got no answer (timed out, cut at the task's "
-            "deadline, dropped mid-way), by deployment: not in tokens_total or cost_usd_total; "
-            "a server that finished them may bill them, and spend caps count them.",
+            "deadline, dropped or cancelled mid-way), by deployment: not in tokens_total or "
+            "cost_usd_total; a server that finished them may bill them, and caps count them.",
             ["deployment"], registry=r)  # fmt: skip
         self.deployment_rate = Gauge(
             "llm_streams_deployment_rate_per_minute",

@@ -215,6 +215,7 @@ class GuardedClient:
                 self.breaker.state is State.OPEN or exc.code == "connection_error"
             )  # fmt: skip
             permit.reconcile(estimate)
+            self._unanswered(request, exc)
             self._count(request.model, lane, permit.waited_s, started, exc)
             raise exc
         except ContextOverflow as exc:
@@ -242,6 +243,7 @@ class GuardedClient:
             raise
         except BaseException:  # cancelled mid-call (or a bug): no answer to learn from
             permit.abandon()
+            self._unanswered(request)
             raise
         took = self.clock.now() - started
         response = self._with_usage(request, response)
@@ -251,6 +253,16 @@ class GuardedClient:
         self._learn(request, response, permit, estimate)
         self._count(request.model, lane, permit.waited_s, started, None, response)
         return replace(response, duration_s=took, deployment=self.deployment)
+
+    def _unanswered(self, request: LLMRequest, exc: Timeout | UpstreamError | None = None) -> None:
+        """A call sent that got no answer — `exc`, when its code is one of `UNANSWERED`;
+        None: cancelled mid-call —: its prompt's tokens counted, and said on `exc`."""
+        if exc is not None and exc.code not in UNANSWERED:
+            return
+        tokens = self.count_prompt(request.messages)
+        self.metrics.unanswered_tokens.labels(self.deployment).inc(tokens)
+        if exc is not None:
+            exc.unanswered_tokens = tokens
 
     def _with_usage(self, request: LLMRequest, response: LLMResponse) -> LLMResponse:
         """The answer with its token usage: an answer that said none (a gateway, an older

@@ -410,7 +410,7 @@ async def test_calls_that_got_no_answer_count_their_prompts_against_the_cap(
     assert letter["attempts"] == 3 and letter["cost_usd"] == 0.0  # no usage reported
     sent = letter["unanswered_prompt_tokens"]
     assert sent > 0 and sent % 3 == 0  # the same prompt, three times
-    assert gauge(processor.metrics, "llm_streams_unanswered_prompt_tokens_total",
+    assert gauge(processor.client.metrics, "llm_streams_unanswered_prompt_tokens_total",
                  deployment="default") == sent  # fmt: skip
     spent = processor.budgets.spent("comment-analysis", "all", "hour")
     assert spent == pytest.approx(sent / 1000)  # at the prompt price, past the $0.05 cap

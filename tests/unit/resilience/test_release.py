@@ -151,3 +151,33 @@ async def test_no_time_left_before_the_deadline_makes_no_call_and_says_nothing()
     with pytest.raises(DeadlineExceeded):
         await guarded.complete(REQ, deadline_at=guarded.clock.now() + 0.01)
     assert not llm.requests and breaker.state is State.HALF_OPEN and breaker.probes_out() == 0
+
+
+async def test_a_call_sent_and_never_answered_counts_its_prompt_one_not_sent_does_not() -> None:
+    """Its prompt may be billed (a server goes on with a call its client left): counted
+    on the error for the task's spend, and per deployment — cut, cancelled or refused."""
+    hanging = FakeLLM(lambda _r: None)
+    guarded = GuardedClient(hanging, limiter=RateLimiter(rpm=1_000_000),
+                            breaker=CircuitBreaker("fake"))  # fmt: skip
+    prompt = guarded.count_prompt(REQ.messages)
+
+    def counted() -> float:
+        value = guarded.metrics.registry.get_sample_value(
+            "llm_streams_unanswered_prompt_tokens_total", {"deployment": "default"})  # fmt: skip
+        return value or 0.0
+
+    with pytest.raises(Timeout) as caught:
+        await guarded.complete(REQ, deadline_at=guarded.clock.now() + 0.1)
+    assert caught.value.unanswered_tokens == prompt > 0 and counted() == prompt
+    call = asyncio.create_task(guarded.complete(REQ))
+    await hanging.called(2)
+    call.cancel()  # a shutdown, a partition given away
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert counted() == 2 * prompt
+    refused = GuardedClient(FakeLLM(lambda _r: UpstreamError("refused", code="connection_error")),
+                            limiter=RateLimiter(rpm=1_000_000), breaker=CircuitBreaker("f"),
+                            metrics=guarded.metrics)  # fmt: skip
+    with pytest.raises(UpstreamError) as never:
+        await refused.complete(REQ)
+    assert never.value.unanswered_tokens == 0 and counted() == 2 * prompt  # nothing was sent
