@@ -13,6 +13,7 @@ import yaml
 
 from streams.api import Analyzer
 from streams.contract.lanes import Lane, Tier
+from streams.core.outcome import Outcome
 from streams.core.spend import Prices, Spend, Tokens
 from streams.dev.simulator import SimConfig, SimulatorServer
 from streams.errors import ConfigError
@@ -24,7 +25,7 @@ from streams.resilience.breaker import CircuitBreaker
 from streams.resilience.guarded import GuardedClient
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.router import Member, Route, prefix_of
-from streams.settings import load_settings
+from streams.settings import Settings, load_settings
 from tests.fakes import FakeLLM
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -297,6 +298,23 @@ async def test_pipelines_validate_endpoint_reports_each_deployment_of_a_model(
     assert azure.sim.by_status[200] >= 3 and azure.sim.by_status[401] == 0
 
 
+async def one_by_one(
+    settings: Settings, n: int, deployment: str, *servers: SimulatorServer
+) -> tuple[list[Outcome], float]:
+    """`n` comments answered one after the other, then the servers stopped; and what
+    `deployment` cost meanwhile."""
+    try:
+        async with Analyzer(settings) as analyzer:
+            outcomes = [await analyzer.analyze({"task_id": f"t-{i}", "pipeline":
+                                                "comment-analysis", "input": {"text":
+                                                f"Comment {i}: works fine."}})
+                        for i in range(n)]  # fmt: skip
+            return outcomes, analyzer.metrics.deployment_cost.labels(deployment)._value.get()
+    finally:
+        for server in servers:
+            await server.stop()
+
+
 async def test_a_deployment_at_its_spend_cap_leaves_its_calls_to_the_others(
     tmp_path: Path,
 ) -> None:
@@ -311,16 +329,7 @@ async def test_a_deployment_at_its_spend_cap_leaves_its_calls_to_the_others(
     ])  # fmt: skip
     settings = load_settings(llm={"base_url": "http://127.0.0.1:1/v1", "model": "sim-1",
                                   "deployments_file": path})  # fmt: skip
-    try:
-        async with Analyzer(settings) as analyzer:
-            outcomes = [await analyzer.analyze({"task_id": f"t-{i}", "pipeline":
-                                                "comment-analysis", "input": {"text":
-                                                f"Comment {i}: works fine."}})
-                        for i in range(30)]  # fmt: skip
-            spent = analyzer.metrics.deployment_cost.labels("dear")._value.get()
-    finally:
-        for server in (dear, cheap):
-            await server.stop()
+    outcomes, spent = await one_by_one(settings, 30, "dear", dear, cheap)
     assert [o.kind for o in outcomes] == ["result"] * 30
     served = dear.sim.by_status[200]
     # A call costs more than the cap at this price: the first one to it is its last.
@@ -353,16 +362,7 @@ async def test_a_fallback_whose_deployments_are_at_their_caps_is_not_tried(
              "max_attempts": 2, "backoff_base_s": 0.001, "backoff_max_s": 0.001},
         pipelines_dir=tmp_path / "p", schemas_dir=ROOT / "schemas",
     )  # fmt: skip
-    try:
-        async with Analyzer(settings) as analyzer:
-            outcomes = [await analyzer.analyze({"task_id": f"t-{i}", "pipeline":
-                                                "comment-analysis", "input": {"text":
-                                                f"Comment {i}: works fine."}})
-                        for i in range(4)]  # fmt: skip
-            spent = analyzer.metrics.deployment_cost.labels("spare")._value.get()
-    finally:
-        for server in (down, spare):
-            await server.stop()
+    outcomes, spent = await one_by_one(settings, 4, "spare", down, spare)
     assert outcomes[0].kind == "result"  # the fallback answered: its call passed its cap
     assert outcomes[0].record()["model"] == "backup-1" and spent >= 0.05
     assert spare.sim.by_status[200] == 1  # then never again this hour
