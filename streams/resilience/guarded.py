@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 DEADLINE_MARGIN_S = 0.05
 CUT_SHORT = "cut_at_deadline"
 # Calls sent that got no answer — timed out, cut at the task's deadline, dropped mid-way:
-# a server that went on with one (llama.cpp does; OpenAI bills a finished call whoever
-# left) may bill its prompt. A call refused or never connected is not among them.
+# a hosted provider may finish one its client left, and bill it (llama.cpp cancels it:
+# KNOWLEDGE.md). A call refused or never connected is not among them.
 UNANSWERED = frozenset({"timeout", CUT_SHORT, "connection_lost"})
 # 429 codes that say a service tier (flex) has no capacity now: not a rate limit.
 CAPACITY_CODES = frozenset({"resource_unavailable", "flex_capacity"})

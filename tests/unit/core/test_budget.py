@@ -389,9 +389,9 @@ async def test_a_task_ended_while_waiting_at_its_pipelines_cap_gives_back_its_de
 async def test_calls_that_got_no_answer_count_their_prompts_against_the_cap(
     tmp_path: Path, simulator: SimulatorServer, make_processor: MakeProcessor
 ) -> None:
-    """A server that hangs (llama.cpp goes on with a call its client left; OpenAI bills a
-    finished one) reports no usage: the task cost $0 and a cap never stopped a slow
-    provider's retries. The prompts sent are said on the dead letter and counted."""
+    """A server that hangs reports no usage, though a hosted provider may finish a call
+    its client left and bill it: the task cost $0 and a cap never stopped a slow
+    provider's retries. The prompts sent are said on the letter, and counted."""
     simulator.sim.config.update({"hang_rate": 1.0, "hang_s": 30})
     client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
                           read_timeout_s=0.2)  # fmt: skip
