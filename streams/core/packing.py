@@ -127,6 +127,8 @@ class PackedAnswer:
     # Its share of the answers the pack paid for and handed out to none (cut, filtered,
     # ended by the server's error): the tokens, their model and deployment, each.
     earlier: tuple[tuple[Tokens, str, str], ...] = ()
+    # Its share of the pack's calls sent that got no answer: prompt tokens, deployment.
+    unanswered: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass

@@ -5,7 +5,7 @@ gathers the packs and holds the wire format; this sends them and hands out the a
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -26,7 +26,7 @@ from streams.core.packing import (
 )
 from streams.core.spend import Spend, Tokens
 from streams.core.window import fit_window
-from streams.errors import InvalidOutput, OutputRejected, TaskError, UpstreamError
+from streams.errors import InvalidOutput, OutputRejected, TaskError, Transient, UpstreamError
 from streams.llm.client import (
     LLMRequest,
     LLMResponse,
@@ -84,6 +84,8 @@ class Packs:
         spend.used(paid, packed.model, packed.deployment)
         for tokens, model, deployment in packed.earlier:
             spend.used(tokens, model, deployment)
+        for sent, deployment in packed.unanswered:
+            spend.went_unanswered(deployment, sent)
         attempts.count = attempts.previous + packed.calls
         attempts.previous = attempts.count
         outcome = "packed" if packed.output is not None else "alone"
@@ -121,17 +123,17 @@ class Packs:
                 unique.append(item)
         items = unique
         attempts = Attempts()
-        refused: list[LLMResponse] = []  # answers paid for and not handed out
+        unhanded = _Unhanded()
         try:
             request = self._request(key, items)
-            response = await self._call(request, items, lane, attempts, refused)
+            response = await self._call(request, items, lane, attempts, unhanded)
         except TaskError as exc:
-            for item, earlier in zip(items, _shared(refused, items), strict=True):
+            for item, (earlier, unanswered) in zip(items, unhanded.shared(items), strict=True):
                 item.settle(PackedAnswer(None, reason=f"pack failed ({exc.category.value}: "
                                          f"{exc.message})", calls=attempts.count,
-                                         earlier=earlier))  # fmt: skip
+                                         earlier=earlier, unanswered=unanswered))  # fmt: skip
             return
-        self._hand_out(items, response, attempts, refused)
+        self._hand_out(items, response, attempts, unhanded)
 
     def _request(self, key: Key, items: list[Item]) -> LLMRequest:
         """The pack's request: the system prompt once, each item's message in its tags,
@@ -161,7 +163,7 @@ class Packs:
         items: list[Item],
         lane: Lane,
         attempts: Attempts,
-        refused: list[LLMResponse],
+        unhanded: _Unhanded,
     ) -> LLMResponse:
         """The pack's call, retried as a task's are, by the first item's deadline."""
         deadline_at = min(i.deadline_at for i in items)
@@ -178,12 +180,17 @@ class Packs:
                             "llm_streams.pack_size": len(items),
                             "llm_streams.attempt": a.count},
             ):  # fmt: skip
-                response = await client.complete(request, lane=lane, deadline_at=deadline_at)
+                try:
+                    response = await client.complete(request, lane=lane, deadline_at=deadline_at)
+                except Transient as exc:
+                    if exc.unanswered_tokens:  # sent, no answer: its prompt may be billed
+                        unhanded.unanswered.append((exc.unanswered_tokens, client.deployment))
+                    raise
             # A pack's partial answer is not handed out: cut or filtered, its items go
             # alone (only one of them may have met the filter); failed, it is asked again.
             fault, said = finish_fault(response.finish_reason), response.finish_reason[:100]
             if fault is not None:
-                refused.append(response)
+                unhanded.refused.append(response)
             if fault == "truncated":
                 raise OutputRejected(f"pack answer cut at max_tokens ({said})", code="truncated")
             if fault == "filtered":
@@ -201,7 +208,7 @@ class Packs:
         items: list[Item],
         response: LLMResponse,
         attempts: Attempts,
-        refused: list[LLMResponse],
+        unhanded: _Unhanded,
     ) -> None:
         """Each item its answer, matched by its task id and checked on its own, and its
         share of the pack's tokens (by what it sent and got back) and of the answers
@@ -215,15 +222,15 @@ class Packs:
             response.completion_tokens,
             [len(orjson.dumps(answers[i])) if i in answers else 0 for i in ids],
         )
-        for item, prompt_tokens, completion_tokens, cached, earlier in zip(
-            items, prompt_parts, completion_parts, cached_parts, _shared(refused, items),
+        for item, prompt_tokens, completion_tokens, cached, (earlier, unanswered) in zip(
+            items, prompt_parts, completion_parts, cached_parts, unhanded.shared(items),
             strict=True,
         ):  # fmt: skip
             paid = PackedAnswer(None, prompt_tokens=prompt_tokens,
                                 completion_tokens=completion_tokens, model=response.model,
                                 calls=attempts.count, deployment=response.deployment,
                                 cached_prompt_tokens=min(cached, prompt_tokens),
-                                earlier=earlier)  # fmt: skip
+                                earlier=earlier, unanswered=unanswered)  # fmt: skip
             if item.task_id not in answers:
                 item.settle(replace(paid, reason="missing from the pack's answer"))
                 continue
@@ -242,20 +249,33 @@ def _weights(items: list[Item]) -> list[int]:
     return [len(i.prompt.messages[-1]["content"]) for i in items]
 
 
-def _shared(
-    responses: list[LLMResponse], items: list[Item]
-) -> list[tuple[tuple[Tokens, str, str], ...]]:
-    """Each item's share of answers no item got (by what each sent): paid all the same."""
-    weights = _weights(items)
-    parts: list[list[tuple[Tokens, str, str]]] = [[] for _ in items]
-    for response in responses:
-        split = zip(shares(response.prompt_tokens, weights),
-                    shares(response.completion_tokens, weights),
-                    shares(response.cached_prompt_tokens, weights), strict=True)  # fmt: skip
-        for part, (prompt, completion, cached) in zip(parts, split, strict=True):
-            tokens = Tokens(prompt, completion, min(cached, prompt))
-            part.append((tokens, response.model, response.deployment))
-    return [tuple(p) for p in parts]
+@dataclass
+class _Unhanded:
+    """What a pack's attempts spent that no item got: answers paid for and not handed out
+    (cut, filtered, ended by the server's error), and calls sent that got no answer."""
+
+    refused: list[LLMResponse] = field(default_factory=list)
+    unanswered: list[tuple[int, str]] = field(default_factory=list)  # prompt tokens, where
+
+    def shared(
+        self, items: list[Item]
+    ) -> list[tuple[tuple[tuple[Tokens, str, str], ...], tuple[tuple[int, str], ...]]]:
+        """Each item's share of both (by what each sent): paid, or maybe billed, all the
+        same."""
+        weights = _weights(items)
+        paid: list[list[tuple[Tokens, str, str]]] = [[] for _ in items]
+        sent: list[list[tuple[int, str]]] = [[] for _ in items]
+        for response in self.refused:
+            split = zip(shares(response.prompt_tokens, weights),
+                        shares(response.completion_tokens, weights),
+                        shares(response.cached_prompt_tokens, weights), strict=True)  # fmt: skip
+            for part, (prompt, completion, cached) in zip(paid, split, strict=True):
+                tokens = Tokens(prompt, completion, min(cached, prompt))
+                part.append((tokens, response.model, response.deployment))
+        for tokens_sent, deployment in self.unanswered:
+            for mine, share in zip(sent, shares(tokens_sent, weights), strict=True):
+                mine.append((share, deployment))
+        return [(tuple(p), tuple(s)) for p, s in zip(paid, sent, strict=True)]
 
 
 __all__ = ["Packs"]

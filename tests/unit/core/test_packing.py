@@ -26,8 +26,10 @@ from streams.core.packing import (
 from streams.core.processor import Outcome, TaskProcessor
 from streams.core.spend import Prices
 from streams.dev.simulator import SimulatorServer
+from streams.errors import UpstreamError
 from streams.llm.client import LLMRequest, LLMResponse
 from streams.llm.openai_client import OpenAIClient
+from streams.llm.tokens import count_messages
 from streams.pipelines.registry import PipelineRegistry
 from streams.resilience.limiter import RateLimiter
 from streams.resilience.retry import RetryPolicy
@@ -303,3 +305,26 @@ async def test_a_packed_answer_after_a_reasoning_models_thinking_is_handed_out(
     outcomes = await _run(packing(), [f"{TEXTS[i % 5]} ({i})" for i in range(6)])
     assert [o.kind for o in outcomes] == ["result"] * 6
     assert simulator.sim.snapshot()["requests"] == 1
+
+
+async def test_a_packs_calls_that_got_no_answer_are_shared_as_sent(
+    tmp_path: Path, make_processor: MakeProcessor
+) -> None:
+    """A pack's call dropped mid-way reports no usage, yet its prompt may be billed: each
+    task carries its share of it, as it carries its share of a refused answer."""
+    alone = _answers([])
+
+    def behaviour(request: LLMRequest) -> LLMResponse | Exception:
+        if "<item id=" in request.messages[-1]["content"]:
+            return UpstreamError("the endpoint dropped the call", code="connection_lost")
+        return alone(request)
+
+    llm = FakeLLM(behaviour)
+    outcomes = await _run(_fake_packing(tmp_path, make_processor, llm), TEXTS[:4])
+    assert [o.kind for o in outcomes] == ["result"] * 4
+    packs = [r for r in llm.requests if "<item id=" in r.messages[-1]["content"]]
+    assert len(packs) == 3  # the pack's three attempts, then each task alone
+    sent = sum(count_messages(r.messages) for r in packs)
+    assert sum(o.unanswered_tokens for o in outcomes) == sent
+    assert all(o.record()["unanswered_prompt_tokens"] > 0 for o in outcomes)
+    assert sum(o.prompt_tokens for o in outcomes) == 4 * 10  # what was answered, apart
