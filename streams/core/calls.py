@@ -32,7 +32,13 @@ from streams.errors import (
     Transient,
     UpstreamError,
 )
-from streams.llm.client import LLMRequest, LLMResponse, completion_budget, with_budget
+from streams.llm.client import (
+    LLMRequest,
+    LLMResponse,
+    completion_budget,
+    usage_counted,
+    with_budget,
+)
 from streams.observability.genai import GENAI, GenAIMetrics, endpoint_attributes
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import child_span, mark_error
@@ -365,6 +371,10 @@ class Calls:
             response = await self.batches.complete(partition, custom_id, attempts.count, request,
                                                    spend.parking)  # fmt: skip
             m = self.metrics
+            counted = usage_counted(request, response, self.client.count_prompt)
+            if counted is not None:  # a batch line that said no usage
+                response = counted
+                m.usage_unsaid.labels(self.client.deployment).inc()
             m.llm_requests.labels(request.model, "ok", "").inc()
             m.used(response.model, response.prompt_tokens, response.completion_tokens,
                    response.cached_prompt_tokens)  # fmt: skip

@@ -305,6 +305,10 @@ class BatchAPI:
         body = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion",
                 "created": int(time.time()), "model": request.get("model"),
                 "choices": [choice], "usage": usage}  # fmt: skip
+        if self.sim.config.usage == "none":  # as its chat answers (`SimConfig.usage`)
+            del body["usage"]
+        elif self.sim.config.usage == "zeros":
+            body["usage"] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         return {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body}
 
     async def _advance(self, batch: _Batch) -> None:

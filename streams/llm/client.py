@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import orjson
@@ -19,6 +20,7 @@ from streams.errors import (
 from streams.llm.error_body import limit_hit
 from streams.llm.overflow import overflow_of
 from streams.llm.params import body_fields
+from streams.llm.tokens import counter
 
 # The answer's budget when a pipeline sets none.
 DEFAULT_MAX_TOKENS = 1024
@@ -175,6 +177,21 @@ class LLMClient(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+def usage_counted(
+    request: LLMRequest,
+    response: LLMResponse,
+    count_prompt: Callable[[list[dict[str, str]]], int],
+) -> LLMResponse | None:
+    """The answer with its tokens counted here when it said none — no usage block, or
+    zeros, as some gateways and older local servers answer (every prompt has tokens, so a
+    prompt of 0 is none said) —; None when it said them."""
+    if response.prompt_tokens > 0:
+        return None
+    completion = response.completion_tokens or counter()(response.content)
+    return replace(response, prompt_tokens=count_prompt(request.messages),
+                   completion_tokens=completion)  # fmt: skip
 
 
 def parse_completion(

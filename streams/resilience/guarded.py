@@ -23,10 +23,16 @@ from streams.errors import (
     Timeout,
     UpstreamError,
 )
-from streams.llm.client import LLMClient, LLMRequest, LLMResponse, completion_budget
+from streams.llm.client import (
+    LLMClient,
+    LLMRequest,
+    LLMResponse,
+    completion_budget,
+    usage_counted,
+)
 from streams.llm.deployments import DEFAULT
 from streams.llm.endpoint import ContextWindow, EndpointFacts
-from streams.llm.tokens import count_messages, counter
+from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
 from streams.resilience.breaker import Admission, CircuitBreaker, State
 from streams.resilience.clock import Clock, MonotonicClock
@@ -268,16 +274,15 @@ class GuardedClient:
         """The answer with its token usage: an answer that said none (a gateway, an older
         local server; every prompt has tokens, so 0 is none) has its tokens counted here,
         so that it is priced, capped and learned from like any other."""
-        if response.prompt_tokens > 0:
+        counted = usage_counted(request, response, self.count_prompt)
+        if counted is None:
             return response
         self.metrics.usage_unsaid.labels(self.deployment).inc()
         if self.not_honoured("usage", "no token counts"):
             log.warning("%s (%s) answers without token usage: its tokens are counted here "
                         "with the offline tokenizer (prices and caps rest on them)",
                         self.client.endpoint, request.model)  # fmt: skip
-        completion = response.completion_tokens or counter()(response.content)
-        return replace(response, prompt_tokens=self.count_prompt(request.messages),
-                       completion_tokens=completion)  # fmt: skip
+        return counted
 
     def _throttled(self, request: LLMRequest, exc: RateLimited, permit: Permit) -> None:
         """What a 429 teaches the limiter: the limits its headers tell, and to wait

@@ -23,7 +23,7 @@ from streams.core.batch import (
     item_key,
     job_key,
 )
-from streams.core.outcome import Prepared
+from streams.core.outcome import Outcome, Prepared
 from streams.core.spend import Prices
 from streams.dev.simulator import SimulatorServer
 from streams.errors import BadRequest, Timeout, UpstreamError
@@ -299,6 +299,15 @@ async def test_the_processor_answers_a_batch_tier_task_at_the_batch_price(
         result["usage"]["prompt_tokens"], result["usage"]["completion_tokens"]
     )
     assert result["cost_usd"] == pytest.approx(full * 0.5)
+    # A provider whose batch lines say no usage: counted here, priced all the same.
+    simulator.sim.config.usage = "none"
+    other = processor.intake.prepare(raw.replace(b'"b1"', b'"b2"'), None,
+                                     Source(topic="r", partition=0, offset=2))  # fmt: skip
+    assert not isinstance(other, Outcome)
+    unsaid = orjson.loads((await processor.answer(other, Lane.REPLAY, None, Tier.BATCH)).value)
+    assert unsaid["usage"]["prompt_tokens"] == result["usage"]["prompt_tokens"]
+    assert unsaid["cost_usd"] > 0 and unsaid["usage"]["completion_tokens"] > 0
+    simulator.sim.config.usage = "said"
     # Batch is for the replay lane only: a live task asking for it is answered in a call.
     lane = processor.batches
     processor = make_processor(client, registry=registry, limiter=RateLimiter(rpm=None),
