@@ -465,6 +465,15 @@ class Settings(BaseSettings):
         description="Memory the on-disk task store may use for all its partitions (block "
         "cache and write buffers): what bounds a worker's memory, whatever the history.",
     )
+    store_unflushed_mb: int = Field(
+        256,
+        ge=1,
+        le=65536,
+        description="Writes the on-disk task store may hold in memory while its disk "
+        "refuses them (full, failing): past it, records wait before they run (unacked: "
+        "nothing lost, the consumer lag grows) until a flush succeeds; its topics hold the "
+        "writes meanwhile.",
+    )
     store_cleanup_after_s: float = Field(
         600.0,
         ge=0,

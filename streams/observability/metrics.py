@@ -115,6 +115,10 @@ class Metrics:
             "llm_streams_store_flush_errors",
             "Times the task store could not write its local copy to disk (full?); the "
             "writes stay in memory until a flush succeeds.", registry=r)  # fmt: skip
+        self.store_unflushed = Gauge(
+            "llm_streams_store_unflushed_bytes",
+            "Bytes of writes the task store holds in memory because its disk refused them, "
+            "as of its last flush; past store_unflushed_mb, records wait.", registry=r)  # fmt: skip
         self.store_expired = Counter(
             "llm_streams_store_expired",
             "Task store entries deleted for being past their map's retention, by map.",

@@ -66,6 +66,7 @@ class RocksMaps:
         self._cf = {name: self._db.get_column_family(name) for name in families}
         self._handles = {name: self._db.get_column_family_handle(name) for name in families}
         self._staged: dict[tuple[Kind, bytes], tuple[int, bytes | None]] = {}
+        self._staged_bytes = 0  # their keys and values
         # The checkpoint on disk, once this handle wrote it (the format and version with it).
         self._flushed: dict[Kind, int] | None = None
         meta = self._cf[self.META]
@@ -138,10 +139,18 @@ class RocksMaps:
     # writes
 
     def stage(self, kind: Kind, key: bytes, value: bytes | None, at_ms: int) -> None:
+        before = self._staged.get((kind, key))
+        if before is not None:
+            self._staged_bytes -= len(key) + len(before[1] or b"")
         self._staged[(kind, key)] = (at_ms, value)
+        self._staged_bytes += len(key) + len(value or b"")
 
     def discard(self) -> None:
         self._staged.clear()
+        self._staged_bytes = 0
+
+    def unflushed(self) -> int:
+        return self._staged_bytes
 
     def flush(self, checkpoint: Mapping[Kind, int], *, skipped: bool = False) -> None:
         from rocksdict import WriteBatch
@@ -183,10 +192,11 @@ class RocksMaps:
         self._db.write(batch)
         self._counts = counts
         self._staged.clear()
+        self._staged_bytes = 0
         self._flushed = {**(flushed or {}), **checkpoint}
 
     def close(self) -> None:
-        self._staged.clear()
+        self.discard()
         for family in self._cf.values():
             family.close()
         self._cf.clear()

@@ -46,6 +46,9 @@ class Maps(Protocol):
     def discard(self) -> None:
         """Forget the staged entries (an aborted transaction wrote them)."""
 
+    def unflushed(self) -> int:
+        """Bytes of the staged entries (keys and values) a `flush` has not made durable."""
+
     def checkpoint(self) -> dict[Kind, int]: ...
 
     def count(self, kind: Kind) -> int: ...
@@ -88,6 +91,9 @@ class MemoryMaps:
 
     def discard(self) -> None:
         return None  # the partition is dropped and read again
+
+    def unflushed(self) -> int:
+        return 0  # no disk to wait for
 
     def checkpoint(self) -> dict[Kind, int]:
         return dict.fromkeys(Kind, 0)

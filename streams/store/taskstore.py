@@ -116,6 +116,13 @@ class TaskStore:
         self._gone: set[int] = set()
         self._flusher: asyncio.Task[None] | None = None
         self._written = asyncio.Event()  # a write ended since the flusher last woke
+        # Set while the writes the disk refused stay under `store_unflushed_mb`: records
+        # wait in `ready` meanwhile (replaced by a new one to wake them when a partition
+        # leaves, so that its records learn it).
+        self._room = asyncio.Event()
+        self._room.set()
+        self._unflushed_limit = settings.store_unflushed_mb << 20
+        self._unflushed = 0  # as of the last failed flush, until one succeeds
         self._expirer: asyncio.Task[None] | None = None
         # Partitions this worker stands by for: their maps and the task following them.
         self._standbys: dict[int, tuple[Maps, asyncio.Task[None]]] = {}
@@ -221,6 +228,10 @@ class TaskStore:
         self.local.release(p)
         part.gone = True
         part.ready.set()  # jobs waiting for it hear it is gone
+        if not self._room.is_set():  # and those waiting for room: woken to hear it too
+            woken, self._room = self._room, asyncio.Event()
+            woken.set()
+            self._gate()
 
     def drop(self, partition: int) -> None:
         """Forget a partition's writes since its last checkpoint (they may hold writes that
@@ -238,7 +249,8 @@ class TaskStore:
 
     def _flush(self, partition: int, part: StorePartition) -> None:
         """The staged writes and the checkpoint to disk; when the disk fails (full?), they
-        stay staged for the next flush (the topics hold them meanwhile)."""
+        stay staged for the next flush, a commit interval later (the topics hold them
+        meanwhile), and past `store_unflushed_mb` records wait (`_gate`)."""
         if not part.ready.is_set():
             return  # loading: the loader flushes its own progress
         try:
@@ -247,6 +259,27 @@ class TaskStore:
         except Exception:
             log.exception("could not write the local store of partition %d", partition)
             self.metrics.store_flush_errors.inc()
+            self._written.set()  # at-least-once: the flusher tries again next interval
+            self._gate()
+            return
+        if self._unflushed:  # what the disk refused before may be on it now
+            self._gate()
+
+    def _gate(self) -> None:
+        """Records wait before they run while the writes the disk refused pass
+        `store_unflushed_mb` (memory would grow with every task until the worker is
+        killed), and go on once flushes bring them under it. Dropping those writes instead
+        would forget answers a redelivered task must find: it would be paid twice."""
+        self._unflushed = unflushed = sum(part.maps.unflushed() for part in self._parts.values())
+        self.metrics.store_unflushed.set(unflushed)
+        if unflushed > self._unflushed_limit and self._room.is_set():
+            log.error("the task store holds %d MB its disk refused (store_unflushed_mb=%d): "
+                      "records wait until it writes again", unflushed >> 20,
+                      self.settings.store_unflushed_mb)  # fmt: skip
+            self._room.clear()
+        elif unflushed <= self._unflushed_limit and not self._room.is_set():
+            log.warning("the task store's disk takes its writes again: records go on")
+            self._room.set()
 
     async def ready(self, partition: int) -> None:
         """Wait until partition's entries are loaded (at once when they are; a partition
@@ -262,6 +295,8 @@ class TaskStore:
             self.assign(set(self._parts) | {partition})
             part = self._parts[partition]
         await part.ready.wait()
+        while not part.gone and not self._room.is_set():  # the disk refuses writes (`_gate`)
+            await self._room.wait()
         if part.gone:
             raise PartitionLost(f"partition {partition} was given away while it loaded")
 

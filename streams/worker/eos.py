@@ -317,7 +317,13 @@ class Transactions:
     async def commit(self, partition: int, part: _Partition, *, reopen: bool = True) -> None:
         """Commit p's transaction with the offsets recorded for p, then open the next."""
         async with part.lock:
-            if part.lost or (not part.offsets and not part.writes):
+            if part.lost:
+                return
+            if not part.offsets and not part.writes:
+                # Nothing to commit: all the partition wrote is committed, so the store's
+                # local copy may take it (a flush its disk refused is tried again here).
+                if self.on_committed is not None:
+                    self.on_committed(partition)
                 return
             part.open.clear()  # new sends wait for the next transaction
             try:

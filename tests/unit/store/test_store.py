@@ -467,3 +467,92 @@ async def test_the_flusher_sleeps_while_nothing_is_written(
     assert maps.get(Kind.RESULTS, b"rk-1") == b'{"output": {}, "model": "m"}'
     assert maps.checkpoint()[Kind.RESULTS] == 8
     local.release(0)
+
+
+async def _on_a_refusing_disk(
+    monkeypatch: Any, tmp_path: Path, **settings: Any
+) -> tuple[Any, dict[str, bool]]:
+    """A store on disk whose flushes fail while `disk["full"]`, as a full volume's do."""
+    from streams.settings import load_settings
+    from streams.store import taskstore as state_module
+    from streams.store.local import RocksMaps
+    from streams.store.taskstore import TaskStore
+
+    async def empty(*_: Any) -> dict[Kind, int]:
+        return dict.fromkeys(Kind, 0)
+
+    monkeypatch.setattr(state_module, "load_partition", empty)
+    disk = {"full": True}
+    real_flush = RocksMaps.flush
+
+    def flush(self: Any, checkpoint: Any, **kwargs: Any) -> None:
+        if disk["full"]:
+            raise OSError(28, "No space left on device")
+        real_flush(self, checkpoint, **kwargs)
+
+    monkeypatch.setattr(RocksMaps, "flush", flush)
+    offsets = iter(range(1_000_000))
+
+    async def send(*args: Any) -> int:
+        return next(offsets)
+
+    store = TaskStore(load_settings(store=f"rocksdb://{tmp_path}",
+                                    kafka={"commit_interval_s": 0.01}, **settings), send)  # fmt: skip
+    store.assign({0, 1})
+    await store.ready(0)
+    await store.ready(1)
+    return store, disk
+
+
+async def test_records_wait_while_the_writes_a_full_disk_refused_pass_their_bound(
+    monkeypatch: Any, tmp_path: Path
+) -> None:
+    """The disk refuses the store's writes: they stay in memory, and past
+    `store_unflushed_mb` records wait before they run (memory grew with every task until
+    the worker was killed); once the disk takes them, the records go on and the writes are
+    on disk."""
+    store, disk = await _on_a_refusing_disk(monkeypatch, tmp_path, store_unflushed_mb=1)
+    value = b'{"output": "' + b"x" * 300_000 + b'", "model": "m"}'
+    await store.put(Kind.RESULTS, 0, b"rk-1", value)
+    await asyncio.sleep(0.05)  # flushes failed: under the bound, records still run
+    assert store.metrics.store_flush_errors._value.get() >= 1
+    await asyncio.wait_for(store.ready(0), 1)
+    for n in range(2, 6):
+        await store.put(Kind.RESULTS, n % 2, b"rk-%d" % n, value)
+    await asyncio.sleep(0.05)  # the next flush fails past the bound
+    assert store.metrics.store_unflushed._value.get() > 1 << 20
+    waiting = [asyncio.create_task(store.ready(p)) for p in (0, 1)]
+    await asyncio.sleep(0.1)  # ten more intervals, ten more failed flushes
+    assert not any(task.done() for task in waiting)
+    assert store.get(Kind.RESULTS, 1, b"rk-3") == value  # what it holds is still read
+    disk["full"] = False
+    await asyncio.wait_for(asyncio.gather(*waiting), 5)
+    assert store.metrics.store_unflushed._value.get() == 0
+    await store.close()
+    from streams.store.local import LocalStore
+
+    local = LocalStore(tmp_path, 8 << 20)
+    maps = local.open(1)
+    assert maps.get(Kind.RESULTS, b"rk-3") == value  # on disk now
+    maps.close()
+
+
+async def test_a_record_waiting_for_a_full_disk_hears_its_partition_was_given_away(
+    monkeypatch: Any, tmp_path: Path
+) -> None:
+    from streams.store.taskstore import PartitionLost
+
+    store, _ = await _on_a_refusing_disk(monkeypatch, tmp_path, store_unflushed_mb=1)
+    value = b'{"output": "' + b"x" * 600_000 + b'", "model": "m"}'
+    await store.put(Kind.RESULTS, 0, b"rk-1", value)
+    await store.put(Kind.RESULTS, 1, b"rk-2", value)
+    await asyncio.sleep(0.05)
+    waiting = asyncio.create_task(store.ready(1))
+    kept = asyncio.create_task(store.ready(0))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    store.assign({0})  # partition 1 given away: its writes go with it, back under the bound
+    with pytest.raises(PartitionLost):
+        await asyncio.wait_for(waiting, 1)
+    await asyncio.wait_for(kept, 1)  # 0.6 MB left: its records go on
+    await store.close()

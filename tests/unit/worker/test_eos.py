@@ -215,3 +215,20 @@ async def test_a_partitions_producer_that_does_not_start_is_stopped(
     assert eos._parts == {} and eos._starting == {}
     if eos._committer is not None:
         eos._committer.cancel()
+
+
+async def test_an_idle_partition_still_lets_the_store_take_what_committed_before() -> None:
+    """With nothing to commit, the store is told all the partition wrote is committed: a
+    flush its disk refused is tried again then (records may be waiting for it); a
+    partition lost is not."""
+    eos, producer, part = await _owning(2)
+    told: list[int] = []
+    eos.on_committed = told.append
+    await eos.commit(2, part)  # nothing written since the last commit
+    assert told == [2] and producer.calls == []
+    await eos.send("llm-results", b"k", b"v", 2)
+    await eos.commit(2, part)
+    assert told == [2, 2] and producer.calls == ["send llm-results", "commit", "begin"]
+    part.gone()  # fenced: what it staged is not the store's to keep
+    await eos.commit(2, part)
+    assert told == [2, 2]
