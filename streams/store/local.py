@@ -23,6 +23,7 @@ atomically with the data, an age order and counts per map.
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import struct
 import time
@@ -33,6 +34,8 @@ from typing import Any, cast
 from streams import __version__
 from streams.errors import ConfigError
 from streams.store.maps import CODES, Kind, Maps, MemoryMaps, past_entries
+
+log = logging.getLogger(__name__)
 
 FORMAT = 1  # the on-disk layout; a store of another format is read again from the topics
 _U64 = struct.Struct(">Q")
@@ -57,7 +60,10 @@ class RocksMaps:
         try:
             self._db = Rdict(str(path), options=options, column_families=families)
         except Exception as exc:
-            if "lock" in str(exc).lower():
+            # RocksDB names the lock file it could not take ("While lock file: .../LOCK",
+            # "lock hold by current process ... /LOCK"); "lock" alone is in "block
+            # checksum mismatch", a corruption.
+            if str(path / "LOCK") in str(exc):
                 raise ConfigError(
                     f"the task store at {path} is in use by another worker: give each worker "
                     f"its own LLM_STREAMS_DATA_DIR (or LLM_STREAMS_STORE path) ({exc})"
@@ -228,7 +234,19 @@ class LocalStore:
         path = self.path(partition)
         path.mkdir(parents=True, exist_ok=True)
         options, families = self._rocks_options()
-        maps = RocksMaps(path, options, families)
+        try:
+            maps = RocksMaps(path, options, families)
+        except ConfigError:
+            raise  # another worker's
+        except Exception as exc:
+            # Corrupted (a torn write, a disk that failed): as Kafka Streams does with a
+            # corrupted task's state, it goes and its topics are read again, where the
+            # error would stop every start of the worker until someone deleted it.
+            log.error("the local store of partition %d cannot be opened (%s): deleting it "
+                      "and reading its topics again", partition, exc)  # fmt: skip
+            self.destroy(partition)
+            path.mkdir(parents=True, exist_ok=True)
+            maps = RocksMaps(path, options, families)
         if not maps.usable():  # read it all again from the topics
             maps.close()
             self.destroy(partition)

@@ -200,3 +200,37 @@ def test_the_checkpoint_never_passes_a_write_that_may_land_below_it() -> None:
     unknown = position.begin(b"k5")
     position.done(unknown, None)  # acked without an offset: the top stays
     assert position.safe() == 15 and not position.writing(b"k5")
+
+
+@pytest.mark.parametrize("damage", ["manifest", "tables"])
+def test_a_corrupted_store_is_read_again_from_its_topics_not_a_worker_that_cannot_start(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A partition's RocksDB that no longer opens (a torn manifest, a table's bytes
+    damaged: "Corruption: ... block ..." is no lock another worker holds) is deleted and
+    opened empty, its checkpoint 0: the load reads its topics from the start. The error
+    stopped every start of the worker until someone deleted it by hand."""
+    store = LocalStore(tmp_path, 16 << 20)
+    maps = store.open(4)
+    for i in range(2_000):
+        maps.stage(Kind.RESULTS, b"rk-%d" % i, b"v" * 100, 1_000)
+        if i % 500 == 0:  # several tables
+            maps.flush(dict.fromkeys(Kind, i + 1))
+    maps.flush(dict.fromkeys(Kind, 2_000))
+    maps.close()
+    path = store.path(4)
+    names = [n for n in os.listdir(path) if n.startswith("MANIFEST") or n.endswith(".sst")]
+    for name in names:
+        if (damage == "manifest") == name.startswith("MANIFEST"):
+            raw = bytearray((path / name).read_bytes())
+            for i in range(0, len(raw), 7):
+                raw[i] ^= 0xFF
+            (path / name).write_bytes(bytes(raw))
+    again = store.open(4)
+    assert again.checkpoint() == dict.fromkeys(Kind, 0) and again.get(Kind.RESULTS, b"rk-1") is None
+    assert again.count(Kind.RESULTS) == 0
+    assert "cannot be opened" in caplog.text and "reading its topics again" in caplog.text
+    again.stage(Kind.RESULTS, b"rk-1", b"v", 2_000)  # and it takes writes again
+    again.flush(dict.fromkeys(Kind, 1))
+    again.close()
+    assert store.open(4).get(Kind.RESULTS, b"rk-1") == b"v"
