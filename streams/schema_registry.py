@@ -37,7 +37,7 @@ import logging
 import ssl
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 from urllib.parse import quote
@@ -48,7 +48,7 @@ import jsonschema
 import orjson
 from fastavro.types import Schema as AvroSchema
 
-from streams.contract.records import shallow
+from streams.contract.records import MAX_DEPTH, shallow
 from streams.errors import InvalidInput
 from streams.observability.metrics import Metrics
 from streams.settings import SchemaRegistrySettings
@@ -81,6 +81,12 @@ class Schema:
     kind: str
     avro: AvroSchema | None = None
     validator: Any = None
+    # Avro: its values may decode far beyond their bytes (`AvroBounds.unbounded`)
+    unbounded: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        if self.avro is not None:
+            object.__setattr__(self, "unbounded", AvroBounds(self.avro).unbounded())
 
 
 class RegistryClient:
@@ -298,6 +304,8 @@ def decode_body(schema: Schema, body: bytes) -> Any:
     """The body of a framed record read with its schema, JSON-ready; InvalidInput when
     it does not decode or (JSON Schema) does not conform."""
     if schema.kind == "AVRO" and schema.avro is not None:
+        if schema.unbounded:
+            AvroBounds(schema.avro).check(body, schema.id)
         stream = io.BytesIO(body)
         try:
             document = fastavro.schemaless_reader(stream, schema.avro, None)
@@ -326,6 +334,213 @@ def decode_body(schema: Schema, body: bytes) -> Any:
         return document
     raise InvalidInput(f"source record's schema {schema.id} is {schema.kind}; only AVRO and "
                        "JSON records are decoded", code="source_schema_type")  # fmt: skip
+
+
+# Array items that take no bytes (nulls, empty records, fixed of size 0) an Avro record may
+# hold beyond one per byte of its body.
+ITEMS_OF_NO_BYTES = 65_536
+_PRIMITIVE_BYTES = {"null": 0, "boolean": 1, "float": 4, "double": 8}
+
+
+class _Unreadable(Exception):
+    """The body ends early or says something no Avro writer writes."""
+
+
+class AvroBounds:
+    """Whether an Avro record's body stays within what a worker can decode, read before
+    fastavro reads it, for the schemas that need it. Two shapes let a few bytes decode
+    into what no process survives: a named type inside itself (a list, a tree), whose
+    values nest as deep as their bytes go — fastavro reads them by recursion in C, and
+    a 10 KB linked list overflows the stack: the process dies, and every restart dies
+    again on the same record —; and an array of items that take no bytes, whose 6-byte
+    body can say two billion nulls (16 GB of list). Their bodies are walked first,
+    building nothing, within `MAX_DEPTH` levels (the one limit of every record's JSON)
+    and `ITEMS_OF_NO_BYTES` more items than bytes; every other schema's values are
+    bounded by their bytes and go to fastavro at once.
+
+    Hand-written: fastavro has no limit of depth or size (its pure-Python reader
+    recurses as deep and lists as long)."""
+
+    def __init__(self, schema: Any) -> None:
+        self.schema = schema
+        self.named: dict[str, Any] = (
+            schema.get("__named_schemas", {}) if isinstance(schema, dict) else {}
+        )
+
+    # -- the schema ------------------------------------------------------------------
+
+    def unbounded(self) -> bool:
+        """Does the schema hold a named type inside itself, or an array of empty items?"""
+        return self._unbounded(self.schema, set(), set())
+
+    def _unbounded(self, t: Any, inside: set[str], bounded: set[str]) -> bool:
+        if isinstance(t, str):
+            if t in inside:
+                return True  # a named type inside itself
+            return (
+                t not in bounded
+                and t in self.named
+                and self._unbounded(self.named[t], inside, bounded)
+            )
+        if isinstance(t, list):
+            return any(self._unbounded(branch, inside, bounded) for branch in t)
+        kind = t.get("type") if isinstance(t, dict) else None
+        if isinstance(kind, dict | list):
+            return self._unbounded(kind, inside, bounded)
+        if kind in ("record", "error"):
+            return self._record_unbounded(t, inside, bounded)
+        if kind == "array":
+            return self._empty(t["items"], set()) or self._unbounded(t["items"], inside, bounded)
+        if kind == "map":
+            return self._unbounded(t["values"], inside, bounded)
+        return False
+
+    def _record_unbounded(self, t: dict[str, Any], inside: set[str], bounded: set[str]) -> bool:
+        name = str(t.get("name"))
+        if name in inside:
+            return True
+        if name in bounded:
+            return False
+        inside.add(name)
+        found = any(self._unbounded(f["type"], inside, bounded) for f in t["fields"])
+        inside.discard(name)
+        if not found:
+            bounded.add(name)
+        return found
+
+    def _empty(self, t: Any, seen: set[str]) -> bool:
+        """Does a value of `t` take no bytes?"""
+        if isinstance(t, str):
+            if t == "null":
+                return True
+            if t in seen or t not in self.named:
+                return False
+            return self._empty(self.named[t], seen | {t})
+        if not isinstance(t, dict):
+            return False  # a union's branch takes a byte at least
+        kind = t.get("type")
+        if isinstance(kind, dict | list):
+            return self._empty(kind, seen)
+        if kind == "fixed":
+            return t.get("size") == 0
+        if kind in ("record", "error"):
+            inner = seen | {str(t.get("name"))}
+            return all(self._empty(f["type"], inner) for f in t["fields"])
+        return kind == "null"
+
+    # -- a body ----------------------------------------------------------------------
+
+    def check(self, body: bytes, schema_id: int) -> None:
+        """InvalidInput when `body` nests over `MAX_DEPTH` levels or holds over
+        `ITEMS_OF_NO_BYTES` items more than its bytes; what does not decode is left to
+        fastavro to say."""
+        self._body, self._at = body, 0
+        self._items_left = len(body) + ITEMS_OF_NO_BYTES
+        try:
+            self._value(self.schema, 0)
+        except _Unreadable:
+            return  # fastavro says what is wrong with it
+        except _TooDeep:
+            raise InvalidInput(f"source record nests objects and arrays over {MAX_DEPTH} "
+                               f"levels deep (Avro schema {schema_id})",
+                               code="source_too_deep") from None  # fmt: skip
+        except _TooMany:
+            raise InvalidInput(f"source record holds over {len(body) + ITEMS_OF_NO_BYTES} "
+                               f"array items in {len(body)} bytes (Avro schema {schema_id})",
+                               code="source_undecodable") from None  # fmt: skip
+
+    def _value(self, t: Any, depth: int) -> None:
+        composite = self._resolved(t)
+        if composite is None:
+            return  # a primitive, read
+        kind = composite["type"]
+        if kind == "enum":
+            self._long()
+        elif kind == "fixed":
+            self._skip(int(composite["size"]))
+        elif depth >= MAX_DEPTH:
+            raise _TooDeep
+        elif kind == "array":
+            self._blocks(composite["items"], depth + 1, keyed=False)
+        elif kind == "map":
+            self._blocks(composite["values"], depth + 1, keyed=True)
+        else:
+            for f in composite["fields"]:
+                self._value(f["type"], depth + 1)
+
+    def _resolved(self, t: Any) -> dict[str, Any] | None:
+        """The record, enum, fixed, array or map a value of `t` is — names, union
+        branches and logical types resolved in a loop, so that a level of nesting costs
+        a frame or two of the interpreter's stack, not five —; None: a primitive, read."""
+        while not isinstance(t, dict) or t.get("type") not in _COMPOSITE:
+            if isinstance(t, str):
+                if t not in self.named:
+                    self._primitive(t)
+                    return None
+                t = self.named[t]
+            elif isinstance(t, list):
+                branch = self._long()
+                if not 0 <= branch < len(t):
+                    raise _Unreadable(branch)
+                t = t[branch]
+            elif isinstance(t, dict):
+                t = t.get("type")  # a primitive with its logical type, or a type wrapped
+            else:
+                raise _Unreadable(t)
+        return t
+
+    def _primitive(self, t: str) -> None:
+        if t in _PRIMITIVE_BYTES:
+            self._skip(_PRIMITIVE_BYTES[t])
+        elif t in ("int", "long"):
+            self._long()
+        elif t in ("bytes", "string"):
+            self._skip(self._long())
+        else:
+            raise _Unreadable(t)
+
+    def _blocks(self, t: Any, depth: int, *, keyed: bool) -> None:
+        while count := self._long():
+            if count < 0:
+                count = -count
+                self._long()  # the block's size in bytes
+            self._items_left -= count
+            if self._items_left < 0:
+                raise _TooMany
+            for _ in range(count):
+                if keyed:
+                    self._skip(self._long())
+                self._value(t, depth)
+
+    def _long(self) -> int:
+        body, at, shift, n = self._body, self._at, 0, 0
+        while True:
+            if at >= len(body) or shift > 63:
+                raise _Unreadable("varint")
+            byte = body[at]
+            at += 1
+            n |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                break
+        self._at = at
+        return (n >> 1) ^ -(n & 1)
+
+    def _skip(self, n: int) -> None:
+        if n < 0 or self._at + n > len(self._body):
+            raise _Unreadable("length")
+        self._at += n
+
+
+_COMPOSITE = frozenset({"record", "error", "enum", "fixed", "array", "map"})
+
+
+class _TooDeep(Exception):
+    pass
+
+
+class _TooMany(Exception):
+    pass
 
 
 def jsonable(value: Any) -> Any:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import io
+import subprocess
+import sys
 import uuid
 from decimal import Decimal
 from typing import Any
@@ -22,6 +24,7 @@ import pytest
 from streams.errors import InvalidInput
 from streams.observability.metrics import Metrics
 from streams.schema_registry import (
+    ITEMS_OF_NO_BYTES,
     RecordDecoder,
     RegistryClient,
     Schema,
@@ -106,6 +109,70 @@ def test_a_body_nested_deeper_than_a_task_can_hold_is_invalid_input() -> None:
         with pytest.raises(InvalidInput) as caught:
             decode_body(schema, body)
         assert caught.value.code == "source_too_deep"
+
+
+def test_a_recursive_avro_record_nested_past_what_fastavro_survives_is_a_dead_letter() -> None:
+    """fastavro reads a named type inside itself by recursion in C: a linked list 10,000
+    deep (20 KB) overflowed its stack and killed the process, and every restart died
+    on the same record. Run in a process of its own, so that on a regression this test
+    fails instead of taking the test run down with it."""
+    script = """
+import fastavro, io
+from streams.errors import InvalidInput
+from streams.schema_registry import Schema, decode_body
+thread = {"type": "record", "name": "Reply", "fields": [
+    {"name": "text", "type": "string"}, {"name": "reply", "type": ["null", "Reply"]}]}
+body = b"\\x00\\x02" * 10_000 + b"\\x00\\x00"  # 10,000 empty texts, each with a reply
+try:
+    decode_body(Schema(8, "AVRO", avro=fastavro.parse_schema(thread)), body)
+except InvalidInput as exc:
+    print(exc.code)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "source_too_deep"
+
+
+def _zigzag(n: int) -> bytes:
+    n, out = (n << 1) ^ (n >> 63), bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        "null",
+        {"type": "record", "name": "Nothing", "fields": []},
+        {"type": "fixed", "name": "Zero", "size": 0},
+    ],
+)
+def test_an_avro_array_of_items_that_take_no_bytes_is_bounded(items: Any) -> None:
+    """A 5-byte body may say three million nulls (two billion in 6: 16 GB of list): past
+    `ITEMS_OF_NO_BYTES` more items than its bytes, the record is a dead letter, in a
+    block of either sign; arrays of that many are still read."""
+    schema = avro_schema(4, {"type": "array", "items": items})
+    assert schema.unbounded
+    for body in (_zigzag(3_000_000) + _zigzag(0), _zigzag(-(2**31)) + _zigzag(0) + _zigzag(0)):
+        with pytest.raises(InvalidInput) as caught:
+            decode_body(schema, body)
+        assert caught.value.code == "source_undecodable"
+        assert "array items" in caught.value.message
+    assert len(decode_body(schema, _zigzag(ITEMS_OF_NO_BYTES) + _zigzag(0))) == ITEMS_OF_NO_BYTES
+
+
+def test_only_schemas_whose_values_may_outgrow_their_bytes_are_walked_first() -> None:
+    assert not avro_schema(1, REVIEW).unbounded
+    assert not avro_schema(2, {"type": "array", "items": ["null", "int"]}).unbounded
+    assert not avro_schema(3, {"type": "array", "items": {"type": "fixed", "name": "B",
+                                                          "size": 1}}).unbounded  # fmt: skip
+    tree = {"type": "record", "name": "Node", "fields": [
+        {"name": "kids", "type": {"type": "map", "values": "Node"}}]}  # fmt: skip
+    assert avro_schema(5, tree).unbounded
 
 
 @pytest.mark.parametrize(
