@@ -4,9 +4,10 @@
 LLM, so an outage of either does not get a worker restarted (which would only add a
 rebalance to the outage). `/readyz` (ready) says whether the worker has taken its part of
 the group's work: a rebalance has ended, every partition it owns has its task store
-loaded (until then its records wait), and no endpoint's breaker is open (its calls are
+loaded (until then its records wait), no endpoint's breaker is open (its calls are
 being refused: the endpoint is away or failing) — a deployment's counts only when every
-other deployment of its model is open too. A worker owning no partition (more
+other deployment of its model is open too —, and the task store's disk takes its writes
+(past `store_unflushed_mb` refused, records wait). A worker owning no partition (more
 workers than partitions) is ready: it stands by.
 """
 
@@ -27,10 +28,13 @@ class Readiness:
     loading: tuple[int, ...]  # owned, their store not loaded yet
     open_breakers: tuple[str, ...]  # endpoints whose calls are refused
     standby: tuple[int, ...] = ()  # partitions followed for another worker (not owned)
+    disk_refusing: bool = False  # the task store's disk refuses writes: records wait
 
     @property
     def ready(self) -> bool:
-        return self.joined and not self.loading and not self.open_breakers
+        return (
+            self.joined and not self.loading and not self.open_breakers and not self.disk_refusing
+        )
 
     def reasons(self) -> list[str]:
         """Why the worker is not ready, one line each (none when it is)."""
@@ -41,13 +45,16 @@ class Readiness:
             found.append(f"loading the task store of partition(s) {list(self.loading)}")
         for endpoint in self.open_breakers:
             found.append(f"breaker open for {endpoint}: its calls fail or it is away")
+        if self.disk_refusing:
+            found.append("the task store's disk refuses its writes (full?): records wait "
+                         "until it takes them")  # fmt: skip
         return found
 
     def as_json(self) -> dict[str, Any]:
         return {"ready": self.ready, "reasons": self.reasons(), "joined": self.joined,
                 "partitions": list(self.partitions), "loading": list(self.loading),
                 "open_breakers": list(self.open_breakers),
-                "standby": list(self.standby)}  # fmt: skip
+                "standby": list(self.standby), "disk_refusing": self.disk_refusing}  # fmt: skip
 
 
 def open_breakers(metrics: Metrics) -> tuple[str, ...]:

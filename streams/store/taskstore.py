@@ -300,6 +300,10 @@ class TaskStore:
         if part.gone:
             raise PartitionLost(f"partition {partition} was given away while it loaded")
 
+    def disk_refusing(self) -> bool:
+        """Records wait: the writes the disk refused are past `store_unflushed_mb`."""
+        return not self._room.is_set()
+
     def loaded(self, partition: int) -> bool:
         part = self._parts.get(partition)
         return part is not None and part.ready.is_set()

@@ -140,6 +140,7 @@ class TaskAgent:
             loading=tuple(p for p in owned if not self.store.loaded(p)),
             open_breakers=open_breakers(self.metrics),
             standby=tuple(sorted(self.store.standing_by())),
+            disk_refusing=self.store.disk_refusing(),
         )  # fmt: skip
 
     def left_behind(self) -> str:

@@ -18,6 +18,9 @@ def test_ready_only_when_joined_loaded_and_no_breaker_open() -> None:
     assert refused.as_json()["ready"] is False and refused.as_json()["partitions"] == [0]
     standing_by = Readiness(True, (0,), (), (), standby=(1, 2))  # followed, not owned
     assert standing_by.ready and standing_by.as_json()["standby"] == [1, 2]
+    full = Readiness(True, (0,), (), (), disk_refusing=True)
+    assert not full.ready and "disk refuses its writes" in full.reasons()[0]
+    assert full.as_json()["disk_refusing"] is True
 
 
 def test_open_breakers_are_read_from_the_metrics() -> None:
