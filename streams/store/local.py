@@ -210,6 +210,14 @@ class RocksMaps:
         self._db.close()
 
 
+def _corrupted(exc: Exception) -> bool:
+    """RocksDB says its files are damaged or missing (a table, a manifest) — what no
+    retry mends — rather than a failure of the disk or the process (full, read-only, out
+    of file handles), which may pass."""
+    said = str(exc)
+    return said.startswith("Corruption") or "No such file or directory" in said
+
+
 def _int(raw: bytes | None) -> int:
     return _U64.unpack(raw)[0] if raw is not None else 0
 
@@ -239,6 +247,8 @@ class LocalStore:
         except ConfigError:
             raise  # another worker's
         except Exception as exc:
+            if not _corrupted(exc):
+                raise  # a disk full, out of file handles...: no reason to lose the copy
             # Corrupted (a torn write, a disk that failed): as Kafka Streams does with a
             # corrupted task's state, it goes and its topics are read again, where the
             # error would stop every start of the worker until someone deleted it.

@@ -234,3 +234,32 @@ def test_a_corrupted_store_is_read_again_from_its_topics_not_a_worker_that_canno
     again.flush(dict.fromkeys(Kind, 1))
     again.close()
     assert store.open(4).get(Kind.RESULTS, b"rk-1") == b"v"
+
+
+def test_a_store_that_fails_to_open_for_another_reason_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk full or out of file handles may pass: the warm copy is not thrown away for
+    it (the error stops the assignment, as before)."""
+    store = LocalStore(tmp_path, 16 << 20)
+    maps = store.open(5)
+    maps.stage(Kind.RESULTS, b"rk-1", b"v", 1_000)
+    maps.flush(dict.fromkeys(Kind, 1))
+    maps.close()
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise Exception("IO error: No space left on device: While appending to file: LOG")
+
+    real = local.RocksMaps.__init__
+    monkeypatch.setattr(local.RocksMaps, "__init__", full)
+    with pytest.raises(Exception, match="No space left"):
+        store.open(5)
+    monkeypatch.setattr(local.RocksMaps, "__init__", real)
+    assert store.open(5).get(Kind.RESULTS, b"rk-1") == b"v"  # still there
+
+
+def test_a_store_whose_manifest_is_gone_is_read_again(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, 16 << 20)
+    store.open(6).close()
+    (store.path(6) / "CURRENT").write_text("MANIFEST-999999\n")  # names a file not there
+    assert store.open(6).checkpoint() == dict.fromkeys(Kind, 0)
