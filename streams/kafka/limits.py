@@ -87,7 +87,8 @@ async def read_limits(
     the connection on DescribeConfigs) leaves every topic at Kafka's default, said once
     at info; a broker that could not be asked, with a warning."""
     try:
-        found = await asyncio.wait_for(_topic_limits(settings, topics), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            found = await _topic_limits(settings, topics)
     except _NotDescribed:
         log.info("the broker does not describe topic configs; assuming Kafka's default "
                  "of %d bytes per record", KAFKA_DEFAULT_MAX_MESSAGE_BYTES)  # fmt: skip

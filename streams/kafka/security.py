@@ -207,10 +207,9 @@ async def preflight(settings: Settings, timeout_s: float = PREFLIGHT_TIMEOUT_S) 
     for server in bootstrap_servers(settings.kafka.broker_url).split(","):
         host, _, port = server.rpartition(":")
         try:
-            conn = await asyncio.wait_for(
-                create_conn(host, int(port), client_id="llm-streams-preflight", **options),
-                timeout_s,
-            )
+            async with asyncio.timeout(timeout_s):
+                conn = await create_conn(host, int(port), client_id="llm-streams-preflight",
+                                         **options)  # fmt: skip
         except SaslAuthenticationFailed as exc:
             raise ConfigError(
                 f"Kafka at {server} refused the credentials ({sec.sasl_mechanism}): check "

@@ -334,7 +334,8 @@ class TaskStore:
         waking once every `MARK_EVERY_S` for the partitions' last-used marks."""
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._written.wait(), MARK_EVERY_S)
+                async with asyncio.timeout(MARK_EVERY_S):
+                    await self._written.wait()
             self._written.clear()
             await asyncio.sleep(self.settings.kafka.commit_interval_s)
             for p, part in list(self._parts.items()):

@@ -389,7 +389,8 @@ class TaskAgent:
         budget = self.watchdog.for_tasks()
         drained = asyncio.gather(*(d.drain() for d in dispatchers))
         try:
-            await asyncio.wait_for(asyncio.shield(drained), timeout=budget)
+            async with asyncio.timeout(budget):
+                await asyncio.shield(drained)
         except (TimeoutError, asyncio.CancelledError):
             for dispatcher in dispatchers:
                 await dispatcher.cancel()

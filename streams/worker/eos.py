@@ -393,7 +393,8 @@ async def check_transactions(settings: Settings) -> None:
         enable_idempotence=True,
     )
     try:
-        await asyncio.wait_for(producer.start(), timeout=30)
+        async with asyncio.timeout(30):
+            await producer.start()
     except Exception as exc:
         raise ConfigError(
             "LLM_STREAMS_PROCESSING_GUARANTEE=exactly_once needs a Kafka broker with "

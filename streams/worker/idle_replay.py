@@ -85,7 +85,8 @@ class IdleReplay:
         read to their end at this check and the last, at the same position."""
         paused = self._lane(consumer) & consumer.paused()
         if paused:
-            ends = await asyncio.wait_for(consumer.end_offsets(list(paused)), LIST_TIMEOUT_S)
+            async with asyncio.timeout(LIST_TIMEOUT_S):
+                ends = await consumer.end_offsets(list(paused))
             # Read again after the wait: a rebalance may have moved them meanwhile.
             still = self._lane(consumer) & consumer.paused()
             wake = [tp for tp in paused & still if _has_more(consumer, tp, ends.get(tp))]

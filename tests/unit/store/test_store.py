@@ -556,3 +556,27 @@ async def test_a_record_waiting_for_a_full_disk_hears_its_partition_was_given_aw
         await asyncio.wait_for(waiting, 1)
     await asyncio.wait_for(kept, 1)  # 0.6 MB left: its records go on
     await store.close()
+
+
+async def test_the_store_closes_right_after_a_write(monkeypatch: Any, tmp_path: Path) -> None:
+    """A write wakes the flusher; a close in the same turn of the loop cancelled it just
+    as its wait ended, which Python 3.11's `wait_for` swallows: the flusher went on
+    looping and the close (the worker's stop) hung on it."""
+    from streams.settings import load_settings
+    from streams.store import taskstore as state_module
+    from streams.store.taskstore import TaskStore
+
+    async def empty(*_: Any) -> dict[Kind, int]:
+        return dict.fromkeys(Kind, 0)
+
+    monkeypatch.setattr(state_module, "load_partition", empty)
+
+    async def send(*args: Any) -> int:
+        return 0
+
+    store = TaskStore(load_settings(store=f"rocksdb://{tmp_path}"), send)
+    store.assign({0})
+    await store.ready(0)
+    await asyncio.sleep(0.01)  # the flusher waits for a write
+    await store.put(Kind.RESULTS, 0, b"rk-1", b"{}")
+    await asyncio.wait_for(store.close(), 5)
