@@ -37,6 +37,7 @@ from aiokafka.errors import KafkaError
 
 from streams.contract.records import kept
 from streams.core.taskstate import TaskState
+from streams.kafka.limits import refused_for_good
 from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.observability.metrics import Metrics
 from streams.resilience.retry import retry_transient
@@ -446,9 +447,17 @@ class TaskStore:
         ticket = position.begin(key) if position is not None else 0
         try:
             offset = await self._send(self.topics[kind], key, value, partition, headers)
-        except BaseException:
-            if position is not None:
-                position.failed(ticket)
+        except BaseException as exc:
+            if position is None:
+                pass
+            elif refused_for_good(exc) is not None:
+                # Refused (too large, invalid, not authorised): not in the topic. Held as
+                # uncertain, it held the checkpoint until its key was written again —
+                # a refused result's never is: every restart read the partition again
+                # from there, a year of it after a year.
+                position.done(ticket, None)
+            else:
+                position.failed(ticket)  # it may be in the topic all the same
             raise
         finally:
             self._written.set()  # the flusher wakes: a checkpoint or a staged entry moved

@@ -558,6 +558,47 @@ async def test_a_record_waiting_for_a_full_disk_hears_its_partition_was_given_aw
     await store.close()
 
 
+async def test_a_write_refused_for_good_does_not_hold_the_checkpoint(monkeypatch: Any) -> None:
+    """A result the topic refuses (too large) is not in it, and its key is never written
+    again (the task's dead letter goes elsewhere): held as a write that may have landed,
+    it kept the local checkpoint there until the worker restarted, which then read the
+    partition again from it. A write that may have landed (timed out) still holds it."""
+    from aiokafka.errors import KafkaTimeoutError, RecordTooLargeError
+
+    from streams.settings import load_settings
+    from streams.store import taskstore as state_module
+    from streams.store.taskstore import TaskStore
+
+    async def empty(*_: Any) -> dict[Kind, int]:
+        return dict.fromkeys(Kind, 0)
+
+    monkeypatch.setattr(state_module, "load_partition", empty)
+    offsets = iter(range(100))
+    refusals = {b"rk-big": RecordTooLargeError(), b"rk-late": KafkaTimeoutError()}
+
+    async def send(topic: str, key: bytes, *args: Any) -> int:
+        if key in refusals:
+            raise refusals.pop(key)
+        return next(offsets)
+
+    store = TaskStore(load_settings(store="memory://"), send)
+    store.assign({0})
+    await store.ready(0)
+    part = store._parts[0]
+    try:
+        await store.put(Kind.RESULTS, 0, b"rk-1", b"{}")  # offset 0
+        with pytest.raises(RecordTooLargeError):
+            await store.put(Kind.RESULTS, 0, b"rk-big", b"{}")
+        await store.put(Kind.RESULTS, 0, b"rk-2", b"{}")  # offset 1
+        assert part.checkpoint()[Kind.RESULTS] == 2  # past the refused write
+        with pytest.raises(KafkaTimeoutError):
+            await store.put(Kind.RESULTS, 0, b"rk-late", b"{}")  # may be at 2 all the same
+        await store.put(Kind.RESULTS, 0, b"rk-3", b"{}")  # offset 2
+        assert part.checkpoint()[Kind.RESULTS] == 2
+    finally:
+        await store.close()
+
+
 async def test_the_store_closes_right_after_a_write(monkeypatch: Any, tmp_path: Path) -> None:
     """A write wakes the flusher; a close in the same turn of the loop cancelled it just
     as its wait ended, which Python 3.11's `wait_for` swallows: the flusher went on
