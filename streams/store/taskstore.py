@@ -50,6 +50,8 @@ from streams.store.retention import expire
 
 log = logging.getLogger(__name__)
 
+SAY_FLUSH_FAILURES_EVERY_S = 60.0
+
 
 class _Ahead(Exception):
     """A standby's local copy is ahead of its topics (they were made again)."""
@@ -124,6 +126,8 @@ class TaskStore:
         self._room.set()
         self._unflushed_limit = settings.store_unflushed_mb << 20
         self._unflushed = 0  # as of the last failed flush, until one succeeds
+        self._said_failure_at = -SAY_FLUSH_FAILURES_EVERY_S  # a failed flush, logged
+        self._unsaid_failures = 0
         self._expirer: asyncio.Task[None] | None = None
         # Partitions this worker stands by for: their maps and the task following them.
         self._standbys: dict[int, tuple[Maps, asyncio.Task[None]]] = {}
@@ -258,8 +262,16 @@ class TaskStore:
             part.maps.flush(part.checkpoint())
             self.local.in_use(partition)
         except Exception:
-            log.exception("could not write the local store of partition %d", partition)
             self.metrics.store_flush_errors.inc()
+            self._unsaid_failures += 1
+            now = time.monotonic()
+            if now - self._said_failure_at >= SAY_FLUSH_FAILURES_EVERY_S:
+                # Tried again every commit interval for every partition: said once a
+                # minute, not twice a second per partition (on a disk that may be full).
+                log.exception("could not write the local store of partition %d (%d failed "
+                              "flushes since the last word)", partition,
+                              self._unsaid_failures)  # fmt: skip
+                self._said_failure_at, self._unsaid_failures = now, 0
             self._written.set()  # at-least-once: the flusher tries again next interval
             self._gate()
             return

@@ -505,7 +505,7 @@ async def _on_a_refusing_disk(
 
 
 async def test_records_wait_while_the_writes_a_full_disk_refused_pass_their_bound(
-    monkeypatch: Any, tmp_path: Path
+    monkeypatch: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The disk refuses the store's writes: they stay in memory, and past
     `store_unflushed_mb` records wait before they run (memory grew with every task until
@@ -524,6 +524,8 @@ async def test_records_wait_while_the_writes_a_full_disk_refused_pass_their_boun
     waiting = [asyncio.create_task(store.ready(p)) for p in (0, 1)]
     await asyncio.sleep(0.1)  # ten more intervals, ten more failed flushes
     assert not any(task.done() for task in waiting) and store.disk_refusing()  # not ready
+    assert store.metrics.store_flush_errors._value.get() >= 20
+    assert caplog.text.count("could not write the local store") == 1  # said once a minute
     assert store.get(Kind.RESULTS, 1, b"rk-3") == value  # what it holds is still read
     disk["full"] = False
     await asyncio.wait_for(asyncio.gather(*waiting), 5)
