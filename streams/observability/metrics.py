@@ -162,9 +162,9 @@ class Metrics:
             "tried again).", ["outcome"], registry=r)  # fmt: skip
         self.partitions_restarted = Counter(
             "llm_streams_partitions_restarted",
-            "Exactly-once: partitions whose producer was fenced while still this worker's "
-            "(transaction timed out) and that were started again from their committed offsets.",
-            registry=r)  # fmt: skip
+            "Partitions started again from their committed offsets while still this worker's: "
+            "exactly-once's producer fenced (transaction timed out), or the local store found "
+            "damaged.", registry=r)  # fmt: skip
         self.in_flight = Gauge(
             "llm_streams_tasks_in_flight", "Tasks being processed now.", registry=r)  # fmt: skip
         self.replay_idle = Gauge(

@@ -210,7 +210,7 @@ class RocksMaps:
         self._db.close()
 
 
-def _corrupted(exc: Exception) -> bool:
+def damaged(exc: BaseException) -> bool:
     """RocksDB says its files are damaged or missing (a table, a manifest) — what no
     retry mends — rather than a failure of the disk or the process (full, read-only, out
     of file handles), which may pass."""
@@ -247,7 +247,7 @@ class LocalStore:
         except ConfigError:
             raise  # another worker's
         except Exception as exc:
-            if not _corrupted(exc):
+            if not damaged(exc):
                 raise  # a disk full, out of file handles...: no reason to lose the copy
             # Corrupted (a torn write, a disk that failed): as Kafka Streams does with a
             # corrupted task's state, it goes and its topics are read again, where the
@@ -347,4 +347,4 @@ class LocalStore:
         return self._options
 
 
-__all__ = ["FORMAT", "LocalStore", "RocksMaps"]
+__all__ = ["FORMAT", "LocalStore", "RocksMaps", "damaged"]

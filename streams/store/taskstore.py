@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.observability.metrics import Metrics
 from streams.resilience.retry import retry_transient
 from streams.settings import Settings
-from streams.store.local import MARK_EVERY_S, LocalStore
+from streams.store.local import MARK_EVERY_S, LocalStore, damaged
 from streams.store.maps import Kind, Maps, now_ms
 from streams.store.partition import Position, StorePartition
 from streams.store.restore import follow_partition, load_partition, readable
@@ -129,6 +129,10 @@ class TaskStore:
         self._said_failure_at = -SAY_FLUSH_FAILURES_EVERY_S  # a failed flush, logged
         self._unsaid_failures = 0
         self._expirer: asyncio.Task[None] | None = None
+        # Told when a partition's local copy is found damaged on a read or a flush (it is
+        # dropped and deleted then): the worker starts the partition again (`worker.agent`).
+        self.on_damaged: Callable[[int], Coroutine[Any, Any, None]] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         # Partitions this worker stands by for: their maps and the task following them.
         self._standbys: dict[int, tuple[Maps, asyncio.Task[None]]] = {}
 
@@ -261,7 +265,10 @@ class TaskStore:
         try:
             part.maps.flush(part.checkpoint())
             self.local.in_use(partition)
-        except Exception:
+        except Exception as exc:
+            if damaged(exc):  # no disk refusing: a copy that cannot be mended
+                self._damaged(partition, exc)
+                return
             self.metrics.store_flush_errors.inc()
             self._unsaid_failures += 1
             now = time.monotonic()
@@ -277,6 +284,32 @@ class TaskStore:
             return
         if self._unflushed:  # what the disk refused before may be on it now
             self._gate()
+
+    def _damaged(self, partition: int, exc: BaseException) -> None:
+        """RocksDB says partition's local copy is damaged (a block that fails its checksum,
+        a table gone): read on, it failed every record's read and every flush for good —
+        records dead-lettered as bugs, the flush retried as a full disk. It is dropped and
+        deleted, and `on_damaged` starts the partition again: its records run again from
+        the committed offsets once its topics are read into a new copy."""
+        if partition not in self._parts:
+            return  # given away meanwhile (its next reader meets the damage at its open)
+        log.error("the local store of partition %d is damaged (%s): deleting it; the partition "
+                  "starts again from its committed offsets, its topics read again", partition,
+                  exc)  # fmt: skip
+        self.drop(partition)
+        self.local.destroy(partition)
+        if self.on_damaged is not None:
+            task = asyncio.get_running_loop().create_task(self.on_damaged(partition))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _read_failed(self, partition: int, exc: Exception) -> None:
+        """A read of partition's local copy raised `exc`: PartitionLost when the copy is
+        damaged (the record is left to the partition's start again), else nothing."""
+        if damaged(exc):
+            self._damaged(partition, exc)
+            raise PartitionLost(f"the local store of partition {partition} is damaged: "
+                                "read again before its records run") from exc  # fmt: skip
 
     def _gate(self) -> None:
         """Records wait before they run while the writes the disk refused pass
@@ -365,7 +398,10 @@ class TaskStore:
                 if part.ready.is_set() and self.settings.retention.limits():
                     try:
                         await self.expire(p)
-                    except Exception:  # the broker away, the partition lost: next round
+                    except Exception as exc:  # the broker away, the partition lost: next round
+                        if damaged(exc):
+                            self._damaged(p, exc)
+                            continue
                         log.warning("expiring entries of partition %d failed", p, exc_info=True)
             for kind in Kind:
                 total = sum(part.maps.count(kind) for part in self._parts.values())
@@ -408,8 +444,17 @@ class TaskStore:
         the broker is away, again (the partition's records wait) until revoked."""
 
         async def load() -> dict[Kind, int] | None:
-            return await load_partition(self.settings, self.topics, partition, part.maps,
-                                        self._unreadable)  # fmt: skip
+            try:
+                return await load_partition(self.settings, self.topics, partition, part.maps,
+                                            self._unreadable)  # fmt: skip
+            except Exception as exc:
+                if damaged(exc):  # read again from the start into a new copy (tried again)
+                    log.error("the local store of partition %d is damaged (%s): deleting it "
+                              "and reading its topics from the start", partition, exc)  # fmt: skip
+                    part.maps.close()
+                    self.local.destroy(partition)
+                    part.maps = self.local.open(partition)
+                raise
 
         return await retry_transient(
             load, what=f"loading state of partition {partition}",
@@ -429,11 +474,23 @@ class TaskStore:
 
     def get(self, kind: Kind, partition: int, key: bytes) -> bytes | None:
         part = self._parts.get(partition)
-        return part.maps.get(kind, key) if part is not None else None
+        if part is None:
+            return None
+        try:
+            return part.maps.get(kind, key)
+        except Exception as exc:
+            self._read_failed(partition, exc)
+            raise
 
     def keys(self, kind: Kind, partition: int, prefix: bytes) -> list[bytes]:
         part = self._parts.get(partition)
-        return part.maps.keys(kind, prefix) if part is not None else []
+        if part is None:
+            return []
+        try:
+            return part.maps.keys(kind, prefix)
+        except Exception as exc:
+            self._read_failed(partition, exc)
+            raise
 
     def result(self, partition: int, result_key: str) -> bytes | None:
         return self.get(Kind.RESULTS, partition, result_key.encode())

@@ -85,6 +85,7 @@ class TaskAgent:
         self._left_at_stop = 0  # records taken and, the stop begun, not started
         state_bytes = self.limits.value_bytes(state_topic(settings))
         self.store = TaskStore(settings, self._send, self.metrics, state_bytes=state_bytes)
+        self.store.on_damaged = self._on_damaged
         # Exactly-once: every write of partition p in p's transaction with its offsets.
         self.eos: Transactions | None = None
         if settings.processing_guarantee == "exactly_once":
@@ -192,6 +193,16 @@ class TaskAgent:
         the last commit are gone though their records were acked: drop what the store holds
         of it, and rejoin the group, which assigns the partition again from its committed
         offsets (read back into the store, with a new producer), as Kafka Streams does."""
+        await self._start_again(partition, "was fenced while still this worker's (its "
+                                "transaction timed out?)")  # fmt: skip
+
+    async def _on_damaged(self, partition: int) -> None:
+        """Partition's local store was found damaged and deleted (`TaskStore._damaged`): the
+        records taken from it are left unacked, and the partition starts again the same
+        way, its topics read into a new copy."""
+        await self._start_again(partition, "lost its local store (damaged)")
+
+    async def _start_again(self, partition: int, why: str) -> None:
         inputs = {self.settings.topics.tasks, self.settings.topics.replay}
         try:
             assigned = {tp.partition for tp in self.app.consumer.assignment()
@@ -200,8 +211,8 @@ class TaskAgent:
             return
         if partition not in assigned:
             return  # taken over: the rebalance on its way moves it
-        log.warning("partition %d was fenced while still this worker's (its transaction timed "
-                    "out?): starting it again from its committed offsets", partition)  # fmt: skip
+        log.warning("partition %d %s: starting it again from its committed offsets",
+                    partition, why)  # fmt: skip
         self.metrics.partitions_restarted.inc()
         self.store.drop(partition)
         self._forget({tp for tp in self.acks.partitions()

@@ -143,9 +143,11 @@ class RecordFlow:
                 kind, outcome = await self.handle(message, source, span)
             except (CannotWrite, asyncio.CancelledError):
                 raise
-            except (Parked, Withdrawn) as exc:
+            except (Parked, Withdrawn, PartitionLost) as exc:
                 # Parked: durably in the batch lane's ledger, which resumes it. Withdrawn:
                 # it waited at a spend cap and its partition was given away to its owner.
+                # PartitionLost: the partition's store was dropped on the record's way (its
+                # local copy found damaged): it runs again when the partition starts again.
                 kind = Ended.PARKED if isinstance(exc, Parked) else Ended.RELEASED
                 span.set_attribute("llm_streams.outcome", kind)
                 return kind

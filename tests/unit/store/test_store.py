@@ -623,3 +623,59 @@ async def test_the_store_closes_right_after_a_write(monkeypatch: Any, tmp_path: 
     await asyncio.sleep(0.01)  # the flusher waits for a write
     await store.put(Kind.RESULTS, 0, b"rk-1", b"{}")
     await asyncio.wait_for(store.close(), 5)
+
+
+async def test_a_local_copy_found_damaged_on_a_read_or_a_flush_is_dropped_and_started_again(
+    monkeypatch: Any, tmp_path: Path
+) -> None:
+    """A block that fails its checksum is found on a read, not at the open: every record's
+    read of it failed (a dead letter as a bug each) and every flush too (retried as a full
+    disk, until records waited for good). The copy is dropped and deleted, the read says
+    PartitionLost (the record runs again), and the worker is told to start the partition
+    again; a flush that finds it does the same."""
+    from streams.settings import load_settings
+    from streams.store import taskstore as state_module
+    from streams.store.local import RocksMaps
+    from streams.store.taskstore import PartitionLost, TaskStore
+
+    async def empty(*_: Any) -> dict[Kind, int]:
+        return dict.fromkeys(Kind, 0)
+
+    monkeypatch.setattr(state_module, "load_partition", empty)
+
+    async def send(*args: Any) -> int:
+        return 0
+
+    store = TaskStore(load_settings(store=f"rocksdb://{tmp_path}"), send)
+    restarted: list[int] = []
+
+    async def on_damaged(p: int) -> None:
+        restarted.append(p)
+
+    store.on_damaged = on_damaged
+    store.assign({0, 1})
+    await store.ready(0)
+    await store.ready(1)
+    try:
+        bad = Exception("Corruption: block checksum mismatch: stored = 1, computed = 2")
+
+        def broken(*_: Any) -> Any:
+            raise bad
+
+        monkeypatch.setattr(store._parts[0].maps, "get", broken)
+        with pytest.raises(PartitionLost) as caught:
+            store.get(Kind.RESULTS, 0, b"rk-1")
+        assert caught.value.__cause__ is bad
+        await asyncio.sleep(0)
+        assert restarted == [0] and store.owned() == {1}
+        assert not store.local.path(0).exists()  # read again from its topics when assigned
+        with pytest.raises(PartitionLost):
+            await store.ready(0)
+        monkeypatch.setattr(RocksMaps, "flush", lambda self, *_, **__: broken())
+        await store.put(Kind.RESULTS, 1, b"rk-2", b"{}")
+        store.committed(1)  # the flush meets it
+        await asyncio.sleep(0)
+        assert restarted == [0, 1] and store.owned() == set()
+        assert store.metrics.store_flush_errors._value.get() == 0  # no disk refusing
+    finally:
+        await store.close()

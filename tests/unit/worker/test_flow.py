@@ -509,6 +509,24 @@ async def test_a_record_of_a_partition_given_away_is_released_unanswered(flow: A
     assert sent == [] and llm.requests == []
 
 
+async def test_a_record_whose_partitions_store_is_found_damaged_is_released_unanswered(
+    flow: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its decide reads a block of the local copy that fails its checksum: the store drops
+    the partition (the worker starts it again) and the record runs again then — it is no
+    bug of the worker, and no dead letter is written for it."""
+    run, sent, llm, _, _ = flow
+    home = _home_of("t-damaged")
+    await run.store.ready(home)
+
+    def broken(*_: Any) -> Any:
+        raise Exception("Corruption: block checksum mismatch")
+
+    monkeypatch.setattr(run.store._parts[home].maps, "get", broken)
+    assert await run.run(_record("t-damaged", home), taken_at=0.0) == "released"
+    assert sent == [] and llm.requests == [] and home not in run.store.owned()
+
+
 def _forwarded(task_id: str, offset: int, origin: bytes) -> StoredRecord:
     """A task as the sources agent forwards it: its source record in a header."""
     record = _record(task_id, _home_of(task_id), offset)
