@@ -211,9 +211,10 @@ class TaskStore:
             raise _Ahead(partition)  # it returns only then: follow its topics from the start
 
         def again(exc: BaseException) -> bool:
-            if isinstance(exc, _Ahead):
-                log.warning("the local store of partition %d is ahead of its topics (made "
-                            "again?): following them from the start", partition)  # fmt: skip
+            if isinstance(exc, _Ahead) or damaged(exc):
+                what = "damaged" if damaged(exc) else "ahead of them (made again?)"
+                log.warning("the local store of partition %d is %s: following its topics "
+                            "from the start", partition, what)  # fmt: skip
                 maps, task = self._standbys[partition]
                 maps.close()
                 self.local.destroy(partition)

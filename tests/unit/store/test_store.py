@@ -326,11 +326,13 @@ async def test_standbys_given_away_stop_keep_their_copy_and_are_not_cleaned_up_w
     maps.close()
 
 
+@pytest.mark.parametrize("why", ["ahead", "damaged"])
 async def test_a_standby_ahead_of_its_topics_follows_them_again_from_the_start(
-    monkeypatch: Any, tmp_path: Path
+    monkeypatch: Any, tmp_path: Path, why: str
 ) -> None:
-    """follow_partition returns when the copy is ahead of its topics (made again): the
-    copy goes and is followed from offset 0, not left stale and not retried as it is."""
+    """follow_partition returns when the copy is ahead of its topics (made again), and
+    raises RocksDB's Corruption when it is damaged: the copy goes and is followed from
+    offset 0, not left stale and not retried as it is."""
     from streams.settings import load_settings
     from streams.store import taskstore as state_module
     from streams.store.local import LocalStore
@@ -345,8 +347,10 @@ async def test_a_standby_ahead_of_its_topics_follows_them_again_from_the_start(
 
     async def follow(settings: Any, topics: Any, partition: int, maps: Any, *rest: Any) -> None:
         calls.append(maps.checkpoint())
-        if len(calls) == 1:
+        if len(calls) == 1 and why == "ahead":
             return  # ahead of its topics
+        if len(calls) == 1:
+            raise Exception("Corruption: block checksum mismatch")
         assert maps.get(Kind.RESULTS, b"rk-gone") is None
         await follower(settings, topics, partition, maps, *rest)
 
