@@ -473,19 +473,29 @@ async def test_the_flusher_sleeps_while_nothing_is_written(
     local.release(0)
 
 
-async def _on_a_refusing_disk(
-    monkeypatch: Any, tmp_path: Path, **settings: Any
-) -> tuple[Any, dict[str, bool]]:
-    """A store on disk whose flushes fail while `disk["full"]`, as a full volume's do."""
+def _over_empty_topics(monkeypatch: Any, send: Any = None, **settings: Any) -> Any:
+    """A TaskStore whose partitions load from empty topics, writing through `send`
+    (default: every write acked at offset 0)."""
     from streams.settings import load_settings
     from streams.store import taskstore as state_module
-    from streams.store.local import RocksMaps
     from streams.store.taskstore import TaskStore
 
     async def empty(*_: Any) -> dict[Kind, int]:
         return dict.fromkeys(Kind, 0)
 
+    async def acked(*_: Any) -> int:
+        return 0
+
     monkeypatch.setattr(state_module, "load_partition", empty)
+    return TaskStore(load_settings(**settings), send or acked)
+
+
+async def _on_a_refusing_disk(
+    monkeypatch: Any, tmp_path: Path, **settings: Any
+) -> tuple[Any, dict[str, bool]]:
+    """A store on disk whose flushes fail while `disk["full"]`, as a full volume's do."""
+    from streams.store.local import RocksMaps
+
     disk = {"full": True}
     real_flush = RocksMaps.flush
 
@@ -500,8 +510,8 @@ async def _on_a_refusing_disk(
     async def send(*args: Any) -> int:
         return next(offsets)
 
-    store = TaskStore(load_settings(store=f"rocksdb://{tmp_path}",
-                                    kafka={"commit_interval_s": 0.01}, **settings), send)  # fmt: skip
+    store = _over_empty_topics(monkeypatch, send, store=f"rocksdb://{tmp_path}",
+                               kafka={"commit_interval_s": 0.01}, **settings)  # fmt: skip
     store.assign({0, 1})
     await store.ready(0)
     await store.ready(1)
@@ -571,14 +581,6 @@ async def test_a_write_refused_for_good_does_not_hold_the_checkpoint(monkeypatch
     partition again from it. A write that may have landed (timed out) still holds it."""
     from aiokafka.errors import KafkaTimeoutError, RecordTooLargeError
 
-    from streams.settings import load_settings
-    from streams.store import taskstore as state_module
-    from streams.store.taskstore import TaskStore
-
-    async def empty(*_: Any) -> dict[Kind, int]:
-        return dict.fromkeys(Kind, 0)
-
-    monkeypatch.setattr(state_module, "load_partition", empty)
     offsets = iter(range(100))
     refusals = {b"rk-big": RecordTooLargeError(), b"rk-late": KafkaTimeoutError()}
 
@@ -587,7 +589,7 @@ async def test_a_write_refused_for_good_does_not_hold_the_checkpoint(monkeypatch
             raise refusals.pop(key)
         return next(offsets)
 
-    store = TaskStore(load_settings(store="memory://"), send)
+    store = _over_empty_topics(monkeypatch, send, store="memory://")
     store.assign({0})
     await store.ready(0)
     part = store._parts[0]
@@ -609,19 +611,7 @@ async def test_the_store_closes_right_after_a_write(monkeypatch: Any, tmp_path: 
     """A write wakes the flusher; a close in the same turn of the loop cancelled it just
     as its wait ended, which Python 3.11's `wait_for` swallows: the flusher went on
     looping and the close (the worker's stop) hung on it."""
-    from streams.settings import load_settings
-    from streams.store import taskstore as state_module
-    from streams.store.taskstore import TaskStore
-
-    async def empty(*_: Any) -> dict[Kind, int]:
-        return dict.fromkeys(Kind, 0)
-
-    monkeypatch.setattr(state_module, "load_partition", empty)
-
-    async def send(*args: Any) -> int:
-        return 0
-
-    store = TaskStore(load_settings(store=f"rocksdb://{tmp_path}"), send)
+    store = _over_empty_topics(monkeypatch, store=f"rocksdb://{tmp_path}")
     store.assign({0})
     await store.ready(0)
     await asyncio.sleep(0.01)  # the flusher waits for a write
@@ -637,20 +627,10 @@ async def test_a_local_copy_found_damaged_on_a_read_or_a_flush_is_dropped_and_st
     disk, until records waited for good). The copy is dropped and deleted, the read says
     PartitionLost (the record runs again), and the worker is told to start the partition
     again; a flush that finds it does the same."""
-    from streams.settings import load_settings
-    from streams.store import taskstore as state_module
     from streams.store.local import RocksMaps
-    from streams.store.taskstore import PartitionLost, TaskStore
+    from streams.store.taskstore import PartitionLost
 
-    async def empty(*_: Any) -> dict[Kind, int]:
-        return dict.fromkeys(Kind, 0)
-
-    monkeypatch.setattr(state_module, "load_partition", empty)
-
-    async def send(*args: Any) -> int:
-        return 0
-
-    store = TaskStore(load_settings(store=f"rocksdb://{tmp_path}"), send)
+    store = _over_empty_topics(monkeypatch, store=f"rocksdb://{tmp_path}")
     restarted: list[int] = []
 
     async def on_damaged(p: int) -> None:
