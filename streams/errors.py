@@ -54,6 +54,13 @@ class StreamsError(Exception):
         self.code = code or self.category.value
 
 
+class NotOurs(Exception):
+    """The record's partition is not this worker's to answer (given away, or its local
+    store dropped): its outcome is left to the partition's owner, or to the partition's
+    start again. No failure of the task: what turns an unexpected error into a dead
+    letter lets it through."""
+
+
 class ConfigError(StreamsError):
     """A setting or a pipeline file is wrong; the process must not start."""
 

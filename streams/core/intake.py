@@ -17,7 +17,7 @@ from streams.core.outcome import Outcome, Outcomes, Prepared
 from streams.core.sessions import NONE as NO_CONTEXT
 from streams.core.sessions import context_of, turn_position, with_context
 from streams.core.spend import Spend
-from streams.errors import InternalError, TaskError
+from streams.errors import InternalError, NotOurs, TaskError
 from streams.llm.tokens import count_messages
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
@@ -156,6 +156,8 @@ class Intake:
             )  # fmt: skip
         except TaskError as exc:
             return self.outcomes.dead(exc, raw, key, task, source, Attempts(), Spend(), started)
+        except NotOurs:
+            raise  # its session's turns are not this worker's to read any more
         except Exception as exc:  # a bug must not stop the worker or lose the record
             log.exception("unexpected error preparing %s", source)
             err = InternalError(f"internal error: {exc!r}", code="internal_error")

@@ -38,6 +38,7 @@ from streams.errors import (
     ContextOverflow,
     DeadlineExceeded,
     InternalError,
+    NotOurs,
     StreamsError,
     TaskError,
 )
@@ -284,6 +285,8 @@ class TaskProcessor:
                 return dead
             failed_at = exc.stage if isinstance(exc, StageFailed) else MAIN
             return replace(dead, stages=kept, stage=failed_at)
+        except NotOurs:
+            raise  # its partition is not this worker's any more: no outcome here
         except Exception as exc:  # a bug must not stop the worker or lose the record
             log.exception("unexpected error processing %s", prep.source)
             err = InternalError(f"internal error: {exc!r}", code="internal_error")

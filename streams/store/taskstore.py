@@ -37,6 +37,7 @@ from aiokafka.errors import KafkaError
 
 from streams.contract.records import kept
 from streams.core.taskstate import TaskState
+from streams.errors import NotOurs
 from streams.kafka.limits import refused_for_good
 from streams.kafka.topics import ledger_topic, sessions_topic, state_topic
 from streams.observability.metrics import Metrics
@@ -57,7 +58,7 @@ class _Ahead(Exception):
     """A standby's local copy is ahead of its topics (they were made again)."""
 
 
-class PartitionLost(KafkaError):  # type: ignore[misc]  # aiokafka is untyped here
+class PartitionLost(KafkaError, NotOurs):  # type: ignore[misc]  # aiokafka is untyped here
     """This worker no longer owns partition p (revoked, dropped after a fence, or fenced by
     its new owner): the record's outcome is left to the worker that owns p now."""
 

@@ -47,7 +47,7 @@ from streams.core.outcome import Outcome, Prepared
 from streams.core.processor import TaskProcessor
 from streams.core.sessions import has_turn, without_turn
 from streams.core.sinks import erased
-from streams.errors import InternalError, InvalidInput, WriteRefused
+from streams.errors import InternalError, InvalidInput, NotOurs, WriteRefused
 from streams.kafka.routing import partition_for
 from streams.observability.logs import current_task_id
 from streams.observability.metrics import Metrics
@@ -143,7 +143,7 @@ class RecordFlow:
                 kind, outcome = await self.handle(message, source, span)
             except (CannotWrite, asyncio.CancelledError):
                 raise
-            except (Parked, Withdrawn, PartitionLost) as exc:
+            except (Parked, Withdrawn, NotOurs) as exc:
                 # Parked: durably in the batch lane's ledger, which resumes it. Withdrawn:
                 # it waited at a spend cap and its partition was given away to its owner.
                 # PartitionLost: the partition's store was dropped on the record's way (its

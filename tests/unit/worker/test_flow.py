@@ -527,6 +527,24 @@ async def test_a_record_whose_partitions_store_is_found_damaged_is_released_unan
     assert sent == [] and llm.requests == [] and home not in run.store.owned()
 
 
+async def test_a_session_turn_read_from_a_damaged_store_is_released_unanswered(
+    session_flow: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read of its session's earlier turns, in its prepare, meets the damage: no
+    `internal_error` dead letter (prepare's catch-all for bugs lets it through)."""
+    run, sent, llm, _, _ = session_flow
+    home = _home_of("s-9")
+    await run.store.ready(home)
+
+    def broken(*_: Any) -> Any:
+        raise Exception("Corruption: block checksum mismatch")
+
+    monkeypatch.setattr(run.store._parts[home].maps, "get", broken)
+    record = _record("s-9-a", home, session_id="s-9")
+    assert await run.run(record, taken_at=0.0) == "released"
+    assert sent == [] and llm.requests == []
+
+
 def _forwarded(task_id: str, offset: int, origin: bytes) -> StoredRecord:
     """A task as the sources agent forwards it: its source record in a header."""
     record = _record(task_id, _home_of(task_id), offset)
