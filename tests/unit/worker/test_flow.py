@@ -509,6 +509,16 @@ async def test_a_record_of_a_partition_given_away_is_released_unanswered(flow: A
     assert sent == [] and llm.requests == []
 
 
+async def _damaged(run: Any, home: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every read of partition `home`'s local copy meets a block that fails its checksum."""
+    await run.store.ready(home)
+
+    def broken(*_: Any) -> Any:
+        raise Exception("Corruption: block checksum mismatch")
+
+    monkeypatch.setattr(run.store._parts[home].maps, "get", broken)
+
+
 async def test_a_record_whose_partitions_store_is_found_damaged_is_released_unanswered(
     flow: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -517,12 +527,7 @@ async def test_a_record_whose_partitions_store_is_found_damaged_is_released_unan
     bug of the worker, and no dead letter is written for it."""
     run, sent, llm, _, _ = flow
     home = _home_of("t-damaged")
-    await run.store.ready(home)
-
-    def broken(*_: Any) -> Any:
-        raise Exception("Corruption: block checksum mismatch")
-
-    monkeypatch.setattr(run.store._parts[home].maps, "get", broken)
+    await _damaged(run, home, monkeypatch)
     assert await run.run(_record("t-damaged", home), taken_at=0.0) == "released"
     assert sent == [] and llm.requests == [] and home not in run.store.owned()
 
@@ -534,12 +539,7 @@ async def test_a_session_turn_read_from_a_damaged_store_is_released_unanswered(
     `internal_error` dead letter (prepare's catch-all for bugs lets it through)."""
     run, sent, llm, _, _ = session_flow
     home = _home_of("s-9")
-    await run.store.ready(home)
-
-    def broken(*_: Any) -> Any:
-        raise Exception("Corruption: block checksum mismatch")
-
-    monkeypatch.setattr(run.store._parts[home].maps, "get", broken)
+    await _damaged(run, home, monkeypatch)
     record = _record("s-9-a", home, session_id="s-9")
     assert await run.run(record, taken_at=0.0) == "released"
     assert sent == [] and llm.requests == []
