@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -123,19 +123,16 @@ async def scan(
         await consumer.stop()
 
 
-def latest_objects(records: Iterable[ConsumerRecord[bytes, bytes]]) -> dict[bytes, dict[str, Any]]:
-    """The latest JSON object per key, as compaction keeps it: a tombstone deletes the key;
-    a value that is not a JSON object is skipped (logged)."""
-    latest: dict[bytes, dict[str, Any]] = {}
-    _onto(latest, records)
-    return latest
-
-
 def _onto(
-    latest: dict[bytes, dict[str, Any]], records: Iterable[ConsumerRecord[bytes, bytes]]
+    latest: dict[bytes, dict[str, Any]],
+    records: Iterable[ConsumerRecord[bytes, bytes]],
+    keys: Collection[bytes] | None = None,
+    shape: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
 ) -> None:
+    """`records` onto the latest JSON object per key, as compaction keeps it: a tombstone
+    deletes the key; a value that is not a JSON object is skipped (logged)."""
     for rec in records:
-        if rec.key is None:
+        if rec.key is None or (keys is not None and rec.key not in keys):
             continue
         if rec.value is None:
             latest.pop(rec.key, None)
@@ -145,7 +142,28 @@ def _onto(
             log.warning("skipping a value that is not a JSON object at %s/%d/%d",
                         rec.topic, rec.partition, rec.offset)  # fmt: skip
             continue
-        latest[rec.key] = data
+        kept = data if shape is None else shape(data)
+        if kept is not None:
+            latest[rec.key] = kept
+        else:  # its latest is not wanted: what it was before is not either
+            latest.pop(rec.key, None)
+
+
+async def scan_latest(
+    settings: Settings,
+    topic: str,
+    *,
+    keys: Collection[bytes] | None = None,
+    shape: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+) -> dict[bytes, dict[str, Any]]:
+    """The latest JSON object per key of `topic`, read whole once (a command): of `keys`
+    only, when given; as `shape` makes each latest object, when given (None: the key
+    left out). It holds what it returns, never the topic's records: an operator's lookup
+    of one task in a year of task states held every record of them in memory."""
+    latest: dict[bytes, dict[str, Any]] = {}
+    async for records in scan(settings, topic):
+        _onto(latest, records, keys, shape)
+    return latest
 
 
 async def latest_of(
@@ -162,12 +180,7 @@ async def latest_of_each(
     """`latest_of` each of `topics`, from one read of `follower`'s (else each read whole)."""
     if follower is not None:
         return await follower.latest_each(*topics)
-    each: dict[str, dict[bytes, dict[str, Any]]] = {}
-    for topic in topics:
-        latest = each[topic] = {}
-        async for records in scan(settings, topic):
-            _onto(latest, records)
-    return each
+    return {topic: await scan_latest(settings, topic) for topic in topics}
 
 
 class Follower:

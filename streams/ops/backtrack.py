@@ -31,7 +31,7 @@ from streams.contract.records import decode_task, result_key
 from streams.errors import ConfigError, TaskError
 from streams.kafka import clients
 from streams.kafka.clients import reader
-from streams.kafka.scan import end_offsets, latest_objects, scan
+from streams.kafka.scan import end_offsets, scan_latest
 from streams.kafka.topics import ensure_topics, state_topic
 from streams.ops.replay import read_answered
 from streams.pipelines.registry import PipelineRegistry
@@ -83,10 +83,21 @@ class Plan:
     missing_ids: list[str] = field(default_factory=list)  # asked for, no state at all
 
 
-async def latest_states(settings: Settings) -> dict[str, dict[str, Any]]:
-    records = [r async for batch in scan(settings, state_topic(settings)) for r in batch]
-    return {k.decode(errors="replace"): v for k, v in latest_objects(records).items()
-            if isinstance(v.get("task_id"), str)}  # fmt: skip
+async def latest_states(settings: Settings, selection: Selection) -> dict[str, dict[str, Any]]:
+    """The latest state of each task `selection` names or matches: whole when it matches,
+    its task id alone when it was named and does not (it is not missing)."""
+
+    def chosen(state: dict[str, Any]) -> dict[str, Any] | None:
+        task_id = state.get("task_id")
+        if not isinstance(task_id, str):
+            return None
+        if selection.matches(state):
+            return state
+        return {"task_id": task_id} if task_id in selection.task_ids else None
+
+    named = {t.encode() for t in selection.task_ids} if selection.task_ids else None
+    found = await scan_latest(settings, state_topic(settings), keys=named, shape=chosen)
+    return {k.decode(errors="replace"): v for k, v in found.items()}
 
 
 async def read_at(
@@ -132,7 +143,7 @@ async def plan_backtrack(
         raise ConfigError("select tasks: give task ids, --pipeline, --version, --since or --until")
     if action == "restore" and version is None:
         raise ConfigError("restore needs the prompt version to restore (--to-version)")
-    states = await latest_states(settings)
+    states = await latest_states(settings, selection)
     plan = Plan(missing_ids=sorted(selection.task_ids - set(states)))
     chosen = [s for s in states.values() if selection.matches(s) and s.get("source")]
     plan.no_source = sorted(s["task_id"] for s in states.values()

@@ -7,27 +7,19 @@ from datetime import datetime
 from typing import Any
 
 import orjson
-from aiokafka.structs import ConsumerRecord
 
 from streams.contract.headers import REDRIVE_HEADER
 from streams.errors import REDRIVABLE
 from streams.kafka import clients
-from streams.kafka.scan import latest_objects, scan
+from streams.kafka.scan import scan_latest
 from streams.kafka.topics import state_topic
 from streams.settings import Settings
-
-
-async def read_all(settings: Settings, topic: str) -> list[ConsumerRecord[bytes, bytes]]:
-    """Every record of `topic` up to its current end (read_committed); a key's records
-    in their order."""
-    return [record async for batch in scan(settings, topic) for record in batch]
 
 
 async def task_state(settings: Settings, task_id: str) -> dict[str, Any] | None:
     """The task's latest state record (status, keys, last error, history), or None."""
     key = task_id.encode()
-    return latest_objects(r for r in await read_all(settings, state_topic(settings))
-                          if r.key == key).get(key)  # fmt: skip
+    return (await scan_latest(settings, state_topic(settings), keys={key})).get(key)
 
 
 @dataclass
@@ -49,19 +41,18 @@ def plan_redrive(
     `since`, a real task (not bad input), and still the task's latest state."""
     plan = RedrivePlan(requeue=[])
     for letter in letters:
-        error = letter.get("error")
-        category = error.get("category") if isinstance(error, dict) else None
+        category = _category(letter)
         if category not in categories or category not in REDRIVABLE:
             plan.skipped_category += 1
             continue
         if since is not None and _failed_before(letter, since):
             plan.skipped_before += 1
             continue
-        payload = letter.get("payload")
-        if not isinstance(payload, dict) or not isinstance(payload.get("task_id"), str):
+        task_id = _task_id(letter)
+        if task_id is None:
             plan.skipped_not_a_task += 1
             continue
-        state = states.get(payload["task_id"])
+        state = states.get(task_id)
         if (
             state is None
             or state.get("status") != "dead_lettered"
@@ -71,6 +62,18 @@ def plan_redrive(
             continue
         plan.requeue.append(letter)
     return plan
+
+
+def _category(letter: dict[str, Any]) -> Any:
+    error = letter.get("error")
+    return error.get("category") if isinstance(error, dict) else None
+
+
+def _task_id(letter: dict[str, Any]) -> str | None:
+    """The task id of a dead letter whose payload is a task, else None (bad input)."""
+    payload = letter.get("payload")
+    task_id = payload.get("task_id") if isinstance(payload, dict) else None
+    return task_id if isinstance(task_id, str) else None
 
 
 def _failed_before(letter: dict[str, Any], since: datetime) -> bool:
@@ -83,9 +86,18 @@ def _failed_before(letter: dict[str, Any], since: datetime) -> bool:
 async def redrive(
     settings: Settings, categories: set[str], since: datetime | None, dry_run: bool
 ) -> RedrivePlan:
-    letters = list(latest_objects(await read_all(settings, settings.topics.dead_letters)).values())
-    states = {k.decode(errors="replace"): v for k, v in
-              latest_objects(await read_all(settings, state_topic(settings))).items()}  # fmt: skip
+    # Only what may be sent again is kept whole: the letters of the categories asked for
+    # (of the others, their category), then the states of their tasks alone — the topics
+    # hold every task the worker ever saw.
+    def asked(letter: dict[str, Any]) -> dict[str, Any]:
+        category = _category(letter)
+        return letter if category in categories else {"error": {"category": category}}
+
+    found = await scan_latest(settings, settings.topics.dead_letters, shape=asked)
+    letters = list(found.values())
+    wanted = {t.encode() for t in map(_task_id, letters) if t is not None}
+    stored = await scan_latest(settings, state_topic(settings), keys=wanted)
+    states = {k.decode(errors="replace"): v for k, v in stored.items()}
     plan = plan_redrive(letters, states, categories, since)
     if dry_run or not plan.requeue:
         return plan

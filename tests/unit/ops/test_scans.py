@@ -1,0 +1,163 @@
+"""What the operator commands hold while they read a topic whole: the latest of what they
+need, never the topic's records."""
+
+from __future__ import annotations
+
+import tracemalloc
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pytest
+
+from streams.kafka import scan as scan_module
+from streams.kafka.scan import scan_latest
+from streams.kafka.topics import state_topic
+from streams.ops.backtrack import Selection, latest_states
+from streams.ops.redrive import redrive, task_state
+from streams.settings import Settings, load_settings
+
+
+@dataclass
+class Rec:
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    partition: int = 0
+    offset: int = 0
+
+
+Topics = dict[str, Callable[[], Iterator[Rec]]]
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return load_settings()
+
+
+def serving(monkeypatch: pytest.MonkeyPatch, topics: Topics) -> None:
+    """`scan` reads each topic's records as its function makes them, in batches of 100,
+    none of them kept here."""
+
+    async def scan(settings: Settings, topic: str, *args: Any, **kw: Any) -> AsyncIterator[list]:
+        batch: list[Rec] = []
+        for rec in topics.get(topic, lambda: iter(()))():
+            batch.append(rec)
+            if len(batch) == 100:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    monkeypatch.setattr(scan_module, "scan", scan)
+
+
+def exact(value: bytes) -> bytes:
+    """`value` copied to its own size: orjson's bytes keep up to ten times their room, as
+    bytes a broker sends do not."""
+    return bytes(memoryview(value))
+
+
+def state(task_id: str, status: str = "answered", **more: Any) -> bytes:
+    return exact(orjson.dumps({"task_id": task_id, "status": status, "pipeline": "p",
+                         "history": [{"status": status, "at": "x" * 900}], **more}))  # fmt: skip
+
+
+async def test_the_latest_per_key_is_kept_as_shaped_and_a_key_shaped_out_is_gone(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    def records() -> Iterator[Rec]:
+        yield Rec("t", b"a", b'{"n": 1}')
+        yield Rec("t", b"b", b'{"n": 2}')
+        yield Rec("t", b"a", b'{"n": 3}')  # its latest: shaped out, the earlier with it
+        yield Rec("t", b"c", b'{"n": 4}')
+        yield Rec("t", b"c", None)  # a tombstone
+        yield Rec("t", b"d", b"not json")
+        yield Rec("t", None, b'{"n": 5}')
+
+    serving(monkeypatch, {"t": records})
+    assert await scan_latest(settings, "t") == {b"a": {"n": 3}, b"b": {"n": 2}}
+    odd = await scan_latest(settings, "t", shape=lambda v: v if v["n"] % 2 == 0 else None)
+    assert odd == {b"b": {"n": 2}}
+    assert await scan_latest(settings, "t", keys={b"a", b"c"}) == {b"a": {"n": 3}}
+
+
+async def test_a_tasks_status_holds_its_own_state_not_the_topics(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    def states() -> Iterator[Rec]:
+        for i in range(10_000):
+            yield Rec(state_topic(settings), f"task-{i}".encode(), state(f"task-{i}"), offset=i)
+        yield Rec(state_topic(settings), b"task-7", state("task-7", "dead_lettered"))
+
+    serving(monkeypatch, {state_topic(settings): states})
+    tracemalloc.start()
+    try:
+        found = await task_state(settings, "task-7")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert found is not None and found["status"] == "dead_lettered"
+    # The 10,000 records, held, are past 10 MB.
+    assert peak < 3_000_000, f"peak {peak:,} bytes"
+
+
+def letter(task_id: str, category: str, payload_bytes: int = 10_000, **more: Any) -> bytes:
+    return exact(orjson.dumps({
+        **more,
+        "task_id": task_id, "error": {"category": category, "code": "x", "message": "m"},
+        "payload": {"task_id": task_id, "pipeline": "p", "input": {"text": "t" * payload_bytes}},
+        "source": {"topic": "llm-tasks", "partition": 0, "offset": 1},
+        "failed_at": "2026-12-06T00:00:00+00:00", "attempts": 1,
+    }))  # fmt: skip
+
+
+async def test_a_redrive_keeps_whole_only_the_letters_it_may_send_and_their_states(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    dead = settings.topics.dead_letters
+
+    def letters() -> Iterator[Rec]:
+        for i in range(3_000):  # 30 MB of letters of another category
+            yield Rec(dead, f"r-{i}".encode(), letter(f"task-{i}", "invalid_input"))
+        yield Rec(dead, b"r-a", letter("task-a", "rate_limited"))
+        yield Rec(dead, b"r-b", letter("task-b", "rate_limited"))
+
+    def states() -> Iterator[Rec]:
+        for i in range(3_000):
+            yield Rec(state_topic(settings), f"task-{i}".encode(), state(f"task-{i}"))
+        source = {"topic": "llm-tasks", "partition": 0, "offset": 1}
+        yield Rec(state_topic(settings), b"task-a", state("task-a", "dead_lettered", source=source))
+        yield Rec(state_topic(settings), b"task-b", state("task-b", "answered", source=source))
+
+    serving(monkeypatch, {dead: letters, state_topic(settings): states})
+    tracemalloc.start()
+    try:
+        plan = await redrive(settings, {"rate_limited"}, None, dry_run=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [x["task_id"] for x in plan.requeue] == ["task-a"]
+    assert (plan.skipped_category, plan.skipped_answered) == (3_000, 1)
+    assert peak < 10_000_000, f"peak {peak:,} bytes"  # the letters held: past 30 MB
+
+
+async def test_a_backtrack_keeps_the_states_it_chose_and_a_named_task_is_not_missing(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    topic = state_topic(settings)
+
+    def states() -> Iterator[Rec]:
+        yield Rec(topic, b"t1", state("t1", pipeline="p"))
+        yield Rec(topic, b"t2", state("t2", pipeline="q"))
+        yield Rec(topic, b"t3", state("t3", pipeline="p"))
+        yield Rec(topic, b"t3", state("t3", pipeline="q"))  # moved out of the selection
+
+    serving(monkeypatch, {topic: states})
+    chosen = await latest_states(settings, Selection(pipeline="p"))
+    assert list(chosen) == ["t1"] and chosen["t1"]["history"]
+    named = await latest_states(settings, Selection(task_ids=frozenset({"t2", "t9"}),
+                                                    pipeline="p"))  # fmt: skip
+    assert named == {"t2": {"task_id": "t2"}}  # there, not chosen: not missing
+
