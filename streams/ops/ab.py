@@ -79,6 +79,19 @@ def ratio_interval(num: list[float], den: list[float]) -> tuple[float, float, fl
     return r, max(0.0, r - half), r + half
 
 
+# What `VersionEvidence.add` reads of a record: the rest — a dead letter's payload, up to
+# the topic's largest record — is not held while a pipeline's history is read.
+_EVIDENCE = ("task_id", "cost_usd", "usage", "rejected_answers", "cached", "output")
+
+
+def _evidence(record: dict[str, Any]) -> dict[str, Any]:
+    kept = {name: record[name] for name in _EVIDENCE if name in record}
+    error = record.get("error")
+    if isinstance(error, dict):
+        kept["error"] = {"category": error.get("category")}
+    return kept
+
+
 @dataclass
 class VersionEvidence:
     """What one version answered: per task, its verdict, cost and output."""
@@ -124,7 +137,7 @@ async def gather(settings: Settings, pipeline: str) -> dict[str, VersionEvidence
                 version, task_id = record.get("prompt_version"), record.get("task_id")
                 if not isinstance(version, str) or not isinstance(task_id, str):
                     continue  # a dead letter from before records named their version
-                latest[(version, task_id)] = (kind, record)
+                latest[(version, task_id)] = (kind, _evidence(record))
     evidence: dict[str, VersionEvidence] = {}
     for (version, _), (kind, record) in sorted(latest.items()):
         evidence.setdefault(version, VersionEvidence(version)).add(record, kind)

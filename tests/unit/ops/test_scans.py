@@ -14,6 +14,7 @@ import pytest
 from streams.kafka import scan as scan_module
 from streams.kafka.scan import scan_latest
 from streams.kafka.topics import state_topic
+from streams.ops import ab
 from streams.ops.backtrack import Selection, latest_states
 from streams.ops.redrive import redrive, task_state
 from streams.settings import Settings, load_settings
@@ -51,6 +52,7 @@ def serving(monkeypatch: pytest.MonkeyPatch, topics: Topics) -> None:
             yield batch
 
     monkeypatch.setattr(scan_module, "scan", scan)
+    monkeypatch.setattr(ab, "scan", scan)
 
 
 def exact(value: bytes) -> bytes:
@@ -161,3 +163,33 @@ async def test_a_backtrack_keeps_the_states_it_chose_and_a_named_task_is_not_mis
                                                     pipeline="p"))  # fmt: skip
     assert named == {"t2": {"task_id": "t2"}}  # there, not chosen: not missing
 
+
+async def test_an_ab_report_holds_what_it_counts_not_the_dead_letters_payloads(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    def letters() -> Iterator[Rec]:
+        for i in range(3_000):  # 30 MB of payloads
+            yield Rec(settings.topics.dead_letters, f"r-{i}".encode(),
+                      letter(f"t-{i}", "invalid_output", pipeline="p", prompt_version="v1",
+                             cost_usd=0.001))  # fmt: skip
+
+    def results() -> Iterator[Rec]:
+        for i in range(1_000):  # answered since: the result counts
+            yield Rec(settings.topics.results, f"k-{i}".encode(), orjson.dumps({
+                "task_id": f"t-{i}", "pipeline": "p", "prompt_version": "v1",
+                "output": {"label": "ok"}, "cost_usd": 0.002,
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5},
+            }))  # fmt: skip
+
+    serving(monkeypatch, {settings.topics.dead_letters: letters, settings.topics.results: results})
+    tracemalloc.start()
+    try:
+        evidence = await ab.gather(settings, "p")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    v1 = evidence["v1"]
+    assert (len(v1.costs), sum(v1.accepted), len(v1.outputs)) == (3_000, 1_000, 1_000)
+    assert sum(v1.costs) == pytest.approx(2_000 * 0.001 + 1_000 * 0.002)
+    assert v1.evaluation.n("rejected") == 2_000  # invalid_output
+    assert peak < 10_000_000, f"peak {peak:,} bytes"  # the letters held: past 30 MB
