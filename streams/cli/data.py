@@ -254,7 +254,8 @@ def backtrack(
     applies it in order with the task's other records and notes it in the
     task's history (`llm-streams status TASK_ID`).
     """
-    from streams.ops.backtrack import Selection, plan_backtrack, send_backtrack
+    from streams.ops.backtrack import Selection
+    from streams.ops.backtrack import backtrack as run_backtrack
 
     if bool(restore_version) == rerun:
         click.echo("backtrack: give exactly one of --restore VERSION or --rerun", err=True)
@@ -266,14 +267,22 @@ def backtrack(
     action: Any = "restore" if restore_version else "rerun"
     registry = registry_or_exit(settings, "backtrack", 2)
     try:
-        plan = on_kafka(settings, plan_backtrack(settings, registry, selection, action,
-                                          restore_version or as_version))  # fmt: skip
+        plan = on_kafka(
+            settings,
+            run_backtrack(
+                settings,
+                registry,
+                selection,
+                action,
+                restore_version or as_version,
+                dry_run=dry_run,
+            ),
+        )
     except ConfigError as exc:
         click.echo(f"backtrack: {exc}", err=True)
         sys.exit(2)
-    sent = 0 if dry_run else on_kafka(settings, send_backtrack(settings, plan, action))
     verb = "would send" if dry_run else "sent"
-    click.echo(f"{verb} {len(plan.send) if dry_run else sent} task(s) to {action}")
+    click.echo(f"{verb} {plan.sent} task(s) to {action}")
     if plan.no_result:
         click.echo(f"skipped {len(plan.no_result)} never answered under {restore_version}: "
                    f"{', '.join(plan.no_result[:10])}")  # fmt: skip
@@ -282,6 +291,11 @@ def backtrack(
                    f"{', '.join(plan.no_source[:10])}")  # fmt: skip
     if plan.missing_ids:
         click.echo(f"no state for {len(plan.missing_ids)}: {', '.join(plan.missing_ids[:10])}")
+    if plan.no_version:
+        click.echo(f"skipped {len(plan.no_version)} ({plan.version_refused}): "
+                   f"{', '.join(plan.no_version[:10])}", err=not plan.sent)  # fmt: skip
+        if not plan.sent:
+            sys.exit(2)
 
 
 @cli.command()

@@ -75,25 +75,41 @@ class Selection:
 
 @dataclass
 class Plan:
-    # (task_id, task JSON, record key: the task's, or its session's, and where the task's
-    # record was: the worker rebuilds a session turn's context from the turns before it)
-    send: list[tuple[str, bytes, bytes, bytes]] = field(default_factory=list)
+    sent: int = 0  # tasks sent (with a dry run: that would be)
     no_source: list[str] = field(default_factory=list)  # state without a readable record
     no_result: list[str] = field(default_factory=list)  # restore: that version never answered
     missing_ids: list[str] = field(default_factory=list)  # asked for, no state at all
+    # its version (the one asked for, else the task's own) not in its pipeline, and why
+    no_version: list[str] = field(default_factory=list)
+    version_refused: str = ""
 
 
-async def latest_states(settings: Settings, selection: Selection) -> dict[str, dict[str, Any]]:
-    """The latest state of each task `selection` names or matches: whole when it matches,
-    its task id alone when it was named and does not (it is not missing)."""
+# Tasks whose records are read and sent at a time: what a backtrack holds of them, however
+# many it selects (a pipeline's year of tasks held every task and state whole at once).
+READ_AT_ONCE = 5_000
+
+
+async def latest_states(
+    settings: Settings, selection: Selection, restored: str | None = None
+) -> dict[str, dict[str, Any]]:
+    """Of each task `selection` names or matches, what the backtrack needs of its latest
+    state: its task id, where its record is (`source`, when known) and, when `restored`
+    is given, whether its history says that version answered it (`answered`); a task named
+    that does not match: its id alone (it is not missing)."""
 
     def chosen(state: dict[str, Any]) -> dict[str, Any] | None:
         task_id = state.get("task_id")
         if not isinstance(task_id, str):
             return None
-        if selection.matches(state):
-            return state
-        return {"task_id": task_id} if task_id in selection.task_ids else None
+        if not selection.matches(state):
+            return {"task_id": task_id} if task_id in selection.task_ids else None
+        kept: dict[str, Any] = {"task_id": task_id, "chosen": True}
+        source = state.get("source")
+        if isinstance(source, dict):
+            kept["source"] = (source.get("topic"), source.get("partition"), source.get("offset"))
+        if restored is not None:
+            kept["answered"] = _history_answered(state, restored)
+        return kept
 
     named = {t.encode() for t in selection.task_ids} if selection.task_ids else None
     found = await scan_latest(settings, state_topic(settings), keys=named, shape=chosen)
@@ -131,96 +147,136 @@ async def read_at(
     return found
 
 
-async def plan_backtrack(
+async def backtrack(
     settings: Settings,
     registry: PipelineRegistry,
     selection: Selection,
     action: Action,
     version: str | None,
+    *,
+    dry_run: bool = False,
 ) -> Plan:
-    """What to send for each selected task (nothing is sent here)."""
+    """Send each selected task into the replay lane (with `dry_run`, count them), its
+    records read and sent `READ_AT_ONCE` at a time in the order they were written."""
     if selection.empty():
         raise ConfigError("select tasks: give task ids, --pipeline, --version, --since or --until")
     if action == "restore" and version is None:
         raise ConfigError("restore needs the prompt version to restore (--to-version)")
-    states = await latest_states(settings, selection)
+    states = await latest_states(settings, selection, version if action == "restore" else None)
     plan = Plan(missing_ids=sorted(selection.task_ids - set(states)))
-    chosen = [s for s in states.values() if selection.matches(s) and s.get("source")]
-    plan.no_source = sorted(s["task_id"] for s in states.values()
-                            if selection.matches(s) and not s.get("source"))  # fmt: skip
-    where = {s["task_id"]: (s["source"]["topic"], s["source"]["partition"],
-                            s["source"]["offset"]) for s in chosen}  # fmt: skip
-    values = await read_at(settings, list(where.values()))
-    keys: set[bytes] = set()
-    if action == "restore":
-        keys = (await read_answered(settings)).keys
-    for task_id, source in sorted(where.items()):
-        raw = values.get(source)
+    chosen = [s for s in states.values() if s.get("chosen")]
+    plan.no_source = [s["task_id"] for s in chosen if not _position(s.get("source"))]
+    where = sorted((s["source"], s["task_id"], s.get("answered", False)) for s in chosen
+                   if _position(s.get("source")))  # fmt: skip
+    del states, chosen
+    keys = (await read_answered(settings)).keys if action == "restore" else set()
+    run = _Run(settings, registry, action, version, keys, plan)
+    if dry_run or not where:
+        await run.each(where, None)
+    else:
+        await ensure_topics(settings, [settings.topics.replay])
+        idempotent = settings.kafka.idempotent_producer
+        producer = clients.producer(settings, acks="all", enable_idempotence=idempotent)
+        await producer.start()
         try:
-            task = decode_task(raw, max_bytes=settings.batch.max_task_bytes)
-            pipeline = registry.get(task.pipeline)
-        except TaskError:
-            plan.no_source.append(task_id)
-            continue
-        session = pipeline.session_of(task)
-        try:
-            target = pipeline.version(version or task.prompt_version, session or task.task_id)
-        except TaskError as exc:  # the version asked for does not exist: say so, send nothing
-            raise ConfigError(str(exc)) from None
-        if action == "restore" and not _answered(states[task_id], task, pipeline.name,
-                                                 target.version, keys):  # fmt: skip
-            plan.no_result.append(task_id)
-            continue
-        value = task.model_dump(mode="json", exclude_none=True)
-        value["prompt_version"] = target.version
-        origin = "/".join(str(x) for x in source).encode()
-        plan.send.append((task_id, orjson.dumps(value), (session or task_id).encode(), origin))
+            await run.each(where, producer)
+        finally:
+            await producer.stop()
+    for skipped in (plan.no_source, plan.no_result, plan.no_version):
+        skipped.sort()
     return plan
 
 
-def _answered(
-    state: dict[str, Any], task: Any, pipeline: str, version: str, keys: set[bytes]
-) -> bool:
-    """Was the task answered under `version`? Its result key says so; a session turn's
-    key holds its context's digest, so for it the task's history says so."""
-    if result_key(pipeline, version, task.task_id, task.input).encode() in keys:
-        return True
+def _position(source: Any) -> bool:
+    """Is `source` where a record is: (topic, partition, offset)?"""
+    return (
+        isinstance(source, tuple)
+        and isinstance(source[0], str)
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in source[1:])
+    )
+
+
+@dataclass
+class _Run:
+    settings: Settings
+    registry: PipelineRegistry
+    action: Action
+    version: str | None
+    keys: set[bytes]  # a restore's: the results topic's keys
+    plan: Plan
+
+    async def each(
+        self, where: list[tuple[tuple[str, int, int], str, bool]], producer: Any
+    ) -> None:
+        """Each task at its place in `where` sent (without a producer: counted)."""
+        for at in range(0, len(where), READ_AT_ONCE):
+            part = where[at : at + READ_AT_ONCE]
+            values = await read_at(self.settings, [source for source, _, _ in part])
+            sent = []
+            for source, task_id, answered in part:
+                planned = self.planned(task_id, values.get(source), answered)
+                if planned is None:
+                    continue
+                self.plan.sent += 1
+                if producer is not None:
+                    value, key = planned
+                    origin = "/".join(str(x) for x in source).encode()
+                    sent.append(await producer.send(
+                        self.settings.topics.replay, key=key, value=value,
+                        headers=[(BACKTRACK_HEADER, self.action.encode()),
+                                 (REPLAY_OF_HEADER, origin)],
+                    ))  # fmt: skip
+            for done in sent:
+                await done
+
+    def planned(
+        self, task_id: str, raw: bytes | None, history_answered: bool
+    ) -> tuple[bytes, bytes] | None:
+        """The task record to send for `task_id` (its value and key), or None with the
+        reason put in the plan. A restore sends only a task its version answered: its
+        result key says so; a session turn's key holds its context's digest, so for it the
+        task's history (`history_answered`) says so."""
+        try:
+            task = decode_task(raw, max_bytes=self.settings.batch.max_task_bytes)
+            pipeline = self.registry.get(task.pipeline)
+        except TaskError:
+            self.plan.no_source.append(task_id)
+            return None
+        session = pipeline.session_of(task)
+        try:
+            target = pipeline.version(self.version or task.prompt_version,
+                                      session or task.task_id)  # fmt: skip
+        except TaskError as exc:  # no such version: this task is left, the others go
+            self.plan.no_version.append(task_id)
+            self.plan.version_refused = self.plan.version_refused or str(exc)
+            return None
+        if self.action == "restore" and not (
+            history_answered
+            or result_key(pipeline.name, target.version, task.task_id, task.input).encode()
+            in self.keys
+        ):
+            self.plan.no_result.append(task_id)
+            return None
+        value = task.model_dump(mode="json", exclude_none=True)
+        value["prompt_version"] = target.version
+        return orjson.dumps(value), (session or task_id).encode()
+
+
+def _history_answered(state: dict[str, Any], version: str) -> bool:
+    """Does the task's history say `version` answered it?"""
     return any(
-        h.get("prompt_version") == version
+        isinstance(h, dict)
+        and h.get("prompt_version") == version
         and h.get("result_key")
         and h.get("status") == "succeeded"
         for h in state.get("history") or []
     )
 
 
-async def send_backtrack(settings: Settings, plan: Plan, action: Action) -> int:
-    """Send the planned records into the replay lane; return how many."""
-    if not plan.send:
-        return 0
-    await ensure_topics(settings, [settings.topics.replay])
-    producer = clients.producer(settings, acks="all",
-                                enable_idempotence=settings.kafka.idempotent_producer)  # fmt: skip
-    await producer.start()
-    try:
-        pending = [
-            await producer.send(
-                settings.topics.replay, key=key, value=value,
-                headers=[(BACKTRACK_HEADER, action.encode()), (REPLAY_OF_HEADER, origin)],
-            )
-            for _, value, key, origin in plan.send
-        ]  # fmt: skip
-        for sent in pending:
-            await sent
-    finally:
-        await producer.stop()
-    return len(plan.send)
-
-
 __all__ = [
     "Plan",
     "Selection",
+    "backtrack",
     "latest_states",
-    "plan_backtrack",
     "read_at",
-    "send_backtrack",
 ]

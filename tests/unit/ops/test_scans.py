@@ -6,18 +6,25 @@ from __future__ import annotations
 import tracemalloc
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
+from streams.contract.records import result_key
 from streams.kafka import scan as scan_module
 from streams.kafka.scan import scan_latest
 from streams.kafka.topics import state_topic
 from streams.ops import ab
-from streams.ops.backtrack import Selection, latest_states
+from streams.ops import backtrack as backtrack_module
+from streams.ops.backtrack import Selection, backtrack, latest_states
 from streams.ops.redrive import redrive, task_state
+from streams.ops.replay import Answered
+from streams.pipelines.registry import PipelineRegistry
 from streams.settings import Settings, load_settings
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @dataclass
@@ -158,7 +165,7 @@ async def test_a_backtrack_keeps_the_states_it_chose_and_a_named_task_is_not_mis
 
     serving(monkeypatch, {topic: states})
     chosen = await latest_states(settings, Selection(pipeline="p"))
-    assert list(chosen) == ["t1"] and chosen["t1"]["history"]
+    assert chosen == {"t1": {"task_id": "t1", "chosen": True}}  # what it needs, no history
     named = await latest_states(settings, Selection(task_ids=frozenset({"t2", "t9"}),
                                                     pipeline="p"))  # fmt: skip
     assert named == {"t2": {"task_id": "t2"}}  # there, not chosen: not missing
@@ -193,3 +200,77 @@ async def test_an_ab_report_holds_what_it_counts_not_the_dead_letters_payloads(
     assert sum(v1.costs) == pytest.approx(2_000 * 0.001 + 1_000 * 0.002)
     assert v1.evaluation.n("rejected") == 2_000  # invalid_output
     assert peak < 10_000_000, f"peak {peak:,} bytes"  # the letters held: past 30 MB
+
+
+async def test_a_backtrack_reads_and_sends_its_tasks_a_part_at_a_time_in_written_order(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    topic, n = state_topic(settings), 3_000
+    where = {i: ("llm-tasks", i % 3, n - i) for i in range(n)}  # written last to first
+
+    def states() -> Iterator[Rec]:
+        for i in range(n):
+            source = dict(zip(("topic", "partition", "offset"), where[i], strict=True))
+            yield Rec(topic, f"t-{i}".encode(), state(f"t-{i}", source=source))
+        yield Rec(topic, b"t-gone", state("t-gone"))  # no source: its record is not known
+
+    records = {where[i]: exact(orjson.dumps({
+        "task_id": f"t-{i}", "pipeline": "comment-analysis", "prompt_version": "v1" if i else "v0",
+        "input": {"text": "t" * 4_000}})) for i in range(n)}  # fmt: skip
+    asked: list[list[tuple[str, int, int]]] = []
+
+    async def read_at(settings: Settings, sources: list[tuple[str, int, int]]) -> dict:
+        asked.append(sources)
+        return {source: records[source] for source in sources}
+
+    serving(monkeypatch, {topic: states})
+    monkeypatch.setattr(backtrack_module, "read_at", read_at)
+    monkeypatch.setattr(backtrack_module, "READ_AT_ONCE", 200)
+    registry = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
+    tracemalloc.start()
+    try:
+        plan = await backtrack(settings, registry, Selection(pipeline="p"), "rerun", None,
+                               dry_run=True)  # fmt: skip
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # t-0 pinned to a version its pipeline no longer has: left, said, the rest counted.
+    assert (plan.sent, plan.no_version, plan.no_source) == (n - 1, ["t-0"], ["t-gone"])
+    assert "no prompt version 'v0'" in plan.version_refused
+    assert [len(part) for part in asked] == [200] * 15
+    flat = [source for part in asked for source in part]
+    assert flat == sorted(where.values())  # the order they were written in, per partition
+    # 3,000 tasks of 4 KB: 12 MB held at once, as the planned sends held them.
+    assert peak < 6_000_000, f"peak {peak:,} bytes"
+
+
+async def test_a_restore_sends_what_its_version_answered_by_key_or_by_history(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    topic = state_topic(settings)
+    answered = [{"status": "succeeded", "prompt_version": "v1", "result_key": "k"}]
+
+    def task(i: int) -> bytes:
+        return orjson.dumps({"task_id": f"t-{i}", "pipeline": "comment-analysis",
+                             "input": {"text": f"text {i}"}})  # fmt: skip
+
+    def states() -> Iterator[Rec]:
+        for i, history in ((0, []), (1, answered), (2, [])):
+            source = {"topic": "llm-tasks", "partition": 0, "offset": i}
+            yield Rec(topic, f"t-{i}".encode(), exact(orjson.dumps({
+                "task_id": f"t-{i}", "pipeline": "comment-analysis", "source": source,
+                "history": history})))  # fmt: skip
+
+    async def read_at(settings: Settings, sources: list[tuple[str, int, int]]) -> dict:
+        return {source: task(source[2]) for source in sources}
+
+    async def read_answered(settings: Settings) -> Answered:  # t-0's v1 result is stored
+        return Answered({result_key("comment-analysis", "v1", "t-0", {"text": "text 0"}).encode()})
+
+    serving(monkeypatch, {topic: states})
+    monkeypatch.setattr(backtrack_module, "read_at", read_at)
+    monkeypatch.setattr(backtrack_module, "read_answered", read_answered)
+    registry = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
+    plan = await backtrack(settings, registry, Selection(pipeline="comment-analysis"), "restore",
+                           "v1", dry_run=True)  # fmt: skip
+    assert (plan.sent, plan.no_result) == (2, ["t-2"])
