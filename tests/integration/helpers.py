@@ -22,6 +22,7 @@ import aiohttp
 import fastavro
 import orjson
 from aiokafka import TopicPartition
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from prometheus_client.parser import text_string_to_metric_families
 
 from streams.contract.records import json_object
@@ -215,6 +216,18 @@ def assert_one_outcome_each(
         Collected(results=[r for r in got.results if r["task_id"] in answered_ids]),
         answered_ids,
     )
+
+
+async def topic_takes(settings: Settings, topic: str, max_bytes: int) -> None:
+    """Make `topic` (made now if missing) take records up to `max_bytes`."""
+    await ensure_topics(settings, [topic])
+    admin = clients.admin(settings)
+    await admin.start()
+    try:
+        config = {"max.message.bytes": str(max_bytes)}
+        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, config)])
+    finally:
+        await admin.close()
 
 
 async def produce(

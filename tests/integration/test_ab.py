@@ -10,36 +10,15 @@ from typing import Any
 import orjson
 import pytest
 import yaml
-from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from streams.dev.simulator import SimulatorServer
-from streams.kafka import clients
-from streams.kafka.topics import decisions_topic, ensure_topics
-from tests.integration.helpers import WorkerProcess, collect, produce, run_cli
+from streams.kafka.topics import decisions_topic
+from tests.integration.helpers import WorkerProcess, collect, produce, run_cli, topic_takes
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 WORSE = "Answer as briefly as you can."  # only v2's system prompt says it
-
-
-async def _decisions_take(settings: Any, max_bytes: int) -> None:
-    """Make the decisions topic (made now if missing) take records up to `max_bytes`."""
-    await ensure_topics(settings, [decisions_topic(settings)])
-    admin = clients.admin(settings)
-    await admin.start()
-    try:
-        await admin.alter_configs(
-            [
-                ConfigResource(
-                    ConfigResourceType.TOPIC,
-                    decisions_topic(settings),
-                    {"max.message.bytes": str(max_bytes)},
-                )
-            ]
-        )
-    finally:
-        await admin.close()
 
 
 def two_versions(directory: Path) -> Path:
@@ -127,14 +106,14 @@ async def test_report_and_promote_on_two_versions(
     assert path.read_text() == before
     # The decision cannot be recorded (the decisions topic refuses records that large): no
     # split changes without its record, and the command says why in one line.
-    await _decisions_take(settings, 64)
+    await topic_takes(settings, decisions_topic(settings), 64)
     unrecorded = run_cli(settings, "ab", "promote", "--pipeline", "comment-analysis",
                          "--version", "v1", "--reason", "v2 breaks its JSON")  # fmt: skip
     assert unrecorded.returncode == 1, unrecorded.stderr
     assert "Kafka refused it: MessageSizeTooLargeError" in unrecorded.stderr, unrecorded.stderr
     assert "Traceback" not in unrecorded.stderr
     assert path.read_text() == before
-    await _decisions_take(settings, 1_048_588)
+    await topic_takes(settings, decisions_topic(settings), 1_048_588)
     promoted = run_cli(settings, "ab", "promote", "--pipeline", "comment-analysis", "--version",
                        "v1", "--reason", "v2 breaks its JSON", "--by", "ab-test")  # fmt: skip
     assert promoted.returncode == 0, promoted.stderr

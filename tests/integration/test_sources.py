@@ -13,12 +13,17 @@ from typing import Any
 import orjson
 import pytest
 from aiokafka.admin import NewTopic
-from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from streams.dev.simulator import SimulatorServer
 from streams.kafka import clients
 from streams.kafka.topics import ensure_topics
-from tests.integration.helpers import WorkerProcess, collect, register_schema, registry_framed
+from tests.integration.helpers import (
+    WorkerProcess,
+    collect,
+    register_schema,
+    registry_framed,
+    topic_takes,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -60,18 +65,8 @@ async def test_a_cdc_topic_and_a_plain_topic_are_analysed_as_they_are(
     settings = make_settings(llm={"base_url": simulator.base_url, "api_key": "k",
                                   "model": "sim-1"}, pipelines_dir=pipelines)  # fmt: skip
     await ensure_topics(settings)
-    admin = clients.admin(settings)
-    await admin.start()
-    try:  # llm-tasks takes 16 KiB records (read by the worker at start): 20 KB will not fit
-        await admin.alter_configs(
-            [
-                ConfigResource(
-                    ConfigResourceType.TOPIC, settings.topics.tasks, {"max.message.bytes": "16384"}
-                )
-            ]
-        )
-    finally:
-        await admin.close()
+    # llm-tasks takes 16 KiB records (read by the worker at start): 20 KB will not fit
+    await topic_takes(settings, settings.topics.tasks, 16384)
     rows = [{"id": i, "body": f"Review {i}: the strap broke after a week.",
              "product_name": "Bag", "stars": 1 + i % 5} for i in range(1, 9)]  # fmt: skip
     cdc: list[tuple[bytes | None, bytes | None]] = [
