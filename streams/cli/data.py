@@ -165,8 +165,11 @@ def redrive(categories: tuple[str, ...], since: str | None, dry_run: bool) -> No
     when = iso_time_or_exit("--since", since)
     plan = on_kafka(settings, run_redrive(settings, set(categories), when, dry_run))
     verb = "would re-queue" if dry_run else "re-queued"
+    if plan.refused:
+        click.echo(f"redrive: {plan.refused}; the log says why", err=True)
     click.echo(
-        f"{verb} {len(plan.requeue)} task(s); skipped: {plan.skipped_category} other category, "
+        f"{verb} {len(plan.requeue) if dry_run else plan.sent} task(s); skipped: "
+        f"{plan.skipped_category} other category, "
         f"{plan.skipped_answered} answered or re-queued since, {plan.skipped_before} before "
         f"--since, {plan.skipped_not_a_task} not a task"
     )
@@ -283,6 +286,8 @@ def backtrack(
         sys.exit(2)
     verb = "would send" if dry_run else "sent"
     click.echo(f"{verb} {plan.sent} task(s) to {action}")
+    if plan.refused:
+        click.echo(f"backtrack: {plan.refused}; the log says why", err=True)
     if plan.no_result:
         click.echo(f"skipped {len(plan.no_result)} never answered under {restore_version}: "
                    f"{', '.join(plan.no_result[:10])}")  # fmt: skip

@@ -89,9 +89,11 @@ def _summary(
     out.print(
         f"replay {cp.replay_id} of {cp.source}: {c.read} record(s) read, {verb} {c.published} "
         f"to {settings.topics.replay}; skipped {c.answered} already answered, {c.filtered} "
-        f"of other pipelines, {c.invalid} invalid",
+        f"of other pipelines, {c.invalid} invalid"
+        + (f", {c.refused} refused for good by the topic or the producer (the log names "
+           f"them: too large, invalid or not authorised)" if c.refused else ""),
         highlight=False,
-    )
+    )  # fmt: skip
     out.print(
         f"estimated cost ${c.cost_usd(settings):.4f} ({c.prompt_tokens} prompt tokens counted, "
         f"~{c.completion_tokens:.0f} completion tokens estimated)",

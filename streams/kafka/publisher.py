@@ -3,19 +3,27 @@ session_id for a task of a session: its turns stay in order on one partition), s
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
+from collections import Counter
 from types import TracebackType
 from typing import Any
 
 import orjson
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
 from streams.contract.headers import ERASE_HEADER
 from streams.contract.records import EraseRequest, Task
 from streams.errors import InvalidInput
 from streams.kafka import clients
+from streams.kafka.limits import refused_for_good
 from streams.observability.tracing import headers_for
 from streams.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 class TaskPublisher:
@@ -105,3 +113,63 @@ class TaskPublisher:
 
     async def flush(self) -> None:
         await self._producer.flush()
+
+
+class Sends:
+    """An operator command's records sent through one producer and awaited together. A
+    refusal no retry mends (`kafka.limits.refused_for_good`: too large for the producer or
+    the topic, invalid, not authorised) is counted and said per record, not raised: one
+    record its topic cannot take stopped the rest of a replay, a backtrack or a redrive,
+    and again at every run after (a replay resumed from its checkpoint met it first). Any
+    other failure is raised. Of the refused, the first `NAMED` are named."""
+
+    NAMED = 10
+
+    def __init__(self, producer: AIOKafkaProducer) -> None:
+        self.producer = producer
+        self.acked = 0
+        self.refused: Counter[str] = Counter()  # why -> records
+        self.refused_names: list[str] = []
+        self._pending: list[tuple[str, str, asyncio.Future[Any]]] = []
+
+    async def send(self, name: str, topic: str, **record: Any) -> bool:
+        """Send one record (`name` says it in a refusal); False: refused at once."""
+        try:
+            self._pending.append((name, topic, await self.producer.send(topic, **record)))
+        except KafkaError as exc:
+            if not self._refused(name, topic, exc):
+                raise
+            return False
+        return True
+
+    async def wait(self) -> list[str]:
+        """Wait for every record sent so far; the names of those refused meanwhile."""
+        pending, self._pending = self._pending, []
+        refused = []
+        for name, topic, sent in pending:
+            try:
+                await sent
+            except KafkaError as exc:
+                if not self._refused(name, topic, exc):
+                    raise
+                refused.append(name)
+            else:
+                self.acked += 1
+        return refused
+
+    def said(self) -> str:
+        """The refusals in a line: "" when none."""
+        if not self.refused:
+            return ""
+        whys = ", ".join(f"{n} {why}" for why, n in sorted(self.refused.items()))
+        return f"refused for good: {whys} ({', '.join(self.refused_names)})"
+
+    def _refused(self, name: str, topic: str, exc: KafkaError) -> bool:
+        why = refused_for_good(exc)
+        if why is None:
+            return False
+        self.refused[why] += 1
+        if len(self.refused_names) < self.NAMED:
+            self.refused_names.append(name)
+        log.warning("record %s refused for good (%s) by %s: %s", name, why, topic, exc)
+        return True

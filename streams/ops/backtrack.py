@@ -31,6 +31,7 @@ from streams.contract.records import decode_task, result_key
 from streams.errors import ConfigError, TaskError
 from streams.kafka import clients
 from streams.kafka.clients import reader
+from streams.kafka.publisher import Sends
 from streams.kafka.scan import end_offsets, scan_latest
 from streams.kafka.topics import ensure_topics, state_topic
 from streams.ops.replay import read_answered
@@ -82,6 +83,7 @@ class Plan:
     # its version (the one asked for, else the task's own) not in its pipeline, and why
     no_version: list[str] = field(default_factory=list)
     version_refused: str = ""
+    refused: str = ""  # records the replay topic or the producer refused for good, said
 
 
 # Tasks whose records are read and sent at a time: what a backtrack holds of them, however
@@ -179,7 +181,9 @@ async def backtrack(
         producer = clients.producer(settings, acks="all", enable_idempotence=idempotent)
         await producer.start()
         try:
-            await run.each(where, producer)
+            sends = Sends(producer)
+            await run.each(where, sends)
+            plan.sent, plan.refused = sends.acked, sends.said()
         finally:
             await producer.stop()
     for skipped in (plan.no_source, plan.no_result, plan.no_version):
@@ -206,28 +210,26 @@ class _Run:
     plan: Plan
 
     async def each(
-        self, where: list[tuple[tuple[str, int, int], str, bool]], producer: Any
+        self, where: list[tuple[tuple[str, int, int], str, bool]], sends: Sends | None
     ) -> None:
-        """Each task at its place in `where` sent (without a producer: counted)."""
+        """Each task at its place in `where` sent (without `sends`: counted)."""
         for at in range(0, len(where), READ_AT_ONCE):
             part = where[at : at + READ_AT_ONCE]
             values = await read_at(self.settings, [source for source, _, _ in part])
-            sent = []
             for source, task_id, answered in part:
                 planned = self.planned(task_id, values.get(source), answered)
                 if planned is None:
                     continue
-                self.plan.sent += 1
-                if producer is not None:
-                    value, key = planned
-                    origin = "/".join(str(x) for x in source).encode()
-                    sent.append(await producer.send(
-                        self.settings.topics.replay, key=key, value=value,
-                        headers=[(BACKTRACK_HEADER, self.action.encode()),
-                                 (REPLAY_OF_HEADER, origin)],
-                    ))  # fmt: skip
-            for done in sent:
-                await done
+                if sends is None:
+                    self.plan.sent += 1
+                    continue
+                value, key = planned
+                origin = "/".join(str(x) for x in source).encode()
+                await sends.send(task_id, self.settings.topics.replay, key=key, value=value,
+                                 headers=[(BACKTRACK_HEADER, self.action.encode()),
+                                          (REPLAY_OF_HEADER, origin)])  # fmt: skip
+            if sends is not None:
+                await sends.wait()
 
     def planned(
         self, task_id: str, raw: bytes | None, history_answered: bool

@@ -11,6 +11,7 @@ import orjson
 from streams.contract.headers import REDRIVE_HEADER
 from streams.errors import REDRIVABLE
 from streams.kafka import clients
+from streams.kafka.publisher import Sends
 from streams.kafka.scan import scan_latest
 from streams.kafka.topics import state_topic
 from streams.settings import Settings
@@ -29,6 +30,8 @@ class RedrivePlan:
     skipped_answered: int = 0
     skipped_not_a_task: int = 0
     skipped_before: int = 0
+    sent: int = 0  # acked (a dry run: none)
+    refused: str = ""  # records the tasks topic or the producer refused for good, said
 
 
 def plan_redrive(
@@ -104,17 +107,17 @@ async def redrive(
     producer = clients.producer(settings, acks="all")
     await producer.start()
     try:
-        sent = []
+        sends = Sends(producer)
         for letter in plan.requeue:
             task = letter["payload"]
             source = letter.get("source") or {}
             origin = f"{source.get('topic')}/{source.get('partition')}/{source.get('offset')}"
-            sent.append(await producer.send(
-                settings.topics.tasks, key=task["task_id"].encode(), value=orjson.dumps(task),
-                headers=[(REDRIVE_HEADER, origin.encode())],
-            ))  # fmt: skip
-        for fut in sent:
-            await fut
+            task_id: str = task["task_id"]
+            await sends.send(task_id, settings.topics.tasks, key=task_id.encode(),
+                             value=orjson.dumps(task),
+                             headers=[(REDRIVE_HEADER, origin.encode())])  # fmt: skip
+        await sends.wait()
+        plan.sent, plan.refused = sends.acked, sends.said()
     finally:
         await producer.stop()
     return plan

@@ -16,13 +16,11 @@ and the worker answers those from the task store without a call).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import Any
 
 import orjson
 from aiokafka import AIOKafkaProducer, TopicPartition
@@ -35,6 +33,7 @@ from streams.core.spend import Prices
 from streams.errors import ConfigError, TaskError
 from streams.kafka import clients
 from streams.kafka.clients import partitions_of, reader
+from streams.kafka.publisher import Sends
 from streams.kafka.scan import end_offsets, scan
 from streams.kafka.topics import ensure_topics, replays_topic
 from streams.llm.client import completion_budget
@@ -85,9 +84,15 @@ class Counts:
     answered: int = 0  # skipped: result key already in the results topic
     filtered: int = 0  # skipped: another pipeline than asked
     invalid: int = 0  # skipped: not a valid task (its dead letter exists already)
+    refused: int = 0  # not sent: the replay topic or the producer refused it for good
     prompt_tokens: int = 0
     completion_tokens: float = 0.0  # estimated
     estimated_usd: float = 0.0  # of what was sent, each task at the price of its tier
+
+    def unsent(self, n: int) -> None:
+        """`n` records counted as published were refused for good."""
+        self.published -= n
+        self.refused += n
 
     def cost_usd(self, settings: Settings, tier: str = "sync") -> float:
         """Estimated cost at the sync price, or at the batch price (batch and flex)."""
@@ -255,7 +260,6 @@ class Replayer:
         self.chunk = chunk
         self.request = request
         self.registry = registry
-        self._pending: list[asyncio.Future[Any]] = []
         self.finished_before = False  # the checkpoint said done: nothing sent
         self.resumed_at: str | None = None  # time of the checkpoint resumed from
         self.answered = Answered()  # read again by each `run`
@@ -280,6 +284,7 @@ class Replayer:
             self.resumed_at = checkpoint.updated_at
         self.answered = await read_answered(settings)
         producer: AIOKafkaProducer | None = None
+        sends: Sends | None = None
         if not dry_run:
             await ensure_topics(settings, [settings.topics.replay, replays_topic(settings)])
             producer = clients.producer(
@@ -287,15 +292,16 @@ class Replayer:
                 linger_ms=5,
             )  # fmt: skip
             await producer.start()
+            sends = Sends(producer)
         progress = on_progress or (lambda _cp: None)
         try:
             progress(checkpoint)
             checkpoint.at_budget = False
-            await self._publish(producer, checkpoint, progress)
+            await self._publish(sends, checkpoint, progress)
             if not checkpoint.at_budget:
                 checkpoint.next = dict(checkpoint.end)  # gaps (compaction) at the tail
                 checkpoint.done = True
-            await self._checkpoint(producer, checkpoint)
+            await self._checkpoint(sends, checkpoint)
             progress(checkpoint)
             return checkpoint
         finally:
@@ -303,7 +309,7 @@ class Replayer:
                 await producer.stop()
 
     async def _publish(
-        self, producer: AIOKafkaProducer | None, checkpoint: Checkpoint, progress: Progress
+        self, sends: Sends | None, checkpoint: Checkpoint, progress: Progress
     ) -> None:
         """Read the rest of the range, send what is to be answered again (unless dry),
         checkpointing after each chunk of records."""
@@ -318,16 +324,16 @@ class Replayer:
                     checkpoint.at_budget = True
                     progress(checkpoint)
                     return
-                if send is not None and producer is not None:
+                if send is not None and sends is not None:
                     key, value, headers = send
-                    sent = await producer.send(
-                        self.settings.topics.replay, key=key, value=value, headers=headers
-                    )
-                    self._pending.append(sent)
+                    where = f"{record.topic}/{record.partition}/{record.offset}"
+                    if not await sends.send(where, self.settings.topics.replay, key=key,
+                                            value=value, headers=headers):  # fmt: skip
+                        checkpoint.counts.unsent(1)
                 checkpoint.next[record.partition] = record.offset + 1
             since_checkpoint += len(records)
             if since_checkpoint >= self.chunk:
-                await self._checkpoint(producer, checkpoint)
+                await self._checkpoint(sends, checkpoint)
                 since_checkpoint = 0
             progress(checkpoint)
 
@@ -384,18 +390,14 @@ class Replayer:
             headers.append((TIER_HEADER, request.tier.encode()))
         return (session or task.task_id).encode(), orjson.dumps(value), headers
 
-    async def _checkpoint(self, producer: AIOKafkaProducer | None, cp: Checkpoint) -> None:
-        """Once the chunk's records are acked, record how far the replay got."""
-        if producer is None:
+    async def _checkpoint(self, sends: Sends | None, cp: Checkpoint) -> None:
+        """Once the chunk's records are acked (or refused for good), record how far the
+        replay got."""
+        if sends is None:
             return
-        pending, self._pending = self._pending, []
-        for sent in pending:
-            await sent
-        await (
-            await producer.send(
-                replays_topic(self.settings), key=cp.replay_id.encode(), value=cp.dumps()
-            )
-        )
+        cp.counts.unsent(len(await sends.wait()))
+        await (await sends.producer.send(replays_topic(self.settings),
+                                         key=cp.replay_id.encode(), value=cp.dumps()))  # fmt: skip
 
 
 __all__ = [

@@ -24,7 +24,7 @@ from streams.kafka.scan import scan
 from streams.ops.replay import Checkpoint, Replayer, ReplayRequest
 from streams.pipelines.registry import PipelineRegistry
 from streams.settings import Settings
-from tests.integration.helpers import WorkerProcess, collect, produce, run_cli
+from tests.integration.helpers import WorkerProcess, collect, produce, run_cli, topic_takes
 
 pytestmark = pytest.mark.integration
 
@@ -279,3 +279,27 @@ async def test_an_idle_replay_lane_is_left_out_of_fetches_and_taken_up_when_reco
         await until_idle(partitions)  # read to their end again: left out again
     finally:
         worker.stop()
+
+
+async def test_a_record_the_replay_topic_refuses_is_counted_and_the_replay_ends(
+    make_settings: Any,
+) -> None:
+    """The replay topic takes 20 KB records; one task of the range is 30 KB. Before, the
+    broker's refusal stopped the replay, and every run resumed from its checkpoint met it
+    again first: the rest of the range was never replayed."""
+    settings = make_settings()
+    registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+    tasks = [{"task_id": f"r-{i}", "pipeline": "comment-analysis",
+              "input": {"text": f"Comment {i}."},
+              "metadata": {"note": ("Long " * 6_000) if i == 3 else ""}}
+             for i in range(8)]  # fmt: skip
+    await produce(settings, [(t["task_id"].encode(), orjson.dumps(t)) for t in tasks])
+    await topic_takes(settings, settings.topics.replay, 20_000)
+    request = ReplayRequest(source=settings.topics.tasks,
+                            since=datetime.now(UTC) - timedelta(hours=1))  # fmt: skip
+    done = await Replayer(settings, request, registry).run(dry_run=False)
+    assert done.done and (done.counts.published, done.counts.refused) == (7, 1)
+    sent = {orjson.loads(r.value)["task_id"] for r in await _replay_records(settings)}
+    assert sent == {t["task_id"] for t in tasks} - {"r-3"}
+    again = Replayer(settings, request, registry)
+    assert (await again.run(dry_run=False)).done and again.finished_before
