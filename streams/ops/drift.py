@@ -7,7 +7,8 @@ same version's answers between two times. `--save-baseline` stores the baseline 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import heapq
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,8 +17,6 @@ from streams.core.drift import FieldDrift, Profile, compare, features, field_kin
 from streams.kafka.scan import scan
 from streams.settings import Settings
 from streams.store.baselines import load_baselines, save_baseline
-
-Answers = dict[str, list[tuple[str, dict[str, Any]]]]  # version -> (processed_at, output)
 
 
 @dataclass(frozen=True)
@@ -58,20 +57,48 @@ def _utc(t: str) -> str:
     return parsed.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-async def answers(settings: Settings, pipeline: str) -> Answers:
-    """Fresh answers (not cached) of `pipeline` per version, oldest first."""
-    found: Answers = {}
+@dataclass
+class VersionAnswers:
+    """What a drift needs of one version's fresh answers: the latest `window` of them (a
+    heap by time, oldest first), and those between a baseline window's times summed up."""
+
+    latest: list[tuple[str, int, dict[str, Any]]] = field(default_factory=list)
+    between: Profile = field(default_factory=Profile)
+
+    def rows(self) -> list[tuple[str, dict[str, Any]]]:
+        return [(at, output) for at, _, output in sorted(self.latest)]
+
+
+async def answers(
+    settings: Settings,
+    pipeline: str,
+    schema: dict[str, Any],
+    *,
+    window: int,
+    between: tuple[str, str] | None = None,
+) -> dict[str, VersionAnswers]:
+    """Fresh answers (not cached) of `pipeline` per version: the latest `window` and, when
+    `between` is given, those in it summed up. Only those are held, not every answer the
+    results topic keeps (a year of a pipeline's answers was held whole)."""
+    kinds = field_kinds(schema)
+    found: dict[str, VersionAnswers] = {}
+    seen = 0
     async for records in scan(settings, settings.topics.results):
         for rec in records:
             r = json_object(rec.value) if rec.value is not None else None
             if r is None or r.get("pipeline") != pipeline or r.get("cached"):
                 continue
-            if isinstance(r.get("output"), dict) and isinstance(r.get("prompt_version"), str):
-                found.setdefault(r["prompt_version"], []).append(
-                    (str(r.get("processed_at", "")), r["output"])
-                )
-    for rows in found.values():
-        rows.sort(key=lambda row: row[0])
+            output, version = r.get("output"), r.get("prompt_version")
+            if not isinstance(output, dict) or not isinstance(version, str):
+                continue
+            at, seen = str(r.get("processed_at", "")), seen + 1
+            kept = found.setdefault(version, VersionAnswers())
+            if len(kept.latest) < window:
+                heapq.heappush(kept.latest, (at, seen, output))
+            elif (at, seen) > kept.latest[0][:2]:
+                heapq.heapreplace(kept.latest, (at, seen, output))
+            if between is not None and between[0] <= at < between[1]:
+                kept.between.add(features(output, kinds))
     return found
 
 
@@ -102,30 +129,31 @@ async def drift(
     save: bool = False,
 ) -> tuple[list[VersionDrift], list[str]]:
     """Each version's (or `version`'s) drift, and the baselines saved (with `save`)."""
-    found = await answers(settings, pipeline)
+    between = (str(baseline.since), str(baseline.until)) if baseline.kind == "window" else None
+    found = await answers(settings, pipeline, schema, window=window, between=between)
     stored = await load_baselines(settings) if baseline.kind == "stored" else {}
     kinds = field_kinds(schema)
     out, saved = [], []
     for name in sorted(found if version is None else [version]):
-        rows = found.get(name, [])
-        now = profile(rows[-window:], schema)
+        kept = found.get(name, VersionAnswers())
+        now = profile(kept.rows(), schema)
         if baseline.kind == "version":
-            base: Profile | None = profile(found.get(str(baseline.version), [])[-window:], schema)
+            other = found.get(str(baseline.version), VersionAnswers())
+            base: Profile | None = profile(other.rows(), schema)
         elif baseline.kind == "window":
-            since, until = str(baseline.since), str(baseline.until)
-            base = profile([r for r in rows if since <= r[0] < until], schema)
+            base = kept.between
         else:
             base = stored.get((pipeline, name))
         if save:
-            kept = now if baseline.kind == "stored" else base
-            if kept is not None and kept.answers:
+            chosen_profile = now if baseline.kind == "stored" else base
+            if chosen_profile is not None and chosen_profile.answers:
                 chosen = ("its latest answers" if baseline.kind == "stored"
                           else baseline.describe())  # fmt: skip
-                await save_baseline(settings, pipeline, name, kept, chosen)
+                await save_baseline(settings, pipeline, name, chosen_profile, chosen)
                 saved.append(name)
         out.append(VersionDrift(name, now.answers, base.answers if base else 0,
                                 compare(now, base, kinds)))  # fmt: skip
     return out, saved
 
 
-__all__ = ["Baseline", "VersionDrift", "answers", "drift", "profile"]
+__all__ = ["Baseline", "VersionAnswers", "VersionDrift", "answers", "drift", "profile"]

@@ -18,6 +18,7 @@ from streams.kafka.scan import scan_latest
 from streams.kafka.topics import state_topic
 from streams.ops import ab
 from streams.ops import backtrack as backtrack_module
+from streams.ops import drift as drift_module
 from streams.ops.backtrack import Selection, backtrack, latest_states
 from streams.ops.redrive import redrive, task_state
 from streams.ops.replay import Answered
@@ -59,7 +60,8 @@ def serving(monkeypatch: pytest.MonkeyPatch, topics: Topics) -> None:
             yield batch
 
     monkeypatch.setattr(scan_module, "scan", scan)
-    monkeypatch.setattr(ab, "scan", scan)
+    for reader in (ab, drift_module):  # the commands that read a topic's records
+        monkeypatch.setattr(reader, "scan", scan)
 
 
 def exact(value: bytes) -> bytes:
@@ -274,3 +276,43 @@ async def test_a_restore_sends_what_its_version_answered_by_key_or_by_history(
     plan = await backtrack(settings, registry, Selection(pipeline="comment-analysis"), "restore",
                            "v1", dry_run=True)  # fmt: skip
     assert (plan.sent, plan.no_result) == (2, ["t-2"])
+
+
+async def test_a_drift_holds_each_versions_latest_window_not_every_answer(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    schema = orjson.loads((ROOT / "schemas" / "comment-analysis.output.schema.json").read_bytes())
+    labels = ("positive", "negative", "neutral")
+
+    def answer(i: int) -> dict[str, Any]:
+        return {"sentiment": labels[i % 3] if i < 2_900 else "negative", "confidence": 0.5,
+                "topics": ["fit"], "summary": "s" * 150, "language": "en",
+                "evidence": [{"quote": "q" * 300}] * 4}  # fmt: skip
+
+    def results() -> Iterator[Rec]:
+        for i in range(3_000):  # 6 MB of answers; written out of time order per partition
+            at = f"2026-12-06T00:{i // 60 % 60:02d}:{i % 60:02d}.{(i * 7) % 1000:03d}Z"
+            yield Rec(settings.topics.results, f"k-{i}".encode(), exact(orjson.dumps({
+                "pipeline": "comment-analysis", "prompt_version": "v1", "processed_at": at,
+                "output": answer(i)})))  # fmt: skip
+
+    serving(monkeypatch, {settings.topics.results: results})
+    tracemalloc.start()
+    try:
+        found = await drift_module.answers(
+            settings,
+            "comment-analysis",
+            schema,
+            window=100,
+            between=("2026-12-06T00:00:00", "2026-12-06T00:00:30"),
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    v1 = found["v1"]
+    times = sorted(at for at, _ in v1.rows())
+    assert len(times) == 100 and times == [at for at, _ in v1.rows()]  # oldest first
+    assert min(times) >= "2026-12-06T00:48:20"  # the latest 100 of 3,000 by time
+    assert v1.between.answers == 30  # :00 to :29 summed up, not held
+    assert v1.between.counts["sentiment"]["positive"] == 10
+    assert peak < 4_000_000, f"peak {peak:,} bytes"  # the answers held: past 6 MB
