@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import os
 import uuid
 from typing import IO, Any
 
 import orjson
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from streams.errors import InvalidInput
 from streams.kafka import clients
@@ -29,27 +31,46 @@ def as_task(line: bytes, pipeline: str) -> dict[str, Any]:
     return data
 
 
+# Lines whose sends are waited for together: what a publish holds in flight, whatever the
+# size of the file it reads (it read the file whole into memory and never looked at the
+# sends' answers, saying "published" of a task the broker had refused).
+WAIT_EVERY = 1_000
+
+
 async def publish_lines(
     settings: Settings, source: IO[bytes], *, pipeline: str, topic: str | None
-) -> tuple[int, int]:
-    lines = [ln for ln in source.read().splitlines() if ln.strip()]
+) -> tuple[int, int, str]:
+    """Publish each line of `source` as a task, read line by line: (tasks acked, lines
+    that are no task, the refusals for good said — the line numbers — or "")."""
     await ensure_topics(settings, [topic or settings.topics.tasks])
     console = Console(stderr=True)
-    sent = bad = 0
-    columns = (TextColumn("publishing"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    bad = 0
+    columns = (TextColumn("publishing"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
     async with TaskPublisher(settings, topic=topic) as pub:
+        sends = pub.sends()
         with Progress(*columns, console=console, transient=True) as progress:
-            bar = progress.add_task("publish", total=len(lines))
-            for number, line in enumerate(lines, 1):
+            bar = progress.add_task("publish", total=_size(source))
+            for number, line in enumerate(source, 1):
+                progress.advance(bar, len(line))
+                if not line.strip():
+                    continue
                 try:
-                    await pub.publish(as_task(line, pipeline), wait=False)
-                    sent += 1
+                    await pub.publish(as_task(line, pipeline), sends=sends, name=f"line {number}")
                 except (InvalidInput, orjson.JSONDecodeError) as exc:
                     bad += 1
                     console.print(f"[red]line {number}: {exc}[/red]")
-                progress.advance(bar)
-            await pub.flush()
-    return sent, bad
+                if number % WAIT_EVERY == 0:
+                    await sends.wait()
+            await sends.wait()
+    return sends.acked, bad, sends.said()
+
+
+def _size(source: IO[bytes]) -> int | None:
+    """The bytes left to read of a file; None for a pipe or a terminal."""
+    try:
+        return os.fstat(source.fileno()).st_size - source.tell() if source.seekable() else None
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return None
 
 
 async def tail_topic(

@@ -37,9 +37,12 @@ def publish(source: Any, pipeline: str, topic: str | None) -> None:
     from streams.cli.commands import publish_lines
 
     settings = settings_or_exit()
-    sent, bad = on_kafka(settings, publish_lines(settings, source, pipeline=pipeline, topic=topic))
+    sent, bad, refused = on_kafka(settings, publish_lines(settings, source, pipeline=pipeline,
+                                                         topic=topic))  # fmt: skip
     click.echo(f"published {sent} task(s); {bad} invalid line(s) skipped", err=True)
-    if bad:
+    if refused:
+        click.echo(f"publish: {refused}; the log says why", err=True)
+    if bad or refused:
         sys.exit(1)
 
 

@@ -68,20 +68,28 @@ class TaskPublisher:
         except ValidationError as exc:
             raise InvalidInput(f"not a valid task: {exc.errors(include_url=False)}") from exc
 
-    async def publish(self, data: dict[str, Any] | Task, *, wait: bool = True) -> Task:
-        """Validate and send one task (wait=False returns once it is buffered)."""
+    async def publish(
+        self, data: dict[str, Any] | Task, *, wait: bool = True, sends: Sends | None = None,
+        name: str = "",
+    ) -> Task:  # fmt: skip
+        """Validate and send one task (wait=False returns once it is buffered; through
+        `sends`, as `name`: its ack or its refusal for good are theirs to wait for)."""
         task = data if isinstance(data, Task) else self.build(data)
         value = orjson.dumps(task.model_dump(mode="json", exclude_none=True))
         # The caller's trace (if a span is current) goes on through the worker.
-        fut = await self._producer.send(
-            self.topic,
-            key=(task.session_id or task.task_id).encode(),
-            value=value,
-            headers=headers_for() or None,
-        )
+        key, headers = (task.session_id or task.task_id).encode(), headers_for() or None
+        if sends is not None:
+            await sends.send(name or task.task_id, self.topic, key=key, value=value,
+                             headers=headers)  # fmt: skip
+            return task
+        fut = await self._producer.send(self.topic, key=key, value=value, headers=headers)
         if wait:
             await fut
         return task
+
+    def sends(self) -> Sends:
+        """Sends through this publisher's producer, for `publish(sends=...)`."""
+        return Sends(self._producer)
 
     async def erase(
         self,

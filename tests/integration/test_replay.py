@@ -303,3 +303,22 @@ async def test_a_record_the_replay_topic_refuses_is_counted_and_the_replay_ends(
     assert sent == {t["task_id"] for t in tasks} - {"r-3"}
     again = Replayer(settings, request, registry)
     assert (await again.run(dry_run=False)).done and again.finished_before
+
+
+async def test_publish_sends_the_lines_its_topic_takes_and_names_the_one_it_refuses(
+    make_settings: Any, tmp_path: Path
+) -> None:
+    """Before, a publish never looked at its sends' answers: it said "published 5" of a
+    file whose third line the tasks topic had refused."""
+    settings = make_settings()
+    await topic_takes(settings, settings.topics.tasks, 20_000)
+    lines = [orjson.dumps({"task_id": f"p-{i}", "input": {"text": f"Comment {i}."},
+                           "metadata": {"note": ("Long " * 6_000) if i == 3 else ""}})
+             for i in range(1, 6)]  # fmt: skip
+    (tmp_path / "tasks.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    done = run_cli(settings, "publish", str(tmp_path / "tasks.jsonl"))
+    assert done.returncode == 1, done.stderr
+    assert "published 4 task(s)" in done.stderr
+    assert "1 record_too_large (line 3)" in done.stderr
+    sent = [r async for batch in scan(settings, settings.topics.tasks) for r in batch]
+    assert sorted(orjson.loads(r.value)["task_id"] for r in sent) == ["p-1", "p-2", "p-4", "p-5"]
