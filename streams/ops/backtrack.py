@@ -171,7 +171,9 @@ async def backtrack(
     where = sorted((s["source"], s["task_id"], s.get("answered", False)) for s in chosen
                    if _position(s.get("source")))  # fmt: skip
     del states, chosen
-    keys = (await read_answered(settings)).keys if action == "restore" else set()
+    keys = set()
+    if action == "restore":
+        keys = (await read_answered(settings, selection.pipeline, version)).keys
     run = _Run(settings, registry, action, version, keys, plan)
     if dry_run or not where:
         await run.each(where, None)

@@ -204,26 +204,30 @@ class Answered:
         return None
 
 
-async def read_answered(settings: Settings) -> Answered:
-    """What the results topic holds now (read to its end)."""
+async def read_answered(
+    settings: Settings, pipeline: str | None = None, version: str | None = None
+) -> Answered:
+    """What the results topic holds now (read to its end): the keys of `pipeline`'s
+    results under `version`, when given (the keys of a topic's every result were held
+    for a replay of one pipeline under a new version, which has none yet)."""
     keys: set[bytes] = set()
     usage: dict[tuple[str, str | None], tuple[int, int]] = {}
     async for records in scan(settings, settings.topics.results):
         for r in records:
             if r.key is None or r.value is None:
                 continue
-            keys.add(r.key)
             result = json_object(r.value) or {}
+            of, under = result.get("pipeline"), result.get("prompt_version")
+            if (pipeline is None or of == pipeline) and (version is None or under == version):
+                keys.add(r.key)
             spent = result.get("usage")
-            pipeline, version = result.get("pipeline"), result.get("prompt_version")
-            if result.get("cached") or not isinstance(spent, dict) or not isinstance(pipeline, str):
+            if result.get("cached") or not isinstance(spent, dict) or not isinstance(of, str):
                 continue
             try:
                 tokens = int(spent["completion_tokens"])
             except (KeyError, TypeError, ValueError):
                 continue
-            for k in ((pipeline, version if isinstance(version, str) else None),
-                      (pipeline, None)):  # fmt: skip
+            for k in ((of, under if isinstance(under, str) else None), (of, None)):
                 total, n = usage.get(k, (0, 0))
                 usage[k] = (total + tokens, n + 1)
     return Answered(keys, usage)
@@ -282,7 +286,7 @@ class Replayer:
             return checkpoint
         else:
             self.resumed_at = checkpoint.updated_at
-        self.answered = await read_answered(settings)
+        self.answered = await read_answered(settings, request.pipeline, request.prompt_version)
         producer: AIOKafkaProducer | None = None
         sends: Sends | None = None
         if not dry_run:

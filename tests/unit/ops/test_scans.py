@@ -19,6 +19,7 @@ from streams.kafka.topics import state_topic
 from streams.ops import ab
 from streams.ops import backtrack as backtrack_module
 from streams.ops import drift as drift_module
+from streams.ops import replay as replay_module
 from streams.ops.backtrack import Selection, backtrack, latest_states
 from streams.ops.redrive import redrive, task_state
 from streams.ops.replay import Answered
@@ -60,7 +61,7 @@ def serving(monkeypatch: pytest.MonkeyPatch, topics: Topics) -> None:
             yield batch
 
     monkeypatch.setattr(scan_module, "scan", scan)
-    for reader in (ab, drift_module):  # the commands that read a topic's records
+    for reader in (ab, drift_module, replay_module):  # the commands reading every record
         monkeypatch.setattr(reader, "scan", scan)
 
 
@@ -266,7 +267,9 @@ async def test_a_restore_sends_what_its_version_answered_by_key_or_by_history(
     async def read_at(settings: Settings, sources: list[tuple[str, int, int]]) -> dict:
         return {source: task(source[2]) for source in sources}
 
-    async def read_answered(settings: Settings) -> Answered:  # t-0's v1 result is stored
+    async def read_answered(settings: Settings, pipeline: str | None, version: str) -> Answered:
+        assert (pipeline, version) == ("comment-analysis", "v1")  # only those keys are held
+        # t-0's v1 result is stored
         return Answered({result_key("comment-analysis", "v1", "t-0", {"text": "text 0"}).encode()})
 
     serving(monkeypatch, {topic: states})
@@ -316,3 +319,23 @@ async def test_a_drift_holds_each_versions_latest_window_not_every_answer(
     assert v1.between.answers == 30  # :00 to :29 summed up, not held
     assert v1.between.counts["sentiment"]["positive"] == 10
     assert peak < 4_000_000, f"peak {peak:,} bytes"  # the answers held: past 6 MB
+
+
+async def test_a_replay_of_one_pipeline_and_version_holds_the_keys_of_those_results_alone(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    def results() -> Iterator[Rec]:
+        for i in range(3_000):
+            pipeline, version = ("p", "v1") if i % 3 else ("q", "v2" if i % 2 else "v1")
+            yield Rec(settings.topics.results, f"rk-{i}".encode(), orjson.dumps({
+                "pipeline": pipeline, "prompt_version": version,
+                "usage": {"prompt_tokens": 10, "completion_tokens": 4 if pipeline == "p" else 8},
+            }))  # fmt: skip
+
+    serving(monkeypatch, {settings.topics.results: results})
+    every = await replay_module.read_answered(settings)
+    ours = await replay_module.read_answered(settings, "q", "v2")
+    assert len(every.keys) == 3_000 and len(ours.keys) == 500
+    assert all(int(k[3:]) % 6 == 3 for k in ours.keys)
+    # The completion estimates still come from every result.
+    assert ours.usage == every.usage and ours.completion_estimate("p", "v1") == 4
