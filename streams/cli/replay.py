@@ -90,6 +90,7 @@ def _summary(
         f"replay {cp.replay_id} of {cp.source}: {c.read} record(s) read, {verb} {c.published} "
         f"to {settings.topics.replay}; skipped {c.answered} already answered, {c.filtered} "
         f"of other pipelines, {c.invalid} invalid"
+        + (f", {c.erased} erased since" if c.erased else "")
         + (f", {c.refused} refused for good by the topic or the producer (the log names "
            f"them: too large, invalid or not authorised)" if c.refused else ""),
         highlight=False,

@@ -26,9 +26,15 @@ import orjson
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
-from streams.contract.headers import FORCE_HEADER, REPLAY_ID_HEADER, REPLAY_OF_HEADER, TIER_HEADER
+from streams.contract.headers import (
+    ERASE_HEADER,
+    FORCE_HEADER,
+    REPLAY_ID_HEADER,
+    REPLAY_OF_HEADER,
+    TIER_HEADER,
+)
 from streams.contract.lanes import Tier
-from streams.contract.records import decode_task, json_object, now_iso, result_key
+from streams.contract.records import EraseRequest, decode_task, json_object, now_iso, result_key
 from streams.core.spend import Prices
 from streams.errors import ConfigError, TaskError
 from streams.kafka import clients
@@ -85,6 +91,7 @@ class Counts:
     filtered: int = 0  # skipped: another pipeline than asked
     invalid: int = 0  # skipped: not a valid task (its dead letter exists already)
     refused: int = 0  # not sent: the replay topic or the producer refused it for good
+    erased: int = 0  # skipped: an erase request for the task came after its record
     prompt_tokens: int = 0
     completion_tokens: float = 0.0  # estimated
     estimated_usd: float = 0.0  # of what was sent, each task at the price of its tier
@@ -233,6 +240,25 @@ async def read_answered(
     return Answered(keys, usage)
 
 
+async def read_erased(settings: Settings, start: dict[int, int] | None) -> dict[str, int]:
+    """The tasks the erase requests on the tasks topic name (from `start`, per partition,
+    to its end), each with the time of its latest request: a replay sends no record of a
+    task older than its erasure — it answered it again, writing the answer the erasure
+    had taken away (the task records stay on the tasks topic until its retention, and so
+    do the requests that come after them)."""
+    erased: dict[str, int] = {}
+    async for records in scan(settings, settings.topics.tasks, start):
+        for r in records:
+            if not any(name == ERASE_HEADER for name, _ in r.headers or ()):
+                continue
+            try:
+                task_id = EraseRequest.model_validate_json(r.value or b"").task_id
+            except ValueError:
+                continue  # the worker dead-letters it
+            erased[task_id] = max(erased.get(task_id, r.timestamp), r.timestamp)
+    return erased
+
+
 async def load_checkpoint(settings: Settings, replay_id: str) -> Checkpoint | None:
     latest: bytes | None = None
     async for records in scan(settings, replays_topic(settings)):
@@ -267,6 +293,7 @@ class Replayer:
         self.finished_before = False  # the checkpoint said done: nothing sent
         self.resumed_at: str | None = None  # time of the checkpoint resumed from
         self.answered = Answered()  # read again by each `run`
+        self.erased: dict[str, int] = {}  # task id -> its latest erase request's time, ms
         self.prices = Prices.from_settings(settings)
         if request.pipeline is not None:
             pipeline = registry.get(request.pipeline)  # unknown: InvalidInput, said at once
@@ -287,6 +314,8 @@ class Replayer:
         else:
             self.resumed_at = checkpoint.updated_at
         self.answered = await read_answered(settings, request.pipeline, request.prompt_version)
+        from_start = checkpoint.start if request.source == settings.topics.tasks else None
+        self.erased = await read_erased(settings, from_start)
         producer: AIOKafkaProducer | None = None
         sends: Sends | None = None
         if not dry_run:
@@ -353,6 +382,9 @@ class Replayer:
             if request.pipeline is not None and task.pipeline != request.pipeline:
                 counts.filtered += 1
                 return None
+            if record.timestamp <= self.erased.get(task.task_id, -1):
+                counts.erased += 1
+                return None
             pipeline = self.registry.get(task.pipeline)
             session = pipeline.session_of(task)  # its turns stay in order, on its partition
             version = pipeline.version(request.prompt_version or task.prompt_version,
@@ -413,6 +445,7 @@ __all__ = [
     "Replayer",
     "load_checkpoint",
     "read_answered",
+    "read_erased",
     "replays_topic",
     "resolve_range",
 ]

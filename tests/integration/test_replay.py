@@ -20,6 +20,7 @@ import yaml
 from streams.contract.headers import FORCE_HEADER, REPLAY_ID_HEADER, REPLAY_OF_HEADER
 from streams.dev.simulator import SimulatorServer
 from streams.kafka import clients
+from streams.kafka.publisher import TaskPublisher
 from streams.kafka.scan import scan
 from streams.ops.replay import Checkpoint, Replayer, ReplayRequest
 from streams.pipelines.registry import PipelineRegistry
@@ -322,3 +323,30 @@ async def test_publish_sends_the_lines_its_topic_takes_and_names_the_one_it_refu
     assert "1 record_too_large (line 3)" in done.stderr
     sent = [r async for batch in scan(settings, settings.topics.tasks) for r in batch]
     assert sorted(orjson.loads(r.value)["task_id"] for r in sent) == ["p-1", "p-2", "p-4", "p-5"]
+
+
+async def test_a_replay_sends_no_record_of_a_task_older_than_its_erasure(
+    make_settings: Any,
+) -> None:
+    """The erased task's record stays on the tasks topic until its retention: a replay
+    over it answered it again, writing back the answer its erasure had taken away. A
+    task sent again after its erasure is new, and replayed."""
+    settings = make_settings()
+    registry = PipelineRegistry.load(settings.pipelines_dir, settings.schemas_dir)
+
+    def task(task_id: str, text: str) -> tuple[bytes, bytes]:
+        return task_id.encode(), orjson.dumps({"task_id": task_id, "pipeline": "comment-analysis",
+                                               "input": {"text": text}})  # fmt: skip
+
+    await produce(settings, [task("e-1", "First."), task("e-2", "Mine."), task("e-3", "Third.")])
+    await asyncio.sleep(0.05)
+    async with TaskPublisher(settings) as publisher:
+        await publisher.erase("e-2", "comment-analysis")
+    await asyncio.sleep(0.05)
+    await produce(settings, [task("e-2", "Sent again, after the erasure.")])
+    request = ReplayRequest(source=settings.topics.tasks,
+                            since=datetime.now(UTC) - timedelta(hours=1))  # fmt: skip
+    done = await Replayer(settings, request, registry).run(dry_run=False)
+    assert (done.counts.published, done.counts.erased) == (3, 1)
+    sent = [orjson.loads(r.value)["input"]["text"] for r in await _replay_records(settings)]
+    assert sorted(sent) == ["First.", "Sent again, after the erasure.", "Third."]
