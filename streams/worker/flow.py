@@ -338,7 +338,8 @@ class RecordFlow:
             if (left := without_turn(stored, request.task_id)) is not stored:
                 turns = (key, left)
         try:
-            await self.writer.erase(request.task_id, home, keys, sinks, turns)
+            await self.writer.erase(request.task_id, home, keys, sinks, turns,
+                                    erased_at=message.timestamp)  # fmt: skip
         except WriteRefused as exc:  # the rest erased, the state kept: its own dead letter
             refused: WriteRefused | None = exc
         else:

@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import Any, NoReturn
 
 from aiokafka.errors import KafkaError
 
+from streams.core.batch import erased_key, erasure_mark
 from streams.core.outcome import Outcome, Prepared
 from streams.core.taskstate import TaskState
 from streams.errors import WriteRefused
@@ -268,12 +270,15 @@ class Writer:
         result_keys: list[str],
         sinks: list[tuple[str, bytes]],
         session: tuple[bytes, bytes | None] | None = None,
+        erased_at: float | None = None,
     ) -> None:
         """Tombstones for what the worker wrote of a task: its results (and their review
         copies) under each of `result_keys`, its dead letter, its records in the sink
         topics (`sinks`: topic and key), its session's turns without its own (`session`:
         the session's key and what is left, None for nothing), then its state — last, so
-        that a run killed on the way finds the state and erases again.
+        that a run killed on the way finds the state and erases again. First, the ledger's
+        mark that the task was erased at `erased_at` (the request's time; None: now): a
+        batch-lane job of the task parked before it does not write its answer back.
 
         A tombstone a topic refuses for good (this worker may no longer write a sink
         topic) raises `WriteRefused` once the others are written, the state kept: the
@@ -281,7 +286,11 @@ class Writer:
         the same request after every restart."""
         put, send, topics = self.store.put, self.send, self.store.topics
         review = self.settings.topics.review
-        writes: list[tuple[str, str, Callable[[], Awaitable[object]]]] = []
+        mark = erasure_mark(time.time() if erased_at is None else erased_at)
+        writes: list[tuple[str, str, Callable[[], Awaitable[object]]]] = [
+            (topics[Kind.LEDGER], f"the erasure mark of {task_id}",
+             partial(put, Kind.LEDGER, partition, erased_key(task_id), mark)),
+        ]  # fmt: skip
         for key in result_keys:
             writes.append((topics[Kind.RESULTS], f"the result {key}",
                            partial(put, Kind.RESULTS, partition, key.encode(), None)))  # fmt: skip

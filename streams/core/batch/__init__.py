@@ -41,7 +41,16 @@ enqueued-token limit) is sent again in a new batch, not charged to the task.
 """
 
 from streams.core.batch.lane import BatchLane
-from streams.core.batch.ledger import JOB_PREFIX, Ledger, batch_key, item_key, job_key
+from streams.core.batch.ledger import (
+    JOB_PREFIX,
+    Ledger,
+    batch_key,
+    erased_key,
+    erased_since,
+    erasure_mark,
+    item_key,
+    job_key,
+)
 from streams.core.batch.parking import Parked, Parking, Released, Resume
 from streams.core.batch.wire import BatchOps, error_of, request_line
 
@@ -55,6 +64,9 @@ __all__ = [
     "Released",
     "Resume",
     "batch_key",
+    "erased_key",
+    "erased_since",
+    "erasure_mark",
     "error_of",
     "item_key",
     "job_key",

@@ -1,6 +1,10 @@
 """The batch lane's ledger: what a worker must find again after a crash — its batches
 (`batch/<local id>`: a `BatchRecord`), where each request went (`item/<custom id>/<attempt>`)
-and the records parked on them (`job/<result key>`), on the task store's ledger map."""
+and the records parked on them (`job/<result key>`), on the task store's ledger map — and
+the tasks erased while a job of theirs may be parked (`erased/<task id>`: when), which
+such a job does not answer once its batch ends (the erasure cannot find the job: its
+key is a result key the task's state does not know yet). Entries expire with the
+ledger's retention (`retention.ledger_days`, longer than any batch)."""
 
 from __future__ import annotations
 
@@ -44,6 +48,28 @@ def job_key(key: str) -> bytes:
     return JOB_PREFIX + key.encode()
 
 
+def erased_key(task_id: str) -> bytes:
+    return b"erased/" + task_id.encode()
+
+
+def erasure_mark(at: float) -> bytes:
+    """The ledger's word that a task was erased at `at` (seconds since the epoch)."""
+    return orjson.dumps({"at": at})
+
+
+def erased_since(mark: bytes | None, taken_at: float | None) -> bool:
+    """Whether a parked job whose record was written at `taken_at` (None: unknown) was
+    erased since, by its task's erasure `mark` (None: never erased). A mark this version
+    cannot read counts as an erasure: the answer is not written back."""
+    if mark is None:
+        return False
+    try:
+        at = float(orjson.loads(mark)["at"])
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return True
+    return taken_at is None or taken_at <= at
+
+
 @dataclass
 class BatchRecord:
     """A ledger batch record."""
@@ -73,5 +99,5 @@ class BatchRecord:
         return cls(**{k: v for k, v in data.items() if k in known})  # a newer version's extras
 
 
-__all__ = ["JOB_PREFIX", "LEDGER_ITEM_BYTES", "BatchRecord", "Ledger", "batch_key", "item_key",
-           "job_key"]  # fmt: skip
+__all__ = ["JOB_PREFIX", "LEDGER_ITEM_BYTES", "BatchRecord", "Ledger", "batch_key", "erased_key",
+           "erased_since", "erasure_mark", "item_key", "job_key"]  # fmt: skip
