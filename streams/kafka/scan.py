@@ -104,10 +104,13 @@ async def scan(
     start: dict[int, int] | None = None,
     end: dict[int, int] | None = None,
     max_records: int | None = None,
+    partitions: Collection[int] | None = None,
 ) -> AsyncIterator[list[ConsumerRecord[bytes, bytes]]]:
-    """Batches of committed records of `topic`, from `start` (default: the beginning)
-    to `end` (default: the real end when the scan starts), partitions interleaved."""
-    parts = await partitions_of(settings, topic)
+    """Batches of committed records of `topic` (of its `partitions`, when given), from
+    `start` (default: the beginning) to `end` (default: the real end when the scan
+    starts), partitions interleaved."""
+    parts = [p for p in await partitions_of(settings, topic)
+             if partitions is None or p in partitions]  # fmt: skip
     if not parts:
         return
     consumer = reader(settings, "scan")
@@ -155,13 +158,15 @@ async def scan_latest(
     *,
     keys: Collection[bytes] | None = None,
     shape: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+    partitions: Collection[int] | None = None,
 ) -> dict[bytes, dict[str, Any]]:
     """The latest JSON object per key of `topic`, read whole once (a command): of `keys`
     only, when given; as `shape` makes each latest object, when given (None: the key
-    left out). It holds what it returns, never the topic's records: an operator's lookup
-    of one task in a year of task states held every record of them in memory."""
+    left out); of `partitions` only, when given. It holds what it returns, never the
+    topic's records: an operator's lookup of one task in a year of task states held
+    every record of them in memory."""
     latest: dict[bytes, dict[str, Any]] = {}
-    async for records in scan(settings, topic):
+    async for records in scan(settings, topic, partitions=partitions):
         _onto(latest, records, keys, shape)
     return latest
 

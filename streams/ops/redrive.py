@@ -11,16 +11,28 @@ import orjson
 from streams.contract.headers import REDRIVE_HEADER
 from streams.errors import REDRIVABLE
 from streams.kafka import clients
+from streams.kafka.clients import partitions_of
 from streams.kafka.publisher import Sends
+from streams.kafka.routing import partition_for
 from streams.kafka.scan import scan_latest
 from streams.kafka.topics import state_topic
 from streams.settings import Settings
 
 
 async def task_state(settings: Settings, task_id: str) -> dict[str, Any] | None:
-    """The task's latest state record (status, keys, last error, history), or None."""
-    key = task_id.encode()
-    return (await scan_latest(settings, state_topic(settings), keys={key})).get(key)
+    """The task's latest state record (status, keys, last error, history), or None. Its
+    partition is the one its task id maps to, unless the task is in a session (then its
+    session's): that one is read first, the others only when the state is not there."""
+    key, topic = task_id.encode(), state_topic(settings)
+    parts = await partitions_of(settings, topic)
+    if not parts:
+        return None
+    home = {partition_for(task_id, len(parts))}
+    found = await scan_latest(settings, topic, keys={key}, partitions=home)
+    if key not in found:
+        rest = set(parts) - home
+        found = await scan_latest(settings, topic, keys={key}, partitions=rest) if rest else {}
+    return found.get(key)
 
 
 @dataclass

@@ -4,6 +4,7 @@ need, never the topic's records."""
 from __future__ import annotations
 
 import tracemalloc
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +15,13 @@ import pytest
 
 from streams.contract.records import result_key
 from streams.kafka import scan as scan_module
+from streams.kafka.routing import partition_for
 from streams.kafka.scan import scan_latest
 from streams.kafka.topics import state_topic
 from streams.ops import ab
 from streams.ops import backtrack as backtrack_module
 from streams.ops import drift as drift_module
+from streams.ops import redrive as redrive_module
 from streams.ops import replay as replay_module
 from streams.ops.backtrack import Selection, backtrack, latest_states
 from streams.ops.redrive import redrive, task_state
@@ -46,13 +49,19 @@ def settings() -> Settings:
     return load_settings()
 
 
-def serving(monkeypatch: pytest.MonkeyPatch, topics: Topics) -> None:
-    """`scan` reads each topic's records as its function makes them, in batches of 100,
-    none of them kept here."""
+def serving(monkeypatch: pytest.MonkeyPatch, topics: Topics, partitions: int = 4) -> Counter[str]:
+    """`scan` reads each topic's records as its function makes them (of the partitions
+    asked for; the topics have `partitions`), in batches of 100, none of them kept here.
+    Returned: how many records each topic gave."""
+    read: Counter[str] = Counter()
 
     async def scan(settings: Settings, topic: str, *args: Any, **kw: Any) -> AsyncIterator[list]:
         batch: list[Rec] = []
+        only = kw.get("partitions")
         for rec in topics.get(topic, lambda: iter(()))():
+            if only is not None and rec.partition not in only:
+                continue
+            read[topic] += 1
             batch.append(rec)
             if len(batch) == 100:
                 yield batch
@@ -60,9 +69,14 @@ def serving(monkeypatch: pytest.MonkeyPatch, topics: Topics) -> None:
         if batch:
             yield batch
 
+    async def partitions_of(settings: Settings, topic: str) -> list[int]:
+        return list(range(partitions))
+
     monkeypatch.setattr(scan_module, "scan", scan)
     for reader in (ab, drift_module, replay_module):  # the commands reading every record
         monkeypatch.setattr(reader, "scan", scan)
+    monkeypatch.setattr(redrive_module, "partitions_of", partitions_of)
+    return read
 
 
 def exact(value: bytes) -> bytes:
@@ -98,12 +112,17 @@ async def test_the_latest_per_key_is_kept_as_shaped_and_a_key_shaped_out_is_gone
 async def test_a_tasks_status_holds_its_own_state_not_the_topics(
     monkeypatch: pytest.MonkeyPatch, settings: Settings
 ) -> None:
+    topic = state_topic(settings)
+
     def states() -> Iterator[Rec]:
         for i in range(10_000):
-            yield Rec(state_topic(settings), f"task-{i}".encode(), state(f"task-{i}"), offset=i)
-        yield Rec(state_topic(settings), b"task-7", state("task-7", "dead_lettered"))
+            task_id = f"task-{i}"
+            yield Rec(topic, task_id.encode(), state(task_id), partition_for(task_id, 4), i)
+        yield Rec(topic, b"task-7", state("task-7", "dead_lettered"), partition_for("task-7", 4))
+        # A task of a session: its state is on its session's partition.
+        yield Rec(topic, b"turn-1", state("turn-1"), (partition_for("turn-1", 4) + 1) % 4)
 
-    serving(monkeypatch, {state_topic(settings): states})
+    read = serving(monkeypatch, {topic: states})
     tracemalloc.start()
     try:
         found = await task_state(settings, "task-7")
@@ -113,6 +132,9 @@ async def test_a_tasks_status_holds_its_own_state_not_the_topics(
     assert found is not None and found["status"] == "dead_lettered"
     # The 10,000 records, held, are past 10 MB.
     assert peak < 3_000_000, f"peak {peak:,} bytes"
+    assert read[topic] < 4_000  # its partition alone: about a quarter of the records
+    turn = await task_state(settings, "turn-1")  # not on its task id's partition: found
+    assert turn is not None and turn["task_id"] == "turn-1"
 
 
 def letter(task_id: str, category: str, payload_bytes: int = 10_000, **more: Any) -> bytes:
