@@ -39,7 +39,7 @@ from streams.contract.headers import (
 )
 from streams.contract.lanes import Lane, Tier
 from streams.contract.records import EraseRequest, Source, json_object
-from streams.core.batch import Parked
+from streams.core.batch import Parked, erased_key, erased_since
 from streams.core.budget import Withdrawn
 from streams.core.decide import Asked, Decider, Decision, Ended
 from streams.core.drift import DriftMonitor
@@ -191,6 +191,8 @@ class RecordFlow:
         )  # fmt: skip
         if isinstance(prep, Outcome):  # bad input: a dead letter, unless written
             return await self.dead_here(prep, source)
+        if self._erased_since(prep.task.task_id, source.partition, message.timestamp):
+            return Ended.ERASED, None
         lane = self.lane_of(message.topic)
         if message.key not in (prep.task.task_id.encode(), (prep.session or "").encode()):
             # On its task's partition after all: answered here, where its answers live.
@@ -214,6 +216,17 @@ class RecordFlow:
         if written.output is not None:
             await self._add_turn(source.partition, prep, written.output)
         return Ended.of(written), written
+
+    def _erased_since(self, task_id: str, partition: int, timestamp: float | None) -> bool:
+        """Whether the task was erased after this record of it was written: a record read
+        again (a replay sent before the erasure, a batch-lane job parked when it came, a
+        group read from the start) would write back what the erasure took away. The
+        erasure's mark is in the partition's ledger (`core.batch.ledger.erased_since`)."""
+        mark = self.store.get(Kind.LEDGER, partition, erased_key(task_id))
+        if not erased_since(mark, timestamp):
+            return False
+        log.info("a record of task %s written before its erasure is not answered", task_id)
+        return True
 
     async def _route(self, message: Any, source: Source) -> tuple[Ended, Outcome | None] | None:
         """A record away from its task's home (keyed otherwise by its producer) forwarded

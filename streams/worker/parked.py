@@ -22,8 +22,7 @@ import orjson
 
 from streams.contract.headers import Headers, header_items
 from streams.contract.lanes import Lane
-from streams.contract.records import json_object
-from streams.core.batch import BatchLane, erased_key, erased_since, job_key
+from streams.core.batch import BatchLane, job_key
 from streams.core.decide import Ended
 from streams.core.dispatch import Dispatcher, LaneSlots
 from streams.store.taskstore import Kind, TaskStore
@@ -150,13 +149,7 @@ class Resumer:
                         log.error("parked record %s of partition %d cannot be read, left in "
                                   "the ledger: %s", key, partition, exc)  # fmt: skip
                         return
-                    task_id = self._erased(partition, stored)
-                    if task_id is not None:  # its answer would undo the erasure
-                        log.info("parked record %s of task %s not answered: the task was "
-                                 "erased since", key, task_id)  # fmt: skip
-                        kind: Ended | None = Ended.ERASED
-                    else:
-                        kind = await self.run(stored)
+                    kind = await self.run(stored)
                     if kind is None:
                         return  # stopping: run at the next start
                     if kind is Ended.RELEASED:
@@ -171,16 +164,6 @@ class Resumer:
                 self._running.pop(key, None)
 
         return job
-
-    def _erased(self, partition: int, stored: StoredRecord) -> str | None:
-        """The task id of a parked record whose task was erased after it was taken, else
-        None (a record that names no task runs as any and ends as its run says)."""
-        task = json_object(stored.value)
-        task_id = task.get("task_id") if task is not None else None
-        if not isinstance(task_id, str):
-            return None
-        mark = self.store.get(Kind.LEDGER, partition, erased_key(task_id))
-        return task_id if erased_since(mark, stored.timestamp) else None
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

@@ -278,7 +278,8 @@ class Writer:
         the session's key and what is left, None for nothing), then its state — last, so
         that a run killed on the way finds the state and erases again. First, the ledger's
         mark that the task was erased at `erased_at` (the request's time; None: now): a
-        batch-lane job of the task parked before it does not write its answer back.
+        record of the task written before it — a parked batch-lane job, a replay sent
+        before — does not write its answer back.
 
         A tombstone a topic refuses for good (this worker may no longer write a sink
         topic) raises `WriteRefused` once the others are written, the state kept: the

@@ -1,9 +1,10 @@
 """The batch lane's ledger: what a worker must find again after a crash — its batches
 (`batch/<local id>`: a `BatchRecord`), where each request went (`item/<custom id>/<attempt>`)
 and the records parked on them (`job/<result key>`), on the task store's ledger map — and
-the tasks erased while a job of theirs may be parked (`erased/<task id>`: when), which
-such a job does not answer once its batch ends (the erasure cannot find the job: its
-key is a result key the task's state does not know yet). Entries expire with the
+the tasks erased (`erased/<task id>`: when): a record of such a task written before its
+erasure is not answered (`worker.flow`) — a batch-lane job parked when the erasure came
+(it cannot find the job: its key is a result key the task's state does not know yet), a
+replay sent before it, a group read again from the start. Entries expire with the
 ledger's retention (`retention.ledger_days`, longer than any batch)."""
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ def erasure_mark(at: float) -> bytes:
 
 
 def erased_since(mark: bytes | None, taken_at: float | None) -> bool:
-    """Whether a parked job whose record was written at `taken_at` (None: unknown) was
-    erased since, by its task's erasure `mark` (None: never erased). A mark this version
-    cannot read counts as an erasure: the answer is not written back."""
+    """Whether a record of a task written at `taken_at` (None: unknown) was erased since,
+    by its task's erasure `mark` (None: never erased). A mark this version cannot read, or
+    a record's unknown time, counts as erased: the answer is not written back."""
     if mark is None:
         return False
     try:

@@ -289,9 +289,6 @@ async def test_a_parked_record_another_version_wrote_is_read_and_a_broken_one_le
         async def put(self, kind: Kind, partition: int, key: bytes, value: None) -> None:
             deleted.append(key)
 
-        def get(self, kind: Kind, partition: int, key: bytes) -> bytes | None:
-            return None  # no task erased
-
     async def run(record: StoredRecord) -> Ended:
         ran.append(record)
         return Ended.RESULT
@@ -305,51 +302,4 @@ async def test_a_parked_record_another_version_wrote_is_read_and_a_broken_one_le
     await resumer._dispatcher.drain()
     assert ran == [StoredRecord("replay", 0, 9, None, b"{}", [], None)]
     assert len(deleted) == 1  # the record run: its entry goes; the broken ones stay
-    await resumer.close()
-
-
-async def test_a_parked_job_of_a_task_erased_since_is_not_answered() -> None:
-    """A task erased while its batch-lane job is parked: the erasure cannot find the job
-    (its key is a result key the task's state does not know yet), so when the batch
-    ended the job ran again, found no state, and wrote the answer back. Now the
-    erasure's mark in the ledger says when: a job taken before it ends with its entry
-    deleted, unanswered; one taken after it (the task sent again) runs."""
-    from streams.core.batch import erased_key, erasure_mark
-    from streams.core.dispatch import LaneSlots
-    from streams.worker.parked import Resumer
-
-    ran: list[str] = []
-    deleted: list[bytes] = []
-    ledger = {erased_key("t-1"): erasure_mark(1_000.0), erased_key("t-3"): b"\xff unreadable"}
-
-    class Store:
-        def owned(self) -> set[int]:
-            return {0}
-
-        async def put(self, kind: Kind, partition: int, key: bytes, value: None) -> None:
-            assert kind is Kind.LEDGER and value is None
-            deleted.append(key)
-
-        def get(self, kind: Kind, partition: int, key: bytes) -> bytes | None:
-            return ledger.get(key) if kind is Kind.LEDGER else None
-
-    async def run(record: StoredRecord) -> Ended:
-        ran.append(orjson.loads(record.value)["task_id"])
-        return Ended.RESULT
-
-    def parked(task_id: str, at: float | None) -> bytes:
-        value = orjson.dumps({"task_id": task_id, "pipeline": "p", "input": {"text": "x"}})
-        return StoredRecord("tasks", 0, 1, task_id.encode(), value, [], at).pack()
-
-    resumer = Resumer(Store(), LaneSlots(4), run)  # type: ignore[arg-type]
-    resumer.resume(0, "rk-before", parked("t-1", 999.0))  # taken before its erasure
-    resumer.resume(0, "rk-unknown", parked("t-1", None))  # when: unknown, so erased
-    resumer.resume(0, "rk-after", parked("t-1", 1_001.0))  # sent again after it
-    resumer.resume(0, "rk-other", parked("t-2", 999.0))  # never erased
-    resumer.resume(0, "rk-mark", parked("t-3", 5.0))  # a mark it cannot read: erased
-    await asyncio.sleep(0)
-    await resumer._dispatcher.drain()
-    assert sorted(ran) == ["t-1", "t-2"]  # the one sent again, and the other task
-    assert sorted(deleted) == [b"job/rk-after", b"job/rk-before", b"job/rk-mark",
-                               b"job/rk-other", b"job/rk-unknown"]  # fmt: skip
     await resumer.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import decimal
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -379,8 +380,17 @@ async def test_an_erase_request_leaves_tombstones_where_the_task_was_written(
     assert {sample.labels["pipeline"] for m in run.metrics.registry.collect()
             if m.name == "llm_streams_erasures" for sample in m.samples} == {
         "comment-analysis", "unknown"}  # fmt: skip
-    again, _ = await run.handle(record, source, Span())  # the task sent again: a new answer
-    assert again == "result" and len(llm.requests) == 2  # asked again: nothing of it kept
+    # Its record read again — a replay sent before the erasure, a batch-lane job parked
+    # when it came, a group read from the start — is not answered: it would write back
+    # what the erasure took away (before: answered, result and sink record written again).
+    sent.clear()
+    for old in (record, replace(record, topic="tasks-replay", timestamp=time.time() - 60)):
+        kind, _ = await run.handle(old, source, Span())
+        assert kind == "erased" and sent == [] and len(llm.requests) == 1
+    sent_again = replace(record, offset=9, timestamp=time.time() + 1)
+    again, _ = await run.handle(sent_again, Source(topic="tasks", partition=record.partition,
+                                                   offset=9), Span())  # fmt: skip
+    assert again == "result" and len(llm.requests) == 2  # sent again: asked, nothing kept
 
 
 async def test_an_erasure_a_sink_refuses_for_good_is_a_dead_letter_the_rest_erased(
