@@ -129,7 +129,7 @@ class Sends:
     the topic, invalid, not authorised) is counted and said per record, not raised: one
     record its topic cannot take stopped the rest of a replay, a backtrack or a redrive,
     and again at every run after (a replay resumed from its checkpoint met it first). Any
-    other failure is raised. Of the refused, the first `NAMED` are named."""
+    other failure is raised. Of the refused, the first `NAMED` are named and logged."""
 
     NAMED = 10
 
@@ -177,7 +177,7 @@ class Sends:
         if why is None:
             return False
         self.refused[why] += 1
-        if len(self.refused_names) < self.NAMED:
+        if len(self.refused_names) < self.NAMED:  # a topic refusing every record: said once
             self.refused_names.append(name)
-        log.warning("record %s refused for good (%s) by %s: %s", name, why, topic, exc)
+            log.warning("record %s refused for good (%s) by %s: %s", name, why, topic, exc)
         return True

@@ -59,6 +59,17 @@ async def test_refusals_for_good_are_counted_and_named_and_the_rest_acked() -> N
                             "(big, denied)")  # fmt: skip
 
 
+async def test_a_topic_refusing_every_record_is_named_and_logged_ten_times(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    values = [f"r{i}".encode() for i in range(1_000)]
+    sends = Sends(Producer(set(), {v: TopicAuthorizationFailedError() for v in values}))  # type: ignore[arg-type]
+    for value in values:
+        await sends.send(value.decode(), "t", value=value)
+    assert len(await sends.wait()) == 1_000 and sends.refused["not_authorized"] == 1_000
+    assert len(sends.refused_names) == 10 and len(caplog.records) == 10
+
+
 async def test_a_failure_a_retry_may_mend_is_raised() -> None:
     sends = Sends(Producer(set(), {b"slow": KafkaTimeoutError()}))  # type: ignore[arg-type]
     await sends.send("slow", "t", value=b"slow")
