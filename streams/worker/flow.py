@@ -189,10 +189,14 @@ class RecordFlow:
                                                    session.encode()),
             position=original_offset(message),
         )  # fmt: skip
+        # A record of a task erased since it was written: not answered, nor dead-lettered
+        # (a new dead letter would carry the erased record again).
+        task_id = prep.task_id if isinstance(prep, Outcome) else prep.task.task_id
+        if task_id is not None and self._erased_since(task_id, source.partition,
+                                                      message.timestamp):  # fmt: skip
+            return Ended.ERASED, None
         if isinstance(prep, Outcome):  # bad input: a dead letter, unless written
             return await self.dead_here(prep, source)
-        if self._erased_since(prep.task.task_id, source.partition, message.timestamp):
-            return Ended.ERASED, None
         lane = self.lane_of(message.topic)
         if message.key not in (prep.task.task_id.encode(), (prep.session or "").encode()):
             # On its task's partition after all: answered here, where its answers live.

@@ -384,7 +384,12 @@ async def test_an_erase_request_leaves_tombstones_where_the_task_was_written(
     # when it came, a group read from the start — is not answered: it would write back
     # what the erasure took away (before: answered, result and sink record written again).
     sent.clear()
-    for old in (record, replace(record, topic="tasks-replay", timestamp=time.time() - 60)):
+    invalid = orjson.dumps({"task_id": "t-7", "pipeline": "comment-analysis", "input": {}})
+    for old in (
+        record,
+        replace(record, topic="tasks-replay", timestamp=time.time() - 60),
+        replace(record, value=invalid),
+    ):  # nor dead-lettered: it would carry it again
         kind, _ = await run.handle(old, source, Span())
         assert kind == "erased" and sent == [] and len(llm.requests) == 1
     sent_again = replace(record, offset=9, timestamp=time.time() + 1)
