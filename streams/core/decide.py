@@ -99,6 +99,11 @@ class Decider:
         state = self.store.state(source.partition, task_id)
         if state is not None and state.wrote(source):  # this very record, before a crash
             return Decision(Ended.ALREADY_DONE)
+        if state is not None and prep.run is not None and state.ran(prep.run):
+            # A second copy of what a replay or a backtrack sent (the command killed before
+            # its checkpoint and run again): the first ended the task; forced, it is not
+            # asked again, and an older copy does not overwrite a newer answer.
+            return Decision(Ended.ALREADY_DONE)
         if self._forwarded_again(state, prep, asked):
             # Its source record forwarded again (its forwarder died before its offset
             # committed): answered once, its sink record written once.
@@ -200,6 +205,7 @@ class Decider:
             result_partition=source.partition if result else before.result_partition,
             source=source,
             origin=prep.origin,
+            run=prep.run,
             last_error=None if result else outcome.error,
             stage=outcome.stage,
             stage_outputs=None if result else outcome.stages,

@@ -69,6 +69,9 @@ class Prepared:
     # A task forwarded from a source record: that record (`topic/partition/offset`, the
     # `llm-streams-source-of` header), the same however often it was forwarded.
     origin: str | None = None
+    # A record a replay or a backtrack sent: `<its id>@<the record it copied>` (its
+    # `llm-streams-replay-id` and `llm-streams-replay-of` headers), the same in every copy.
+    run: str | None = None
 
     def session_turns(
         self, stored: bytes | None, output: dict[str, Any], max_bytes: int = 1_000_000

@@ -53,6 +53,9 @@ class HistoryEntry(BaseModel):
     source: StoredSource | None = None  # the record whose run made this move
     # A task forwarded from a source record: that record (`topic/partition/offset`).
     origin: str | None = None
+    # A record an operator command sent (a replay, a backtrack): `<its id>@<the record it
+    # copied>`, so a copy sent twice (the command killed and run again) ends the task once.
+    run: str | None = None
 
 
 class TaskState(BaseModel):
@@ -102,10 +105,16 @@ class TaskState(BaseModel):
         return raw  # what is left (ids, keys) is small; the write path refuses the rest
 
     def moved(
-        self, status: Status, note: str | None = None, origin: str | None = None, **changes: Any
+        self,
+        status: Status,
+        note: str | None = None,
+        origin: str | None = None,
+        run: str | None = None,
+        **changes: Any,
     ) -> TaskState:
         """This state moved to `status`, with the move appended to its history (`origin`:
-        the source record the moving record was forwarded from)."""
+        the source record the moving record was forwarded from; `run`: the command run
+        that sent it, `HistoryEntry.run`)."""
         at = now_iso()
         source = changes.get("source")
         if isinstance(source, Source):
@@ -118,6 +127,7 @@ class TaskState(BaseModel):
             note=note,
             source=source,
             origin=origin,
+            run=run,
         )
         history = [*self.history, entry][-HISTORY_LIMIT:]
         return self.model_copy(
@@ -135,6 +145,12 @@ class TaskState(BaseModel):
             and (e.source.topic, e.source.partition, e.source.offset) == where
             for e in self.history
         )
+
+    def ran(self, run: str) -> bool:
+        """Did a copy of the record that the command run `run` sent (`HistoryEntry.run`)
+        end this task? A second copy of it is the same task, ended once."""
+        done = (Status.SUCCEEDED, Status.DEAD_LETTERED)
+        return any(e.run == run and e.status in done for e in self.history)
 
     def came_from(self, origin: str, result_key: str, version: str) -> bool:
         """Did a record forwarded from the source record `origin` end this task — its

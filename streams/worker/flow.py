@@ -6,7 +6,8 @@ parked-record resumer for each record it runs again; acking, in arrival order pe
 partition, stays the agent's:
 
 1. **headers**: how the record asks to be answered (`asked`: forced, a tier, a
-   backtrack's note) and where it first stood (`original_offset`, for a replay);
+   backtrack's note), where it first stood (`original_offset`, for a replay) and which
+   command run sent it (`sent_by`: a second copy of it ends nothing again);
 2. **route**: a record on another partition than its task's home (its session's, or
    its task id's) is forwarded there and ends here — read from the record without
    preparing its prompt, which its home does;
@@ -31,6 +32,7 @@ from streams.contract.headers import (
     BACKTRACK_HEADER,
     ERASE_HEADER,
     FORCE_HEADER,
+    REPLAY_ID_HEADER,
     REPLAY_OF_HEADER,
     REROUTED_FROM_HEADER,
     SOURCE_OF_HEADER,
@@ -79,6 +81,15 @@ def asked(message: Any) -> Asked:
         tier=TIERS.get(header(message, TIER_HEADER) or b""),
         note=BACKTRACK_NOTES.get(backtrack or b""),
     )
+
+
+def sent_by(message: Any) -> str | None:
+    """The command run that sent a record and the record it copied, `<id>@<topic/p/o>`
+    (its `llm-streams-replay-id` and `llm-streams-replay-of` headers), or None."""
+    run, copied = header(message, REPLAY_ID_HEADER), header(message, REPLAY_OF_HEADER)
+    if not run or not copied:
+        return None
+    return f"{run.decode(errors='replace')}@{copied.decode(errors='replace')}"
 
 
 def original_offset(message: Any) -> int:
@@ -260,6 +271,8 @@ class RecordFlow:
             prep = replace(prep, record=StoredRecord.of(message).pack)
         if (origin := header(message, SOURCE_OF_HEADER)) is not None:
             prep = replace(prep, origin=origin.decode(errors="replace"))
+        if (run := sent_by(message)) is not None:
+            prep = replace(prep, run=run)
         return prep
 
     async def _finish_earlier(self, decision: Decision, prep: Prepared, note: str | None) -> None:
@@ -392,4 +405,4 @@ class RecordFlow:
                                       "rerouted").inc()  # fmt: skip
 
 
-__all__ = ["RecordFlow", "asked", "header", "original_offset"]
+__all__ = ["RecordFlow", "asked", "header", "original_offset", "sent_by"]

@@ -83,3 +83,21 @@ def test_a_task_ended_for_a_source_record_is_known_by_it_under_its_key_or_versio
                          result_key=None, source=src)  # fmt: skip
     assert failed.came_from("shop.reviews/0/30", "rk1-c", "v2")
     assert not failed.came_from("shop.reviews/0/30", "rk1-c", "v3")
+
+
+def test_a_task_ended_by_a_copy_a_command_run_sent_is_known_by_that_run() -> None:
+    """A replay's or a backtrack's record ended the task (a result or a dead letter):
+    another copy of it is known; a move still under way is not an end; an older worker's
+    stored state (no `run`) knows none."""
+    src = Source(topic="llm-tasks-replay", partition=1, offset=4)
+    state = TaskState(task_id="t1", status=Status.RECEIVED, updated_at="")
+    under_way = state.moved(Status.PROCESSING, run="rp-1@llm-tasks/1/9", source=src)
+    assert not under_way.ran("rp-1@llm-tasks/1/9")
+    ended = TaskState.loads(under_way.moved(Status.DEAD_LETTERED, run="rp-1@llm-tasks/1/9",
+                                            source=src).dumps())  # fmt: skip
+    assert ended.ran("rp-1@llm-tasks/1/9")
+    assert not ended.ran("rp-1@llm-tasks/1/10") and not ended.ran("rp-2@llm-tasks/1/9")
+    older = orjson.loads(ended.dumps())
+    for entry in older["history"]:
+        entry.pop("run", None)
+    assert not TaskState.model_validate(older).ran("rp-1@llm-tasks/1/9")

@@ -24,6 +24,7 @@ from streams.contract.headers import (
     BACKTRACK_HEADER,
     ERASE_HEADER,
     FORCE_HEADER,
+    REPLAY_ID_HEADER,
     REPLAY_OF_HEADER,
     REROUTED_FROM_HEADER,
     RESULT_KEY_HEADER,
@@ -593,6 +594,49 @@ async def test_a_source_record_forwarded_twice_is_answered_and_written_to_its_si
     assert kind == "result" and SINK in [s[0] for s in sent] and len(llm.requests) == 1
 
 
+def _sent_by(task_id: str, offset: int, run: bytes, copied: bytes, *more: Any) -> StoredRecord:
+    """A task as a replay or a backtrack sends it into the replay lane."""
+    record = replace(_record(task_id, _home_of(task_id), offset), topic="llm-tasks-replay")
+    return replace(record, headers=[(REPLAY_ID_HEADER, run), (REPLAY_OF_HEADER, copied), *more])
+
+
+async def _handled(run: Any, record: StoredRecord) -> tuple[str, Any]:
+    source = Source(topic=record.topic, partition=record.partition, offset=record.offset)
+    return await run.handle(record, source, Span())
+
+
+@pytest.mark.parametrize("how", [(FORCE_HEADER, b"1"), (BACKTRACK_HEADER, b"rerun")])
+async def test_a_forced_copy_a_killed_command_sent_again_is_not_asked_again(
+    flow: Any, how: tuple[str, bytes]
+) -> None:
+    """A forced replay (or a backtrack re-run) killed after sending, before its checkpoint,
+    and run again sends the same records again: the first copy paid for the answer, the
+    second ends nothing again. Another record of the same run is still answered."""
+    run, sent, llm, _, _ = flow
+    first = _sent_by("t-run", 3, b"rp-1", b"llm-tasks/0/17", how)
+    assert (await _handled(run, first))[0] == "result" and len(llm.requests) == 1
+    state = orjson.loads(sent[-1][2])
+    assert state["history"][-1]["run"] == "rp-1@llm-tasks/0/17"
+    sent.clear()
+    again = _sent_by("t-run", 8, b"rp-1", b"llm-tasks/0/17", how)
+    assert await _handled(run, again) == ("already_done", None)
+    assert sent == [] and len(llm.requests) == 1
+    # The same task's other record in the range: a copy of its own, asked again.
+    other = _sent_by("t-run", 9, b"rp-1", b"llm-tasks/0/40", how)
+    assert (await _handled(run, other))[0] == "result" and len(llm.requests) == 2
+    # The first record's copy sent a third time, after the newer one: it does not put
+    # the older answer back over the newer.
+    sent.clear()
+    assert await _handled(run, _sent_by("t-run", 12, b"rp-1", b"llm-tasks/0/17", how)) == (
+        "already_done", None)  # fmt: skip
+    assert sent == [] and len(llm.requests) == 2
+    # Another run (another replay's id) of the same record is asked again.
+    assert (await _handled(run, _sent_by("t-run", 13, b"rp-2", b"llm-tasks/0/17", how)))[
+        0
+    ] == "result"
+    assert len(llm.requests) == 3
+
+
 @pytest.mark.parametrize("error", [TypeError("an integer is required on field stars"),
                                    decimal.InvalidOperation("a decimal column of 'n/a'")])  # fmt: skip
 async def test_a_sink_record_its_registered_schema_cannot_hold_makes_the_tasks_dead_letter(
@@ -617,7 +661,7 @@ async def test_a_sink_record_its_registered_schema_cannot_hold_makes_the_tasks_d
 
 
 _HEADER_NAMES = st.sampled_from([ERASE_HEADER, FORCE_HEADER, BACKTRACK_HEADER, TIER_HEADER,
-                                 REPLAY_OF_HEADER, REROUTED_FROM_HEADER, SOURCE_OF_HEADER,
+                                 REPLAY_ID_HEADER, REPLAY_OF_HEADER, REROUTED_FROM_HEADER, SOURCE_OF_HEADER,
                                  RESULT_KEY_HEADER, "x-other"])  # fmt: skip
 _HEADER_VALUES = st.sampled_from([b"1", b"rerun", b"restore", b"batch", b"flex", b"sync",
                                   b"tasks/0/x", b"tasks/1/-3", b"a/b", b"\xff\xfe", b""]) | st.binary(
