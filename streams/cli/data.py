@@ -291,6 +291,9 @@ def backtrack(
     click.echo(f"{verb} {plan.sent} task(s) to {action}")
     if plan.refused:
         click.echo(f"backtrack: {plan.refused}; the log says why", err=True)
+    if plan.done:
+        click.echo(f"skipped {len(plan.done)} this backtrack already put back, unchanged since: "
+                   f"{', '.join(plan.done[:10])}")  # fmt: skip
     if plan.no_result:
         click.echo(f"skipped {len(plan.no_result)} never answered under {restore_version}: "
                    f"{', '.join(plan.no_result[:10])}")  # fmt: skip

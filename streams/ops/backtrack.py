@@ -14,10 +14,18 @@ version, time of their last change) and either
 The command goes through the worker, as a record on the task's own partition
 (the replay lane, header `llm-streams-backtrack`), because the worker owns the
 task's state: a write from outside would be overwritten by its next one.
+
+A backtrack is applied once per task: its records carry its id (`backtrack_id`, the
+same for the same arguments) and the record each copies, which the worker keeps in
+the task's history. Run again (killed half-way, or by mistake), it leaves out a task
+whose latest move is its own, and the worker ends nothing twice for a copy still on its
+way (`core.taskstate.TaskState.ran`): a re-run is paid once. A task that moved since
+(a new record answered) is put back again.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -26,7 +34,7 @@ from typing import Any, Literal
 import orjson
 from aiokafka import TopicPartition
 
-from streams.contract.headers import BACKTRACK_HEADER, REPLAY_OF_HEADER
+from streams.contract.headers import BACKTRACK_HEADER, REPLAY_ID_HEADER, REPLAY_OF_HEADER
 from streams.contract.records import decode_task, result_key
 from streams.errors import ConfigError, TaskError
 from streams.kafka import clients
@@ -74,9 +82,26 @@ class Selection:
         return True
 
 
+def backtrack_id(selection: Selection, action: Action, version: str | None) -> str:
+    """Same arguments, same id: what the worker knows this backtrack's records by."""
+    parts = [
+        action,
+        version or "",
+        ",".join(sorted(selection.task_ids)),
+        selection.pipeline or "",
+        selection.prompt_version or "",
+        selection.since.isoformat() if selection.since else "",
+        selection.until.isoformat() if selection.until else "",
+    ]
+    return "bt-" + hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:16]
+
+
 @dataclass
 class Plan:
     sent: int = 0  # tasks sent (with a dry run: that would be)
+    # Left out: this very backtrack (the same arguments) put them back, and they have
+    # not moved since (it was run again).
+    done: list[str] = field(default_factory=list)
     no_source: list[str] = field(default_factory=list)  # state without a readable record
     no_result: list[str] = field(default_factory=list)  # restore: that version never answered
     missing_ids: list[str] = field(default_factory=list)  # asked for, no state at all
@@ -92,12 +117,16 @@ READ_AT_ONCE = 5_000
 
 
 async def latest_states(
-    settings: Settings, selection: Selection, restored: str | None = None
+    settings: Settings,
+    selection: Selection,
+    restored: str | None = None,
+    run_id: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Of each task `selection` names or matches, what the backtrack needs of its latest
-    state: its task id, where its record is (`source`, when known) and, when `restored`
-    is given, whether its history says that version answered it (`answered`); a task named
-    that does not match: its id alone (it is not missing)."""
+    state: its task id, where its record is (`source`, when known), when `restored` is
+    given whether its history says that version answered it (`answered`), and whether its
+    latest move was the backtrack `run_id`'s (`done`); a task named that does not match:
+    its id alone (it is not missing)."""
 
     def chosen(state: dict[str, Any]) -> dict[str, Any] | None:
         task_id = state.get("task_id")
@@ -111,6 +140,8 @@ async def latest_states(
             kept["source"] = (source.get("topic"), source.get("partition"), source.get("offset"))
         if restored is not None:
             kept["answered"] = _history_answered(state, restored)
+        if run_id is not None and _moved_last_by(state, run_id):
+            kept["done"] = True
         return kept
 
     named = {t.encode() for t in selection.task_ids} if selection.task_ids else None
@@ -164,9 +195,12 @@ async def backtrack(
         raise ConfigError("select tasks: give task ids, --pipeline, --version, --since or --until")
     if action == "restore" and version is None:
         raise ConfigError("restore needs the prompt version to restore (--to-version)")
-    states = await latest_states(settings, selection, version if action == "restore" else None)
+    run_id = backtrack_id(selection, action, version)
+    states = await latest_states(settings, selection, version if action == "restore" else None,
+                                 run_id)  # fmt: skip
     plan = Plan(missing_ids=sorted(selection.task_ids - set(states)))
-    chosen = [s for s in states.values() if s.get("chosen")]
+    plan.done = sorted(s["task_id"] for s in states.values() if s.get("done"))
+    chosen = [s for s in states.values() if s.get("chosen") and not s.get("done")]
     plan.no_source = [s["task_id"] for s in chosen if not _position(s.get("source"))]
     where = sorted((s["source"], s["task_id"], s.get("answered", False)) for s in chosen
                    if _position(s.get("source")))  # fmt: skip
@@ -174,7 +208,7 @@ async def backtrack(
     keys = set()
     if action == "restore":
         keys = (await read_answered(settings, selection.pipeline, version)).keys
-    run = _Run(settings, registry, action, version, keys, plan)
+    run = _Run(settings, registry, action, version, run_id, keys, plan)
     if dry_run or not where:
         await run.each(where, None)
     else:
@@ -208,6 +242,7 @@ class _Run:
     registry: PipelineRegistry
     action: Action
     version: str | None
+    run_id: str  # `backtrack_id`
     keys: set[bytes]  # a restore's: the results topic's keys
     plan: Plan
 
@@ -229,6 +264,7 @@ class _Run:
                 origin = "/".join(str(x) for x in source).encode()
                 await sends.send(task_id, self.settings.topics.replay, key=key, value=value,
                                  headers=[(BACKTRACK_HEADER, self.action.encode()),
+                                          (REPLAY_ID_HEADER, self.run_id.encode()),
                                           (REPLAY_OF_HEADER, origin)])  # fmt: skip
             if sends is not None:
                 await sends.wait()
@@ -266,6 +302,14 @@ class _Run:
         return orjson.dumps(value), (session or task_id).encode()
 
 
+def _moved_last_by(state: dict[str, Any], run_id: str) -> bool:
+    """Was the task's latest move made by a record the backtrack `run_id` sent?"""
+    history = state.get("history")
+    last = history[-1] if isinstance(history, list) and history else None
+    run = last.get("run") if isinstance(last, dict) else None
+    return isinstance(run, str) and run.startswith(f"{run_id}@")
+
+
 def _history_answered(state: dict[str, Any], version: str) -> bool:
     """Does the task's history say `version` answered it?"""
     return any(
@@ -281,6 +325,7 @@ __all__ = [
     "Plan",
     "Selection",
     "backtrack",
+    "backtrack_id",
     "latest_states",
     "read_at",
 ]

@@ -209,6 +209,12 @@ async def test_replay_skips_answered_resumes_after_a_kill_and_force_asks_again(
         shown = run_cli(settings, "status", "h-00500")
         assert shown.returncode == 0, shown.stderr
         assert "backtrack: restored" in shown.stdout and v1_keys["h-00500"] in shown.stdout
+        # The same backtrack again (as after a kill half-way): what it put back, unchanged
+        # since, is left out.
+        again = run_cli(settings, "backtrack", *picked, "h-99999", "--restore", "v1")
+        assert again.returncode == 0, again.stderr
+        assert "sent 0 task(s) to restore" in again.stdout, again.stdout
+        assert "skipped 3 this backtrack already put back" in again.stdout, again.stdout
         never = run_cli(settings, "backtrack", "h-00004", "--restore", "v3")
         assert never.returncode == 2 and "no prompt version 'v3'" in never.stderr + never.stdout
 

@@ -23,7 +23,7 @@ from streams.ops import backtrack as backtrack_module
 from streams.ops import drift as drift_module
 from streams.ops import redrive as redrive_module
 from streams.ops import replay as replay_module
-from streams.ops.backtrack import Selection, backtrack, latest_states
+from streams.ops.backtrack import Selection, backtrack, backtrack_id, latest_states
 from streams.ops.redrive import redrive, task_state
 from streams.ops.replay import Answered
 from streams.pipelines.registry import PipelineRegistry
@@ -301,6 +301,41 @@ async def test_a_restore_sends_what_its_version_answered_by_key_or_by_history(
     plan = await backtrack(settings, registry, Selection(pipeline="comment-analysis"), "restore",
                            "v1", dry_run=True)  # fmt: skip
     assert (plan.sent, plan.no_result) == (2, ["t-2"])
+
+
+async def test_a_backtrack_run_again_leaves_out_what_it_put_back_unless_it_moved_since(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    """Killed half-way and run again with the same arguments: a task whose latest move is
+    this backtrack's is left out (a re-run is paid once); one that moved since (a new record
+    answered), or moved last by another backtrack, is sent."""
+    topic, selection = state_topic(settings), Selection(pipeline="comment-analysis")
+    mine = backtrack_id(selection, "rerun", "v1")
+    assert mine == backtrack_id(Selection(pipeline="comment-analysis"), "rerun", "v1")
+    assert mine != backtrack_id(selection, "rerun", None)
+    assert mine != backtrack_id(selection, "restore", "v1")
+    by = {"t-0": [f"{mine}@llm-tasks/0/0"],  # put back by this very backtrack
+          "t-1": [f"{mine}@llm-tasks/0/1", None],  # ... then a new record of it answered
+          "t-2": ["bt-other@llm-tasks/0/2"],  # another backtrack
+          "t-3": []}  # fmt: skip
+
+    def states() -> Iterator[Rec]:
+        for i, runs in enumerate(by.values()):
+            source = {"topic": "llm-tasks", "partition": 0, "offset": i}
+            history = [{"status": "succeeded", **({"run": r} if r else {})} for r in runs]
+            yield Rec(topic, f"t-{i}".encode(), exact(orjson.dumps({
+                "task_id": f"t-{i}", "pipeline": "comment-analysis", "source": source,
+                "history": history})))  # fmt: skip
+
+    async def read_at(settings: Settings, sources: list[tuple[str, int, int]]) -> dict:
+        return {s: orjson.dumps({"task_id": f"t-{s[2]}", "pipeline": "comment-analysis",
+                                 "input": {"text": "text"}}) for s in sources}  # fmt: skip
+
+    serving(monkeypatch, {topic: states})
+    monkeypatch.setattr(backtrack_module, "read_at", read_at)
+    registry = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
+    plan = await backtrack(settings, registry, selection, "rerun", "v1", dry_run=True)
+    assert (plan.sent, plan.done) == (3, ["t-0"])
 
 
 async def test_a_drift_holds_each_versions_latest_window_not_every_answer(
