@@ -151,18 +151,23 @@ class Sends:
         return True
 
     async def wait(self) -> list[str]:
-        """Wait for every record sent so far; the names of those refused meanwhile."""
+        """Wait for every record sent so far; the names of those refused meanwhile. A
+        failure that is no refusal is raised once every record has its answer (each
+        counted: acked or refused), none left unawaited behind it."""
         pending, self._pending = self._pending, []
-        refused = []
+        if pending:  # asyncio.wait: a cancelled wait leaves the producer's futures alone
+            await asyncio.wait([sent for _, _, sent in pending])
+        refused, failed = [], None
         for name, topic, sent in pending:
-            try:
-                await sent
-            except KafkaError as exc:
-                if not self._refused(name, topic, exc):
-                    raise
+            exc = asyncio.CancelledError() if sent.cancelled() else sent.exception()
+            if exc is None:
+                self.acked += 1
+            elif isinstance(exc, KafkaError) and self._refused(name, topic, exc):
                 refused.append(name)
             else:
-                self.acked += 1
+                failed = failed or exc
+        if failed is not None:
+            raise failed
         return refused
 
     def said(self) -> str:

@@ -70,11 +70,25 @@ async def test_a_topic_refusing_every_record_is_named_and_logged_ten_times(
     assert len(sends.refused_names) == 10 and len(caplog.records) == 10
 
 
-async def test_a_failure_a_retry_may_mend_is_raised() -> None:
-    sends = Sends(Producer(set(), {b"slow": KafkaTimeoutError()}))  # type: ignore[arg-type]
-    await sends.send("slow", "t", value=b"slow")
+async def test_a_failure_a_retry_may_mend_is_raised_once_every_record_has_its_answer() -> None:
+    """The first record's ack times out; the records after it are still waited for and
+    counted (none left unawaited, its failure never retrieved), then the timeout raised."""
+    producer = Producer(
+        set(), {b"slow": KafkaTimeoutError(), b"denied": TopicAuthorizationFailedError()}
+    )
+    sends = Sends(producer)  # type: ignore[arg-type]
+    later: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    failing_later: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    for value in (b"slow", b"a", b"denied"):
+        await sends.send(value.decode(), "t", value=value)
+    sends._pending += [("later", "t", later), ("failing", "t", failing_later)]
+    asyncio.get_running_loop().call_later(0.01, later.set_result, None)
+    asyncio.get_running_loop().call_later(0.01, failing_later.set_exception, KafkaTimeoutError())
     with pytest.raises(KafkaTimeoutError):
         await sends.wait()
+    assert later.done() and failing_later.done()
+    assert sends.acked == 2 and dict(sends.refused) == {"not_authorized": 1}
+    assert sends._pending == []
 
 
 async def test_a_redrive_sends_the_letters_its_topic_takes_and_says_the_one_it_refuses(
