@@ -181,3 +181,26 @@ async def test_a_record_after_a_utf8_byte_order_mark_is_read_as_its_json(
     # Bad input after one is still bad input, kept as JSON where it is JSON.
     letter = orjson.loads((await processor.process(BOM + b'{"task_id": "t2"}', b"t2", SRC)).value)
     assert letter["task_id"] == "t2" and letter["payload"] == {"task_id": "t2"}
+
+
+@pytest.mark.parametrize("number", [b"18446744073709551616", b"-9223372036854775809",
+                                    b"123456789012345678901234567890", b"1" * 300])  # fmt: skip
+async def test_an_integer_beyond_64_bits_is_a_dead_letter_keeping_the_record_exactly(
+    make_processor: MakeProcessor, number: bytes
+) -> None:
+    """orjson reads such an integer as a double: an order id of 20+ digits changed its
+    value in the prompt, the result key and an enriched sink record, and two ids could
+    read as one. It is refused, saying so, and the dead letter keeps the record's bytes."""
+    llm = FakeLLM(lambda _r: answer(GOOD))
+    processor = make_processor(llm)
+    raw = (b'{"task_id": "t1", "pipeline": "comment-analysis", "input": {"text": "Great.", '
+           b'"order_id": ' + number + b"}}")  # fmt: skip
+    out = await processor.process(raw, b"t1", SRC)
+    assert out.kind == "dead_letter" and out.category == "invalid_input" and llm.requests == []
+    letter = orjson.loads(out.value)
+    assert "beyond 64 bits" in letter["error"]["message"] and letter["task_id"] == "t1"
+    assert base64.b64decode(letter["payload"]["raw_base64"]) == raw
+    # At the edges of what orjson holds, and in a string, the record is answered.
+    for fits in (b"18446744073709551615", b"-9223372036854775808", b'"' + number + b'"'):
+        ok = await processor.process(raw.replace(number, fits), b"t1", SRC)
+        assert ok.kind == "result", ok.value
