@@ -216,12 +216,17 @@ async def read_answered(
 ) -> Answered:
     """What the results topic holds now (read to its end): the keys of `pipeline`'s
     results under `version`, when given (the keys of a topic's every result were held
-    for a replay of one pipeline under a new version, which has none yet)."""
+    for a replay of one pipeline under a new version, which has none yet). A result
+    tombstoned since (past the store's retention, or erased) is not held: until the
+    topic's compaction dropped both, its task was skipped as answered, never again."""
     keys: set[bytes] = set()
     usage: dict[tuple[str, str | None], tuple[int, int]] = {}
     async for records in scan(settings, settings.topics.results):
         for r in records:
-            if r.key is None or r.value is None:
+            if r.key is None:
+                continue
+            if r.value is None:
+                keys.discard(r.key)
                 continue
             result = json_object(r.value) or {}
             of, under = result.get("pipeline"), result.get("prompt_version")

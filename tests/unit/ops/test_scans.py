@@ -378,7 +378,7 @@ async def test_a_drift_holds_each_versions_latest_window_not_every_answer(
     assert peak < 4_000_000, f"peak {peak:,} bytes"  # the answers held: past 6 MB
 
 
-async def test_a_replay_of_one_pipeline_and_version_holds_the_keys_of_those_results_alone(
+async def test_a_replay_holds_the_keys_of_the_live_results_of_its_pipeline_and_version_alone(
     monkeypatch: pytest.MonkeyPatch, settings: Settings
 ) -> None:
     def results() -> Iterator[Rec]:
@@ -389,10 +389,13 @@ async def test_a_replay_of_one_pipeline_and_version_holds_the_keys_of_those_resu
                 "usage": {"prompt_tokens": 10, "completion_tokens": 4 if pipeline == "p" else 8},
             }))  # fmt: skip
 
+        yield Rec(settings.topics.results, b"rk-3", None)  # tombstoned: past its retention
+
     serving(monkeypatch, {settings.topics.results: results})
     every = await replay_module.read_answered(settings)
     ours = await replay_module.read_answered(settings, "q", "v2")
-    assert len(every.keys) == 3_000 and len(ours.keys) == 500
+    assert len(every.keys) == 2_999 and len(ours.keys) == 499
+    assert b"rk-3" not in every.keys  # its task is replayed, not skipped as answered
     assert all(int(k[3:]) % 6 == 3 for k in ours.keys)
     # The completion estimates still come from every result.
     assert ours.usage == every.usage and ours.completion_estimate("p", "v1") == 4
