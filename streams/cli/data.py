@@ -318,21 +318,19 @@ def diff(pipeline: str, from_version: str, to_version: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from streams.ops.diff import summarise, version_pairs
+    from streams.ops.diff import compare
 
     settings = settings_or_exit()
     schema = pipeline_or_exit(settings, pipeline, "diff").output_schema
-    pairs, only_from, only_to = on_kafka(
-        settings, version_pairs(settings, pipeline, from_version, to_version)
-    )
+    compared = on_kafka(settings, compare(settings, pipeline, from_version, to_version, schema))
     console = Console(soft_wrap=True)
-    console.print(f"{pipeline}: {len(pairs)} task(s) answered under both {from_version} and "
-                  f"{to_version}; {only_from} only under {from_version}, {only_to} only under "
-                  f"{to_version}", highlight=False)  # fmt: skip
-    if not pairs:
+    console.print(f"{pipeline}: {compared.both} task(s) answered under both {from_version} and "
+                  f"{to_version}; {compared.only_from} only under {from_version}, "
+                  f"{compared.only_to} only under {to_version}", highlight=False)  # fmt: skip
+    if not compared.both:
         return
     table = Table("field", "changed", "details")
-    for d in summarise(pairs, schema):
+    for d in compared.fields:
         if d.kind == "label":
             flips = ", ".join(f"{a}→{b} {n}" for (a, b), n in d.flips.most_common(5))
             detail = f"flips: {flips or 'none'}"

@@ -9,12 +9,14 @@ changed.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from streams.contract.records import json_object
+from streams.kafka.clients import partitions_of
 from streams.kafka.scan import scan
 from streams.settings import Settings
 
@@ -66,10 +68,20 @@ def _canon(value: Any) -> bytes:
 Pairs = list[tuple[dict[str, Any], dict[str, Any]]]
 
 
-def summarise(pairs: Pairs, schema: dict[str, Any]) -> list[FieldDiff]:
-    """One FieldDiff per top-level output field, over (before, after) output pairs."""
+def fields_of(schema: dict[str, Any]) -> dict[str, FieldDiff]:
+    """One empty FieldDiff per top-level field of an output schema."""
     props: dict[str, Any] = schema.get("properties", {})
-    diffs = {name: FieldDiff(name, _kind(spec)) for name, spec in props.items()}
+    return {name: FieldDiff(name, _kind(spec)) for name, spec in props.items()}
+
+
+def summarise(
+    pairs: Iterable[tuple[dict[str, Any], dict[str, Any]]],
+    schema: dict[str, Any],
+    into: dict[str, FieldDiff] | None = None,
+) -> list[FieldDiff]:
+    """One FieldDiff per top-level output field, over (before, after) output pairs (added
+    to `into`'s, when given)."""
+    diffs = fields_of(schema) if into is None else into
     for before, after in pairs:
         for name, d in diffs.items():
             if name not in before and name not in after:
@@ -93,31 +105,75 @@ def summarise(pairs: Pairs, schema: dict[str, Any]) -> list[FieldDiff]:
     return list(diffs.values())
 
 
-async def version_pairs(
-    settings: Settings, pipeline: str, from_version: str, to_version: str
-) -> tuple[Pairs, int, int]:
-    """(before, after) outputs of the tasks with a result under both versions (their
-    latest each), and how many tasks had only the first or only the second."""
-    latest: dict[str, dict[str, dict[str, Any]]] = {from_version: {}, to_version: {}}
-    async for records in scan(settings, settings.topics.results):
+@dataclass
+class Comparison:
+    """Two versions' outputs, field by field, over the tasks answered under both."""
+
+    fields: list[FieldDiff]
+    both: int = 0  # tasks answered under both
+    only_from: int = 0  # under the first version alone
+    only_to: int = 0  # under the second alone
+
+
+async def compare(
+    settings: Settings,
+    pipeline: str,
+    from_version: str,
+    to_version: str,
+    schema: dict[str, Any],
+) -> Comparison:
+    """The latest outputs of `pipeline`'s tasks under the two versions compared, read a
+    partition of the results topic at a time: a task's results are all in its task's
+    partition (`store.taskstore`: results live in their task's partition), so what is
+    held is one partition's outputs of the two versions, not the topic's (a year of
+    results was held whole). A result tombstoned since (erased, past the store's
+    retention) is left out."""
+    topic = settings.topics.results
+    diffs = fields_of(schema)
+    out = Comparison(list(diffs.values()))
+    for partition in await partitions_of(settings, topic):
+        before, after = await _latest_of(settings, partition, pipeline, from_version, to_version)
+        both = sorted(set(before) & set(after))
+        summarise(((before[t][1], after[t][1]) for t in both), schema, into=diffs)
+        out.both += len(both)
+        out.only_from += len(before) - len(both)
+        out.only_to += len(after) - len(both)
+    return out
+
+
+Latest = dict[str, tuple[bytes, dict[str, Any]]]  # task id -> its result's key and output
+
+
+async def _latest_of(
+    settings: Settings, partition: int, pipeline: str, *versions: str
+) -> list[Latest]:
+    """Of one partition of the results topic, per version (in the order given), the
+    latest output of each of `pipeline`'s tasks that is not tombstoned since."""
+    latest: dict[str, Latest] = {version: {} for version in versions}
+    keyed: dict[bytes, tuple[str, str]] = {}  # a latest output's key -> its version, task
+    async for records in scan(settings, settings.topics.results, partitions=[partition]):
         for r in records:
+            if r.key is None:
+                continue
+            if r.value is None:  # tombstoned: erased, or past the store's retention
+                gone = keyed.pop(r.key, None)
+                if gone is not None:
+                    del latest[gone[0]][gone[1]]
+                continue
             result = json_object(r.value)
             if result is None or result.get("pipeline") != pipeline:
                 continue
-            by_task = latest.get(str(result.get("prompt_version")))
-            if (
-                by_task is not None
-                and isinstance(result.get("output"), dict)
-                and isinstance(result.get("task_id"), str)
-            ):
-                by_task[result["task_id"]] = result["output"]
-    before, after = latest[from_version], latest[to_version]
-    both = sorted(set(before) & set(after))
-    return (
-        [(before[t], after[t]) for t in both],
-        len(set(before) - set(after)),
-        len(set(after) - set(before)),
-    )
+            version, task_id = str(result.get("prompt_version")), result.get("task_id")
+            by_task = latest.get(version)
+            if by_task is None or not isinstance(result.get("output"), dict):
+                continue
+            if not isinstance(task_id, str):
+                continue
+            if (earlier := by_task.get(task_id)) is not None:
+                keyed.pop(earlier[0], None)
+            by_task[task_id] = (r.key, result["output"])
+            keyed[r.key] = (version, task_id)
+    return [latest[version] for version in versions]
 
 
-__all__ = ["FieldDiff", "summarise", "version_pairs"]
+__all__ = ["Comparison", "FieldDiff", "compare", "fields_of", "summarise"]

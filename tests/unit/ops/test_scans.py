@@ -20,6 +20,7 @@ from streams.kafka.scan import scan_latest
 from streams.kafka.topics import state_topic
 from streams.ops import ab
 from streams.ops import backtrack as backtrack_module
+from streams.ops import diff as diff_module
 from streams.ops import drift as drift_module
 from streams.ops import redrive as redrive_module
 from streams.ops import replay as replay_module
@@ -73,9 +74,10 @@ def serving(monkeypatch: pytest.MonkeyPatch, topics: Topics, partitions: int = 4
         return list(range(partitions))
 
     monkeypatch.setattr(scan_module, "scan", scan)
-    for reader in (ab, drift_module, replay_module):  # the commands reading every record
+    for reader in (ab, diff_module, drift_module, replay_module):  # reading every record
         monkeypatch.setattr(reader, "scan", scan)
-    monkeypatch.setattr(redrive_module, "partitions_of", partitions_of)
+    for lister in (diff_module, redrive_module):
+        monkeypatch.setattr(lister, "partitions_of", partitions_of)
     return read
 
 
@@ -399,3 +401,48 @@ async def test_a_replay_holds_the_keys_of_the_live_results_of_its_pipeline_and_v
     assert all(int(k[3:]) % 6 == 3 for k in ours.keys)
     # The completion estimates still come from every result.
     assert ours.usage == every.usage and ours.completion_estimate("p", "v1") == 4
+
+
+async def test_a_diff_holds_one_partitions_outputs_and_leaves_out_a_tombstoned_result(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    """2,000 tasks under two versions, 2 KB an output, over 8 partitions: a diff held
+    every output of both (peak 10.6 MB here); now one partition's at a time, the same
+    figures. A task whose v2 result was erased since is compared no more."""
+    schema = {"properties": {"sentiment": {"type": "string", "enum": ["pos", "neg"]},
+                             "summary": {"type": "string"}}}  # fmt: skip
+    topic, n = settings.topics.results, 2_000
+    parts = 8
+
+    def result(i: int, version: str, sentiment: str) -> bytes:
+        return exact(
+            orjson.dumps(
+                {
+                    "task_id": f"t-{i}",
+                    "pipeline": "p",
+                    "prompt_version": version,
+                    "output": {"sentiment": sentiment, "summary": "s" * 2_000},
+                }
+            )
+        )
+
+    def results() -> Iterator[Rec]:
+        for version in ("v1", "v2"):
+            for i in range(n):
+                flipped = "neg" if version == "v2" and i % 4 == 0 else "pos"
+                yield Rec(topic, f"{version}-{i}".encode(), result(i, version, flipped),
+                          partition=i % parts)  # fmt: skip
+        yield Rec(topic, b"v1-extra", result(n, "v1", "pos"), partition=0)  # under v1 alone
+        yield Rec(topic, b"v2-8", None, partition=0)  # t-8's v2 result erased
+
+    serving(monkeypatch, {topic: results}, partitions=parts)
+    tracemalloc.start()
+    try:
+        compared = await diff_module.compare(settings, "p", "v1", "v2", schema)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (compared.both, compared.only_from, compared.only_to) == (n - 1, 2, 0)
+    sentiment = {d.name: d for d in compared.fields}["sentiment"]
+    assert (sentiment.compared, sentiment.changed) == (n - 1, n // 4 - 1)  # t-8 left out
+    assert peak < 4_000_000, f"peak {peak:,} bytes"
