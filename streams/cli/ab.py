@@ -30,8 +30,8 @@ def ab_report(pipeline: str, as_json: bool) -> None:
 
     settings = settings_or_exit()
     found = pipeline_or_exit(settings, pipeline, "ab")
-    evidence = on_kafka(settings, gather(settings, pipeline))
-    data = report(evidence, found.output_schema)
+    evidence = on_kafka(settings, gather(settings, pipeline, found.output_schema))
+    data = report(evidence)
     if as_json:
         click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return
@@ -123,7 +123,7 @@ def ab_promote(pipeline: str, version: str, share: float, reason: str, by: str |
         click.echo(f"ab promote: {pipeline} has no version {version!r} "
                    f"(known: {', '.join(sorted(found.versions))})", err=True)  # fmt: skip
         sys.exit(2)
-    evidence = on_kafka(settings, gather(settings, pipeline))
+    evidence = on_kafka(settings, gather(settings, pipeline, found.output_schema))
     rules = PromotionGuard(min_judged=min_judged, max_cost_increase=max_cost_increase)
     try:
         guard(evidence, version, rivals_of(found.spec, version), rules)

@@ -2,7 +2,10 @@
 answered, and promote one with a guard and a durable record of who, when and why.
 
 The evidence is the topics, not a worker's counters: every result and dead letter
-of the pipeline (`scan`), the latest per task and version. A task's content
+of the pipeline (`scan`), the latest per task and version. They are read a partition
+at a time (a task's results and dead letters all live in its task's partition), and
+what is held between partitions is counts and sums, not tasks: a pipeline's year of
+answers held every task's output and cost. A task's content
 verdict and a version's figures are `core.outcome.verdict` and `Evaluation`, the
 same rules `llm-streams status` applies live.
 
@@ -26,6 +29,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass, field
+from itertools import combinations
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +39,10 @@ from ruamel.yaml import YAML
 from streams.contract.evaluation import Evaluation, PromotionGuard, verdict
 from streams.contract.records import json_object, now_iso
 from streams.kafka import clients
+from streams.kafka.clients import partitions_of
 from streams.kafka.scan import scan
 from streams.kafka.topics import decisions_topic, ensure_topics
-from streams.ops.diff import Pairs, summarise
+from streams.ops.diff import summarise
 from streams.pipelines.specs import PipelineSpec
 from streams.settings import Settings
 
@@ -65,18 +70,38 @@ def rate_difference(k1: int, n1: int, k2: int, n2: int) -> tuple[float, float, f
     return d, lo, hi
 
 
-def ratio_interval(num: list[float], den: list[float]) -> tuple[float, float, float] | None:
-    """sum(num) / sum(den) over the same units, with a delta-method interval."""
-    n = len(num)
-    if n == 0 or sum(den) == 0:
-        return None
-    mx, my = sum(num) / n, sum(den) / n
-    r = mx / my
-    if n < 2:
-        return r, r, r
-    var = sum((x - r * y) ** 2 for x, y in zip(num, den, strict=True)) / (n - 1)
-    half = Z95 * math.sqrt(var / n) / my
-    return r, max(0.0, r - half), r + half
+@dataclass
+class Ratio:
+    """sum(x) / sum(y) over the same units, with a delta-method interval, from running
+    sums: what it holds does not grow with the units."""
+
+    n: int = 0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    syy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        self.n += 1
+        self.sx += x
+        self.sy += y
+        self.sxx += x * x
+        self.sxy += x * y
+        self.syy += y * y
+
+    def interval(self) -> tuple[float, float, float] | None:
+        n = self.n
+        if n == 0 or self.sy == 0:
+            return None
+        my = self.sy / n
+        r = self.sx / self.sy
+        if n < 2:
+            return r, r, r
+        # sum((x - r y)^2) expanded; cancellation can take it a hair below 0
+        var = max(0.0, self.sxx - 2 * r * self.sxy + r * r * self.syy) / (n - 1)
+        half = Z95 * math.sqrt(var / n) / my
+        return r, max(0.0, r - half), r + half
 
 
 # What `VersionEvidence.add` reads of a record: the rest — a dead letter's payload, up to
@@ -94,13 +119,16 @@ def _evidence(record: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class VersionEvidence:
-    """What one version answered: per task, its verdict, cost and output."""
+    """What one version answered: its verdicts, its cost per answered task, and its label
+    agreement with the other versions on the tasks both answered."""
 
     version: str
     evaluation: Evaluation = field(default_factory=Evaluation)
-    costs: list[float] = field(default_factory=list)  # per task
-    accepted: list[float] = field(default_factory=list)  # per task: 1 answered, else 0
-    outputs: dict[str, dict[str, Any]] = field(default_factory=dict)  # task id -> output
+    cost: Ratio = field(default_factory=Ratio)  # per task: its cost over 1 answered, else 0
+    # The outputs of the tasks added since the last `agree` (one partition's): task id ->
+    # output. Counted into `agreement` by it, then let go.
+    outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    agreement: dict[str, dict[str, Agreement]] = field(default_factory=dict)  # other, label
 
     def add(self, record: dict[str, Any], kind: str) -> None:
         cost = float(record.get("cost_usd") or 0.0)
@@ -110,8 +138,7 @@ class VersionEvidence:
         v = verdict(kind, category, int(record.get("rejected_answers") or 0),
                     bool(record.get("cached")))  # fmt: skip
         self.evaluation.add(v, cost_usd=cost, tokens=tokens)
-        self.costs.append(cost)
-        self.accepted.append(1.0 if kind == "result" else 0.0)
+        self.cost.add(cost, 1.0 if kind == "result" else 0.0)
         if kind == "result" and isinstance(record.get("output"), dict):
             self.outputs[str(record["task_id"])] = record["output"]
 
@@ -119,29 +146,7 @@ class VersionEvidence:
         return wilson(self.evaluation.n("pass"), self.evaluation.judged)
 
     def cost_interval(self) -> tuple[float, float, float] | None:
-        return ratio_interval(self.costs, self.accepted)
-
-
-async def gather(settings: Settings, pipeline: str) -> dict[str, VersionEvidence]:
-    """Per version, the latest outcome of each task of `pipeline`: its result if it has
-    one (a redriven dead letter that was answered later counts as answered), else its
-    latest dead letter."""
-    latest: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
-    for topic, kind in ((settings.topics.dead_letters, "dead_letter"),
-                        (settings.topics.results, "result")):  # fmt: skip
-        async for records in scan(settings, topic):
-            for rec in records:
-                record = json_object(rec.value) if rec.value is not None else None
-                if record is None or record.get("pipeline") != pipeline:
-                    continue
-                version, task_id = record.get("prompt_version"), record.get("task_id")
-                if not isinstance(version, str) or not isinstance(task_id, str):
-                    continue  # a dead letter from before records named their version
-                latest[(version, task_id)] = (kind, _evidence(record))
-    evidence: dict[str, VersionEvidence] = {}
-    for (version, _), (kind, record) in sorted(latest.items()):
-        evidence.setdefault(version, VersionEvidence(version)).add(record, kind)
-    return evidence
+        return self.cost.interval()
 
 
 @dataclass
@@ -149,22 +154,85 @@ class Agreement:
     """How often two versions gave the same label on the tasks both answered."""
 
     label: str
-    same: int
-    compared: int
+    same: int = 0
+    compared: int = 0
 
     def interval(self) -> tuple[float, float]:
         return wilson(self.same, self.compared)
 
 
-def agreements(a: VersionEvidence, b: VersionEvidence, schema: dict[str, Any]) -> list[Agreement]:
-    """Per label field (string enum) of the output schema, over tasks answered by both."""
-    both = sorted(set(a.outputs) & set(b.outputs))
-    pairs: Pairs = [(a.outputs[t], b.outputs[t]) for t in both]
-    return [
-        Agreement(d.name, d.compared - d.changed, d.compared)
-        for d in summarise(pairs, schema)
-        if d.kind == "label" and d.compared
-    ]
+def agree(evidence: dict[str, VersionEvidence], schema: dict[str, Any]) -> None:
+    """The outputs added since the last call counted into each pair of versions' label
+    agreement (per label field — string enum — of the output schema, over the tasks both
+    answered), then let go."""
+    for a, b in combinations(sorted(evidence.values(), key=lambda e: e.version), 2):
+        both = sorted(set(a.outputs) & set(b.outputs))
+        for d in summarise(((a.outputs[t], b.outputs[t]) for t in both), schema):
+            if d.kind != "label" or not d.compared:
+                continue
+            for mine, other in ((a, b), (b, a)):
+                counted = mine.agreement.setdefault(other.version, {}).setdefault(
+                    d.name, Agreement(d.name)
+                )
+                counted.same += d.compared - d.changed
+                counted.compared += d.compared
+    for ev in evidence.values():
+        ev.outputs.clear()
+
+
+def agreements(a: VersionEvidence, b: VersionEvidence) -> list[Agreement]:
+    """`a`'s label agreement with `b`, per label field, as `agree` counted it."""
+    return sorted(a.agreement.get(b.version, {}).values(), key=lambda g: g.label)
+
+
+async def gather(
+    settings: Settings, pipeline: str, schema: dict[str, Any]
+) -> dict[str, VersionEvidence]:
+    """Per version, the latest outcome of each task of `pipeline`: its result if it has
+    one (a redriven dead letter that was answered later counts as answered), else its
+    latest dead letter; one task partition at a time, its agreements counted by `agree`
+    before the next. A result or dead letter tombstoned since (erased, past the store's
+    retention) is left out."""
+    evidence: dict[str, VersionEvidence] = {}
+    partitions: set[int] = set()
+    for topic in (settings.topics.dead_letters, settings.topics.results):
+        partitions.update(await partitions_of(settings, topic))
+    for partition in sorted(partitions):
+        latest = await _latest_of(settings, partition, pipeline)
+        for (version, _), (kind, record) in sorted(latest.items()):
+            evidence.setdefault(version, VersionEvidence(version)).add(record, kind)
+        agree(evidence, schema)
+    return evidence
+
+
+Latest = dict[tuple[str, str], tuple[str, dict[str, Any]]]  # (version, task) -> kind, evidence
+
+
+async def _latest_of(settings: Settings, partition: int, pipeline: str) -> Latest:
+    """Of one partition of the dead-letter and results topics, the latest outcome of each
+    task of `pipeline` per version, as `gather` counts it."""
+    latest: Latest = {}
+    for topic, kind in ((settings.topics.dead_letters, "dead_letter"),
+                        (settings.topics.results, "result")):  # fmt: skip
+        keyed: dict[bytes, tuple[str, str]] = {}  # a record's key -> its version, task
+        async for records in scan(settings, topic, partitions=[partition]):
+            for rec in records:
+                if rec.key is None:
+                    continue
+                if rec.value is None:  # tombstoned: what its key held is gone
+                    gone = keyed.pop(rec.key, None)
+                    if gone is not None and latest.get(gone, ("",))[0] == kind:
+                        del latest[gone]
+                    continue
+                record = json_object(rec.value)
+                if record is None or record.get("pipeline") != pipeline:
+                    continue
+                version, task_id = record.get("prompt_version"), record.get("task_id")
+                if not isinstance(version, str) or not isinstance(task_id, str):
+                    continue  # a dead letter from before records named their version
+                latest[(version, task_id)] = (kind, _evidence(record))
+                keyed[rec.key] = (version, task_id)
+    return latest
 
 
 @dataclass
@@ -199,7 +267,7 @@ def compare(evidence: dict[str, VersionEvidence], version: str) -> list[Comparis
     return out
 
 
-def report(evidence: dict[str, VersionEvidence], schema: dict[str, Any]) -> dict[str, Any]:
+def report(evidence: dict[str, VersionEvidence]) -> dict[str, Any]:
     """The comparison as data (`ab report --json`)."""
     versions = []
     for name, ev in sorted(evidence.items()):
@@ -225,7 +293,7 @@ def report(evidence: dict[str, VersionEvidence], schema: dict[str, Any]) -> dict
                 "agreement": [
                     {"label": g.label, "same": g.same, "compared": g.compared,
                      "rate": g.same / g.compared, "ci": list(g.interval())}
-                    for g in agreements(evidence[a], evidence[b], schema)
+                    for g in agreements(evidence[a], evidence[b])
                 ],
             })  # fmt: skip
     return {"versions": versions, "pairs": pairs}
@@ -396,7 +464,8 @@ def rivals_of(spec: PipelineSpec, version: str) -> list[str]:
 
 
 __all__ = [
-    "Agreement", "Comparison", "PromotionRefused", "VersionEvidence", "agreements", "compare",
-    "decision", "decisions", "gather", "guard", "new_split", "pipeline_file", "rate_difference",
-    "ratio_interval", "record_decision", "report", "rewrite", "rivals_of", "wilson",
+    "Agreement", "Comparison", "PromotionRefused", "Ratio", "VersionEvidence", "agree",
+    "agreements", "compare", "decision", "decisions", "gather", "guard", "new_split",
+    "pipeline_file", "rate_difference", "record_decision", "report", "rewrite", "rivals_of",
+    "wilson",
 ]  # fmt: skip

@@ -13,14 +13,16 @@ from streams.observability.metrics import Metrics
 from streams.observability.page import render_html
 from streams.observability.status import StatusView
 from streams.ops.ab import (
+    Agreement,
     PromotionRefused,
+    Ratio,
     VersionEvidence,
+    agree,
     agreements,
     decision,
     guard,
     new_split,
     rate_difference,
-    ratio_interval,
     report,
     rewrite,
     rivals_of,
@@ -46,14 +48,26 @@ def test_rate_difference_matches_newcombe_method_10() -> None:
     assert (round(d, 4), round(lo, 4), round(hi, 4)) == (0.2, 0.0524, 0.3339)
 
 
+def ratio(xs: list[float], ys: list[float]) -> tuple[float, float, float] | None:
+    summed = Ratio()
+    for x, y in zip(xs, ys, strict=True):
+        summed.add(x, y)
+    return summed.interval()
+
+
 def test_ratio_interval_is_the_ratio_of_sums_with_a_spread() -> None:
     costs = [0.002, 0.004, 0.0, 0.003]  # the third task failed before any call
     answered = [1.0, 1.0, 0.0, 1.0]
-    r, lo, hi = ratio_interval(costs, answered) or (0, 0, 0)
+    r, lo, hi = ratio(costs, answered) or (0, 0, 0)
     assert r == pytest.approx(0.009 / 3)
     assert lo < r < hi
-    assert ratio_interval([], []) is None
-    assert ratio_interval([0.1], [0.0]) is None
+    # The delta method over the units themselves, as the sums give it.
+    n, my = 4, 3 / 4
+    var = sum((x - r * y) ** 2 for x, y in zip(costs, answered, strict=True)) / (n - 1)
+    assert hi - r == pytest.approx(1.959964 * (var / n) ** 0.5 / my)
+    assert ratio([], []) is None
+    assert ratio([0.1], [0.0]) is None
+    assert ratio([0.1], [1.0]) == (0.1, 0.1, 0.1)
 
 
 def test_verdicts_and_the_figures_they_add_up_to() -> None:
@@ -143,17 +157,24 @@ def test_the_decision_records_the_guard_and_the_cost_intervals() -> None:
 def test_the_report_shows_rates_intervals_and_agreement() -> None:
     schema = {"properties": {"sentiment": {"type": "string", "enum": ["positive", "negative"]}}}
     found = {"v1": evidence("v1", 190, 10), "v2": evidence("v2", 140, 60, label="negative")}
-    data = report(found, schema)
+    agree(found, schema)
+    data = report(found)
     v1, v2 = data["versions"]
     assert v1["pass_rate"] == pytest.approx(0.95) and v2["pass_rate"] == pytest.approx(0.7)
     assert v1["pass_rate_ci"][0] < 0.95 < v1["pass_rate_ci"][1]
     (pair,) = data["pairs"]
     diff = pair["pass_rate_difference"]
     assert diff["value"] == pytest.approx(0.25) and diff["ci"][0] > 0
-    (agree,) = pair["agreement"]
+    (agreed,) = pair["agreement"]
     # Tasks t0..t139 answered by both, with opposite labels.
-    assert (agree["label"], agree["compared"], agree["same"]) == ("sentiment", 140, 0)
-    assert agreements(found["v1"], found["v1"], schema)[0].same == 190
+    assert (agreed["label"], agreed["compared"], agreed["same"]) == ("sentiment", 140, 0)
+    assert agreements(found["v2"], found["v1"]) == [Agreement("sentiment", 0, 140)]
+    assert found["v1"].outputs == {}  # counted, then let go
+    # The next partition's tasks add to the counts.
+    more = {"v1": evidence("v1", 10, 0), "v2": evidence("v2", 10, 0)}
+    found["v1"].outputs, found["v2"].outputs = more["v1"].outputs, more["v2"].outputs
+    agree(found, schema)
+    assert agreements(found["v1"], found["v2"]) == [Agreement("sentiment", 10, 150)]
 
 
 def test_new_split_gives_the_share_and_keeps_the_others_proportions() -> None:

@@ -76,7 +76,7 @@ def serving(monkeypatch: pytest.MonkeyPatch, topics: Topics, partitions: int = 4
     monkeypatch.setattr(scan_module, "scan", scan)
     for reader in (ab, diff_module, drift_module, replay_module):  # reading every record
         monkeypatch.setattr(reader, "scan", scan)
-    for lister in (diff_module, redrive_module):
+    for lister in (ab, diff_module, redrive_module):
         monkeypatch.setattr(lister, "partitions_of", partitions_of)
     return read
 
@@ -218,13 +218,13 @@ async def test_an_ab_report_holds_what_it_counts_not_the_dead_letters_payloads(
     serving(monkeypatch, {settings.topics.dead_letters: letters, settings.topics.results: results})
     tracemalloc.start()
     try:
-        evidence = await ab.gather(settings, "p")
+        evidence = await ab.gather(settings, "p", {})
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     v1 = evidence["v1"]
-    assert (len(v1.costs), sum(v1.accepted), len(v1.outputs)) == (3_000, 1_000, 1_000)
-    assert sum(v1.costs) == pytest.approx(2_000 * 0.001 + 1_000 * 0.002)
+    assert (v1.cost.n, v1.cost.sy, len(v1.outputs)) == (3_000, 1_000, 0)
+    assert v1.cost.sx == pytest.approx(2_000 * 0.001 + 1_000 * 0.002)
     assert v1.evaluation.n("rejected") == 2_000  # invalid_output
     assert peak < 10_000_000, f"peak {peak:,} bytes"  # the letters held: past 30 MB
 
@@ -446,3 +446,36 @@ async def test_a_diff_holds_one_partitions_outputs_and_leaves_out_a_tombstoned_r
     sentiment = {d.name: d for d in compared.fields}["sentiment"]
     assert (sentiment.compared, sentiment.changed) == (n - 1, n // 4 - 1)  # t-8 left out
     assert peak < 4_000_000, f"peak {peak:,} bytes"
+
+
+async def test_an_ab_report_holds_one_partitions_outputs_and_leaves_out_a_tombstoned_result(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    """2,000 tasks answered under two versions, 2 KB an output, over 8 partitions: the
+    report held every output of both and a cost per task; now one partition's outputs,
+    and counts. A task whose v2 result was erased since counts for v1 alone."""
+    schema = {"properties": {"sentiment": {"type": "string", "enum": ["pos", "neg"]}}}
+    topic, n, parts = settings.topics.results, 2_000, 8
+
+    def results() -> Iterator[Rec]:
+        for version in ("v1", "v2"):
+            for i in range(n):
+                sentiment = "neg" if version == "v2" and i % 4 == 0 else "pos"
+                yield Rec(topic, f"{version}-{i}".encode(), exact(orjson.dumps({
+                    "task_id": f"t-{i}", "pipeline": "p", "prompt_version": version,
+                    "output": {"sentiment": sentiment, "summary": "s" * 2_000},
+                    "cost_usd": 0.001})), partition=i % parts)  # fmt: skip
+        yield Rec(topic, b"v2-8", None, partition=0)  # t-8's v2 result erased
+
+    serving(monkeypatch, {topic: results}, partitions=parts)
+    tracemalloc.start()
+    try:
+        evidence = await ab.gather(settings, "p", schema)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    v1, v2 = evidence["v1"], evidence["v2"]
+    assert (v1.evaluation.tasks, v2.evaluation.tasks) == (n, n - 1)
+    assert ab.agreements(v1, v2) == [ab.Agreement("sentiment", n - n // 4, n - 1)]
+    assert v1.cost_interval() == pytest.approx((0.001, 0.001, 0.001))
+    assert peak < 4_000_000, f"peak {peak:,} bytes"  # every output held: past 8 MB
