@@ -53,6 +53,25 @@ async def _replay_records(settings: Settings) -> list[Any]:
     return [r async for batch in scan(settings, settings.topics.replay) for r in batch]
 
 
+async def _send_again(settings: Settings, records: list[Any], run_of_last: bytes) -> list[int]:
+    """`records` of the replay topic sent to it again, in order, each to its partition with
+    its headers (the last one's run id replaced by `run_of_last`); their new offsets."""
+    producer = clients.producer(settings, acks="all")
+    await producer.start()
+    try:
+        offsets = []
+        for i, r in enumerate(records):
+            headers = list(r.headers)
+            if i == len(records) - 1:
+                headers = [(k, run_of_last if k == REPLAY_ID_HEADER else v) for k, v in headers]
+            sent = await producer.send_and_wait(settings.topics.replay, key=r.key, value=r.value,
+                                                partition=r.partition, headers=headers)  # fmt: skip
+            offsets.append(sent.offset)
+        return offsets
+    finally:
+        await producer.stop()
+
+
 async def test_replay_skips_answered_resumes_after_a_kill_and_force_asks_again(
     make_settings: Any, simulator: SimulatorServer, tmp_path: Path
 ) -> None:
@@ -155,6 +174,21 @@ async def test_replay_skips_answered_resumes_after_a_kill_and_force_asks_again(
         assert {r["task_id"] for r in again_v1} == in_p0
         assert all(r["result_key"] == v1_keys[r["task_id"]] and not r["cached"] for r in again_v1)
         assert simulator.sim.snapshot()["requests"] - before == len(in_p0)
+
+        # The forced records sent again, as a run killed after sending and before its
+        # checkpoint sends them on its next run: each copy ends nothing again. A record
+        # of another run sent after them, on the same partition, is answered.
+        sentinel = forced_records[0]
+        resent = await _send_again(settings, [*forced_records, sentinel],
+                                   run_of_last=b"rp-another")  # fmt: skip
+        got = await collect(settings, set(), timeout_s=120, worker=worker,
+                            until=lambda c: any(r["source"]["offset"] == resent[-1]
+                                                and r["source"]["topic"] == settings.topics.replay
+                                                for r in c.results))  # fmt: skip
+        again_sent = {r["source"]["offset"] for r in got.results
+                      if r["source"]["topic"] == settings.topics.replay}  # fmt: skip
+        assert again_sent.isdisjoint(resent[:-1])  # no copy answered again
+        assert simulator.sim.snapshot()["requests"] - before == len(in_p0) + 1
 
         # The command line: a dry run prints the plan and the estimate, sends nothing.
         shown = run_cli(settings, "replay", "--from-offset", "0:0", "--prompt-version", "v2",
