@@ -22,6 +22,7 @@ partition, stays the agent's:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -83,13 +84,23 @@ def asked(message: Any) -> Asked:
     )
 
 
+# What a task's history keeps of a run at most (`sent_by`): the project's own are ~300
+# characters (an id, a topic name of at most 249, a partition and an offset).
+RUN_CHARS = 512
+
+
 def sent_by(message: Any) -> str | None:
     """The command run that sent a record and the record it copied, `<id>@<topic/p/o>`
-    (its `llm-streams-replay-id` and `llm-streams-replay-of` headers), or None."""
+    (its `llm-streams-replay-id` and `llm-streams-replay-of` headers), or None. Longer
+    than `RUN_CHARS` (headers another producer wrote): its digest, so that a task's state
+    does not carry it into every history entry."""
     run, copied = header(message, REPLAY_ID_HEADER), header(message, REPLAY_OF_HEADER)
     if not run or not copied:
         return None
-    return f"{run.decode(errors='replace')}@{copied.decode(errors='replace')}"
+    said = f"{run.decode(errors='replace')}@{copied.decode(errors='replace')}"
+    if len(said) > RUN_CHARS:
+        return "sha256:" + hashlib.sha256(run + b"@" + copied).hexdigest()
+    return said
 
 
 def original_offset(message: Any) -> int:

@@ -630,11 +630,16 @@ async def test_a_forced_copy_a_killed_command_sent_again_is_not_asked_again(
     assert await _handled(run, _sent_by("t-run", 12, b"rp-1", b"llm-tasks/0/17", how)) == (
         "already_done", None)  # fmt: skip
     assert sent == [] and len(llm.requests) == 2
+    # A run said in headers over what a history keeps: kept as their digest.
+    long = _sent_by("t-run", 14, b"x" * 2_000, b"llm-tasks/0/17", how)
+    assert (await _handled(run, long))[0] == "result"
+    assert orjson.loads(sent[-1][2])["history"][-1]["run"].startswith("sha256:")
+    assert len(sent[-1][2]) < 4_000
+    assert await _handled(run, replace(long, offset=15)) == ("already_done", None)
     # Another run (another replay's id) of the same record is asked again.
-    assert (await _handled(run, _sent_by("t-run", 13, b"rp-2", b"llm-tasks/0/17", how)))[
-        0
-    ] == "result"
-    assert len(llm.requests) == 3
+    other_run = _sent_by("t-run", 13, b"rp-2", b"llm-tasks/0/17", how)
+    assert (await _handled(run, other_run))[0] == "result"
+    assert len(llm.requests) == 4  # the long run's, then this one
 
 
 @pytest.mark.parametrize("error", [TypeError("an integer is required on field stars"),
