@@ -18,9 +18,9 @@ task's state: a write from outside would be overwritten by its next one.
 A backtrack is applied once per task: its records carry its id (`backtrack_id`, the
 same for the same arguments) and the record each copies, which the worker keeps in
 the task's history. Run again (killed half-way, or by mistake), it leaves out a task
-whose latest move is its own, and the worker ends nothing twice for a copy still on its
-way (`core.taskstate.TaskState.ran`): a re-run is paid once. A task that moved since
-(a new record answered) is put back again.
+whose latest move is its own success, and the worker ends nothing twice for a copy still
+on its way (`core.taskstate.TaskState.ran`): a re-run is paid once. A task that moved
+since (a new record answered), or that it left dead-lettered, is sent again.
 """
 
 from __future__ import annotations
@@ -303,10 +303,14 @@ class _Run:
 
 
 def _moved_last_by(state: dict[str, Any], run_id: str) -> bool:
-    """Was the task's latest move made by a record the backtrack `run_id` sent?"""
+    """Was the task's latest move a success of a record the backtrack `run_id` sent? (One
+    that ended in a dead letter — the endpoint down — is sent again: run again, the
+    backtrack tries it again.)"""
     history = state.get("history")
     last = history[-1] if isinstance(history, list) and history else None
-    run = last.get("run") if isinstance(last, dict) else None
+    if not isinstance(last, dict) or last.get("status") != "succeeded":
+        return False
+    run = last.get("run")
     return isinstance(run, str) and run.startswith(f"{run_id}@")
 
 

@@ -309,8 +309,9 @@ async def test_a_backtrack_run_again_leaves_out_what_it_put_back_unless_it_moved
     monkeypatch: pytest.MonkeyPatch, settings: Settings
 ) -> None:
     """Killed half-way and run again with the same arguments: a task whose latest move is
-    this backtrack's is left out (a re-run is paid once); one that moved since (a new record
-    answered), or moved last by another backtrack, is sent."""
+    this backtrack's success is left out (a re-run is paid once); one that moved since (a
+    new record answered), moved last by another backtrack, or that this one left
+    dead-lettered, is sent."""
     topic, selection = state_topic(settings), Selection(pipeline="comment-analysis")
     mine = backtrack_id(selection, "rerun", "v1")
     assert mine == backtrack_id(Selection(pipeline="comment-analysis"), "rerun", "v1")
@@ -319,12 +320,14 @@ async def test_a_backtrack_run_again_leaves_out_what_it_put_back_unless_it_moved
     by = {"t-0": [f"{mine}@llm-tasks/0/0"],  # put back by this very backtrack
           "t-1": [f"{mine}@llm-tasks/0/1", None],  # ... then a new record of it answered
           "t-2": ["bt-other@llm-tasks/0/2"],  # another backtrack
-          "t-3": []}  # fmt: skip
+          "t-3": [],
+          "t-4": [f"{mine}@llm-tasks/0/4!"]}  # this one, dead-lettered: tried again  # fmt: skip
 
     def states() -> Iterator[Rec]:
         for i, runs in enumerate(by.values()):
             source = {"topic": "llm-tasks", "partition": 0, "offset": i}
-            history = [{"status": "succeeded", **({"run": r} if r else {})} for r in runs]
+            history = [{"status": "dead_lettered" if r and r.endswith("!") else "succeeded",
+                        **({"run": r.rstrip("!")} if r else {})} for r in runs]  # fmt: skip
             yield Rec(topic, f"t-{i}".encode(), exact(orjson.dumps({
                 "task_id": f"t-{i}", "pipeline": "comment-analysis", "source": source,
                 "history": history})))  # fmt: skip
@@ -337,7 +340,7 @@ async def test_a_backtrack_run_again_leaves_out_what_it_put_back_unless_it_moved
     monkeypatch.setattr(backtrack_module, "read_at", read_at)
     registry = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
     plan = await backtrack(settings, registry, selection, "rerun", "v1", dry_run=True)
-    assert (plan.sent, plan.done) == (3, ["t-0"])
+    assert (plan.sent, plan.done) == (4, ["t-0"])
 
 
 async def test_a_drift_holds_each_versions_latest_window_not_every_answer(
