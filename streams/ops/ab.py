@@ -199,29 +199,31 @@ async def gather(
         partitions.update(await partitions_of(settings, topic))
     for partition in sorted(partitions):
         latest = await _latest_of(settings, partition, pipeline)
-        for (version, _), (kind, record) in sorted(latest.items()):
+        for (version, _), (kind, record, _) in sorted(latest.items()):
             evidence.setdefault(version, VersionEvidence(version)).add(record, kind)
         agree(evidence, schema)
     return evidence
 
 
-Latest = dict[tuple[str, str], tuple[str, dict[str, Any]]]  # (version, task) -> kind, evidence
+# (version, task) -> its latest outcome's kind, what `gather` counts of it, its record's key
+Latest = dict[tuple[str, str], tuple[str, dict[str, Any], bytes]]
 
 
 async def _latest_of(settings: Settings, partition: int, pipeline: str) -> Latest:
     """Of one partition of the dead-letter and results topics, the latest outcome of each
-    task of `pipeline` per version, as `gather` counts it."""
+    task of `pipeline` per version, as `gather` counts it; one whose record was
+    tombstoned since, left out."""
     latest: Latest = {}
     for topic, kind in ((settings.topics.dead_letters, "dead_letter"),
                         (settings.topics.results, "result")):  # fmt: skip
-        keyed: dict[bytes, tuple[str, str]] = {}  # a record's key -> its version, task
+        keyed: dict[bytes, tuple[str, str]] = {}  # a latest outcome's key -> version, task
         async for records in scan(settings, topic, partitions=[partition]):
             for rec in records:
                 if rec.key is None:
                     continue
                 if rec.value is None:  # tombstoned: what its key held is gone
                     gone = keyed.pop(rec.key, None)
-                    if gone is not None and latest.get(gone, ("",))[0] == kind:
+                    if gone is not None and latest.get(gone, ("", {}, b""))[2] == rec.key:
                         del latest[gone]
                     continue
                 record = json_object(rec.value)
@@ -230,7 +232,10 @@ async def _latest_of(settings: Settings, partition: int, pipeline: str) -> Lates
                 version, task_id = record.get("prompt_version"), record.get("task_id")
                 if not isinstance(version, str) or not isinstance(task_id, str):
                     continue  # a dead letter from before records named their version
-                latest[(version, task_id)] = (kind, _evidence(record))
+                earlier = latest.get((version, task_id))
+                if earlier is not None and earlier[0] == kind:
+                    keyed.pop(earlier[2], None)
+                latest[(version, task_id)] = (kind, _evidence(record), rec.key)
                 keyed[rec.key] = (version, task_id)
     return latest
 

@@ -65,9 +65,6 @@ def _canon(value: Any) -> bytes:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
 
 
-Pairs = list[tuple[dict[str, Any], dict[str, Any]]]
-
-
 def fields_of(schema: dict[str, Any]) -> dict[str, FieldDiff]:
     """One empty FieldDiff per top-level field of an output schema."""
     props: dict[str, Any] = schema.get("properties", {})

@@ -430,6 +430,7 @@ async def test_a_diff_holds_one_partitions_outputs_and_leaves_out_a_tombstoned_r
         )
 
     def results() -> Iterator[Rec]:
+        yield Rec(topic, b"v1-old-5", result(5, "v1", "neg"), partition=5)  # replaced below
         for version in ("v1", "v2"):
             for i in range(n):
                 flipped = "neg" if version == "v2" and i % 4 == 0 else "pos"
@@ -437,6 +438,7 @@ async def test_a_diff_holds_one_partitions_outputs_and_leaves_out_a_tombstoned_r
                           partition=i % parts)  # fmt: skip
         yield Rec(topic, b"v1-extra", result(n, "v1", "pos"), partition=0)  # under v1 alone
         yield Rec(topic, b"v2-8", None, partition=0)  # t-8's v2 result erased
+        yield Rec(topic, b"v1-old-5", None, partition=5)  # an earlier answer's, past retention
 
     serving(monkeypatch, {topic: results}, partitions=parts)
     tracemalloc.start()
@@ -461,6 +463,11 @@ async def test_an_ab_report_holds_one_partitions_outputs_and_leaves_out_a_tombst
     topic, n, parts = settings.topics.results, 2_000, 8
 
     def results() -> Iterator[Rec]:
+        # t-5's first answer under v1, to an earlier input: replaced by its latest below,
+        # then tombstoned past its retention (which takes nothing of the latest).
+        yield Rec(topic, b"v1-old-5", exact(orjson.dumps({
+            "task_id": "t-5", "pipeline": "p", "prompt_version": "v1",
+            "output": {"sentiment": "neg"}, "cost_usd": 0.001})), partition=5)  # fmt: skip
         for version in ("v1", "v2"):
             for i in range(n):
                 sentiment = "neg" if version == "v2" and i % 4 == 0 else "pos"
@@ -469,6 +476,7 @@ async def test_an_ab_report_holds_one_partitions_outputs_and_leaves_out_a_tombst
                     "output": {"sentiment": sentiment, "summary": "s" * 2_000},
                     "cost_usd": 0.001})), partition=i % parts)  # fmt: skip
         yield Rec(topic, b"v2-8", None, partition=0)  # t-8's v2 result erased
+        yield Rec(topic, b"v1-old-5", None, partition=5)
 
     serving(monkeypatch, {topic: results}, partitions=parts)
     tracemalloc.start()
