@@ -48,7 +48,7 @@ import jsonschema
 import orjson
 from fastavro.types import Schema as AvroSchema
 
-from streams.contract.records import MAX_DEPTH, shallow
+from streams.contract.records import MAX_DEPTH, record_json, shallow
 from streams.errors import InvalidInput
 from streams.observability.metrics import Metrics
 from streams.settings import SchemaRegistrySettings
@@ -320,7 +320,7 @@ def decode_body(schema: Schema, body: bytes) -> Any:
         return jsonable(shallow(document, source=True))
     if schema.kind == "JSON":
         try:
-            document = orjson.loads(body)
+            document = record_json(body)
         except orjson.JSONDecodeError as exc:
             raise InvalidInput(f"source record's body is not JSON: {exc}",
                                code="source_undecodable") from None  # fmt: skip

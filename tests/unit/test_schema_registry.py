@@ -203,6 +203,10 @@ def test_json_schema_bodies_are_validated_and_protobuf_is_refused() -> None:
     with pytest.raises(InvalidInput) as caught:
         decode_body(schema, b"{not json")
     assert caught.value.code == "source_undecodable"
+    # An integer beyond 64 bits: refused, not read as a double (its value would change).
+    with pytest.raises(InvalidInput) as caught:
+        decode_body(schema, b'{"text": "ok", "order": 123456789012345678901234}')
+    assert caught.value.code == "source_undecodable" and "beyond 64 bits" in caught.value.message
     with pytest.raises(InvalidInput) as caught:
         decode_body(Schema(6, "PROTOBUF"), b"\x00\x08\x01")
     assert caught.value.code == "source_schema_type"
