@@ -43,6 +43,7 @@ from streams.kafka.clients import partitions_of
 from streams.kafka.scan import scan
 from streams.kafka.topics import decisions_topic, ensure_topics
 from streams.ops.diff import summarise
+from streams.ops.outcomes import latest_outcomes
 from streams.pipelines.specs import PipelineSpec
 from streams.settings import Settings
 
@@ -198,46 +199,16 @@ async def gather(
     for topic in (settings.topics.dead_letters, settings.topics.results):
         partitions.update(await partitions_of(settings, topic))
     for partition in sorted(partitions):
-        latest = await _latest_of(settings, partition, pipeline)
-        for (version, _), (kind, record, _) in sorted(latest.items()):
+        # A task's result, when it has one, over its dead letter (a redriven one answered)
+        latest: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+        for topic, kind in ((settings.topics.dead_letters, "dead_letter"),
+                            (settings.topics.results, "result")):  # fmt: skip
+            found = await latest_outcomes(settings, topic, partition, pipeline, _evidence)
+            latest.update((at, (kind, record)) for at, record in found.items())
+        for (version, _), (kind, record) in sorted(latest.items()):
             evidence.setdefault(version, VersionEvidence(version)).add(record, kind)
         agree(evidence, schema)
     return evidence
-
-
-# (version, task) -> its latest outcome's kind, what `gather` counts of it, its record's key
-Latest = dict[tuple[str, str], tuple[str, dict[str, Any], bytes]]
-
-
-async def _latest_of(settings: Settings, partition: int, pipeline: str) -> Latest:
-    """Of one partition of the dead-letter and results topics, the latest outcome of each
-    task of `pipeline` per version, as `gather` counts it; one whose record was
-    tombstoned since, left out."""
-    latest: Latest = {}
-    for topic, kind in ((settings.topics.dead_letters, "dead_letter"),
-                        (settings.topics.results, "result")):  # fmt: skip
-        keyed: dict[bytes, tuple[str, str]] = {}  # a latest outcome's key -> version, task
-        async for records in scan(settings, topic, partitions=[partition]):
-            for rec in records:
-                if rec.key is None:
-                    continue
-                if rec.value is None:  # tombstoned: what its key held is gone
-                    gone = keyed.pop(rec.key, None)
-                    if gone is not None and latest.get(gone, ("", {}, b""))[2] == rec.key:
-                        del latest[gone]
-                    continue
-                record = json_object(rec.value)
-                if record is None or record.get("pipeline") != pipeline:
-                    continue
-                version, task_id = record.get("prompt_version"), record.get("task_id")
-                if not isinstance(version, str) or not isinstance(task_id, str):
-                    continue  # a dead letter from before records named their version
-                earlier = latest.get((version, task_id))
-                if earlier is not None and earlier[0] == kind:
-                    keyed.pop(earlier[2], None)
-                latest[(version, task_id)] = (kind, _evidence(record), rec.key)
-                keyed[rec.key] = (version, task_id)
-    return latest
 
 
 @dataclass

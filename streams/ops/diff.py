@@ -15,9 +15,8 @@ from typing import Any
 
 import orjson
 
-from streams.contract.records import json_object
 from streams.kafka.clients import partitions_of
-from streams.kafka.scan import scan
+from streams.ops.outcomes import latest_outcomes
 from streams.settings import Settings
 
 
@@ -128,49 +127,22 @@ async def compare(
     topic = settings.topics.results
     diffs = fields_of(schema)
     out = Comparison(list(diffs.values()))
+    versions = (from_version, to_version)
+
+    def output(result: dict[str, Any]) -> dict[str, Any] | None:
+        kept = result.get("output")
+        return kept if result.get("prompt_version") in versions and isinstance(kept, dict) else None
+
     for partition in await partitions_of(settings, topic):
-        before, after = await _latest_of(settings, partition, pipeline, from_version, to_version)
+        latest = await latest_outcomes(settings, topic, partition, pipeline, output)
+        before = {task: out for (version, task), out in latest.items() if version == from_version}
+        after = {task: out for (version, task), out in latest.items() if version == to_version}
         both = sorted(set(before) & set(after))
-        summarise(((before[t][1], after[t][1]) for t in both), schema, into=diffs)
+        summarise(((before[t], after[t]) for t in both), schema, into=diffs)
         out.both += len(both)
         out.only_from += len(before) - len(both)
         out.only_to += len(after) - len(both)
     return out
-
-
-Latest = dict[str, tuple[bytes, dict[str, Any]]]  # task id -> its result's key and output
-
-
-async def _latest_of(
-    settings: Settings, partition: int, pipeline: str, *versions: str
-) -> list[Latest]:
-    """Of one partition of the results topic, per version (in the order given), the
-    latest output of each of `pipeline`'s tasks that is not tombstoned since."""
-    latest: dict[str, Latest] = {version: {} for version in versions}
-    keyed: dict[bytes, tuple[str, str]] = {}  # a latest output's key -> its version, task
-    async for records in scan(settings, settings.topics.results, partitions=[partition]):
-        for r in records:
-            if r.key is None:
-                continue
-            if r.value is None:  # tombstoned: erased, or past the store's retention
-                gone = keyed.pop(r.key, None)
-                if gone is not None:
-                    del latest[gone[0]][gone[1]]
-                continue
-            result = json_object(r.value)
-            if result is None or result.get("pipeline") != pipeline:
-                continue
-            version, task_id = str(result.get("prompt_version")), result.get("task_id")
-            by_task = latest.get(version)
-            if by_task is None or not isinstance(result.get("output"), dict):
-                continue
-            if not isinstance(task_id, str):
-                continue
-            if (earlier := by_task.get(task_id)) is not None:
-                keyed.pop(earlier[0], None)
-            by_task[task_id] = (r.key, result["output"])
-            keyed[r.key] = (version, task_id)
-    return [latest[version] for version in versions]
 
 
 __all__ = ["Comparison", "FieldDiff", "compare", "fields_of", "summarise"]

@@ -22,6 +22,7 @@ from streams.ops import ab
 from streams.ops import backtrack as backtrack_module
 from streams.ops import diff as diff_module
 from streams.ops import drift as drift_module
+from streams.ops import outcomes as outcomes_module
 from streams.ops import redrive as redrive_module
 from streams.ops import replay as replay_module
 from streams.ops.backtrack import Selection, backtrack, backtrack_id, latest_states
@@ -74,7 +75,7 @@ def serving(monkeypatch: pytest.MonkeyPatch, topics: Topics, partitions: int = 4
         return list(range(partitions))
 
     monkeypatch.setattr(scan_module, "scan", scan)
-    for reader in (ab, diff_module, drift_module, replay_module):  # reading every record
+    for reader in (ab, outcomes_module, drift_module, replay_module):  # reading every record
         monkeypatch.setattr(reader, "scan", scan)
     for lister in (ab, diff_module, redrive_module):
         monkeypatch.setattr(lister, "partitions_of", partitions_of)
