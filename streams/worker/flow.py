@@ -303,15 +303,17 @@ class RecordFlow:
         outcome is written already); a result its topic or its sink refuses for good makes
         the task's dead letter, written instead. What was written."""
         partition = prep.source.partition
+        # The state is made once the outcome is written: off the way of the answer.
         refusal = await self.writer.deliver(
-            outcome, partition, prep=prep, state=self.decider.state_after(outcome, prep, note),
-            written=written,
+            outcome, partition, prep=prep,
+            state=lambda: self.decider.state_after(outcome, prep, note), written=written,
         )  # fmt: skip
         if refusal is None:
             return outcome
         letter = self.processor.failed(prep, refusal, outcome)
-        await self.writer.deliver(letter, partition, prep=prep,
-                                  state=self.decider.state_after(letter, prep, note))  # fmt: skip
+        await self.writer.deliver(
+            letter, partition, prep=prep, state=lambda: self.decider.state_after(letter, prep, note)
+        )
         return letter
 
     async def _add_turn(

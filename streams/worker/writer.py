@@ -100,7 +100,7 @@ class Writer:
         partition: int,
         *,
         prep: Prepared | None = None,
-        state: TaskState | None = None,
+        state: TaskState | Callable[[], TaskState] | None = None,
         written: bool = False,
         plain: bool = False,
     ) -> WriteRefused | None:
@@ -110,7 +110,9 @@ class Writer:
         written, nor is anything after it: the reason comes back (the caller writes the
         task's dead letter instead). `written`: the outcome is written already (by a run
         killed before the rest), only what follows it is. `plain`: a source record's dead
-        letter, no task's — written outside the transactions and the task store."""
+        letter, no task's — written outside the transactions and the task store. `state`
+        may be a function that makes it: called once the outcome is written, so that the
+        outcome's write does not wait for it."""
         pending = set() if written else {"outcome"}
         if outcome.sink is not None:
             pending.add("sink")
@@ -121,8 +123,11 @@ class Writer:
         refused: list[WriteRefused] = []
 
         async def write_pending() -> None:
+            made = state if isinstance(state, TaskState) else None
             while pending and not refused:
-                await self._write_round(outcome, pending, partition, prep, state, refused,
+                if made is None and state is not None and "outcome" not in pending:
+                    made = state if isinstance(state, TaskState) else state()
+                await self._write_round(outcome, pending, partition, prep, made, refused,
                                         plain)  # fmt: skip
 
         # Exactly-once: every write of the outcome in one transaction of the partition,
