@@ -135,8 +135,8 @@ async def compare(
 
     for partition in await partitions_of(settings, topic):
         latest = await latest_outcomes(settings, topic, partition, pipeline, output)
-        before = {task: out for (version, task), out in latest.items() if version == from_version}
-        after = {task: out for (version, task), out in latest.items() if version == to_version}
+        before = {task: kept for (version, task), kept in latest.items() if version == from_version}
+        after = {task: kept for (version, task), kept in latest.items() if version == to_version}
         both = sorted(set(before) & set(after))
         summarise(((before[t], after[t]) for t in both), schema, into=diffs)
         out.both += len(both)
