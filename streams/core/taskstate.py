@@ -9,6 +9,7 @@ fields a newer version added are ignored, not a reason to fail (extra="ignore").
 
 from __future__ import annotations
 
+import hashlib
 from enum import StrEnum
 from typing import Any
 
@@ -56,6 +57,27 @@ class HistoryEntry(BaseModel):
     # A record an operator command sent (a replay, a backtrack): `<its id>@<the record it
     # copied>`, so a copy sent twice (the command killed and run again) ends the task once.
     run: str | None = None
+
+
+# What a task's history keeps of a run at most (`run_key`): the project's own are ~300
+# characters (an id, a topic name of at most 249, a partition and an offset).
+RUN_CHARS = 512
+
+
+def run_key(run_id: bytes, copied: bytes) -> str:
+    """`HistoryEntry.run` of a record the command run `run_id` sent as a copy of the
+    record `copied` (`topic/partition/offset`): `<run_id>@<copied>`. Longer than
+    `RUN_CHARS` (headers another producer wrote): its digest, so that a task's state does
+    not carry it into every history entry."""
+    said = f"{run_id.decode(errors='replace')}@{copied.decode(errors='replace')}"
+    if len(said) > RUN_CHARS:
+        return "sha256:" + hashlib.sha256(run_id + b"@" + copied).hexdigest()
+    return said
+
+
+def sent_by_run(run: object, run_id: str) -> bool:
+    """Does a history entry's `run` (as `run_key` wrote it) say the run `run_id` sent it?"""
+    return isinstance(run, str) and run.startswith(f"{run_id}@")
 
 
 class TaskState(BaseModel):

@@ -36,6 +36,7 @@ from aiokafka import TopicPartition
 
 from streams.contract.headers import BACKTRACK_HEADER, REPLAY_ID_HEADER, REPLAY_OF_HEADER
 from streams.contract.records import decode_task, result_key
+from streams.core.taskstate import sent_by_run
 from streams.errors import ConfigError, TaskError
 from streams.kafka import clients
 from streams.kafka.clients import reader
@@ -310,8 +311,7 @@ def _moved_last_by(state: dict[str, Any], run_id: str) -> bool:
     last = history[-1] if isinstance(history, list) and history else None
     if not isinstance(last, dict) or last.get("status") != "succeeded":
         return False
-    run = last.get("run")
-    return isinstance(run, str) and run.startswith(f"{run_id}@")
+    return sent_by_run(last.get("run"), run_id)
 
 
 def _history_answered(state: dict[str, Any], version: str) -> bool:

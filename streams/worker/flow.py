@@ -22,7 +22,6 @@ partition, stays the agent's:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -50,6 +49,7 @@ from streams.core.outcome import Outcome, Prepared
 from streams.core.processor import TaskProcessor
 from streams.core.sessions import has_turn, without_turn
 from streams.core.sinks import erased
+from streams.core.taskstate import run_key
 from streams.errors import InternalError, InvalidInput, NotOurs, WriteRefused
 from streams.kafka.routing import partition_for
 from streams.observability.logs import current_task_id
@@ -84,23 +84,14 @@ def asked(message: Any) -> Asked:
     )
 
 
-# What a task's history keeps of a run at most (`sent_by`): the project's own are ~300
-# characters (an id, a topic name of at most 249, a partition and an offset).
-RUN_CHARS = 512
-
-
 def sent_by(message: Any) -> str | None:
-    """The command run that sent a record and the record it copied, `<id>@<topic/p/o>`
-    (its `llm-streams-replay-id` and `llm-streams-replay-of` headers), or None. Longer
-    than `RUN_CHARS` (headers another producer wrote): its digest, so that a task's state
-    does not carry it into every history entry."""
+    """The command run that sent a record and the record it copied (its
+    `llm-streams-replay-id` and `llm-streams-replay-of` headers) as its task's history
+    keeps them (`run_key`), or None."""
     run, copied = header(message, REPLAY_ID_HEADER), header(message, REPLAY_OF_HEADER)
     if not run or not copied:
         return None
-    said = f"{run.decode(errors='replace')}@{copied.decode(errors='replace')}"
-    if len(said) > RUN_CHARS:
-        return "sha256:" + hashlib.sha256(run + b"@" + copied).hexdigest()
-    return said
+    return run_key(run, copied)
 
 
 def original_offset(message: Any) -> int:
