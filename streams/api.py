@@ -41,7 +41,7 @@ from streams.contract.lanes import Lane
 from streams.contract.records import Source
 from streams.core.outcome import Outcome
 from streams.core.processor import TaskProcessor
-from streams.errors import ConfigError, TaskError
+from streams.errors import ConfigError, InvalidInput, TaskError
 from streams.observability.metrics import Metrics
 from streams.pipelines.registry import PipelineRegistry
 from streams.pipelines.sources import Erase, Skipped
@@ -153,8 +153,17 @@ class Analyzer:
         """One task (a mapping in record contract v1, or a record's raw value) answered:
         its result or its dead letter. `key`: the record's key, if it had one; `source`:
         where it came from (it goes in the result, and into nothing else)."""
-        raw = task if isinstance(task, bytes) else orjson.dumps(dict(task))
-        return await self._answer(raw, key, source or API_SOURCE, lane)
+        source = source or API_SOURCE
+        if isinstance(task, bytes):
+            return await self._answer(task, key, source, lane)
+        try:
+            raw = orjson.dumps(dict(task))
+        except TypeError as exc:  # a set, a key not a string, an integer past 64 bits
+            bad = InvalidInput(f"task is not JSON: {exc}", code="not_json")
+            task_id = task.get("task_id")
+            hint = key or (task_id.encode() if isinstance(task_id, str) else None)
+            return self.processor.dead_letter(bad, None, hint, source)
+        return await self._answer(raw, key, source, lane)
 
     async def _answer(self, raw: bytes, key: bytes | None, source: Source, lane: Lane) -> Outcome:
         processor = self.processor

@@ -58,6 +58,29 @@ async def test_the_analyzer_answers_a_task_and_dead_letters_bad_input(
     assert simulator.sim.snapshot()["requests"] == 2  # no call for the bad one
 
 
+async def test_a_task_that_is_not_json_is_a_dead_letter_not_an_exception(
+    simulator: SimulatorServer,
+) -> None:
+    """A mapping orjson cannot write (an integer past 64 bits, a set, a key that is not a
+    string) comes back as the task's dead letter, as a record that is not JSON does."""
+    settings = load_settings(llm={"base_url": simulator.base_url, "api_key": "k",
+                                  "model": "sim-1"})  # fmt: skip
+    inputs: list[Any] = [{"text": "x", "order": 2**70}, {"text": {"a", "b"}}, {1: "x"}]
+    async with Analyzer(settings) as analyzer:
+        letters = [await analyzer.analyze({"task_id": f"j-{n}", "pipeline": "comment-analysis",
+                                           "input": given})
+                   for n, given in enumerate(inputs)]  # fmt: skip
+        keyed = await analyzer.analyze({"task_id": 7, "input": {1: 2}}, key=b"k-7")
+    for n, letter in enumerate(letters):
+        record = letter.record()
+        assert (letter.kind, letter.key, record["task_id"]) == ("dead_letter", f"j-{n}", f"j-{n}")
+        assert record["error"]["category"] == "invalid_input"
+        assert record["error"]["code"] == "not_json"
+        assert "not JSON" in record["error"]["message"]
+    assert (keyed.kind, keyed.key) == ("dead_letter", "k-7")  # no usable task id: its key
+    assert simulator.sim.snapshot()["requests"] == 0
+
+
 @pytest.fixture
 def session_settings(simulator: SimulatorServer, tmp_path: Path) -> Settings:
     """comment-analysis whose version keeps sessions (the earlier turns' text and label)."""
