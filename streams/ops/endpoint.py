@@ -21,12 +21,8 @@ async def endpoint_report(settings: Settings, registry: PipelineRegistry) -> lis
     lines: list[str] = []
     opened = [client]
     try:
-        uses: dict[str, list[str]] = {}
-        for name, p in sorted(registry.pipelines.items()):
-            for v, spec in sorted(p.spec.versions.items()):
-                model = spec.model or llm.model
-                uses.setdefault(model, []).append(f"{name} {v} ({spec.response_format})")
-        for model, versions in sorted(uses.items()):
+        for model, used in sorted(registry.models_used(llm.model).items()):
+            versions = [f"{v.pipeline.name} {v.version} ({v.spec.response_format})" for v in used]
             # A model with deployments: each of them, by the name its provider knows.
             serving = [(f"deployment {d.name} ", d.provider_model, OpenAIClient.of_deployment(
                 d, connect_timeout_s=llm.connect_timeout_s, read_timeout_s=llm.read_timeout_s))

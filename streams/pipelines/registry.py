@@ -17,6 +17,7 @@ from streams.pipelines.pipeline import (
     Pipeline,
     resolve_stages,
 )
+from streams.pipelines.render import PipelineVersion
 from streams.pipelines.sinks import SinkSpec
 from streams.pipelines.sources import SourceMapper
 from streams.pipelines.specs import (
@@ -68,6 +69,15 @@ class PipelineRegistry:
         """A pipeline's sink (None: it has none, or there is no such pipeline)."""
         found = self.pipelines.get(pipeline)
         return found.spec.sink if found is not None else None
+
+    def models_used(self, default: str) -> dict[str, list[PipelineVersion]]:
+        """Each model the pipelines' versions ask for (`default`: the model of those naming
+        none), with the versions asking for it, by pipeline and version name."""
+        found: dict[str, list[PipelineVersion]] = {}
+        for _, pipeline in sorted(self.pipelines.items()):
+            for _, version in sorted(pipeline.versions.items()):
+                found.setdefault(version.spec.model or default, []).append(version)
+        return found
 
     @property
     def keeps_sessions(self) -> bool:

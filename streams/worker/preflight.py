@@ -30,11 +30,12 @@ class EndpointAway(UpstreamError):
     """The endpoint could not be reached, for a reason waiting may mend."""
 
 
-async def llm_preflight(settings: Settings) -> Preflight:
+async def llm_preflight(settings: Settings, registry: PipelineRegistry | None = None) -> Preflight:
     """The endpoint's models and what it says of itself, once it answers with the key
     accepted; raises ConfigError naming the setting when it never will. With a
     deployments file, its deployments are checked too (`_deployments`); when they serve
-    the default model, they stand in for the default endpoint."""
+    the default model, they stand in for the default endpoint. A model the endpoint does
+    not list — the default, or one `registry`'s versions name — is said (`_unlisted`)."""
     llm = settings.llm
     deployments = load_deployments(llm.deployments_file) if llm.deployments_file else []
     served = [d for d in deployments if d.spec.model == llm.model]
@@ -64,12 +65,38 @@ async def llm_preflight(settings: Settings) -> Preflight:
                           f"{URL_VARS}") from exc  # fmt: skip
     finally:
         await client.close()
-    if ids and llm.model not in ids and len(ids) > 1:
-        log.warning("the LLM endpoint %s lists no model %r (it lists %s): check "
-                    "LLM_STREAMS_LLM__MODEL", where, llm.model, ", ".join(ids[:8]))  # fmt: skip
+    _unlisted(settings, registry, deployments, where, ids)
     if deployments:
         await _deployments(settings, deployments, [])
     return Preflight(endpoint=where, models=ids, facts=facts)
+
+
+def _unlisted(
+    settings: Settings,
+    registry: PipelineRegistry | None,
+    deployments: list[Deployment],
+    where: str,
+    ids: list[str],
+) -> None:
+    """Say each model asked of the endpoint that it does not list: the default (check
+    the setting), and those the pipelines' versions name (their `model:`) — the endpoint
+    refuses their calls (404), so their tasks would all be dead letters. A server that
+    lists one model alone (llama.cpp) answers whatever name is asked: nothing to say."""
+    if len(ids) < 2:
+        return
+    default = settings.llm.model
+    shown = ", ".join(ids[:8])
+    if default not in ids:
+        log.warning("the LLM endpoint %s lists no model %r (it lists %s): check "
+                    "LLM_STREAMS_LLM__MODEL", where, default, shown)  # fmt: skip
+    deployed = {d.spec.model for d in deployments}  # their own endpoints serve them
+    for model, versions in (registry.models_used(default) if registry else {}).items():
+        if model in ids or model in deployed or model == default:
+            continue
+        named = "; ".join(f"{v.pipeline.name} {v.version}" for v in versions)
+        log.warning("the LLM endpoint %s lists no model %r, which %s ask(s) for (it lists "
+                    "%s): their calls would be refused; check their `model:`",
+                    where, model, named, shown)  # fmt: skip
 
 
 async def _deployments(

@@ -58,7 +58,7 @@ def run_worker(settings: Settings) -> None:
     limits = loop.run_until_complete(while_kafka_away(checks, settings.kafka.startup_wait_s))
     from streams.worker.preflight import banner, llm_preflight
 
-    seen = loop.run_until_complete(llm_preflight(settings))  # or a clear ConfigError
+    seen = loop.run_until_complete(llm_preflight(settings, registry))  # or a ConfigError
     from streams.observability.genai import setup_metrics
     from streams.observability.tracing import setup_tracing
 

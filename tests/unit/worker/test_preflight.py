@@ -12,8 +12,11 @@ import yaml
 from streams.dev.brokers.common import free_port
 from streams.dev.simulator import SimConfig, SimulatorServer
 from streams.errors import ConfigError
+from streams.pipelines.registry import PipelineRegistry
 from streams.settings import Settings, load_settings
 from streams.worker.preflight import llm_preflight
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 async def test_an_endpoint_that_answers_with_the_key_accepted_passes() -> None:
@@ -28,6 +31,39 @@ async def test_an_endpoint_that_answers_with_the_key_accepted_passes() -> None:
                                                    "api_key": "wrong"}))  # fmt: skip
     finally:
         await server.stop()
+
+
+async def test_a_model_the_pipelines_name_and_the_endpoint_does_not_list_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A version's `model:` the endpoint does not list (a typo) is named at start with the
+    versions asking for it; a listed one, the default's, and one a server listing a single
+    model (llama.cpp answers any name) are not."""
+    data = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
+    v1 = data["versions"]["v1"]
+    data["versions"] = {"v1": v1, "v2": {**v1, "model": "gpt-4o-mini"},
+                        "v3": {**v1, "model": "gpt-4o-mnii"}}  # fmt: skip
+    directory = tmp_path / "pipelines"
+    directory.mkdir()
+    (directory / "comment-analysis.yaml").write_text(yaml.safe_dump(data, allow_unicode=True))
+    registry = PipelineRegistry.load(directory, ROOT / "schemas")
+    for server, said in ((None, True), ("llama.cpp", False)):
+        config = SimConfig(api_key="k") if server is None else SimConfig(api_key="k", server=server)
+        up = await SimulatorServer(config).start()
+        caplog.clear()
+        try:
+            settings = load_settings(llm={"base_url": up.base_url, "api_key": "k",
+                                          "model": "sim-1"})  # fmt: skip
+            await llm_preflight(settings, registry)
+        finally:
+            await up.stop()
+        warned = [r.getMessage() for r in caplog.records if "lists no model" in r.getMessage()]
+        if said:
+            assert len(warned) == 1, warned
+            assert "'gpt-4o-mnii', which comment-analysis v3 ask(s) for" in warned[0]
+            assert "check their `model:`" in warned[0]
+        else:
+            assert warned == []
 
 
 async def test_a_wrong_host_or_no_key_fails_at_once() -> None:
