@@ -120,6 +120,13 @@ class BadRequest(Permanent):
     category = Category.BAD_REQUEST
 
 
+class NotServed(BadRequest):
+    """The endpoint serves no such model (or no such route): a 404 to a chat call. On an
+    endpoint that serves several models a pipeline's wrong `model:`; on a deployment,
+    which is declared to serve its model, the deployment failing
+    (`resilience.guarded`)."""
+
+
 class AuthError(Permanent):
     """The endpoint refused the key (401) or what the key may do (403). `key_refused`:
     the key itself (revoked, expired, wrong): refused for every call made with it."""

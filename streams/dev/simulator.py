@@ -107,6 +107,9 @@ class SimConfig:
     usage: str = "said"
     api_key: str | None = None
     models: list[str] = field(default_factory=lambda: ["sim-1", "gpt-4o-mini"])
+    # A chat call for a model not in `models` refused as OpenAI, vLLM and Ollama refuse
+    # one (404 `model_not_found`); False: every name answered, as llama.cpp answers.
+    models_only: bool = False
     seed: int = 0
     # Whose server it plays: `openai`, or `llama.cpp` — its own HTTP server's shapes, as
     # measured against a real one (KNOWLEDGE.md): no x-ratelimit headers, `Server:
@@ -379,6 +382,10 @@ class Simulator:
             return _error(
                 400, f"Invalid request: {exc}", "invalid_request_error", "invalid_request", {}
             )
+        if self.config.models_only and model not in self.config.models:
+            self._count(404, "model_not_found")
+            return _error(404, f"The model `{model}` does not exist or you do not have access "
+                          "to it.", "invalid_request_error", "model_not_found", {})  # fmt: skip
         self.chats.append(messages)
         sem = self._semaphore()
         if sem is None:

@@ -12,6 +12,7 @@ import orjson
 from streams.errors import (
     AuthError,
     BadRequest,
+    NotServed,
     RateLimited,
     TaskError,
     Timeout,
@@ -54,9 +55,10 @@ def error_for_status(
     """An HTTP error answer in the project's taxonomy, one map for the synchronous calls
     and the Batch API's error lines: 429 rate_limited, 401/402/403 auth, 408 timeout, a
     prompt over the window context_overflow in any server's words (`llm.overflow`; its
-    error `body` carries some servers' numbers), 409 and 5xx upstream_error, other 4xx
-    bad_request. `headers`: the answer's rate-limit headers, for a 429's limiter to learn
-    from as from any answer's. A request larger than the token limit itself (OpenAI's
+    error `body` carries some servers' numbers), 409 and 5xx upstream_error, 404 a model
+    (or route) not served (`NotServed`, a bad_request), other 4xx bad_request. `headers`:
+    the answer's rate-limit headers, for a 429's limiter to learn from as from any
+    answer's. A request larger than the token limit itself (OpenAI's
     429, Groq's 413 "Request too large") is a bad_request: asked again, it never fits."""
     code = code or f"http_{status}"
     hit = limit_hit(body, message) if status in (413, 429) else None
@@ -78,6 +80,8 @@ def error_for_status(
         return overflow
     if status >= 500 or status == 409:
         return UpstreamError(message, code=code, retry_after=retry_after)
+    if status == 404:
+        return NotServed(message, code=code)
     return BadRequest(message, code=code)
 
 

@@ -18,6 +18,7 @@ from streams.errors import (
     CircuitOpen,
     ContextOverflow,
     DeadlineExceeded,
+    NotServed,
     RateLimited,
     StreamsError,
     Timeout,
@@ -231,22 +232,11 @@ class GuardedClient:
             permit.reconcile(0)
             self._count(request.model, lane, permit.waited_s, started, exc)
             raise
-        except AuthError as exc:
-            # A key refused (revoked, expired) is refused for every call made with it:
-            # the circuit opens, and the tasks wait for it — within their deadlines, then
-            # redrivable — instead of each ending as a refusal at the key's full pace. A
-            # 403 may be one model's or one request's: the endpoint is not judged by it.
-            call.verdict = not exc.key_refused
-            if exc.key_refused:
-                self.breaker.settle(admission, False)
-            permit.reconcile(0)
-            self._count(request.model, lane, permit.waited_s, started, exc)
-            raise
-        except StreamsError as exc:
-            call.verdict = True  # our request was wrong; the endpoint is fine
-            permit.reconcile(0)
-            self._count(request.model, lane, permit.waited_s, started, exc)
-            raise
+        except StreamsError as exc:  # refused: the key, a deployment's model, our request
+            failed = self._refused(exc, request, lane, permit, started, call, admission)
+            if failed is None:
+                raise
+            raise failed from exc
         except BaseException:  # cancelled mid-call (or a bug): no answer to learn from
             permit.abandon()
             self._unanswered(request)
@@ -259,6 +249,45 @@ class GuardedClient:
         self._learn(request, response, permit, estimate)
         self._count(request.model, lane, permit.waited_s, started, None, response)
         return replace(response, duration_s=took, deployment=self.deployment)
+
+    def _refused(
+        self,
+        exc: StreamsError,
+        request: LLMRequest,
+        lane: Lane,
+        permit: Permit,
+        started: float,
+        call: _Call,
+        admission: Admission,
+    ) -> StreamsError | None:
+        """What a refusal says of the endpoint (`call.verdict`), counted; the error the
+        attempt ends with instead (None: the refusal itself)."""
+        permit.reconcile(0)
+        if isinstance(exc, AuthError):
+            # A key refused (revoked, expired) is refused for every call made with it:
+            # the circuit opens, and the tasks wait for it — within their deadlines, then
+            # redrivable — instead of each ending as a refusal at the key's full pace. A
+            # 403 may be one model's or one request's: the endpoint is not judged by it.
+            call.verdict = not exc.key_refused
+            if exc.key_refused:
+                self.breaker.settle(admission, False)
+        elif isinstance(exc, NotServed) and self.deployment != DEFAULT:
+            # A deployment is declared to serve its model: one that says it does not is
+            # failing (as LiteLLM cools such a deployment down), and the call goes on to
+            # another of the model's deployments — or waits for this one's circuit.
+            call.verdict = False
+            self.breaker.settle(admission, False)  # now: the state below is the new one
+            failed = UpstreamError(
+                f"deployment {self.deployment} does not serve {request.model}: {exc.message}",
+                code="model_not_served",
+            )
+            failed.endpoint_down = self.breaker.state is State.OPEN
+            self._count(request.model, lane, permit.waited_s, started, failed)
+            return failed
+        else:  # our request was wrong, or one model of an endpoint serving others
+            call.verdict = True
+        self._count(request.model, lane, permit.waited_s, started, exc)
+        return None
 
     def _unanswered(self, request: LLMRequest, exc: Timeout | UpstreamError | None = None) -> None:
         """A call sent that got no answer — `exc`, when its code is one of `UNANSWERED`;

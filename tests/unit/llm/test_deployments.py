@@ -235,6 +235,55 @@ async def test_calls_spread_over_deployments_move_off_a_failing_one_and_cost_its
     assert "<h2>Deployments " in page and ">broken</td>" in page
 
 
+async def test_a_deployment_that_does_not_serve_its_model_is_left_for_the_others(
+    tmp_path: Path,
+) -> None:
+    """A deployment answering 404 for its model (its provider_model mistyped, the model
+    retired) is failing, not the task: its calls go on to the model's other deployment
+    and its circuit opens; every task is answered. On the default endpoint, which serves
+    other models too, the same 404 is the task's dead letter (bad_request), each task
+    asked once: the endpoint's breaker is not judged by one model."""
+    good = await SimulatorServer(SimConfig(latency_ms=5)).start()
+    typo = await SimulatorServer(SimConfig(latency_ms=5, models_only=True)).start()
+    path = write(tmp_path, [
+        {"name": "good", "model": "sim-1", "base_url": good.base_url},
+        {"name": "typo", "model": "sim-1", "base_url": typo.base_url, "provider_model": "sim-l"},
+    ])  # fmt: skip
+    tuning = {"backoff_base_s": 0.01, "backoff_max_s": 0.05}
+    breaker = {"breaker_min_calls": 3, "breaker_open_s": 60.0}
+    deployed = load_settings(llm={"base_url": "http://127.0.0.1:1/v1", "model": "sim-1",
+                                  "deployments_file": path, **tuning}, resilience=breaker)  # fmt: skip
+    alone = load_settings(llm={"base_url": typo.base_url, "model": "sim-2", **tuning},
+                          resilience=breaker)  # fmt: skip
+
+    def tasks(first: int, n: int) -> list[dict[str, Any]]:
+        return [{"task_id": f"t-{i}", "pipeline": "comment-analysis",
+                 "input": {"text": f"Comment number {i}: works fine."}}
+                for i in range(first, first + n)]  # fmt: skip
+
+    try:
+        async with Analyzer(deployed) as analyzer:
+            outcomes: list[Outcome] = []
+            for wave in range(4):
+                outcomes += await asyncio.gather(
+                    *(analyzer.analyze(t) for t in tasks(10 * wave, 10))
+                )
+            state = analyzer.metrics.breaker_state.labels("typo")._value.get()
+        refused = typo.sim.by_status[404]
+        async with Analyzer(alone) as analyzer:
+            letters = [await analyzer.analyze(t) for t in tasks(100, 6)]
+    finally:
+        for server in (good, typo):
+            await server.stop()
+    assert [o.kind for o in outcomes] == ["result"] * 40  # none dead-lettered by the 404s
+    assert 1 <= refused <= 10 and state == 2  # the deployment tried, then left: open
+    assert good.sim.by_status[200] == 40
+    assert typo.sim.by_status[200] == 0
+    errors = [letter.record()["error"] for letter in letters]
+    assert [(e["category"], e["code"]) for e in errors] == [("bad_request", "model_not_found")] * 6
+    assert typo.sim.by_status[404] - refused == 6  # one call a task, no circuit between
+
+
 def test_the_shipped_example_is_a_valid_deployments_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
