@@ -34,6 +34,7 @@ import logging
 import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from streams.contract.lanes import Lane
 from streams.observability.metrics import Metrics
@@ -42,6 +43,7 @@ from streams.resilience.clock import Clock, WallClock
 from streams.resilience.limiter import GroupShare
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 WINDOWS = {"hour": 3600.0, "day": 86400.0}  # clock hours and UTC days since the epoch
 ALL = "all"  # the scope of a pipeline's caps over every lane
@@ -82,6 +84,29 @@ class SpendMark:
     @property
     def key(self) -> str:
         return f"{self.pipeline}/{self.scope}/{self.window}/{self.partition}"
+
+    @classmethod
+    def read(cls, saved: Any) -> SpendMark:
+        """A mark as saved (its fields as a JSON object): the fields this version knows,
+        each of its type — one a newer version added is ignored, not a reason to lose the
+        spend. Raises ValueError for a record that is not one."""
+        if not isinstance(saved, dict):
+            raise ValueError(f"not an object: {type(saved).__name__}")
+        spent = saved.get("spent_usd")
+        if (isinstance(spent, bool) or not isinstance(spent, int | float)
+                or not 0 <= spent < math.inf):  # fmt: skip  # NaN is not either
+            raise ValueError(f"spent_usd is no amount: {spent!r:.100}")
+        return cls(_field(saved, "pipeline", str), _field(saved, "scope", str),
+                   _field(saved, "window", str), _field(saved, "partition", int),
+                   _field(saved, "index", int), float(spent))  # fmt: skip
+
+
+def _field(saved: dict[str, Any], name: str, kind: type[_T]) -> _T:
+    """A saved record's field of type `kind` (a bool is no int); ValueError otherwise."""
+    value = saved.get(name)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"{name} is no {kind.__name__}: {value!r:.100}")
+    return value
 
 
 class Hold:

@@ -60,8 +60,8 @@ def _spend(latest: dict[bytes, dict[str, Any]]) -> list[SpendMark]:
     marks = []
     for value in latest.values():
         try:
-            marks.append(SpendMark(**value))
-        except TypeError as exc:
+            marks.append(SpendMark.read(value))
+        except ValueError as exc:
             log.warning("skipping an unreadable spend record: %s", exc)
     return marks
 

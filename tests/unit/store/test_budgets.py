@@ -144,3 +144,26 @@ async def test_a_sync_reads_the_caps_and_the_spend_in_one_read() -> None:
     assert budgets.overrides == {"p": BudgetSpec(usd_per_day=5.0)}
     await spend(budgets, 0.25, partition=2)  # opens the day's account, seeded from the mark
     assert budgets.spent("p", "all", "day") == pytest.approx(1.75)
+
+
+async def test_a_spend_record_a_newer_version_wrote_is_read_and_a_bad_one_skipped() -> None:
+    """A field a newer worker added to its saved spend is ignored, not a reason to drop
+    the spend (during a rolling upgrade a partition's next owner would start its window
+    from 0 and pass the cap); a record with a field of the wrong type is skipped."""
+    settings = load_settings()
+    day = int(START // 86400)
+    mark = {"pipeline": "p", "scope": "all", "window": "day", "index": day, "spent_usd": 1.5}
+    follower = Stored({
+        kafka_budgets.budgets_topic(settings): {b"p": {"budget": {"usd_per_day": 5.0}}},
+        kafka_budgets.budget_spend_topic(settings): {
+            b"p/all/day/2": {**mark, "partition": 2, "tier": "flex", "currency": "USD"},
+            b"p/all/day/3": {**mark, "partition": 3, "spent_usd": "lots"},
+            b"p/all/day/4": {**mark, "partition": "four"},
+            b"p/all/day/5": [1, 2, 3],
+        },
+    })  # fmt: skip
+    budgets = Budgets(FakeClock(START))
+    await kafka_budgets.BudgetSync(settings, budgets, follower).sync()  # type: ignore[arg-type]
+    for partition in (2, 3):
+        await spend(budgets, 0.25, partition=partition)
+    assert budgets.spent("p", "all", "day") == pytest.approx(1.5 + 0.25 + 0.25)
