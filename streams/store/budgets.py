@@ -26,7 +26,7 @@ from streams.core.budget import Budgets, SpendMark
 from streams.kafka import clients
 from streams.kafka.scan import Follower, latest_of, latest_of_each
 from streams.kafka.topics import budget_spend_topic, budgets_topic, ensure_topics
-from streams.pipelines.specs import BudgetSpec
+from streams.pipelines.specs import BudgetSpec, Caps
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -50,10 +50,25 @@ def _caps(latest: dict[bytes, dict[str, Any]]) -> dict[str, tuple[BudgetSpec, di
     out: dict[str, tuple[BudgetSpec, dict[str, Any]]] = {}
     for key, value in latest.items():
         try:
-            out[key.decode()] = (BudgetSpec.model_validate(value["budget"]), value)
+            out[key.decode()] = (_stored_caps(value["budget"]), value)
         except (KeyError, TypeError, ValueError, ValidationError) as exc:
             log.warning("skipping the unreadable spend caps of %r: %s", key, exc)
     return out
+
+
+def _stored_caps(value: Any) -> BudgetSpec:
+    """Caps as `llm-streams budget` stored them, checked as a pipeline file's — but a
+    field a newer version added is left out, not a reason to drop the caps this version
+    knows (during a rolling upgrade the older workers would spend without them)."""
+    if isinstance(value, dict):
+        value = {name: _known(field, Caps) if name in ("live", "replay") else field
+                 for name, field in value.items() if name in BudgetSpec.model_fields}  # fmt: skip
+    return BudgetSpec.model_validate(value)
+
+
+def _known(value: Any, model: type[Caps]) -> Any:
+    return {k: v for k, v in value.items() if k in model.model_fields} if isinstance(
+        value, dict) else value  # fmt: skip
 
 
 def _spend(latest: dict[bytes, dict[str, Any]]) -> list[SpendMark]:

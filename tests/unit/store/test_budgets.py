@@ -12,7 +12,7 @@ from aiokafka.errors import KafkaConnectionError
 
 from streams.contract.lanes import Lane
 from streams.core.budget import Budgets
-from streams.pipelines.specs import BudgetSpec
+from streams.pipelines.specs import BudgetSpec, Caps
 from streams.resilience.clock import FakeClock
 from streams.settings import load_settings
 from streams.store import budgets as kafka_budgets
@@ -167,3 +167,21 @@ async def test_a_spend_record_a_newer_version_wrote_is_read_and_a_bad_one_skippe
     for partition in (2, 3):
         await spend(budgets, 0.25, partition=partition)
     assert budgets.spent("p", "all", "day") == pytest.approx(1.5 + 0.25 + 0.25)
+
+
+async def test_caps_a_newer_version_stored_keep_what_this_one_knows() -> None:
+    """Caps `llm-streams budget` of a newer version stored with a field this version does
+    not know: the caps it knows hold (before, the record was skipped whole and the older
+    workers spent without them); a record with a cap of the wrong type is still skipped."""
+    settings = load_settings()
+    follower = Stored({
+        kafka_budgets.budgets_topic(settings): {
+            b"p": {"budget": {"usd_per_day": 5.0, "usd_per_month": 90.0,
+                              "live": {"usd_per_hour": 1.0, "burst_usd": 2.0}}},
+            b"q": {"budget": {"usd_per_day": "a lot"}},
+        },
+        kafka_budgets.budget_spend_topic(settings): {},
+    })  # fmt: skip
+    budgets = Budgets(FakeClock(START))
+    await kafka_budgets.BudgetSync(settings, budgets, follower).sync()  # type: ignore[arg-type]
+    assert budgets.overrides == {"p": BudgetSpec(usd_per_day=5.0, live=Caps(usd_per_hour=1.0))}
