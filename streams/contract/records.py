@@ -368,12 +368,24 @@ def record_json(raw: bytes) -> Any:
     An integer beyond 64 bits is refused as orjson refuses a number beyond a double: orjson
     reads it as a float, so an id of 20+ digits changed its value silently (in the prompt,
     the result key, an enriched sink record) and two such ids could read as one."""
-    body = raw[3:] if raw.startswith(BOM) else raw
+    return exact_json(raw[3:] if raw.startswith(BOM) else raw, "send it as a string")
+
+
+class InexactJSON(orjson.JSONDecodeError):
+    """JSON with an integer orjson would read as a double (`exact_json`)."""
+
+
+def exact_json(body: bytes | str, hint: str) -> Any:
+    """`body` read as JSON by orjson, or orjson.JSONDecodeError — when it is none, and
+    when it holds an integer orjson would read as a double (beyond 64 bits: its value
+    would change; `InexactJSON`); `hint` says what to do instead. Every reader of JSON whose numbers
+    must stay as written (records, answers) reads it so."""
     document = orjson.loads(body)
-    if _LONG_DIGITS in body.translate(_DIGITS) and (big := _inexact(body)) is not None:
-        raise orjson.JSONDecodeError(
+    raw = body.encode() if isinstance(body, str) else body
+    if _LONG_DIGITS in raw.translate(_DIGITS) and (big := _inexact(raw)) is not None:
+        raise InexactJSON(
             f"integer {big[:40]}{'…' if len(big) > 40 else ''} ({len(big.lstrip('-'))} digits) "
-            "is beyond 64 bits: read as a double it would change; send it as a string",
+            f"is beyond 64 bits: read as a double it would change; {hint}",
             "", 0,
         )  # fmt: skip
     return document

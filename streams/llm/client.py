@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from streams.contract.records import InexactJSON, exact_json
 from streams.errors import (
     AuthError,
     BadRequest,
@@ -360,18 +361,25 @@ def without_reasoning(content: str) -> str:
     return content if end < 0 else content[end + len(_THINK_END) :].lstrip()
 
 
+# What an answer with an integer beyond 64 bits is told (`exact_json`).
+_BIG_INTEGER_HINT = "answer it as a string"
+
+
 def json_answer(content: str) -> Any:
     """An answer's JSON: the text as it is, or — when that is no JSON — without reasoning
     before it and a Markdown fence around it. Raises the first `orjson.JSONDecodeError`
-    when neither is JSON."""
+    when neither is JSON, and when it holds an integer beyond 64 bits (`exact_json`: read
+    as a double, a 20-digit id would change in the result)."""
     try:
-        return orjson.loads(content)
+        return exact_json(content, _BIG_INTEGER_HINT)
     except orjson.JSONDecodeError as exc:
         inner = unfenced(without_reasoning(content))
         if inner is content:
             raise
         try:
-            return orjson.loads(inner)
+            return exact_json(inner, _BIG_INTEGER_HINT)
+        except InexactJSON:
+            raise  # JSON inside, but not as it was written
         except orjson.JSONDecodeError:
             raise exc from None
 

@@ -171,3 +171,23 @@ def test_an_answer_in_a_code_fence_is_read_as_the_json_inside(pipeline: Pipeline
     with pytest.raises(InvalidOutput) as info:
         parse_output(_resp("```json\n{oops\n```"), pipeline, {"text": "x"})
     assert info.value.code == "not_json"
+
+
+def test_an_answer_with_an_integer_beyond_64_bits_is_invalid_not_changed() -> None:
+    """An answer whose integer orjson would read as a double (an order id of 20 digits)
+    is invalid output — asked again — instead of a result carrying another number; the
+    same digits in a string, the edges that fit, and the same in a fenced answer are
+    read as they are."""
+    pipeline = _pipeline_with({"type": "object", "required": ["order"],
+                               "properties": {"order": {}}})  # fmt: skip
+    for big in ("18446744073709551616", "-9223372036854775809", "123456789012345678901234"):
+        for content in (f'{{"order": {big}}}', f'```json\n{{"order": {big}}}\n```'):
+            with pytest.raises(InvalidOutput) as info:
+                parse_output(_resp(content), pipeline, {"text": "x"})
+            assert info.value.code == "not_json" and "beyond 64 bits" in info.value.message
+    for fits in (18446744073709551615, -9223372036854775808, "18446744073709551616"):
+        content = orjson.dumps({"order": fits}).decode()
+        assert parse_output(_resp(content), pipeline, {"text": "x"}) == {"order": fits}
+        assert parse_output(_resp(f"```json\n{content}\n```"), pipeline, {"text": "x"}) == {
+            "order": fits
+        }
