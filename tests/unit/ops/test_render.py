@@ -48,3 +48,44 @@ def test_clip() -> None:
     assert clip("one two three four", 12) == "one two …"
     assert clip("x" * 50, 10) == "x" * 9 + "…"  # one word longer than the line
     assert clip("line\nbreaks\tand  tabs", 40) == "line breaks and tabs"
+
+
+def _result(output: object, **more: object) -> bytes:
+    return orjson.dumps({"task_id": "t-9", "result_key": "k", "output": output,
+                         "latency_ms": 312.4, **more})  # fmt: skip
+
+
+def test_any_pipelines_result_and_any_record_make_a_line_without_raising() -> None:
+    """`tail` of a user's own pipeline: its outputs have other fields (or the shipped
+    ones with other types), and a record or key may hold anything; each still makes a
+    line (before, a non-number confidence, a null language or an issue that is not an
+    object raised, and `tail` stopped)."""
+    odd = [
+        _result({"label": "spam", "score": 3}),
+        _result({"sentiment": "negative", "confidence": "high", "language": None}),
+        _result({"sentiment": "x", "topics": [1, None], "issues": ["late", 2]}),
+        _result({"sentiment": "positive"}, latency_ms=None, task_id=None),
+        _result(["not", "an", "object"]),
+        orjson.dumps({"task_id": "t-1", "failed_at": "x", "error": "not an object"}),
+        orjson.dumps([1, 2, 3]),
+        b"\xff\xfe not json",
+    ]
+    for value in odd:
+        for key in (b"t-9", b"[/bold] [/]", None, b"\xff"):
+            line = _shown(describe("llm-results", key, value))
+            assert line  # printed, whatever it holds
+    line = _shown(describe("llm-results", b"t-9", odd[0]))
+    assert "t-9" in line and '"label":"spam"' in line and "312ms" in line
+    line = _shown(describe("llm-results", b"t-9", odd[1]))
+    assert "negative" in line and "high" not in line  # the shipped shape, its numbers read
+    assert "[/]" in _shown(describe("llm-results", b"[/]", b"\xff"))
+
+
+def test_a_comment_analysis_result_keeps_its_line() -> None:
+    output = {"sentiment": "negative", "confidence": 0.91, "topics": ["delivery", "price"],
+              "issues": [{"category": "delivery", "evidence": "came late"}], "language": "en",
+              "summary": "late"}  # fmt: skip
+    line = _shown(describe("llm-results", b"t-9", _result(output)))
+    assert line.startswith("t-9")
+    for part in ("negative", "en", "0.91", "delivery,price", "312ms", 'delivery: "came late"'):
+        assert part in line
