@@ -12,6 +12,7 @@ import orjson
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+from streams.contract.records import record_json
 from streams.errors import InvalidInput
 from streams.kafka import clients
 from streams.kafka.publisher import TaskPublisher
@@ -21,8 +22,10 @@ from streams.settings import Settings
 
 
 def as_task(line: bytes, pipeline: str) -> dict[str, Any]:
-    """A task dict from a JSON line that is either a task or its bare `input`."""
-    data = orjson.loads(line)
+    """A task dict from a JSON line that is either a task or its bare `input`, read as
+    the worker reads a record (`record_json`: past a byte order mark; an integer beyond
+    64 bits refused, not published as another number)."""
+    data = record_json(line)
     if not isinstance(data, dict):
         raise InvalidInput("line is not a JSON object")
     if "input" not in data:
