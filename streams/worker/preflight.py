@@ -136,6 +136,14 @@ async def _deployments(
             transient=lambda exc: isinstance(exc, EndpointAway),
             within_s=llm.startup_wait_s, first_s=1.0, max_s=15.0,
         )  # fmt: skip
+        for d in deployments:  # a deployment's calls for a model it lacks go to others
+            listed = found.get(d.name, [])
+            if len(listed) > 1 and d.provider_model not in listed:
+                log.warning("deployment %s (%s) lists no model %r (it lists %s): its calls "
+                            "would be refused, and left to the model's other deployments; "
+                            "check its model or provider_model in %s", d.name,
+                            clients[d.name].endpoint, d.provider_model, ", ".join(listed[:8]),
+                            file)  # fmt: skip
         first = next((d for d in served if d.name in found), None)
         facts = await clients[first.name].describe(first.provider_model) if first else None
     except EndpointAway as exc:

@@ -116,6 +116,15 @@ async def test_deployments_of_the_default_model_stand_in_for_the_endpoint(
             seen.endpoint.startswith("deployments up http://127.0.0.1") and "sim-1" in seen.models
         )
         assert "deployment away" in caplog.text and "its breaker" in caplog.text
+        assert "lists no model" not in caplog.text
+        path.write_text(yaml.safe_dump({"deployments": [
+            {"name": "up", "model": "sim-1", "base_url": up.base_url,
+             "api_key_file": str(tmp_path / "up.key")},
+            {"name": "typo", "model": "sim-1", "base_url": up.base_url, "provider_model": "sim-l",
+             "api_key_file": str(tmp_path / "up.key")},
+        ]}))  # fmt: skip
+        await llm_preflight(load_settings(llm={"model": "sim-1", "deployments_file": path}))
+        assert "deployment typo" in caplog.text and "lists no model 'sim-l'" in caplog.text
         (tmp_path / "wrong.key").write_text("nope")
         with pytest.raises(ConfigError, match=r"deployment up .*refused the key.*DEPLOYMENTS_FILE"):
             await llm_preflight(declare(str(tmp_path / "wrong.key")))
