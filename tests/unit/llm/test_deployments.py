@@ -31,6 +31,13 @@ from tests.fakes import FakeLLM
 ROOT = Path(__file__).resolve().parents[3]
 
 
+def tasks(first: int, n: int) -> list[dict[str, Any]]:
+    """`n` comment-analysis tasks, numbered from `first`."""
+    return [{"task_id": f"t-{i}", "pipeline": "comment-analysis",
+             "input": {"text": f"Comment number {i}: works fine."}}
+            for i in range(first, first + n)]  # fmt: skip
+
+
 def write(tmp_path: Path, deployments: list[dict[str, Any]]) -> Path:
     path = tmp_path / "deployments.yaml"
     path.write_text(yaml.safe_dump({"deployments": deployments}))
@@ -174,11 +181,6 @@ async def test_calls_spread_over_deployments_move_off_a_failing_one_and_cost_its
         resilience={"breaker_min_calls": 3, "breaker_open_s": 1.0},
     )  # fmt: skip
 
-    def tasks(first: int, n: int) -> list[dict[str, Any]]:
-        return [{"task_id": f"t-{i}", "pipeline": "comment-analysis",
-                 "input": {"text": f"Comment number {i}: works fine."}}
-                for i in range(first, first + n)]  # fmt: skip
-
     try:
         async with Analyzer(settings) as analyzer:
             metrics = analyzer.metrics
@@ -255,11 +257,6 @@ async def test_a_deployment_that_does_not_serve_its_model_is_left_for_the_others
                                   "deployments_file": path, **tuning}, resilience=breaker)  # fmt: skip
     alone = load_settings(llm={"base_url": typo.base_url, "model": "sim-2", **tuning},
                           resilience=breaker)  # fmt: skip
-
-    def tasks(first: int, n: int) -> list[dict[str, Any]]:
-        return [{"task_id": f"t-{i}", "pipeline": "comment-analysis",
-                 "input": {"text": f"Comment number {i}: works fine."}}
-                for i in range(first, first + n)]  # fmt: skip
 
     try:
         async with Analyzer(deployed) as analyzer:
