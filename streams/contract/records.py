@@ -378,8 +378,8 @@ class InexactJSON(orjson.JSONDecodeError):
 def exact_json(body: bytes | str, hint: str) -> Any:
     """`body` read as JSON by orjson, or orjson.JSONDecodeError — when it is none, and
     when it holds an integer orjson would read as a double (beyond 64 bits: its value
-    would change; `InexactJSON`); `hint` says what to do instead. Every reader of JSON whose numbers
-    must stay as written (records, answers) reads it so."""
+    would change; `InexactJSON`); `hint` says what to do instead. Every reader of JSON
+    whose numbers must stay as written (records, answers) reads it so."""
     document = orjson.loads(body)
     raw = body.encode() if isinstance(body, str) else body
     if _LONG_DIGITS in raw.translate(_DIGITS) and (big := _inexact(raw)) is not None:
