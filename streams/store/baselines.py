@@ -29,8 +29,8 @@ async def load_baselines(
         try:
             key = (str(value["pipeline"]), str(value["version"]))
             out[key] = Profile.from_json(value["profile"])
-        except (KeyError, TypeError, ValueError) as exc:
-            log.warning("skipping an unreadable drift baseline: %r", exc)
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            log.warning("skipping an unreadable drift baseline: %r", exc)  # not the others
     return out
 
 

@@ -37,3 +37,21 @@ async def test_a_refresh_with_the_broker_away_keeps_the_baselines_held(
     assert "Unable to bootstrap" in caplog.text
     await kafka_drift.refresh_baselines(settings, drift)  # back: an operator removed it
     assert drift.baselines == {}
+
+
+async def test_one_unreadable_baseline_is_skipped_not_the_others() -> None:
+    """A stored baseline that is no profile (a hand edit, another version's shape) is
+    skipped with a warning; the others are read (before, its AttributeError or
+    OverflowError made every refresh keep the old baselines, new ones never read)."""
+    from tests.unit.store.test_budgets import Stored
+
+    settings = load_settings()
+    good = {"pipeline": "p", "version": "v1", "profile": Profile(answers=3).to_json()}
+    follower = Stored({kafka_drift.drift_baselines_topic(settings): {
+        b"p/v1": good,
+        b"p/v2": {"pipeline": "p", "version": "v2", "profile": ["not", "a", "profile"]},
+        b"p/v3": {"pipeline": "p", "version": "v3", "profile": {"answers": float("inf")}},
+        b"p/v4": {"pipeline": "p", "version": "v4", "profile": {"counts": {"label": [1]}}},
+    }})  # fmt: skip
+    found = await kafka_drift.load_baselines(settings, follower)  # type: ignore[arg-type]
+    assert list(found) == [("p", "v1")] and found[("p", "v1")].answers == 3
