@@ -217,7 +217,7 @@ def replay(
     offsets: dict[int, int] = {}
     for spec in from_offsets:
         p, _, o = spec.partition(":")
-        if not (p.isdigit() and o.isdigit()):
+        if not (f"{p}{o}".isascii() and p.isdigit() and o.isdigit()):
             click.echo(f"--from-offset: expected PARTITION:OFFSET, got {spec!r}", err=True)
             sys.exit(2)
         offsets[int(p)] = int(o)

@@ -153,7 +153,12 @@ def _schema_at(schema: dict[str, Any], pointer: str, name: str) -> dict[str, Any
     for part in pointer.lstrip("/").split("/"):
         if isinstance(node, dict) and part in (node.get("properties") or {}):
             node = node["properties"][part]
-        elif isinstance(node, dict) and part.isdigit() and isinstance(node.get("items"), dict):
+        elif (
+            isinstance(node, dict)
+            and part.isascii()
+            and part.isdigit()
+            and isinstance(node.get("items"), dict)
+        ):
             node = node["items"]
         else:
             raise ConfigError(f"sink.fields.{name}: the answer's schema has nothing at {pointer}")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -127,17 +128,23 @@ class Erase:
 
 
 def pointer_get(document: Any, pointer: str) -> Any:
-    """RFC 6901: the value at `pointer`; KeyError when there is none."""
+    """RFC 6901: the value at `pointer`; KeyError when there is none. An array's index is
+    ASCII digits only ("²" is a digit to `str.isdigit`, not to `int`)."""
     node = document
     for raw in pointer.split("/")[1:]:
         token = raw.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and token in node:
             node = node[token]
-        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+        elif isinstance(node, list) and _index(token) < len(node):
             node = node[int(token)]
         else:
             raise KeyError(pointer)
     return node
+
+
+def _index(token: str) -> int:
+    """An array index of a pointer; past any array's end when `token` is none."""
+    return int(token) if token.isascii() and token.isdigit() else sys.maxsize
 
 
 def source_document(value: bytes) -> Any:

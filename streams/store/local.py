@@ -281,7 +281,7 @@ class LocalStore:
         found: list[int] = []
         for path in self.base.glob("partition-*"):
             number = path.name.removeprefix("partition-")
-            if not number.isdigit() or int(number) in owned:
+            if not (number.isascii() and number.isdigit()) or int(number) in owned:
                 continue
             used = path / "last-used"
             since = used.stat().st_mtime if used.exists() else 0.0

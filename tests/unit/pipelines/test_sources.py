@@ -13,7 +13,7 @@ import pytest
 from streams.errors import ConfigError, InvalidInput
 from streams.pipelines.registry import PipelineRegistry
 from streams.pipelines.sinks import SinkSpec
-from streams.pipelines.sources import Erase, Skipped, SourceMapper, SourceSpec
+from streams.pipelines.sources import Erase, Skipped, SourceMapper, SourceSpec, pointer_get
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -153,6 +153,16 @@ def test_task_ids_from_a_pointer_or_a_hash_of_fields() -> None:
     other = hashed.task(b'{"shop": "s", "n": 2, "t": "x"}', None)
     assert one["task_id"] == again["task_id"] != other["task_id"]  # type: ignore[index]
     assert one["task_id"].startswith("p-")  # type: ignore[index]
+
+
+def test_an_index_that_is_not_ascii_digits_points_at_nothing() -> None:
+    # "²".isdigit() is true but int("²") fails: a ValueError past the mapper's handler.
+    mapper = SourceMapper("p", SourceSpec(topics=["t"], task_id="/id",
+                                          slots={"text": "/texts/²"}))  # fmt: skip
+    with pytest.raises(InvalidInput, match="nothing at /texts/²") as caught:
+        mapper.task(b'{"id": 1, "texts": ["a", "b", "c"]}', None)
+    assert caught.value.code == "source_pointer"
+    assert pointer_get({"a": ["x", "y"]}, "/a/1") == "y"
 
 
 def test_slots_from_jinja_see_key_headers_and_timestamp() -> None:

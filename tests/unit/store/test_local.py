@@ -157,6 +157,7 @@ def test_partitions_not_owned_for_long_are_stale(tmp_path: Path) -> None:
     os.utime(store.path(1) / "last-used", (old, old))
     os.utime(store.path(2) / "last-used", (old, old))
     (tmp_path / "partition-x").mkdir()  # not ours: left alone
+    (tmp_path / "partition-²").mkdir()  # a digit to isdigit, not to int: left alone too
     assert store.stale(owned={2}, idle_s=600) == [1]
     store.destroy(1)
     assert not store.path(1).exists() and store.path(0).exists()
