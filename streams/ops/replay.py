@@ -265,12 +265,33 @@ async def read_erased(settings: Settings, start: dict[int, int] | None) -> dict[
 
 
 async def load_checkpoint(settings: Settings, replay_id: str) -> Checkpoint | None:
-    latest: bytes | None = None
+    """The replay's latest readable checkpoint. One that cannot be read (cut short, or
+    written by a version whose fields this one does not know) gives way to the one before
+    it: resuming from earlier sends again only what the worker then skips as answered. When
+    the topic (compacted) holds none readable, a ConfigError says so instead of a run that
+    would start over with its spend counted from zero."""
+    latest: Checkpoint | None = None
+    unreadable: str | None = None
     async for records in scan(settings, replays_topic(settings)):
         for r in records:
-            if r.key == replay_id.encode() and r.value is not None:
-                latest = r.value
-    return Checkpoint.loads(latest) if latest is not None else None
+            if r.key != replay_id.encode():
+                continue
+            if r.value is None:  # deleted: the next run starts over
+                latest, unreadable = None, None
+                continue
+            try:
+                latest, unreadable = Checkpoint.loads(r.value), None
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.warning("replay %s: checkpoint at offset %d unreadable (%r); the one "
+                            "before it is used", replay_id, r.offset, exc)  # fmt: skip
+                unreadable = f"offset {r.offset}: {exc!r}"
+    if latest is None and unreadable is not None:
+        raise ConfigError(
+            f"replay {replay_id}: its only checkpoint in {replays_topic(settings)} cannot be "
+            f"read ({unreadable}). Resume it with the version that wrote it, or delete it "
+            f"(a null value under key {replay_id}) to start over"
+        )
+    return latest
 
 
 Progress = Callable[[Checkpoint], None]

@@ -11,7 +11,7 @@ import pytest
 from aiokafka.structs import ConsumerRecord
 
 from streams.contract.records import result_key
-from streams.errors import InvalidInput
+from streams.errors import ConfigError, InvalidInput
 from streams.ops.replay import (
     FORCE_HEADER,
     REPLAY_ID_HEADER,
@@ -170,3 +170,48 @@ def test_a_checkpoint_a_newer_version_wrote_is_read_without_its_new_counts() -> 
     raw["something_new"] = True
     back = Checkpoint.loads(orjson.dumps(raw))
     assert back.replay_id == "rp-x" and back.counts.published == 0
+
+
+def stored(*values: bytes | None) -> list[ConsumerRecord[bytes, bytes]]:
+    """Checkpoint records of replay rp-x in the order they were written."""
+    return [ConsumerRecord(topic="llm-streams-replays", partition=0, offset=n, timestamp=0,
+                           timestamp_type=0, key=b"rp-x", value=v, checksum=None,
+                           serialized_key_size=4, serialized_value_size=0, headers=())
+            for n, v in enumerate(values)]  # fmt: skip
+
+
+def loaded(monkeypatch: pytest.MonkeyPatch, records: list[Any]) -> Checkpoint | None:
+    import asyncio
+
+    import streams.ops.replay as replay
+
+    async def scan(*_: Any, **__: Any) -> Any:
+        yield records
+
+    monkeypatch.setattr(replay, "scan", scan)
+    return asyncio.run(replay.load_checkpoint(load_settings(), "rp-x"))
+
+
+def test_an_unreadable_checkpoint_gives_way_to_the_one_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first = checkpoint()
+    later = checkpoint()
+    later.next = {0: 6, 1: 5}
+    cut = later.dumps()[:20]
+    no_counts = orjson.dumps({k: v for k, v in orjson.loads(later.dumps()).items()
+                              if k != "counts"})  # fmt: skip
+    odd_offsets = later.dumps().replace(b'"next":{"0":6', b'"next":{"0":"six"')
+    for bad in (cut, no_counts, odd_offsets, b'"a string"'):
+        back = loaded(monkeypatch, stored(first.dumps(), bad))
+        assert back is not None and back.next == {0: 0, 1: 5}
+    back = loaded(monkeypatch, stored(first.dumps(), cut, later.dumps()))
+    assert back is not None and back.next == {0: 6, 1: 5}
+    assert loaded(monkeypatch, stored(first.dumps(), None)) is None  # deleted: start over
+
+
+def test_a_replay_whose_only_checkpoint_is_unreadable_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ConfigError, match=r"rp-x: its only checkpoint .* cannot be read"):
+        loaded(monkeypatch, stored(checkpoint().dumps()[:20]))
