@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -61,7 +62,7 @@ class ContentCache:
         self, key: str, call: Callable[[], Awaitable[tuple[Any, tuple[dict[str, Any], str] | None]]]
     ) -> tuple[Any, bool]:
         """`call()` once per key at a time. Returns (what call returned, False) for the
-        caller that made the call, or (the cached answer, True) for those that waited.
+        caller that made the call, or (a copy of the answer, True) for those that waited.
         When the call gives no answer (a dead letter), a waiter makes its own call."""
         while True:
             hit = self.get(key)
@@ -71,8 +72,8 @@ class ContentCache:
             if running is None:
                 break
             waited = await asyncio.shield(running)
-            if waited is not None:
-                return waited, True
+            if waited is not None:  # a copy of its own, as a hit's (not the caller's dict)
+                return self.get(key) or (copy.deepcopy(waited[0]), waited[1]), True
         future: asyncio.Future[tuple[dict[str, Any], str] | None] = (
             asyncio.get_running_loop().create_future()
         )

@@ -31,6 +31,29 @@ async def test_identical_inputs_share_one_call() -> None:
     assert calls == 1
 
 
+async def test_tasks_that_waited_get_answers_of_their_own() -> None:
+    cache = ContentCache()
+    answer: dict[str, Any] = {"aspects": [{"name": "zip"}]}
+    release = asyncio.Event()
+
+    async def call() -> tuple[Any, tuple[dict[str, Any], str] | None]:
+        await release.wait()
+        return answer, (answer, "m")
+
+    for size in (cache.max_bytes, 1):  # the answer kept, then too large to keep
+        cache.max_bytes = size
+        cache.forget("ck1-c")
+        tasks = [asyncio.create_task(cache.shared("ck1-c", call)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        release.set()
+        (_, shared_by_caller), *waiters = await asyncio.gather(*tasks)
+        release.clear()
+        outputs = [output for (output, _), shared in waiters]
+        assert outputs == [answer, answer] and not shared_by_caller
+        assert outputs[0] is not answer and outputs[1] is not answer
+        assert outputs[0]["aspects"] is not outputs[1]["aspects"]
+
+
 async def test_a_failed_call_lets_waiters_call_themselves() -> None:
     cache = ContentCache()
     calls = 0
