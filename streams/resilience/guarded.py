@@ -58,11 +58,14 @@ OVERLOAD_CODES = frozenset({"http_503", "http_529", "overloaded_error", "server_
 
 @dataclass
 class _Call:
-    """What one attempt said: of the endpoint's health (`verdict`; None: nothing), and of
-    its capacity (`served`; None: nothing)."""
+    """What one attempt said: of the endpoint's health (`verdict`; None: nothing), of its
+    capacity (`served`; None: nothing), and whether the endpoint serves the model
+    (`model_served`; None: nothing)."""
 
     verdict: bool | None = None
     served: Served | None = None
+    model_served: bool | None = None
+    model_admitted: bool = False  # by the model's breaker (made before the call began)
 
 
 def _bytes(messages: list[dict[str, str]]) -> int:
@@ -85,7 +88,10 @@ class GuardedClient:
         read_timeout_s: float | None = None,
         deployment: str = DEFAULT,
         provider_model: str | None = None,
+        make_breaker: Callable[[str], CircuitBreaker] | None = None,
     ) -> None:
+        """`make_breaker`: makes the model's own breaker on the endpoint (by its name) the
+        first time the endpoint says it does not serve the model (`_not_served`)."""
         self.client = client
         self.deployment = deployment  # its name (`llm.deployments`), on every answer
         self.provider_model = provider_model  # the model name its provider knows
@@ -101,6 +107,10 @@ class GuardedClient:
         self._describing: asyncio.Task[EndpointFacts] | None = None
         self.limiter = limiter
         self.breaker = breaker
+        self.make_breaker = make_breaker
+        # Whether the endpoint serves this client's model, judged apart from its health:
+        # made at the first 404 saying it does not (None until then: nothing to judge).
+        self.model_breaker: CircuitBreaker | None = None
         self.clock = clock or MonotonicClock()
         self.count_prompt = count_prompt
         self.metrics = metrics or Metrics()  # none given: one nobody scrapes
@@ -164,8 +174,15 @@ class GuardedClient:
         settled on every way out, cancellation included: a call cancelled by shutdown, a
         rebalance or its task's deadline gives its probe slot and its turn back instead
         of holding them for ever."""
-        admission = await self._admit(deadline_at, wait_for_circuit)
-        call = _Call()
+        serves = self.model_breaker
+        served = await self._admit(serves, deadline_at, wait_for_circuit) if serves else None
+        try:
+            admission = await self._admit(self.breaker, deadline_at, wait_for_circuit)
+        except BaseException:
+            if serves is not None and served is not None:
+                serves.settle(served, None)
+            raise
+        call = _Call(model_admitted=served is not None)
         try:
             if deadline_at is not None and deadline_at - self.clock.now() <= DEADLINE_MARGIN_S:
                 raise DeadlineExceeded(  # no call, no verdict, no capacity taken
@@ -190,6 +207,8 @@ class GuardedClient:
                 self.concurrency.release(call.served)
         finally:
             self.breaker.settle(admission, call.verdict)
+            if serves is not None and served is not None:
+                serves.settle(served, call.model_served)
 
     async def _attempt(
         self,
@@ -243,7 +262,7 @@ class GuardedClient:
             raise
         took = self.clock.now() - started
         response = self._with_usage(request, response)
-        call.verdict = True
+        call.verdict = call.model_served = True
         call.served = Served(took, response.prompt_tokens, response.completion_tokens,
                              response.server_s)  # fmt: skip
         self._learn(request, response, permit, estimate)
@@ -271,7 +290,10 @@ class GuardedClient:
             call.verdict = not exc.key_refused
             if exc.key_refused:
                 self.breaker.settle(admission, False)
-        elif isinstance(exc, NotServed) and self.deployment != DEFAULT:
+        elif isinstance(exc, NotServed) and self.deployment == DEFAULT:
+            call.verdict = True  # the endpoint answers: it is one model that it does not serve
+            return self._not_served(exc, request, lane, permit, started, call)
+        elif isinstance(exc, NotServed):
             # A deployment is declared to serve its model: one that says it does not is
             # failing (as LiteLLM cools such a deployment down), and the call goes on to
             # another of the model's deployments — or waits for this one's circuit.
@@ -288,6 +310,41 @@ class GuardedClient:
             call.verdict = True
         self._count(request.model, lane, permit.waited_s, started, exc)
         return None
+
+    def _not_served(
+        self,
+        exc: NotServed,
+        request: LLMRequest,
+        lane: Lane,
+        permit: Permit,
+        started: float,
+        call: _Call,
+    ) -> StreamsError | None:
+        """The endpoint says it does not serve the model (a model not pulled into Ollama
+        yet, a name vLLM does not know): as a deployment that says so, it is judged —
+        by the model's own breaker, so the endpoint's other models are not held back —
+        and the task waits for it (within its deadline, then redrivable) or goes to a
+        fallback, instead of ending as a bad request at the endpoint's full pace. LiteLLM
+        cools a deployment down on a 404 alike. Without `make_breaker`: the refusal."""
+        if self.make_breaker is None:
+            self._count(request.model, lane, permit.waited_s, started, exc)
+            return None
+        serves = self.model_breaker
+        if serves is None:  # the first refusal: the breaker made
+            serves = self.model_breaker = self.make_breaker(
+                f"{self.breaker.name} model {request.model}"
+            )
+        if call.model_admitted:
+            call.model_served = False  # settled as the call ends
+        else:  # begun before the breaker was made: told of it now (a closed-state call)
+            serves.settle(Admission(probe=False, round=0), False)
+        failed = UpstreamError(
+            f"{self.client.endpoint} does not serve {request.model}: {exc.message}",
+            code="model_not_served",
+        )
+        failed.endpoint_down = serves.state is State.OPEN
+        self._count(request.model, lane, permit.waited_s, started, failed)
+        return failed
 
     def _unanswered(self, request: LLMRequest, exc: Timeout | UpstreamError | None = None) -> None:
         """A call sent that got no answer — `exc`, when its code is one of `UNANSWERED`;
@@ -390,25 +447,27 @@ class GuardedClient:
             m.used(model, response.prompt_tokens, response.completion_tokens,
                    response.cached_prompt_tokens)  # fmt: skip
 
-    async def _admit(self, deadline_at: float | None, wait: bool) -> Admission:
-        """The breaker's admission for one call, waiting while the circuit is open (or
+    async def _admit(
+        self, breaker: CircuitBreaker, deadline_at: float | None, wait: bool
+    ) -> Admission:
+        """`breaker`'s admission for one call, waiting while the circuit is open (or
         every probe slot of a half-open round is taken) unless `wait` is False."""
         while True:
-            admission = self.breaker.admit()
+            admission = breaker.admit()
             if admission is not None:
                 return admission
             if not wait:
-                raise CircuitOpen(f"circuit for {self.breaker.name} is open", code="circuit_open")
-            if self.breaker.state is State.OPEN:
-                retry_at = self.breaker.retry_at()
+                raise CircuitOpen(f"circuit for {breaker.name} is open", code="circuit_open")
+            if breaker.state is State.OPEN:
+                retry_at = breaker.retry_at()
                 if deadline_at is not None and retry_at >= deadline_at:
                     raise CircuitOpen(
-                        f"circuit for {self.breaker.name} is open until after the task's deadline",
+                        f"circuit for {breaker.name} is open until after the task's deadline",
                         code="circuit_open",
                     )
                 await self.clock.sleep(max(0.01, retry_at - self.clock.now()))
             else:  # half-open, its probes out: wait for a verdict or a free slot
-                await asyncio.shield(self.breaker.changed())
+                await asyncio.shield(breaker.changed())
 
     async def close(self) -> None:
         await self.client.close()

@@ -1,9 +1,10 @@
 """One guarded client per endpoint and model: the primary and any fallbacks; and one
 per declared deployment (`llm.deployments`), with the route among a model's.
 
-Breakers are per endpoint (an outage hits every model behind it); limiters per
-endpoint and model (providers limit each model separately); HTTP clients per
-endpoint and key. A declared deployment has its own of each: its own key, limits,
+Breakers are per endpoint (an outage hits every model behind it), and per model on
+the default endpoint once it says it does not serve one (`GuardedClient._not_served`);
+limiters per endpoint and model (providers limit each model separately); HTTP clients
+per endpoint and key. A declared deployment has its own of each: its own key, limits,
 health and concurrency.
 """
 
@@ -88,12 +89,7 @@ class ClientPool:
     ) -> GuardedClient:
         """`http` guarded by the breaker and the concurrency limit of `name` (made at
         first use) and by `limiter`."""
-        breaker = self._breakers.get(name)
-        if breaker is None:
-            breaker = self._breakers[name] = self.make_breaker(name)
-            metrics = self.metrics
-            breaker.on_change = lambda n, _old, new: metrics.breaker_changed(n, new.value)
-            metrics.breaker_changed(name, breaker.state.value)
+        breaker = self._breakers.get(name) or self._breaker(name)
         # Calls at once, like the breaker, per endpoint: a server's slots serve every model.
         gate = self._concurrency.get(name)
         if gate is None:
@@ -108,7 +104,17 @@ class ClientPool:
             read_timeout_s=self.read_timeout_s,
             deployment=deployment.name if deployment is not None else DEFAULT,
             provider_model=deployment.provider_model if deployment is not None else None,
+            make_breaker=self._breaker if deployment is None else None,
         )  # fmt: skip
+
+    def _breaker(self, name: str) -> CircuitBreaker:
+        """A new breaker named `name`, its state in the metrics (and so in the status page
+        and `/readyz`) from now on."""
+        breaker = self._breakers[name] = self.make_breaker(name)
+        metrics = self.metrics
+        breaker.on_change = lambda n, _old, new: metrics.breaker_changed(n, new.value)
+        metrics.breaker_changed(name, breaker.state.value)
+        return breaker
 
     def route(self, model: str) -> Route | None:
         """The route among the deployments declared for `model` (None: none are)."""

@@ -38,6 +38,13 @@ def tasks(first: int, n: int) -> list[dict[str, Any]]:
             for i in range(first, first + n)]  # fmt: skip
 
 
+def breaker_states(analyzer: Analyzer) -> dict[str, float]:
+    """Each breaker's state as the metrics say (0 closed, 1 half-open, 2 open), by name."""
+    return {sample.labels["endpoint"]: sample.value
+            for family in analyzer.metrics.breaker_state.collect()
+            for sample in family.samples}  # fmt: skip
+
+
 def write(tmp_path: Path, deployments: list[dict[str, Any]]) -> Path:
     path = tmp_path / "deployments.yaml"
     path.write_text(yaml.safe_dump({"deployments": deployments}))
@@ -243,8 +250,9 @@ async def test_a_deployment_that_does_not_serve_its_model_is_left_for_the_others
     """A deployment answering 404 for its model (its provider_model mistyped, the model
     retired) is failing, not the task: its calls go on to the model's other deployment
     and its circuit opens; every task is answered. On the default endpoint, which serves
-    other models too, the same 404 is the task's dead letter (bad_request), each task
-    asked once: the endpoint's breaker is not judged by one model."""
+    other models too, the same 404 opens the model's own circuit: the tasks end as
+    circuit_open at their deadline (redrivable) once it has been asked a few times, not
+    each as a bad request; the endpoint's breaker is not judged by one model."""
     good = await SimulatorServer(SimConfig(latency_ms=5)).start()
     typo = await SimulatorServer(SimConfig(latency_ms=5, models_only=True)).start()
     path = write(tmp_path, [
@@ -255,8 +263,8 @@ async def test_a_deployment_that_does_not_serve_its_model_is_left_for_the_others
     breaker = {"breaker_min_calls": 3, "breaker_open_s": 60.0}
     deployed = load_settings(llm={"base_url": "http://127.0.0.1:1/v1", "model": "sim-1",
                                   "deployments_file": path, **tuning}, resilience=breaker)  # fmt: skip
-    alone = load_settings(llm={"base_url": typo.base_url, "model": "sim-2", **tuning},
-                          resilience=breaker)  # fmt: skip
+    alone = load_settings(llm={"base_url": typo.base_url, "model": "sim-2", **tuning,
+                               "task_deadline_s": 5.0}, resilience=breaker)  # fmt: skip
 
     try:
         async with Analyzer(deployed) as analyzer:
@@ -269,6 +277,7 @@ async def test_a_deployment_that_does_not_serve_its_model_is_left_for_the_others
         refused = typo.sim.by_status[404]
         async with Analyzer(alone) as analyzer:
             letters = [await analyzer.analyze(t) for t in tasks(100, 6)]
+            breakers = breaker_states(analyzer)
     finally:
         for server in (good, typo):
             await server.stop()
@@ -277,8 +286,41 @@ async def test_a_deployment_that_does_not_serve_its_model_is_left_for_the_others
     assert good.sim.by_status[200] == 40
     assert typo.sim.by_status[200] == 0
     errors = [letter.record()["error"] for letter in letters]
-    assert [(e["category"], e["code"]) for e in errors] == [("bad_request", "model_not_found")] * 6
-    assert typo.sim.by_status[404] - refused == 6  # one call a task, no circuit between
+    assert [(e["category"], e["code"]) for e in errors] == [("circuit_open", "circuit_open")] * 6
+    assert "model sim-2 is open" in errors[-1]["message"]
+    assert typo.sim.by_status[404] - refused == 3  # the breaker's few calls, then none
+    assert breakers == {f"{typo.base_url}/": 0, f"{typo.base_url}/ model sim-2": 2}
+
+
+async def test_tasks_for_a_model_the_endpoint_does_not_serve_yet_wait_for_it() -> None:
+    """A model not pulled into the local server yet (Ollama's 404): the tasks wait for
+    it within their deadlines instead of each ending as a bad request; pulled, every one
+    is answered, once, and the model's circuit closes."""
+    server = await SimulatorServer(SimConfig(latency_ms=5, models_only=True)).start()
+    settings = load_settings(
+        llm={"base_url": server.base_url, "model": "sim-2", "backoff_base_s": 0.01,
+             "backoff_max_s": 0.05, "task_deadline_s": 30.0},
+        resilience={"breaker_min_calls": 3, "breaker_open_s": 0.3, "breaker_probes": 1},
+    )  # fmt: skip
+    name = f"{server.base_url}/ model sim-2"
+    try:
+        async with Analyzer(settings) as analyzer:
+            waiting = [asyncio.ensure_future(analyzer.analyze(t)) for t in tasks(0, 8)]
+            for _ in range(1000):  # 10 s at most
+                if breaker_states(analyzer).get(name) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert breaker_states(analyzer).get(name) == 2  # the model's circuit opened
+            await asyncio.sleep(0.5)  # open, half-open, refused again: still waiting
+            assert not any(w.done() for w in waiting)
+            server.sim.config.models_only = False  # pulled
+            outcomes = await asyncio.gather(*waiting)
+            closed = breaker_states(analyzer)[name]
+    finally:
+        await server.stop()
+    assert [o.kind for o in outcomes] == ["result"] * 8
+    assert server.sim.by_status[200] == 8 and closed == 0
+    assert 3 <= server.sim.by_status[404] < 12  # a few to open it, a probe a round
 
 
 def test_the_shipped_example_is_a_valid_deployments_file(

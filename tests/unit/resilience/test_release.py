@@ -46,6 +46,41 @@ async def test_a_probe_cancelled_mid_call_gives_its_slot_back() -> None:
     assert breaker.state is State.CLOSED
 
 
+async def test_a_model_probe_cancelled_mid_call_or_before_it_gives_its_slot_back() -> None:
+    """The model's own breaker (made at a 404 saying the endpoint does not serve it):
+    its probe slot comes back whether the call is cancelled in flight or while it waits
+    for the endpoint's breaker."""
+    hanging = FakeLLM(lambda _r: None)
+    endpoint = half_open(probes=1)
+    guarded = GuardedClient(hanging, limiter=RateLimiter(rpm=1_000_000),
+                            breaker=CircuitBreaker("fake"))  # fmt: skip
+    model = guarded.model_breaker = half_open(probes=1)
+    await asyncio.sleep(0.02)
+    probe = asyncio.create_task(guarded.complete(REQ))
+    await hanging.called(1)
+    assert model.state is State.HALF_OPEN and model.probes_out() == 1
+    probe.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await probe
+    assert model.probes_out() == 0
+    guarded.breaker = endpoint  # now the endpoint's probe is out too: the next call waits
+    first = asyncio.create_task(guarded.complete(REQ))
+    await hanging.called(2)
+    assert endpoint.probes_out() == 1 and model.probes_out() == 1
+    model.probes = 2
+    second = asyncio.create_task(guarded.complete(REQ))  # the model's slot, then waits
+    await asyncio.sleep(0.05)
+    assert model.probes_out() == 2 and len(hanging.requests) == 2
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    assert model.probes_out() == 1  # given back though its call was never made
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert model.probes_out() == 0 and endpoint.probes_out() == 0
+
+
 async def test_callers_waiting_for_a_probe_slot_go_once_it_is_free() -> None:
     hanging = FakeLLM(lambda _r: None)
     breaker = half_open(probes=1)
