@@ -520,6 +520,12 @@ def json_object(value: bytes | None) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def field_number(value: Any) -> float:
+    """A stored record's number field as a reader counts it: 0 for anything else (a bool,
+    a text, null, an object — another version's shape, a hand-made record)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
 def kept(raw: bytes) -> bytes:
     """`raw` as a value to keep: bytes made by orjson.dumps hold about 4 KB of memory
     however short they are (orjson does not shrink its buffer; measured 4.2 KB for a

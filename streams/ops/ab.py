@@ -37,7 +37,7 @@ import orjson
 from ruamel.yaml import YAML
 
 from streams.contract.evaluation import Evaluation, PromotionGuard, verdict
-from streams.contract.records import json_object, now_iso
+from streams.contract.records import field_number, json_object, now_iso
 from streams.kafka import clients
 from streams.kafka.clients import partitions_of
 from streams.kafka.scan import scan
@@ -132,16 +132,22 @@ class VersionEvidence:
     agreement: dict[str, dict[str, Agreement]] = field(default_factory=dict)  # other, label
 
     def add(self, record: dict[str, Any], kind: str) -> None:
-        cost = float(record.get("cost_usd") or 0.0)
-        usage = record.get("usage") or {}
-        tokens = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
-        category = (record.get("error") or {}).get("category")
-        v = verdict(kind, category, int(record.get("rejected_answers") or 0),
+        """One task's latest outcome. Its figures read as 0 where they are not numbers
+        (another version's shape, a hand-made record): one odd record does not stop the
+        report."""
+        cost = field_number(record.get("cost_usd"))
+        usage = record.get("usage")
+        usage = usage if isinstance(usage, dict) else {}
+        tokens = int(field_number(usage.get("prompt_tokens"))
+                     + field_number(usage.get("completion_tokens")))  # fmt: skip
+        error = record.get("error")
+        category = error.get("category") if isinstance(error, dict) else None
+        v = verdict(kind, category, int(field_number(record.get("rejected_answers"))),
                     bool(record.get("cached")))  # fmt: skip
         self.evaluation.add(v, cost_usd=cost, tokens=tokens)
         self.cost.add(cost, 1.0 if kind == "result" else 0.0)
         if kind == "result" and isinstance(record.get("output"), dict):
-            self.outputs[str(record["task_id"])] = record["output"]
+            self.outputs[str(record.get("task_id"))] = record["output"]
 
     def pass_interval(self) -> tuple[float, float]:
         return wilson(self.evaluation.n("pass"), self.evaluation.judged)

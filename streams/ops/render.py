@@ -8,6 +8,8 @@ from typing import Any
 import orjson
 from rich.markup import escape
 
+from streams.contract.records import field_number
+
 _SENTIMENT_STYLE = {"positive": "green", "negative": "red", "mixed": "yellow", "neutral": "white"}
 
 
@@ -36,15 +38,10 @@ def _task(data: dict[str, Any]) -> str:
     return f"[bold]{escape(clip(str(data.get('task_id')), 24)):<24}[/bold]"
 
 
-def _number(value: Any) -> float:
-    """A field's number (0 for anything else: a bool, a text, null)."""
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
-
-
 def _result(data: dict[str, Any], out: dict[str, Any]) -> str:
     """A result's line: comment-analysis's fields when its output has them (other types
     read as absent), its output as JSON for any other pipeline."""
-    took = f"{_number(data.get('latency_ms')):>6.0f}ms"
+    took = f"{field_number(data.get('latency_ms')):>6.0f}ms"
     label = out.get("sentiment")
     if not isinstance(label, str):
         return f"{_task(data)} {escape(clip(orjson.dumps(out).decode(), 120))} {took}"
@@ -58,7 +55,7 @@ def _result(data: dict[str, Any], out: dict[str, Any]) -> str:
     language = said if isinstance(said, str) else "?"
     return (
         f"{_task(data)} [{style}]{escape(clip(label, 8)):<8}[/{style}] "
-        f"{escape(clip(language, 3)):<3}{_number(out.get('confidence')):.2f} "
+        f"{escape(clip(language, 3)):<3}{field_number(out.get('confidence')):.2f} "
         f"[cyan]{escape(topics)}[/cyan] {took} {escape(issues)}"
     )
 

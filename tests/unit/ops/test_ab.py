@@ -245,3 +245,21 @@ def test_status_shows_each_versions_figures() -> None:
     assert 0.25 <= v1["latency_s"]["p50"] <= 0.5
     page = render_html(snap)
     assert 'data-metric="version:comment-analysis/v2:pass_rate" data-value="0.5">50.0%<' in page
+
+
+def test_odd_records_count_as_zero_and_do_not_stop_the_report() -> None:
+    # Another version's shape or a hand-made record: once an AttributeError (usage a text),
+    # a ValueError (cost a word) or a KeyError (no task id) that ended `ab report`.
+    ev = VersionEvidence("v1")
+    ev.add({"task_id": "t1", "cost_usd": "free", "usage": "n/a", "rejected_answers": "2",
+            "output": {"sentiment": "positive"}}, "result")  # fmt: skip
+    ev.add({"cost_usd": 0.002, "usage": {"prompt_tokens": "10", "completion_tokens": 5},
+            "output": {"sentiment": "negative"}}, "result")  # fmt: skip
+    ev.add({"task_id": "t3", "error": {"category": "invalid_output"}, "usage": [1, 2],
+            "cost_usd": True}, "dead_letter")  # fmt: skip
+    ev.add({"task_id": "t4", "error": "refused"}, "dead_letter")  # no category: not judged
+    e = ev.evaluation
+    assert (e.judged, e.n("pass")) == (3, 2)
+    assert e.cost_usd == pytest.approx(0.002)
+    assert ev.cost.interval() is not None
+    assert set(ev.outputs) == {"t1", "None"}
