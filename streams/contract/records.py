@@ -253,6 +253,17 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def stored_time(value: Any) -> datetime | None:
+    """A stored record's ISO time (`updated_at`, `failed_at`) as an aware datetime — one
+    without its zone is UTC, as `now_iso` writes them —; None when it is no time (another
+    version's shape, a hand-made record), so a reader compares it with nothing."""
+    try:
+        when = datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
 def _nfc(value: Any) -> Any:
     if isinstance(value, str):
         return unicodedata.normalize("NFC", value)

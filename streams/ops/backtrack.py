@@ -35,7 +35,7 @@ import orjson
 from aiokafka import TopicPartition
 
 from streams.contract.headers import BACKTRACK_HEADER, REPLAY_ID_HEADER, REPLAY_OF_HEADER
-from streams.contract.records import decode_task, result_key
+from streams.contract.records import decode_task, result_key, stored_time
 from streams.core.taskstate import sent_by_run
 from streams.errors import ConfigError, TaskError
 from streams.kafka import clients
@@ -72,9 +72,8 @@ class Selection:
         if self.prompt_version and state.get("prompt_version") != self.prompt_version:
             return False
         if self.since or self.until:
-            try:
-                at = datetime.fromisoformat(state["updated_at"])
-            except (KeyError, ValueError):
+            at = stored_time(state.get("updated_at"))
+            if at is None:
                 return False
             if self.since and at < self.since:
                 return False

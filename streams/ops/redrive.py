@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from streams.contract.headers import REDRIVE_HEADER
+from streams.contract.records import stored_time
 from streams.errors import REDRIVABLE
 from streams.kafka import clients
 from streams.kafka.clients import partitions_of
@@ -92,10 +93,8 @@ def _task_id(letter: dict[str, Any]) -> str | None:
 
 
 def _failed_before(letter: dict[str, Any], since: datetime) -> bool:
-    try:
-        return datetime.fromisoformat(str(letter.get("failed_at"))) < since
-    except ValueError:
-        return False
+    failed_at = stored_time(letter.get("failed_at"))
+    return failed_at is not None and failed_at < since
 
 
 async def redrive(

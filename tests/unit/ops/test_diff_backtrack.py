@@ -58,3 +58,7 @@ def test_a_selection_needs_a_criterion_and_all_must_hold() -> None:
     ten = datetime(2026, 11, 29, 10, tzinfo=UTC)
     assert Selection(since=ten).matches(state) and not Selection(until=ten).matches(state)
     assert not Selection(since=ten).matches({**state, "updated_at": "garbled"})
+    # Not a text, or a time without its zone: once a TypeError that ended the backtrack.
+    assert not Selection(since=ten).matches({**state, "updated_at": 1764410400})
+    naive = {**state, "updated_at": "2026-11-29T10:00:00"}
+    assert Selection(since=ten).matches(naive) and not Selection(until=ten).matches(naive)
