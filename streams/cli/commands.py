@@ -10,6 +10,7 @@ from typing import IO, Any
 
 import orjson
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from streams.contract.records import record_json
@@ -61,7 +62,7 @@ async def publish_lines(
                     await pub.publish(as_task(line, pipeline), sends=sends, name=f"line {number}")
                 except (InvalidInput, orjson.JSONDecodeError) as exc:
                     bad += 1
-                    console.print(f"[red]line {number}: {exc}[/red]")
+                    console.print(f"[red]line {number}: {escape(str(exc))}[/red]")
                 if number % WAIT_EVERY == 0:
                     await sends.wait()
             await sends.wait()

@@ -118,7 +118,9 @@ def status(task_id: str | None, url: str | None, once: bool, every: float) -> No
     """A task's state and history (TASK_ID), or a worker's live status (no TASK_ID):
     throughput, lag, breaker, limiter, p50/p95/p99, cost so far, top dead letters."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     from streams.ops.redrive import task_state
 
@@ -135,13 +137,17 @@ def status(task_id: str | None, url: str | None, once: bool, every: float) -> No
     console = Console()
     if not console.is_terminal:  # piped: no 80-column wrap of keys and notes
         console = Console(width=200)
+    # The state as stored, read as text: no markup (a provider's error saying
+    # "[/v1/chat/completions]" was a MarkupError), any shape another version wrote.
     history = state.pop("history", [])
     for key, value in state.items():
-        console.print(f"[bold]{key:<17}[/bold] {value}", highlight=False)
+        console.print(f"[bold]{escape(str(key)):<17}[/bold] {escape(str(value))}",
+                      highlight=False)  # fmt: skip
     table = Table("at", "status", "prompt version", "result key", "note")
-    for h in history:
-        table.add_row(h["at"], h["status"], h.get("prompt_version") or "",
-                      h.get("result_key") or "", h.get("note") or "")  # fmt: skip
+    for h in history if isinstance(history, list) else []:
+        if isinstance(h, dict):
+            table.add_row(*(Text(str(h.get(name) or "")) for name in
+                            ("at", "status", "prompt_version", "result_key", "note")))  # fmt: skip
     console.print(table)
 
 
@@ -317,6 +323,7 @@ def diff(pipeline: str, from_version: str, to_version: str) -> None:
     """Summarise how outputs changed between two versions (tasks answered under both)."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from streams.ops.diff import compare
 
@@ -340,5 +347,5 @@ def diff(pipeline: str, from_version: str, to_version: str) -> None:
             detail = f"mean Jaccard similarity {d.mean_jaccard:.2f}"
         else:
             detail = ""
-        table.add_row(d.name, f"{d.changed_share:.1%} of {d.compared}", detail)
+        table.add_row(Text(d.name), f"{d.changed_share:.1%} of {d.compared}", Text(detail))
     console.print(table)

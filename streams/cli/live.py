@@ -11,6 +11,7 @@ import orjson
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 
 def fetch(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -64,7 +65,7 @@ def table(snap: dict[str, Any], url: str) -> Table:
             for b in snap.get("budgets", [])) or "–"),
     ]  # fmt: skip
     for label, value in rows:
-        t.add_row(label, value)
+        t.add_row(label, Text(value))  # as text: an endpoint's or model's name is no markup
     return t
 
 
