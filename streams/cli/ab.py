@@ -147,13 +147,8 @@ def ab_promote(pipeline: str, version: str, share: float, reason: str, by: str |
 @click.option("--pipeline", default=None, help="Only this pipeline's decisions.")
 def ab_log(pipeline: str | None) -> None:
     """The decisions recorded so far, oldest first."""
-    from streams.ops.ab import decisions
+    from streams.ops.ab import decision_line, decisions
 
     settings = settings_or_exit()
     for d in on_kafka(settings, decisions(settings, pipeline)):
-        split = " / ".join(
-            f"{v} {w:g}" for v, w in (d.get("after") or {}).get("traffic", {}).items()
-        )
-        forced = " (forced)" if d.get("forced") else ""
-        click.echo(f"{d.get('at')} {d.get('pipeline')}: {d.get('version')} -> {split} by "
-                   f"{d.get('by')}{forced}: {d.get('reason')}")  # fmt: skip
+        click.echo(decision_line(d))

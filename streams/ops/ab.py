@@ -409,6 +409,21 @@ async def decisions(settings: Settings, pipeline: str | None = None) -> list[dic
     return sorted(found, key=lambda d: str(d.get("at")))
 
 
+def decision_line(d: dict[str, Any]) -> str:
+    """One recorded decision as `ab log` prints it; the fields another version wrote in
+    another shape (a split that is no object, a weight that is no number) read as
+    absent, so one such record does not end the log."""
+    after = d.get("after")
+    traffic = after.get("traffic") if isinstance(after, dict) else None
+    split = " / ".join(
+        f"{v} {w:g}" if isinstance(w, int | float) and not isinstance(w, bool) else str(v)
+        for v, w in (traffic.items() if isinstance(traffic, dict) else ())
+    )
+    forced = " (forced)" if d.get("forced") else ""
+    return (f"{d.get('at')} {d.get('pipeline')}: {d.get('version')} -> {split} by "
+            f"{d.get('by')}{forced}: {d.get('reason')}")  # fmt: skip
+
+
 def decision(
     pipeline: str,
     version: str,
@@ -447,7 +462,7 @@ def rivals_of(spec: PipelineSpec, version: str) -> list[str]:
 
 __all__ = [
     "Agreement", "Comparison", "PromotionRefused", "Ratio", "VersionEvidence", "agree",
-    "agreements", "compare", "decision", "decisions", "gather", "guard", "new_split",
-    "pipeline_file", "rate_difference", "record_decision", "report", "rewrite", "rivals_of",
-    "wilson",
+    "agreements", "compare", "decision", "decision_line", "decisions", "gather", "guard",
+    "new_split", "pipeline_file", "rate_difference", "record_decision", "report", "rewrite",
+    "rivals_of", "wilson",
 ]  # fmt: skip

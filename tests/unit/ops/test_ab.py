@@ -20,6 +20,7 @@ from streams.ops.ab import (
     agree,
     agreements,
     decision,
+    decision_line,
     guard,
     new_split,
     rate_difference,
@@ -263,3 +264,15 @@ def test_odd_records_count_as_zero_and_do_not_stop_the_report() -> None:
     assert e.cost_usd == pytest.approx(0.002)
     assert ev.cost.interval() is not None
     assert set(ev.outputs) == {"t1", "None"}
+
+
+def test_a_decision_of_another_shape_is_logged_with_what_it_has() -> None:
+    kept = {"at": "2026-12-07T10:00:00.000Z", "pipeline": "p", "version": "v2", "by": "ana",
+            "reason": "better", "after": {"traffic": {"v1": 0.5, "v2": 0.5}}}  # fmt: skip
+    assert decision_line(kept) == "2026-12-07T10:00:00.000Z p: v2 -> v1 0.5 / v2 0.5 by ana: better"
+    # Once an AttributeError (a split that is a list) or a ValueError (a weight "half"):
+    # `ab log` ended at the first such record.
+    for after in ([["v1", 1]], {"traffic": ["v2"]}, {"traffic": {"v2": "half"}}, None):
+        assert decision_line({**kept, "after": after, "forced": True}).endswith(
+            "by ana (forced): better"
+        )
