@@ -42,6 +42,7 @@ def drift_command(pipeline: str, version: str | None, baseline: str, window: int
     share of optional fields left null or at their default, against a baseline."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from streams.ops.drift import Baseline, drift
 
@@ -76,7 +77,8 @@ def drift_command(pipeline: str, version: str | None, baseline: str, window: int
                                    else "")
                 for k, x in top if x > 0
             )  # fmt: skip
-            table.add_row(f.field, div, null, shares or "–")
+            # As text: a list field's values are what the model wrote ("[/b]" is no markup).
+            table.add_row(Text(f.field), div, null, Text(shares or "–"))
         console.print(table)
     for name in saved:
         console.print(f"saved as {pipeline} {name}'s baseline (workers read it within "
