@@ -44,6 +44,12 @@ def with_budget(params: dict[str, Any], tokens: int) -> dict[str, Any]:
     return {**params, budget_key(params): tokens}
 
 
+# A model the endpoint does not serve, said with a 400 by servers other than OpenAI's 404:
+# LiteLLM's proxy ("Invalid model name passed in model=X", a name its config does not
+# route), DeepSeek ("Model Not Exist"); any server's `model_not_found` code.
+_NOT_SERVED_SAID = re.compile(r"invalid model name passed in|\bmodel not exist\b", re.I)
+
+
 def error_for_status(
     status: int,
     code: str | None,
@@ -57,7 +63,8 @@ def error_for_status(
     and the Batch API's error lines: 429 rate_limited, 401/402/403 auth, 408 timeout, a
     prompt over the window context_overflow in any server's words (`llm.overflow`; its
     error `body` carries some servers' numbers), 409 and 5xx upstream_error, 404 a model
-    (or route) not served (`NotServed`, a bad_request), other 4xx bad_request. `headers`:
+    (or route) not served (`NotServed`, a bad_request) — and a 400 saying so in other
+    servers' words —, other 4xx bad_request. `headers`:
     the answer's rate-limit headers, for a 429's limiter to learn from as from any
     answer's. A request larger than the token limit itself (OpenAI's
     429, Groq's 413 "Request too large") is a bad_request: asked again, it never fits."""
@@ -81,7 +88,7 @@ def error_for_status(
         return overflow
     if status >= 500 or status == 409:
         return UpstreamError(message, code=code, retry_after=retry_after)
-    if status == 404:
+    if status == 404 or code == "model_not_found" or _NOT_SERVED_SAID.search(message):
         return NotServed(message, code=code)
     return BadRequest(message, code=code)
 

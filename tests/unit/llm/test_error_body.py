@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from streams.dev.simulator import SimulatorServer
-from streams.errors import BadRequest, LimitHit, RateLimited
+from streams.errors import BadRequest, LimitHit, NotServed, RateLimited
 from streams.llm.client import error_for_status
 from streams.llm.error_body import limit_hit
 from streams.llm.openai_client import OpenAIClient
@@ -199,3 +199,20 @@ async def test_the_simulator_words_its_429s_as_each_provider(
         assert hit is not None and hit.kind == "requests" and hit.per_s == 60
         said = style in ("openai", "groq", "anthropic")
         assert hit.limit == (60 if said else None)
+
+
+# LiteLLM's proxy for a model name its config does not route (its words, as users meet
+# them: BerriAI/litellm#2398, #9663), and DeepSeek's: 400s, where OpenAI says 404.
+LITELLM_NO_ROUTE = ("400: {'error': '/chat/completions: Invalid model name passed in "
+                    "model=gpt-5. Call `/v1/models` to view available models for your key.'}")  # fmt: skip
+
+
+def test_a_model_not_served_said_with_a_400_is_not_served() -> None:
+    for status, code, message in ((400, "400", LITELLM_NO_ROUTE),
+                                  (400, "invalid_request_error", "Model Not Exist"),
+                                  (400, "model_not_found", "The model `x` does not exist"),
+                                  (404, None, "Not Found")):  # fmt: skip
+        assert isinstance(error_for_status(status, code, f"HTTP {status}: {message}"), NotServed)
+    plain = error_for_status(400, "invalid_request_error", "HTTP 400: 'temperature' is too high")
+    assert type(plain) is BadRequest
+    assert not isinstance(error_for_status(400, None, "HTTP 400: the model said no"), NotServed)
