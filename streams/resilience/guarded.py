@@ -174,8 +174,12 @@ class GuardedClient:
         settled on every way out, cancellation included: a call cancelled by shutdown, a
         rebalance or its task's deadline gives its probe slot and its turn back instead
         of holding them for ever."""
+        # The model's circuit first (when the endpoint ever said it does not serve it):
+        # a call waiting for it holds no probe slot of the endpoint's.
         serves = self.model_breaker
-        served = await self._admit(serves, deadline_at, wait_for_circuit) if serves else None
+        served = None
+        if serves is not None:
+            served = await self._admit(serves, deadline_at, wait_for_circuit)
         try:
             admission = await self._admit(self.breaker, deadline_at, wait_for_circuit)
         except BaseException:
