@@ -320,7 +320,8 @@ async def test_tasks_for_a_model_the_endpoint_does_not_serve_yet_wait_for_it() -
         await server.stop()
     assert [o.kind for o in outcomes] == ["result"] * 8
     assert server.sim.by_status[200] == 8 and closed == 0
-    assert 3 <= server.sim.by_status[404] < 12  # a few to open it, a probe a round
+    # A few to open it, then a probe a round (without the circuit: up to 4 attempts each).
+    assert 3 <= server.sim.by_status[404] < 20
 
 
 def test_the_shipped_example_is_a_valid_deployments_file(
