@@ -102,26 +102,45 @@ def view(snap: dict[str, Any], url: str) -> Group:
     return Group(table(snap, url), *([versions] if versions is not None else []))
 
 
+class Unreadable(Exception):
+    """The worker's status could not be read, or is none this version can show."""
+
+
+def shown(url: str) -> Group:
+    """The view of the worker's status at `url`; Unreadable saying why it is none: no
+    answer, an answer that is not JSON (another service at that port), or a status of a
+    shape this version does not know (a worker of another version)."""
+    try:
+        snap = fetch(url)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise Unreadable(f"cannot read {url}: {exc}") from exc
+    try:
+        return view(snap, url)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise Unreadable(f"{url} answered no status this version can show ({exc!r}): "
+                         "a worker of another version, or not a worker?") from exc  # fmt: skip
+
+
 def watch(url: str, *, once: bool, every_s: float) -> int:
     console = Console()
     try:
-        snap = fetch(url)
-    except (urllib.error.URLError, OSError) as exc:
-        console.print(f"cannot read {url}: {exc}", highlight=False)
+        first = shown(url)
+    except Unreadable as exc:
+        console.print(str(exc), highlight=False, markup=False)
         return 1
     if once:
-        console.print(view(snap, url))
+        console.print(first)
         return 0
-    with Live(view(snap, url), console=console, refresh_per_second=4) as live:
+    with Live(first, console=console, refresh_per_second=4) as live:
         try:
             while True:
                 time.sleep(every_s)
                 try:
-                    live.update(view(fetch(url), url))
-                except (urllib.error.URLError, OSError) as exc:
-                    live.update(Table(title=f"{url}: {exc}"))
+                    live.update(shown(url))
+                except Unreadable as exc:
+                    live.update(Table(title=Text(str(exc))))
         except KeyboardInterrupt:
             return 0
 
 
-__all__ = ["fetch", "table", "versions_table", "view", "watch"]
+__all__ = ["Unreadable", "fetch", "shown", "table", "versions_table", "view", "watch"]
