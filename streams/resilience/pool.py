@@ -89,7 +89,7 @@ class ClientPool:
     ) -> GuardedClient:
         """`http` guarded by the breaker and the concurrency limit of `name` (made at
         first use) and by `limiter`."""
-        breaker = self._breakers.get(name) or self._breaker(name)
+        breaker = self._breaker(name)
         # Calls at once, like the breaker, per endpoint: a server's slots serve every model.
         gate = self._concurrency.get(name)
         if gate is None:
@@ -108,8 +108,12 @@ class ClientPool:
         )  # fmt: skip
 
     def _breaker(self, name: str) -> CircuitBreaker:
-        """A new breaker named `name`, its state in the metrics (and so in the status page
-        and `/readyz`) from now on."""
+        """The breaker named `name`, made at first use, its state in the metrics (and so in
+        the status page and `/readyz`) from then on: one per name, whichever client asks
+        (a model's on an endpoint is one, whatever key its clients call it with)."""
+        found = self._breakers.get(name)
+        if found is not None:
+            return found
         breaker = self._breakers[name] = self.make_breaker(name)
         metrics = self.metrics
         breaker.on_change = lambda n, _old, new: metrics.breaker_changed(n, new.value)

@@ -4,6 +4,7 @@ cancellation included, and one call takes one slot."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -216,3 +217,28 @@ async def test_a_call_sent_and_never_answered_counts_its_prompt_one_not_sent_doe
     with pytest.raises(UpstreamError) as never:
         await refused.complete(REQ)
     assert never.value.unanswered_tokens == 0 and counted() == 2 * prompt  # nothing was sent
+
+
+async def test_a_model_not_served_has_one_circuit_whatever_key_calls_it() -> None:
+    """Two clients of the same endpoint and model (two keys: a pipeline's primary and a
+    fallback with its own) judge one circuit of that model, the one the metrics show."""
+    from streams.errors import NotServed, UpstreamError
+    from streams.resilience.pool import ClientPool
+
+    def refused(_r: LLMRequest) -> Any:
+        raise NotServed("HTTP 404: the model `fake-1` does not exist", code="model_not_found")
+
+    pool = ClientPool(base_url="fake://llm", api_key=None,
+                      make_http=lambda _url, _key: FakeLLM(refused),
+                      make_limiter=lambda: RateLimiter(rpm=1_000_000),
+                      make_breaker=lambda name: CircuitBreaker(name, min_calls=2))  # fmt: skip
+    first, second = (
+        pool.get("fake://llm", "key-a", "fake-1"),
+        pool.get("fake://llm", "key-b", "fake-1"),
+    )
+    for client in (first, second):
+        with pytest.raises(UpstreamError, match="does not serve fake-1"):
+            await client.complete(REQ)
+    assert first.model_breaker is second.model_breaker is not None
+    assert first.model_breaker.state is State.OPEN  # two refusals, from either key
+    assert first.breaker.state is State.CLOSED  # the endpoint answered
