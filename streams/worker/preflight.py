@@ -80,7 +80,8 @@ def _unlisted(
 ) -> None:
     """Say each model asked of the endpoint that it does not list: the default (check
     the setting), and those the pipelines' versions name (their `model:`) — the endpoint
-    refuses their calls (404), so their tasks would all be dead letters. A server that
+    refuses their calls (404), so their tasks would wait for the model's circuit
+    (`resilience.guarded`) and end as `circuit_open` dead letters. A server that
     lists one model alone (llama.cpp) answers whatever name is asked: nothing to say."""
     if len(ids) < 2:
         return
