@@ -7,7 +7,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Coroutine
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,12 +44,13 @@ def iso_time_or_exit(option: str, value: str | None) -> datetime | None:
     """An ISO 8601 time (UTC when it names no zone), or a message and exit status 2."""
     if not value:
         return None
-    try:
-        when = datetime.fromisoformat(value)
-    except ValueError:
+    from streams.contract.records import stored_time
+
+    when = stored_time(value)
+    if when is None:
         click.echo(f"{option}: not an ISO time: {value!r}", err=True)
         sys.exit(2)
-    return when if when.tzinfo else when.replace(tzinfo=UTC)
+    return when
 
 
 T = TypeVar("T")

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC
 from typing import Any
 
-from streams.contract.records import json_object
+from streams.contract.records import json_object, stored_time
 from streams.core.drift import FieldDrift, Profile, compare, features, field_kinds
 from streams.kafka.scan import scan
 from streams.settings import Settings
@@ -51,9 +51,9 @@ class Baseline:
 def _utc(t: str) -> str:
     """An ISO time as the records write theirs (UTC, milliseconds, `Z`), to compare as
     text; a time without a zone is UTC."""
-    parsed = datetime.fromisoformat(t.replace("Z", "+00:00"))
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=UTC)
+    parsed = stored_time(t)
+    if parsed is None:
+        raise ValueError(f"not an ISO time: {t!r}")
     return parsed.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
