@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from streams.core.avro_schema import avro_schema
 from streams.core.avro_values import avro_datum
 from streams.errors import ConfigError
 from streams.pipelines.sinks import SinkSpec
-from streams.pipelines.sources import pointer_get
+from streams.pipelines.sources import array_index, pointer_get
 
 if TYPE_CHECKING:
     from streams.contract.records import Task
@@ -155,8 +156,7 @@ def _schema_at(schema: dict[str, Any], pointer: str, name: str) -> dict[str, Any
             node = node["properties"][part]
         elif (
             isinstance(node, dict)
-            and part.isascii()
-            and part.isdigit()
+            and array_index(part) < sys.maxsize
             and isinstance(node.get("items"), dict)
         ):
             node = node["items"]

@@ -135,15 +135,15 @@ def pointer_get(document: Any, pointer: str) -> Any:
         token = raw.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and token in node:
             node = node[token]
-        elif isinstance(node, list) and _index(token) < len(node):
-            node = node[int(token)]
+        elif isinstance(node, list) and (index := array_index(token)) < len(node):
+            node = node[index]
         else:
             raise KeyError(pointer)
     return node
 
 
-def _index(token: str) -> int:
-    """An array index of a pointer; past any array's end when `token` is none."""
+def array_index(token: str) -> int:
+    """A pointer's token as an array index; past any array's end when it is none."""
     return int(token) if token.isascii() and token.isdigit() else sys.maxsize
 
 
@@ -367,6 +367,7 @@ __all__ = [
     "Skipped",
     "SourceMapper",
     "SourceSpec",
+    "array_index",
     "base64_unless_utf8",
     "pointer_get",
     "raw_key_text",
