@@ -303,13 +303,8 @@ class GuardedClient:
             # another of the model's deployments — or waits for this one's circuit.
             call.verdict = False
             self.breaker.settle(admission, False)  # now: the state below is the new one
-            failed = UpstreamError(
-                f"deployment {self.deployment} does not serve {request.model}: {exc.message}",
-                code="model_not_served",
-            )
-            failed.endpoint_down = self.breaker.state is State.OPEN
-            self._count(request.model, lane, permit.waited_s, started, failed)
-            return failed
+            return self._model_refused(exc, request, lane, permit, started, self.breaker,
+                                       f"deployment {self.deployment}")  # fmt: skip
         else:  # our request was wrong, or one model of an endpoint serving others
             call.verdict = True
         self._count(request.model, lane, permit.waited_s, started, exc)
@@ -342,11 +337,25 @@ class GuardedClient:
             call.model_served = False  # settled as the call ends
         else:  # begun before the breaker was made: told of it now (a closed-state call)
             serves.settle(Admission(probe=False, round=0), False)
-        failed = UpstreamError(
-            f"{self.client.endpoint} does not serve {request.model}: {exc.message}",
-            code="model_not_served",
-        )
-        failed.endpoint_down = serves.state is State.OPEN
+        return self._model_refused(exc, request, lane, permit, started, serves,
+                                   self.client.endpoint)  # fmt: skip
+
+    def _model_refused(
+        self,
+        exc: NotServed,
+        request: LLMRequest,
+        lane: Lane,
+        permit: Permit,
+        started: float,
+        judged_by: CircuitBreaker,
+        who: str,
+    ) -> UpstreamError:
+        """The attempt's error once `judged_by` (a deployment's breaker, or a model's on
+        the default endpoint) has heard the refusal: `model_not_served`, an outage's
+        (attempts not counted) while that circuit is open. Counted."""
+        failed = UpstreamError(f"{who} does not serve {request.model}: {exc.message}",
+                               code="model_not_served")  # fmt: skip
+        failed.endpoint_down = judged_by.state is State.OPEN
         self._count(request.model, lane, permit.waited_s, started, failed)
         return failed
 
