@@ -133,6 +133,20 @@ class SessionSpec(BaseModel):
         return None if value in (None, "") else str(value)
 
 
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(params: dict[str, Any], name: str) -> float | None:
+    """A sampling parameter that must be a number: None when unset; a ValueError when it
+    is another kind of value (`temperature: "0.2"` quoted in YAML, `true`), said with the
+    field, not a comparison's TypeError from deep in the load."""
+    value = params.get(name)
+    if value is None or _integer(value) or isinstance(value, float):
+        return value
+    raise ValueError(f"params.{name} {value!r} must be a number")
+
+
 class VersionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -163,13 +177,16 @@ class VersionSpec(BaseModel):
         problems = params_problems(p)
         if problems:
             raise ValueError("\n".join(problems))  # a line each (contract.mistakes)
-        temperature, top_p, max_tokens = p.get("temperature"), p.get("top_p"), p.get(budget_key(p))
+        temperature, top_p = _number(p, "temperature"), _number(p, "top_p")
         if temperature is not None and not 0 <= temperature <= 2:
             raise ValueError(f"params.temperature {temperature} is outside 0..2")
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"params.top_p {top_p} is outside (0, 1]")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise ValueError(f"params.max_tokens {max_tokens!r} must be a positive integer")
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = p.get(name)
+            if value is not None and (not _integer(value) or value < 1):
+                raise ValueError(f"params.{name} {value!r} must be a positive integer")
+        max_tokens = p.get(budget_key(p))
         if (temperature or 0) > 0.8 and max_tokens is not None and max_tokens < 50:
             raise ValueError(
                 f"params: temperature {temperature} with max_tokens {max_tokens} contradict "
@@ -181,10 +198,11 @@ class VersionSpec(BaseModel):
     def warnings(self) -> list[str]:
         """Allowed, but worth a second look."""
         p = self.params
+        temperature, top_p = _number(p, "temperature") or 0, _number(p, "top_p")
         found = []
-        if p.get("temperature", 0) > 0 and p.get("top_p", 1) < 1:
+        if temperature > 0 and top_p is not None and top_p < 1:
             found.append("both temperature and top_p change sampling; tune one of them")
-        if p.get("temperature", 0) > 1.2:
+        if temperature > 1.2:
             found.append(f"temperature {p['temperature']} makes JSON answers fail validation often")
         return found
 

@@ -186,6 +186,13 @@ def test_a_split_naming_unknown_versions_or_with_no_weight_is_refused(tmp_path: 
         ({"temperature": 2.5}, "outside 0..2"),
         ({"top_p": 0}, "outside \\(0, 1\\]"),
         ({"max_tokens": 0}, "positive integer"),
+        # Another kind of value than the field's (a number quoted in YAML): said with the
+        # field, not a TypeError out of the comparison.
+        ({"temperature": "0.2"}, "params.temperature '0.2' must be a number"),
+        ({"top_p": True}, "params.top_p True must be a number"),
+        ({"temperature": float("nan")}, "outside 0..2"),
+        ({"max_tokens": True}, "positive integer"),
+        ({"max_completion_tokens": 300, "max_tokens": "lots"}, "params.max_tokens 'lots'"),
     ],
 )
 def test_contradictory_or_out_of_range_parameters_are_refused(
