@@ -15,7 +15,7 @@ import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -42,8 +42,16 @@ def _data_dir(name: str) -> Path:
     return _PACKAGE_DIR / "_data" / name
 
 
+# How the settings are read: a variable that names no setting is refused, the values are
+# frozen, and a number is finite (`inf` is no deadline or price anything here computes
+# with: a deadline of inf overflowed Kafka's poll interval at the start). The same as the
+# operator's files (`contract.mistakes.WRITTEN`), said here: the settings sit below the
+# contract's layer.
+_READ = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = _READ
 
 
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
@@ -436,8 +444,9 @@ class BudgetSettings(_Section):
 class Settings(BaseSettings):
     """All settings of a worker or a CLI command."""
 
+    # As the sections', with where the environment's names begin.
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter="__", frozen=True, extra="forbid"
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", **cast(SettingsConfigDict, _READ)
     )
 
     app_id: str = Field("llm-streams", min_length=1, description="Consumer group / app id.")

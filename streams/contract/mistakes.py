@@ -8,7 +8,14 @@ import difflib
 import types
 from typing import Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+# How every file an operator writes is read into its model (pipeline files, the deployments
+# file; the settings are read alike): a field it does not know is refused, the values are
+# frozen, and a number is finite — `.inf` in YAML is no price, cap or weight anything here
+# computes with (a price of inf made a result's cost null; a traffic weight of inf made the
+# split's edges NaN, every task its last version's).
+WRITTEN = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def mistakes_of(exc: ValidationError, model: type[BaseModel]) -> list[str]:
@@ -56,4 +63,4 @@ def _model_in(kind: Any) -> type[BaseModel] | None:
     return None
 
 
-__all__ = ["mistakes_of"]
+__all__ = ["WRITTEN", "mistakes_of"]

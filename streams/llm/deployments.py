@@ -43,7 +43,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from streams.contract.mistakes import mistakes_of
+from streams.contract.mistakes import WRITTEN, mistakes_of
 from streams.errors import ConfigError
 
 DEFAULT = "default"  # the deployment of OPENAI_BASE_URL / OPENAI_API_KEY
@@ -52,7 +52,7 @@ DEFAULT = "default"  # the deployment of OPENAI_BASE_URL / OPENAI_API_KEY
 class DeploymentSpec(BaseModel):
     """One deployment as the file declares it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     name: str = Field(
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$",

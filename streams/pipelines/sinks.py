@@ -7,14 +7,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
+
+from streams.contract.mistakes import WRITTEN
 
 Shape = Literal["envelope", "output", "enriched"]
 SinkKey = Literal["task_id", "source_key", "result_key"]
 
 
 class SinkSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     topic: str = Field(min_length=1, max_length=249, description="The topic answers go to.")
     shape: Shape = Field(

@@ -41,9 +41,10 @@ from typing import Any, Literal
 
 import orjson
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from streams.contract.headers import Headers
+from streams.contract.mistakes import WRITTEN
 from streams.contract.records import TASK_ID_LIMIT, record_json, shallow
 from streams.errors import ConfigError, InvalidInput
 from streams.pipelines.jinja import ENV, over_record
@@ -54,7 +55,7 @@ class EraseSpec(BaseModel):
     """Which source records are deletes upstream (a Debezium delete, a tombstone), and the
     task each one deletes: its answers are erased wherever the worker wrote them."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     when: str = Field(
         min_length=1,
@@ -74,7 +75,7 @@ class EraseSpec(BaseModel):
 
 
 class SourceSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     topics: list[str] = Field(min_length=1)
     task_id: str | list[str] = "key"

@@ -8,12 +8,12 @@ from typing import Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     field_validator,
     model_validator,
 )
 
+from streams.contract.mistakes import WRITTEN
 from streams.llm.client import budget_key
 from streams.llm.params import params_problems
 from streams.pipelines.sinks import SinkSpec
@@ -38,7 +38,7 @@ JSON_TYPES: dict[str, type | tuple[type, ...]] = {
 class Slot(BaseModel):
     """A typed template variable taken from the task's `input`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     type: Literal["string", "integer", "number", "boolean", "object", "array"] = "string"
     required: bool = True
@@ -59,7 +59,7 @@ def _default_fallback_on() -> list[FallbackCategory]:
 class Fallback(BaseModel):
     """A model (on the same or another OpenAI-compatible endpoint) to try next."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     model: str = Field(min_length=1)
     base_url: str | None = None
@@ -69,7 +69,7 @@ class Fallback(BaseModel):
 class OverflowPolicy(BaseModel):
     """What to do when a prompt does not fit the model's context window."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     strategy: Literal["truncate"] = Field(
         description="truncate: cut the slot's text to fit, then retry once."
@@ -79,7 +79,7 @@ class OverflowPolicy(BaseModel):
 
 
 class SessionKeep(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     slots: list[str] | None = Field(
         None, description="The user's slots a turn keeps (none given: every slot)."
@@ -93,7 +93,7 @@ class SessionSpec(BaseModel):
     """Multi-turn context (`core.sessions`): the earlier turns of a task's session go into
     its prompt, within `budget_tokens`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     key: str = Field(
         "session_id",
@@ -148,7 +148,7 @@ def _number(params: dict[str, Any], name: str) -> float | None:
 
 
 class VersionSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     system: str
     template: str
@@ -232,7 +232,7 @@ class StageSpec(BaseModel):
     `stages` (answers of the stages before, by name; null when skipped).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     name: str = Field(pattern=r"^[a-z][a-z0-9_-]*$")
     pipeline: str = Field(min_length=1)
@@ -247,7 +247,7 @@ class ChunkingSpec(BaseModel):
     without it dead-letters such inputs as context_overflow (or truncates them, when a
     version says `on_context_overflow: truncate`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     slot: str = Field(min_length=1, description="The string slot to split.")
     max_tokens: int | None = Field(
@@ -279,7 +279,7 @@ class ChunkingSpec(BaseModel):
 class PackingSpec(BaseModel):
     """Short records answered several to a request (see streams.core.packing)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     slot: str = Field(min_length=1, description="The string slot measured against max_chars.")
     max_chars: int = Field(200, ge=1, description="Longer records are answered alone.")
@@ -294,7 +294,7 @@ class LanePolicy(BaseModel):
     price with slower answers, a plain call when flex has no capacity), batch (the
     provider's Batch API: half price, answers within 24 h; replay lane only)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     live: Literal["sync", "flex"] = "sync"
     replay: Literal["sync", "flex", "batch"] = "sync"
@@ -306,7 +306,7 @@ class LanePolicy(BaseModel):
 class Caps(BaseModel):
     """Spend caps in USD: per clock hour and per UTC day (either, both, or none)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     usd_per_hour: float | None = Field(None, gt=0, description="Spend cap per clock hour.")
     usd_per_day: float | None = Field(None, gt=0, description="Spend cap per UTC day.")
@@ -336,7 +336,7 @@ class BudgetSpec(Caps):
 class ReviewSpec(BaseModel):
     """Results a person should look at: they also go to the review topic, with reasons."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     confidence_below: float | None = Field(None, ge=0, le=1)
     confidence_field: str = "confidence"
@@ -352,7 +352,7 @@ PiiKind = Literal["email", "cn_id", "bank_card", "phone"]
 class PreprocessSpec(BaseModel):
     """Cleaning and PII redaction of every string slot before rendering (all on by default)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     clean: bool = True
     redact: list[PiiKind] = Field(default_factory=lambda: list(get_args(PiiKind)))
@@ -373,7 +373,7 @@ class PreprocessSpec(BaseModel):
 
 
 class PipelineSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = WRITTEN
 
     name: str = Field(min_length=1)
     description: str = ""

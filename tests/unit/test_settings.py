@@ -36,6 +36,9 @@ def test_own_variables_win_over_openai_ones(monkeypatch: pytest.MonkeyPatch) -> 
         ("LLM_STREAMS_PROCESSING_GUARANTEE", "maybe_once"),
         ("LLM_STREAMS_KAFKA__BROKER_URL", "kafka://nohostport"),
         ("LLM_STREAMS_LOG_LEVEL", "loud"),
+        # No deadline, price or timeout is infinite (an overflow at the start, a null cost).
+        ("LLM_STREAMS_LLM__TASK_DEADLINE_S", "inf"),
+        ("LLM_STREAMS_LLM__PRICE_PER_1K_PROMPT_USD", "Infinity"),
     ],
 )
 def test_invalid_setting_names_its_variable(

@@ -82,6 +82,8 @@ def test_a_deployments_file_is_read_with_its_keys_from_env_and_files(
         ({"name": "a", "model": "m", "api_key_env": "NOT_SET_ANYWHERE_42"},
          "deployment a: NOT_SET_ANYWHERE_42 is not set"),
         ({"name": "default", "model": "m"}, "the name of OPENAI_BASE_URL's deployment"),
+        ({"name": "a", "model": "m", "weight": float("inf")}, "weight: Input should be a finite"),
+        ({"name": "a", "model": "m", "usd_per_day": float("inf")}, "usd_per_day: Input should be a finite"),
     ],
 )  # fmt: skip
 def test_a_mistake_in_a_deployments_file_is_said_by_its_field(

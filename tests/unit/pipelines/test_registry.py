@@ -177,6 +177,9 @@ def test_a_split_naming_unknown_versions_or_with_no_weight_is_refused(tmp_path: 
         PipelineRegistry.load(_spec_with(tmp_path, traffic={"v3": 1}), ROOT / "schemas")
     with pytest.raises(ConfigError, match="positive sum"):
         PipelineRegistry.load(_spec_with(tmp_path, traffic={"v1": 0}), ROOT / "schemas")
+    with pytest.raises(ConfigError, match=r"traffic\.v1: Input should be a finite number"):
+        inf = {"v1": float("inf"), "v2": 1}
+        PipelineRegistry.load(_spec_with(tmp_path, traffic=inf), ROOT / "schemas")
 
 
 @pytest.mark.parametrize(
