@@ -9,8 +9,11 @@ Servers other than OpenAI's say these things, each in its own place:
 - vLLM: `GET /v1/models` (`data[].max_model_len`);
 - OpenRouter, Together, Fireworks, Groq, LM Studio: `GET /v1/models`
   (`context_length`, `context_window` or `max_context_length`);
-- Ollama: `POST /api/show` (`parameters` holds `num_ctx` when the model sets one; its
-  OpenAI endpoint cuts a longer prompt silently at `num_ctx`, which nothing else tells).
+- Ollama: `GET /api/ps` (a loaded model's `context_length`: the window it was given, by
+  its `num_ctx`, OLLAMA_CONTEXT_LENGTH or the server's memory — 4,096 tokens under 24 GiB
+  of VRAM, whatever the model was trained for), else `POST /api/show` (`parameters` holds
+  `num_ctx` when the model sets one). Its OpenAI endpoint cuts a longer prompt silently,
+  which nothing else tells; a model not loaded yet when the worker asks says neither.
 
 OpenAI's own model list says none of them: its windows stay at the default until an
 overflow error says the number (`llm.overflow`).
@@ -57,10 +60,11 @@ def facts_from(
     props: Any = None,
     show: Any = None,
     server: str | None = None,
+    running: Any = None,
 ) -> EndpointFacts:
     """The facts in the bodies of `GET /v1/models`, llama.cpp's `GET /props` and Ollama's
-    `POST /api/show` (each None when the server has no such route); `server`: what its
-    `Server` header said."""
+    `POST /api/show` and `GET /api/ps` (`running`) (each None when the server has no such
+    route); `server`: what its `Server` header said."""
     listed = models.get("data") if isinstance(models, Mapping) else None
     entries = [e for e in listed if isinstance(e, Mapping)] if isinstance(listed, list) else []
     ids = tuple(str(e.get("id")) for e in entries if e.get("id"))
@@ -78,7 +82,7 @@ def facts_from(
     if isinstance(show, Mapping):
         server = server or "ollama"
         found = _NUM_CTX.search(str(show.get("parameters") or ""))
-        window = int(found.group(1)) if found else window
+        window = _loaded_window(model, running) or (int(found.group(1)) if found else window)
     if entry is not None and server is None:
         owned = str(entry.get("owned_by") or "")
         server = "vllm" if owned == "vllm" else "llama.cpp" if owned == "llamacpp" else None
@@ -93,6 +97,22 @@ def _window_of(entry: Mapping[str, Any]) -> int | None:
         found = _positive(entry.get(key))
         if found:
             return found
+    return None
+
+
+def _loaded_window(model: str, running: Any) -> int | None:
+    """The window Ollama gave `model`, when it is loaded: its entry in `GET /api/ps`, named
+    as the worker names it or with the `:latest` tag Ollama adds to a name without one."""
+    listed = running.get("models") if isinstance(running, Mapping) else None
+    if not isinstance(listed, list):
+        return None
+    wanted = {model, model if ":" in model else f"{model}:latest"}
+    for entry in listed:
+        if isinstance(entry, Mapping) and any(
+            isinstance(name, str) and name in wanted
+            for name in (entry.get("name"), entry.get("model"))
+        ):
+            return _positive(entry.get("context_length"))
     return None
 
 

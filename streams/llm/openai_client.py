@@ -304,19 +304,22 @@ class OpenAIClient:
 
     async def describe(self, model: str, timeout_s: float = 5.0) -> EndpointFacts:
         """What the endpoint says of itself and of `model` (`llm.endpoint`): its model
-        list, llama.cpp's `/props`, Ollama's `/api/show`; a route it lacks says nothing."""
+        list, llama.cpp's `/props`, Ollama's `/api/show` and `/api/ps`; a route it lacks
+        says nothing."""
         base = self._endpoint.rstrip("/")
         root = base.removesuffix("/v1")
         server: list[str] = []
         models = await self._get_json("GET", f"{base}/models", timeout_s, server)
         props = await self._get_json("GET", f"{root}/props", timeout_s, server)
-        show = None
+        show = running = None
         if props is None:  # llama.cpp has no /api/show; Ollama answers it
             show = await self._get_json("POST", f"{root}/api/show", timeout_s, server,
                                         {"model": model})  # fmt: skip
+        if show is not None:  # Ollama: the window its loaded model was given
+            running = await self._get_json("GET", f"{root}/api/ps", timeout_s, server)
         said = server[0].lower() if server else ""
         name = "llama.cpp" if "llama.cpp" in said else None
-        return facts_from(model, models, props, show, server=name)
+        return facts_from(model, models, props, show, server=name, running=running)
 
     async def models(self, timeout_s: float = 10.0) -> tuple[int, list[str]]:
         """`GET /models`: its status and the model ids it lists. Raises OSError,

@@ -37,6 +37,30 @@ def test_vllm_openrouter_groq_and_ollama_say_theirs_where_they_do() -> None:
     assert facts_from("gpt-4o-mini", openai).context_window is None  # says nothing
 
 
+OLLAMA_PS = {"models": [{"name": "qwen2.5:latest", "model": "qwen2.5:latest",
+                         "size_vram": 0, "context_length": 4096}]}  # fmt: skip
+
+
+def test_ollama_says_the_window_its_loaded_model_was_given() -> None:
+    """A model's `num_ctx` in `/api/show` is set by few modelfiles; the window Ollama gives
+    it (4,096 tokens under 24 GiB of VRAM, or OLLAMA_CONTEXT_LENGTH) shows in `/api/ps`
+    once it is loaded, under the name with its `:latest` tag. Without it, a prompt over it
+    was cut silently by Ollama while the worker counted on 128,000 tokens."""
+    listed = {"data": [{"id": "qwen2.5"}]}
+    quiet = {"parameters": 'stop "<|im_end|>"'}
+    assert facts_from("qwen2.5", listed, None, quiet).context_window is None
+    assert facts_from("qwen2.5", listed, None, quiet, running=OLLAMA_PS).context_window == 4096
+    tagged = facts_from("qwen2.5:latest", listed, None, quiet, running=OLLAMA_PS)
+    assert tagged.context_window == 4096
+    # What it was given wins over what the modelfile asks; not loaded: the modelfile's.
+    show = {"parameters": "num_ctx 8192"}
+    assert facts_from("qwen2.5", listed, None, show, running=OLLAMA_PS).context_window == 4096
+    other = facts_from("llama3.2", listed, None, show, running=OLLAMA_PS)
+    assert other.context_window == 8192
+    for odd in ({"models": [{"name": ["qwen2.5"]}]}, {"models": {"qwen2.5": 1}}, [1], "x"):
+        assert facts_from("qwen2.5", listed, None, show, running=odd).context_window == 8192
+
+
 @pytest.mark.parametrize(
     "models", [{"data": True}, {"data": 5}, {"data": "m"}, {"data": {"id": "m"}}, [1], "x"]
 )

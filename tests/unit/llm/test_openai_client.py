@@ -138,12 +138,17 @@ async def test_an_attempt_may_carry_a_longer_read_timeout_than_the_clients(
 
 
 @asynccontextmanager
-async def _serving(route: str, handler: Any) -> AsyncIterator[str]:
-    """A server on a free loopback port answering POSTs to `route` with `handler`."""
+async def _serving(
+    route: str, handler: Any, gets: dict[str, Any] | None = None
+) -> AsyncIterator[str]:
+    """A server on a free loopback port answering POSTs to `route` with `handler` (and
+    GETs of each route in `gets` with its handler)."""
     from aiohttp import web
 
     app = web.Application()
     app.router.add_post(route, handler)
+    for path, answer in (gets or {}).items():
+        app.router.add_get(path, answer)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -273,6 +278,37 @@ async def test_geminis_errors_in_a_list_say_their_wait_and_their_window() -> Non
             else:
                 assert isinstance(error, ContextOverflow) and error.window == 1048576
                 assert error.prompt_tokens == 1048577
+
+
+async def test_ollama_is_asked_the_window_it_gave_its_loaded_model() -> None:
+    """Ollama answers `/api/show` (no `num_ctx` there unless the modelfile sets one) and
+    `/api/ps`, where a loaded model's `context_length` is the window its prompts are cut
+    at; llama.cpp's `/props` it has not."""
+    from aiohttp import web
+
+    from tests.unit.llm.test_endpoint import OLLAMA_PS
+
+    def json(body: Any) -> web.Response:
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def show(request: web.Request) -> web.Response:
+        return json({"parameters": 'stop "<|im_end|>"', "model_info": {}})
+
+    async def models(request: web.Request) -> web.Response:
+        return json({"object": "list", "data": [{"id": "qwen2.5:latest", "owned_by": "library"}]})
+
+    async def running(request: web.Request) -> web.Response:
+        return json(OLLAMA_PS)
+
+    gets = {"/v1/models": models, "/api/ps": running}
+    async with _serving("/api/show", show, gets) as url:
+        client = OpenAIClient(base_url=f"{url}/v1", api_key=None, connect_timeout_s=2.0,
+                              read_timeout_s=5.0)  # fmt: skip
+        try:
+            facts = await client.describe("qwen2.5")
+        finally:
+            await client.close()
+    assert (facts.server, facts.context_window) == ("ollama", 4096)
 
 
 def test_an_error_body_of_any_shape_says_what_it_can() -> None:
