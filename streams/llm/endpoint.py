@@ -13,7 +13,8 @@ Servers other than OpenAI's say these things, each in its own place:
   its `num_ctx`, OLLAMA_CONTEXT_LENGTH or the server's memory — 4,096 tokens under 24 GiB
   of VRAM, whatever the model was trained for), else `POST /api/show` (`parameters` holds
   `num_ctx` when the model sets one). Its OpenAI endpoint cuts a longer prompt silently,
-  which nothing else tells; a model not loaded yet when the worker asks says neither.
+  which nothing else tells; a model it loads only at its first call (`unloaded`) is asked
+  about again once it has answered (`resilience.guarded`).
 
 OpenAI's own model list says none of them: its windows stay at the default until an
 overflow error says the number (`llm.overflow`).
@@ -52,6 +53,9 @@ class EndpointFacts:
     context_window: int | None = None  # one request's window, in the server's tokens
     slots: int | None = None  # requests it works on at once (llama.cpp's slots)
     models: tuple[str, ...] = ()
+    # A server that loads a model at its first call (Ollama) had not loaded this one: what
+    # it gives the model is said once it has answered.
+    unloaded: bool = False
 
 
 def facts_from(
@@ -79,14 +83,18 @@ def facts_from(
         if isinstance(settings, Mapping):
             window = _positive(settings.get("n_ctx")) or window
         slots = _positive(props.get("total_slots"))
+    unloaded = False
     if isinstance(show, Mapping):
         server = server or "ollama"
         found = _NUM_CTX.search(str(show.get("parameters") or ""))
-        window = _loaded_window(model, running) or (int(found.group(1)) if found else window)
+        loaded = _loaded_window(model, running)
+        window = loaded or (int(found.group(1)) if found else window)
+        unloaded = loaded is None
     if entry is not None and server is None:
         owned = str(entry.get("owned_by") or "")
         server = "vllm" if owned == "vllm" else "llama.cpp" if owned == "llamacpp" else None
-    return EndpointFacts(server=server, context_window=window, slots=slots, models=ids)
+    return EndpointFacts(server=server, context_window=window, slots=slots, models=ids,
+                         unloaded=unloaded)  # fmt: skip
 
 
 def _window_of(entry: Mapping[str, Any]) -> int | None:

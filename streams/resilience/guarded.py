@@ -105,6 +105,10 @@ class GuardedClient:
         # Structured-output modes this endpoint and model did not honour, and what it did.
         self.unhonoured: dict[str, str] = {}
         self._describing: asyncio.Task[EndpointFacts] | None = None
+        # The model it was asked about had not been loaded (Ollama): asked about again, once,
+        # at its first answer, when the window the server gave it is said.
+        self._ask_again: str | None = None
+        self._asked_again = False
         self.limiter = limiter
         self.breaker = breaker
         self.make_breaker = make_breaker
@@ -129,9 +133,19 @@ class GuardedClient:
         describe = getattr(self.client, "describe", None)
         facts = await describe(model) if describe is not None else EndpointFacts()
         self.facts = facts
+        if facts.unloaded and not self._asked_again:
+            self._ask_again = model
         self.window.tell(facts.context_window)
         self.concurrency.tell_slots(facts.slots)
         return facts
+
+    async def _ask_loaded(self, model: str) -> EndpointFacts:
+        """Asked again once the model answered; what was said before stands if it fails."""
+        try:
+            return await self._ask_facts(model)
+        except Exception as exc:  # nobody awaits it: said here
+            log.warning("%s: asking again what it gave %s failed: %r", self.endpoint, model, exc)
+            return self.facts or EndpointFacts()
 
     @property
     def endpoint(self) -> str:
@@ -265,6 +279,9 @@ class GuardedClient:
             self._unanswered(request)
             raise
         took = self.clock.now() - started
+        if self._ask_again is not None:  # loaded now: what the server gave it is said
+            model, self._ask_again, self._asked_again = self._ask_again, None, True
+            self._describing = asyncio.ensure_future(self._ask_loaded(model))
         response = self._with_usage(request, response)
         call.verdict = call.model_served = True
         call.served = Served(took, response.prompt_tokens, response.completion_tokens,
@@ -483,4 +500,6 @@ class GuardedClient:
                 await asyncio.shield(breaker.changed())
 
     async def close(self) -> None:
+        if self._describing is not None:
+            self._describing.cancel()
         await self.client.close()

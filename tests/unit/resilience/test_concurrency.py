@@ -226,3 +226,30 @@ async def test_a_call_that_times_out_gives_its_turn_back_and_cuts_the_limit() ->
     with pytest.raises(Timeout):
         await guarded.complete(request)
     assert gate.in_flight == 0 and gate.current == 2  # 4 x 0.7
+
+
+async def test_a_model_loaded_at_its_first_call_is_asked_about_once_it_answered() -> None:
+    """Ollama loads a model at its first call, and says the window it gave it (`/api/ps`)
+    only then: asked before, it says nothing, and the worker counted on 128,000 tokens
+    where Ollama cuts prompts at 4,096. Asked again once, after the first answer."""
+
+    class LoadsOnDemand(SlotServer):
+        asked = 0
+
+        async def describe(self, model: str) -> EndpointFacts:
+            self.asked += 1
+            if self.at_once == 0 and self.most_at_once == 0:  # not called yet: not loaded
+                return EndpointFacts(server="ollama", unloaded=True)
+            return EndpointFacts(server="ollama", context_window=4096)
+
+    server = LoadsOnDemand(slots=1, service_s=0)
+    guarded = GuardedClient(server, limiter=RateLimiter(rpm=1_000_000),
+                            breaker=CircuitBreaker("o"))  # fmt: skip
+    assert await guarded.context_window("qwen2.5") > 100_000  # nothing said yet
+    request = LLMRequest(messages=[{"role": "user", "content": "hi"}], model="qwen2.5")
+    for _ in range(3):
+        await guarded.complete(request)
+        await asyncio.sleep(0)
+    assert (guarded.window.server_tokens, guarded.window.source) == (4096, "endpoint")
+    assert server.asked == 2  # once at the start, once after the first answer
+    await guarded.close()
