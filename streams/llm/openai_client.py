@@ -321,11 +321,12 @@ class OpenAIClient:
         name = "llama.cpp" if "llama.cpp" in said else None
         return facts_from(model, models, props, show, server=name, running=running)
 
-    async def models(self, timeout_s: float = 10.0) -> tuple[int, list[str]]:
-        """`GET /models`: its status and the model ids it lists. Raises OSError,
-        aiohttp.ClientError or TimeoutError when the endpoint cannot be reached."""
+    async def models(self, timeout_s: float = 10.0, path: str = "/models") -> tuple[int, list[str]]:
+        """`GET /models` (or `path` below the endpoint): its status and the model ids it
+        lists. Raises OSError, aiohttp.ClientError or TimeoutError when the endpoint cannot
+        be reached."""
         session = self._session if self._session is not None else self._open()
-        url = self._endpoint.rstrip("/") + "/models"
+        url = self._endpoint.rstrip("/") + path
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                proxy=self._proxy) as response:  # fmt: skip
             body = await read_at_most(response, MAX_RESPONSE_BYTES)

@@ -222,7 +222,24 @@ async def _ask(
                           f"check {key_vars}")  # fmt: skip
     if status >= 500:
         raise EndpointAway(f"the LLM endpoint {where} answered HTTP {status}")
+    if status == 404 and not client.endpoint.rstrip("/").endswith("/v1"):
+        await _without_v1(client, where, url_vars)
     return ids  # 404 and the like: a server without a model list says nothing more
+
+
+async def _without_v1(client: OpenAIClient, where: str, url_vars: str) -> None:
+    """An endpoint with no `/models` whose `/v1/models` lists models was given without its
+    `/v1` (vLLM, LiteLLM, Ollama serve their OpenAI routes there alone): every call would
+    be refused (404) — one line naming the setting, not every task's model circuit."""
+    try:
+        status, ids = await client.models(path="/v1/models")
+    except (OSError, aiohttp.ClientError, TimeoutError):
+        return
+    if status == 200 and ids:
+        fixed = client.endpoint.rstrip("/") + "/v1"
+        raise ConfigError(f"the LLM endpoint {where} has no /models, but {fixed}/models "
+                          f"lists {', '.join(ids[:4])}: its OpenAI routes are under /v1 — "
+                          f"set {url_vars} to {fixed}")  # fmt: skip
 
 
 __all__ = ["EndpointAway", "Preflight", "banner", "llm_preflight"]

@@ -74,6 +74,22 @@ async def test_a_wrong_host_or_no_key_fails_at_once() -> None:
         await llm_preflight(load_settings())  # OpenAI's own endpoint, no key
 
 
+async def test_an_endpoint_given_without_its_v1_is_said_at_once() -> None:
+    """vLLM, LiteLLM and Ollama serve their OpenAI routes under /v1 alone: given without
+    it, every call was a 404 — each model's circuit opened, every task waited out its
+    deadline and ended `circuit_open` — while the start said nothing (no /models there
+    read as a server without a model list)."""
+    server = await SimulatorServer(SimConfig(api_key="k")).start()
+    bare = server.base_url.removesuffix("/v1")
+    try:
+        with pytest.raises(ConfigError, match=rf"under /v1 — set OPENAI_BASE_URL .* to {bare}/v1"):
+            await llm_preflight(load_settings(llm={"base_url": bare, "api_key": "k"}))
+        assert "sim-1" in (await llm_preflight(load_settings(llm={
+            "base_url": server.base_url, "api_key": "k"}))).models  # fmt: skip
+    finally:
+        await server.stop()
+
+
 async def test_an_endpoint_away_at_start_is_waited_for_then_given_up_on() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}/v1"
