@@ -39,11 +39,13 @@ async def endpoint_report(settings: Settings, registry: PipelineRegistry) -> lis
 
 async def _describe(lines: list[str], where: str, client: OpenAIClient, model: str) -> None:
     facts = await client.describe(model)
+    tried = await client.structured_support(model)
+    if facts.unloaded:  # loaded by the tries (Ollama): the window it was given is said now
+        facts = await client.describe(model)
     window = facts.context_window or "not said (learned from an overflow)"
     lines.append(f"{where}: server {facts.server or 'not said'}, window {window}, "
                  f"slots {facts.slots or 'not said'}")  # fmt: skip
-    for mode, verdict in (await client.structured_support(model)).items():
-        lines.append(f"  {mode}: {verdict}")
+    lines += [f"  {mode}: {verdict}" for mode, verdict in tried.items()]
 
 
 __all__ = ["endpoint_report"]
