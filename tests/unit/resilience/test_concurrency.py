@@ -253,3 +253,31 @@ async def test_a_model_loaded_at_its_first_call_is_asked_about_once_it_answered(
     assert (guarded.window.server_tokens, guarded.window.source) == (4096, "endpoint")
     assert server.asked == 2  # once at the start, once after the first answer
     await guarded.close()
+
+
+async def test_asking_again_about_a_loaded_model_that_fails_leaves_what_was_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The second ask runs beside the calls, awaited by nobody: its failure is logged, the
+    window stays as said at the start, and the calls go on."""
+
+    class FailsTheSecondTime(SlotServer):
+        asked = 0
+
+        async def describe(self, model: str) -> EndpointFacts:
+            self.asked += 1
+            if self.asked > 1:
+                raise RuntimeError("the endpoint's session is closed")
+            return EndpointFacts(server="ollama", context_window=8192, unloaded=True)
+
+    server = FailsTheSecondTime(slots=1, service_s=0)
+    guarded = GuardedClient(server, limiter=RateLimiter(rpm=1_000_000),
+                            breaker=CircuitBreaker("o"))  # fmt: skip
+    await guarded.context_window("qwen2.5")
+    request = LLMRequest(messages=[{"role": "user", "content": "hi"}], model="qwen2.5")
+    for _ in range(3):
+        await guarded.complete(request)
+        await asyncio.sleep(0)
+    assert server.asked == 2 and guarded.window.server_tokens == 8192
+    assert any("asking again what it gave qwen2.5 failed" in r.getMessage() for r in caplog.records)
+    await guarded.close()
