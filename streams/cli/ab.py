@@ -35,7 +35,7 @@ def ab_report(pipeline: str, as_json: bool) -> None:
     if as_json:
         click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return
-    console = Console(soft_wrap=True)
+    console = Console(soft_wrap=True, markup=False)  # names and labels are text, not markup
     if not data["versions"]:
         console.print(f"{pipeline}: no results or dead letters yet", highlight=False)
         return

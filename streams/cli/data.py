@@ -330,7 +330,7 @@ def diff(pipeline: str, from_version: str, to_version: str) -> None:
     settings = settings_or_exit()
     schema = pipeline_or_exit(settings, pipeline, "diff").output_schema
     compared = on_kafka(settings, compare(settings, pipeline, from_version, to_version, schema))
-    console = Console(soft_wrap=True)
+    console = Console(soft_wrap=True, markup=False)  # names and labels are text, not markup
     console.print(f"{pipeline}: {compared.both} task(s) answered under both {from_version} and "
                   f"{to_version}; {compared.only_from} only under {from_version}, "
                   f"{compared.only_to} only under {to_version}", highlight=False)  # fmt: skip

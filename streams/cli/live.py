@@ -87,7 +87,7 @@ def versions_table(snap: dict[str, Any]) -> Table | None:
         lat = v["latency_s"]
         tokens, cost = v["tokens_per_accepted"], v["cost_per_accepted_usd"]
         t.add_row(
-            f"{v['pipeline']} / {v['version']}", str(v["tasks"]), pct(v["pass_rate"]),
+            Text(f"{v['pipeline']} / {v['version']}"), str(v["tasks"]), pct(v["pass_rate"]),
             pct(v["repair_rate"]), pct(v["dead_letter_rate"]), pct(v["review_share"]),
             f"{secs(lat['p50'])} / {secs(lat['p95'])}",
             "–" if tokens is None else f"{tokens:.0f}",

@@ -56,7 +56,7 @@ def drift_command(pipeline: str, version: str | None, baseline: str, window: int
     rows, saved = on_kafka(settings, drift(settings, pipeline, found.output_schema,
                                            version=version, baseline=chosen, window=window,
                                            save=save_baseline))  # fmt: skip
-    console = Console(soft_wrap=True)
+    console = Console(soft_wrap=True, markup=False)  # names and labels are text, not markup
     if not rows:
         console.print(f"{pipeline}: no answers yet", highlight=False)
     for v in rows:

@@ -36,7 +36,7 @@ def run_replay_command(
     tier: str | None = None,
     budget_usd: float | None = None,
 ) -> int:
-    console = Console(stderr=True)
+    console = Console(stderr=True, markup=False)  # what went wrong is text, not markup
     request = ReplayRequest(
         source=source, since=since, until=until, from_offsets=from_offsets,
         pipeline=pipeline, prompt_version=prompt_version, force=force, tier=tier,
@@ -85,7 +85,7 @@ def _summary(
     one line per fact, for people and scripts."""
     c = cp.counts
     verb = "would send" if dry_run else "sent"
-    out = Console(soft_wrap=True)
+    out = Console(soft_wrap=True, markup=False)
     out.print(
         f"replay {cp.replay_id} of {cp.source}: {c.read} record(s) read, {verb} {c.published} "
         f"to {settings.topics.replay}; skipped {c.answered} already answered, {c.filtered} "
