@@ -376,7 +376,9 @@ class Calls:
                 response = counted
                 m.usage_unsaid.labels(self.client.deployment).inc()
             m.llm_requests.labels(request.model, "ok", "").inc()
-            m.used(response.model, response.prompt_tokens, response.completion_tokens,
+            # Under the model asked, as a call's (`GuardedClient`): the line's own name for
+            # it (a dated snapshot) would split one model's tokens by lane.
+            m.used(request.model, response.prompt_tokens, response.completion_tokens,
                    response.cached_prompt_tokens)  # fmt: skip
             return response, True
         guarded = client or self.client

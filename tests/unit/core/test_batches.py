@@ -689,3 +689,42 @@ async def test_requests_of_a_partition_lost_before_their_batch_is_created_are_no
         await waiting
     assert simulator.sim.snapshot()["batches"] == 0
     await lane.close()
+
+
+async def test_a_batch_answers_tokens_are_counted_under_the_model_asked_as_a_calls_are(
+    client: OpenAIClient, make_processor: MakeProcessor
+) -> None:
+    """A batch line's body names the model that answered as the provider names it (OpenAI:
+    its dated snapshot): its tokens were counted under that name, a call's under the
+    model asked — one model's tokens in two series, depending on the lane."""
+    from streams.llm.client import LLMResponse
+
+    class Answering:
+        def takes(self, _parking: object) -> bool:
+            return True
+
+        async def complete(self, *_args: object, **_kw: object) -> LLMResponse:
+            good = {"sentiment": "mixed", "confidence": 0.8, "topics": ["delivery"],
+                    "issues": [], "summary": "Late, works.", "language": "en"}  # fmt: skip
+            return LLMResponse(content=orjson.dumps(good).decode(),
+                               model="sim-1-2024-07-18", prompt_tokens=50,
+                               completion_tokens=20, finish_reason="stop")  # fmt: skip
+
+        async def close(self) -> None:
+            return None
+
+    registry = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
+    processor = make_processor(client, registry=registry, limiter=RateLimiter(rpm=None),
+                               batch_deadline_s=60)  # fmt: skip
+    processor.batches = Answering()  # type: ignore[assignment]
+    raw = orjson.dumps({"task_id": "b1", "pipeline": "comment-analysis",
+                        "input": {"text": "Arrived late, works great."}})  # fmt: skip
+    prep = processor.intake.prepare(raw, None, Source(topic="r", partition=0, offset=1))
+    assert not isinstance(prep, Outcome)
+    out = await processor.answer(prep, Lane.REPLAY, None, Tier.BATCH)
+    assert out.kind == "result", orjson.loads(out.value)
+    sample = processor.metrics.registry.get_sample_value
+    assert sample("llm_streams_tokens_total", {"model": "sim-1", "kind": "prompt"}) == 50
+    assert (
+        sample("llm_streams_tokens_total", {"model": "sim-1-2024-07-18", "kind": "prompt"}) is None
+    )
