@@ -15,6 +15,7 @@ from streams.contract.mistakes import mistakes_of
 from streams.errors import ConfigError, InvalidInput
 from streams.pipelines.pipeline import (
     Pipeline,
+    offline_validator,
     resolve_stages,
 )
 from streams.pipelines.render import PipelineVersion
@@ -113,6 +114,7 @@ def _load_one(path: Path, schemas_dir: Path) -> Pipeline:
     try:
         schema = json.loads(schema_path.read_text(encoding="utf-8"))
         jsonschema.Draft202012Validator.check_schema(schema)
+        offline_validator(schema)
     except (OSError, ValueError, jsonschema.SchemaError) as exc:
         raise ConfigError(f"{path}: output schema {schema_path}: {exc}") from exc
     pipeline = Pipeline(spec, schema)

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -255,3 +257,31 @@ def test_a_pipeline_files_mistakes_are_one_human_line_each(tmp_path: Path) -> No
     lines = str(info.value).splitlines()
     assert lines[1].startswith("  versions.v1: params.temprature is no Chat Completions")
     assert lines[2].startswith("  versions.v1: params.top_k is a server's own")
+
+
+@pytest.mark.parametrize(
+    ("ref", "words"),
+    [
+        ("#/$defs/Nope", "/$defs/Nope"),  # a definition misnamed
+        ("https://example.com/a.json", "https://example.com/a.json"),  # fetched at each start
+    ],
+)
+def test_an_output_schema_whose_ref_does_not_resolve_within_it_is_refused(
+    tmp_path: Path, ref: str, words: str
+) -> None:
+    """Once the Rust validator's own error out of the load (a traceback at the start and
+    in every command reading the pipelines); a schema elsewhere was fetched over the
+    network at each start, where the validator that writes the errors fetches nothing."""
+    schemas = tmp_path / "schemas"
+    shutil.copytree(ROOT / "schemas", schemas)
+    (schemas / "x.json").write_text(json.dumps({
+        "type": "object", "properties": {"a": {"$ref": ref}}, "required": ["a"],
+    }))  # fmt: skip
+    (tmp_path / "p.yaml").write_text(
+        "name: p\ndefault_version: v1\noutput_schema: x.json\n"
+        "versions:\n  v1: {system: s, template: t, slots: {text: {}}}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        PipelineRegistry.load(tmp_path, schemas)
+    assert "x.json" in str(info.value) and words in str(info.value)
+    assert "$ref" in str(info.value)
