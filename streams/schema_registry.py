@@ -4,9 +4,9 @@ decoded with the schemas of a schema registry; pipelines' `source: {format: regi
     decoder = RecordDecoder(RegistryClient(settings.schema_registry), metrics)
     document = await decoder.decode(value)   # a JSON-ready object, or InvalidInput
 
-Avro bodies are read with fastavro (schema references resolved through the registry);
-JSON Schema bodies are parsed and validated against their schema. Protobuf is refused
-(as invalid input, with the reason). Decoded values are made JSON-ready: bytes and
+Avro bodies are read with fastavro, JSON Schema bodies parsed and validated against their
+schema (either's references to other subjects resolved through the registry). Protobuf
+is refused (as invalid input, with the reason). Decoded values are made JSON-ready: bytes and
 fixed as base64, decimals as exact strings, dates and times in ISO 8601, so results
 stay JSON and a slot of any Avro type can be written.
 
@@ -46,6 +46,9 @@ import aiohttp
 import fastavro
 import jsonschema
 import orjson
+import referencing
+import referencing.exceptions
+import referencing.jsonschema
 from fastavro.types import Schema as AvroSchema
 
 from streams.contract.records import MAX_DEPTH, record_json, shallow
@@ -159,10 +162,16 @@ class RegistryClient:
                 document = orjson.loads(text)
                 cls = jsonschema.validators.validator_for(document, jsonschema.Draft7Validator)
                 cls.check_schema(document)
-            except (orjson.JSONDecodeError, jsonschema.SchemaError) as exc:
+                found = await self._json_references(body.get("references") or [], 0)
+            except (orjson.JSONDecodeError, jsonschema.SchemaError, TypeError, KeyError,
+                    referencing.exceptions.CannotDetermineSpecification) as exc:  # fmt: skip
                 log.warning("schema %d of the registry does not parse: %s", schema_id, exc)
                 raise UnknownSchema(schema_id) from exc
-            return Schema(schema_id, kind, validator=cls(document))
+            resources = [(name, referencing.Resource.from_contents(
+                contents, default_specification=referencing.jsonschema.DRAFT7))
+                for name, contents in found]  # fmt: skip
+            registry: referencing.Registry[Any] = referencing.Registry().with_resources(resources)
+            return Schema(schema_id, kind, validator=cls(document, registry=registry))
         return Schema(schema_id, kind)
 
     async def _references(self, refs: list[dict[str, Any]], named: dict[str, Any],
@@ -178,6 +187,21 @@ class RegistryClient:
             body = await self._get(f"/subjects/{subject}/versions/{quote(str(version), safe='')}")
             await self._references(body.get("references") or [], named, depth + 1)
             fastavro.parse_schema(orjson.loads(body["schema"]), named_schemas=named)
+
+    async def _json_references(self, refs: Any, depth: int) -> list[tuple[str, Any]]:
+        """The JSON schemas a JSON schema takes from other subjects (Confluent's JSON Schema
+        references): each under the name its `$ref`s use, their own references after it."""
+        if depth > _MAX_REFERENCE_DEPTH:
+            raise UnknownSchema(f"references nested over {_MAX_REFERENCE_DEPTH} deep")
+        if not isinstance(refs, list) or not all(isinstance(ref, dict) for ref in refs):
+            raise UnknownSchema(f"references that are no list of objects: {str(refs)[:200]}")
+        found: list[tuple[str, Any]] = []
+        for ref in refs:
+            subject, version = quote(str(ref.get("subject")), safe=""), ref.get("version")
+            body = await self._get(f"/subjects/{subject}/versions/{quote(str(version), safe='')}")
+            found.append((str(ref.get("name")), orjson.loads(body["schema"])))
+            found += await self._json_references(body.get("references") or [], depth + 1)
+        return found
 
     async def _get(self, path: str) -> dict[str, Any]:
         """GET `path`: the JSON body; UnknownSchema on 404; otherwise tries until it
@@ -325,7 +349,12 @@ def decode_body(schema: Schema, body: bytes) -> Any:
             raise InvalidInput(f"source record's body is not JSON: {exc}",
                                code="source_undecodable") from None  # fmt: skip
         shallow(document, body, source=True)
-        error = jsonschema.exceptions.best_match(schema.validator.iter_errors(document))
+        try:
+            error = jsonschema.exceptions.best_match(schema.validator.iter_errors(document))
+        except referencing.exceptions.Unresolvable as exc:  # a $ref to nowhere it knows
+            raise InvalidInput(f"JSON schema {schema.id} has a $ref that resolves neither "
+                               f"within it nor to one of its references: {exc}",
+                               code="source_schema_unknown") from None  # fmt: skip
         if error is not None:
             where = "/" + "/".join(str(p) for p in error.absolute_path)
             raise InvalidInput(f"source record does not conform to JSON schema {schema.id} "

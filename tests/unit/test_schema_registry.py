@@ -372,3 +372,50 @@ async def test_an_unknown_id_asked_again_is_the_last_one_the_bound_drops(
         assert list(client._unknown) == [51, 53]
     finally:
         await client.close()
+
+
+async def test_a_json_schemas_references_to_other_subjects_are_resolved(
+    fake_registry: FakeRegistry,
+) -> None:
+    """Confluent's JSON Schema references: `$ref: customer.json` names a schema registered
+    under another subject. It was resolved nowhere: validating any record raised the
+    reference error, each record an `internal_error` dead letter."""
+    address = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
+    customer = {
+        "type": "object",
+        "required": ["name"],
+        "properties": {"name": {"type": "string"}, "address": {"$ref": "address.json"}},
+    }
+    review = {"type": "object", "required": ["text", "by"],
+              "properties": {"text": {"type": "string"}, "by": {"$ref": "customer.json"}}}  # fmt: skip
+    fake_registry.subjects[("address", "1")] = {"schema": orjson.dumps(address).decode()}
+    fake_registry.subjects[("customer", "2")] = {
+        "schema": orjson.dumps(customer).decode(), "schemaType": "JSON",
+        "references": [{"name": "address.json", "subject": "address", "version": 1}],
+    }  # fmt: skip
+    fake_registry.schemas[41] = {
+        "schemaType": "JSON", "schema": orjson.dumps(review).decode(),
+        "references": [{"name": "customer.json", "subject": "customer", "version": 2}],
+    }  # fmt: skip
+    decoder = RecordDecoder(client_for(fake_registry))
+    try:
+        good = {"text": "ok", "by": {"name": "Ann", "address": {"city": "Oslo"}}}
+        assert await decoder.decode(framed(41, orjson.dumps(good))) == good
+        bad = {"text": "ok", "by": {"name": "Ann", "address": {"city": 7}}}
+        with pytest.raises(InvalidInput) as caught:
+            await decoder.decode(framed(41, orjson.dumps(bad)))
+        assert caught.value.code == "source_schema_mismatch"
+        assert "/by/address/city" in caught.value.message
+    finally:
+        await decoder.client.close()
+
+
+def test_a_json_schemas_ref_to_nowhere_is_said_for_each_record() -> None:
+    import jsonschema
+
+    orphan = {"type": "object", "properties": {"by": {"$ref": "customer.json"}}}
+    schema = Schema(6, "JSON", validator=jsonschema.Draft7Validator(orphan))
+    with pytest.raises(InvalidInput) as caught:
+        decode_body(schema, b'{"by": {"name": "Ann"}}')
+    assert caught.value.code == "source_schema_unknown"
+    assert "customer.json" in caught.value.message and "schema 6" in caught.value.message
