@@ -73,13 +73,16 @@ def whole_schema(
 
 def refuses_json_schema(request: LLMRequest, exc: StreamsError) -> bool:
     """A refusal of the json_schema response format itself (an endpoint without structured
-    outputs: llama-cpp-python's server answers 500, some gateways 400), not of the task."""
+    outputs: llama-cpp-python's server answers 500, some gateways 400) or of the schema
+    (llama.cpp's server: "JSON schema error at …", vLLM: "… not supported by xgrammar"),
+    not of the task."""
     if (request.response_format or {}).get("type") != "json_schema":
         return False
     if not isinstance(exc, BadRequest | UpstreamError) or exc.code == "json_schema_refused":
         return False
     said = exc.message.lower()
-    return "json_schema" in said or "response_format" in said or "grammar" in said
+    return any(word in said for word in ("json_schema", "json schema", "response_format",
+                                         "grammar"))  # fmt: skip
 
 
 # The least temperature of a repair turn (one that shows the model its rejected answer).

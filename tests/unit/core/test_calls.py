@@ -96,3 +96,36 @@ async def test_an_endpoint_that_refuses_json_schema_is_asked_with_the_schema_in_
                                                            "schema_in_prompt")  # fmt: skip
     assert counted._value.get() == 1
     assert sum("does not honour json_schema" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    ("message", "refused"),
+    [
+        ("Unsupported response_format type: json_schema", True),  # llama-cpp-python (500)
+        # llama.cpp's server (400), a schema its grammar cannot be made from:
+        (
+            "Unable to generate parser for this template. Automatic parser generation failed: "
+            "JSON schema error at #/properties/a: unsupported $ref https://example.com/a.json, "
+            "only references into the same document are supported",
+            True,
+        ),
+        ("JSON schema conversion failed:\nUnrecognized schema: {}", True),  # older llama.cpp
+        # vLLM (400) with guided decoding on xgrammar:
+        ("The provided JSON schema contains features not supported by xgrammar.", True),
+        ("'messages' must contain the word 'json' in some form", False),  # the task's own
+        ("temperature: Input should be less than or equal to 2", False),
+    ],
+)
+def test_a_refusal_of_the_schema_itself_is_told_from_a_refusal_of_the_task(
+    message: str, refused: bool
+) -> None:
+    """A schema the endpoint cannot enforce was each task's bad_request dead letter on
+    llama.cpp and vLLM, whose words for it did not say "json_schema"."""
+    from streams.core.calls import refuses_json_schema
+    from streams.errors import BadRequest, UpstreamError
+    from streams.llm.client import LLMRequest
+
+    request = LLMRequest(messages=[{"role": "user", "content": "x"}], model="m",
+                         response_format={"type": "json_schema", "json_schema": {}})  # fmt: skip
+    for error in (BadRequest(message), UpstreamError(message)):  # a 400, a 500
+        assert refuses_json_schema(request, error) is refused
