@@ -40,7 +40,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urljoin
 
 import aiohttp
 import fastavro
@@ -162,14 +162,12 @@ class RegistryClient:
                 document = orjson.loads(text)
                 cls = jsonschema.validators.validator_for(document, jsonschema.Draft7Validator)
                 cls.check_schema(document)
-                found = await self._json_references(body.get("references") or [], 0)
+                resources = await self._json_references(body.get("references") or [],
+                                                        _base_of(document), 0)  # fmt: skip
             except (orjson.JSONDecodeError, jsonschema.SchemaError, TypeError, KeyError,
                     referencing.exceptions.CannotDetermineSpecification) as exc:  # fmt: skip
                 log.warning("schema %d of the registry does not parse: %s", schema_id, exc)
                 raise UnknownSchema(schema_id) from exc
-            resources = [(name, referencing.Resource.from_contents(
-                contents, default_specification=referencing.jsonschema.DRAFT7))
-                for name, contents in found]  # fmt: skip
             registry: referencing.Registry[Any] = referencing.Registry().with_resources(resources)
             return Schema(schema_id, kind, validator=cls(document, registry=registry))
         return Schema(schema_id, kind)
@@ -188,19 +186,30 @@ class RegistryClient:
             await self._references(body.get("references") or [], named, depth + 1)
             fastavro.parse_schema(orjson.loads(body["schema"]), named_schemas=named)
 
-    async def _json_references(self, refs: Any, depth: int) -> list[tuple[str, Any]]:
-        """The JSON schemas a JSON schema takes from other subjects (Confluent's JSON Schema
-        references): each under the name its `$ref`s use, their own references after it."""
+    async def _json_references(
+        self, refs: Any, base: str | None, depth: int
+    ) -> list[tuple[str, referencing.Resource[Any]]]:
+        """The JSON schemas a JSON schema (of `$id` `base`) takes from other subjects
+        (Confluent's JSON Schema references), with their own: each under every URI a
+        `$ref` may reach it by — the reference's name, that name against the referrer's
+        `$id`, and its own `$id`."""
         if depth > _MAX_REFERENCE_DEPTH:
             raise UnknownSchema(f"references nested over {_MAX_REFERENCE_DEPTH} deep")
         if not isinstance(refs, list) or not all(isinstance(ref, dict) for ref in refs):
             raise UnknownSchema(f"references that are no list of objects: {str(refs)[:200]}")
-        found: list[tuple[str, Any]] = []
+        found: list[tuple[str, referencing.Resource[Any]]] = []
         for ref in refs:
             subject, version = quote(str(ref.get("subject")), safe=""), ref.get("version")
             body = await self._get(f"/subjects/{subject}/versions/{quote(str(version), safe='')}")
-            found.append((str(ref.get("name")), orjson.loads(body["schema"])))
-            found += await self._json_references(body.get("references") or [], depth + 1)
+            contents = orjson.loads(body["schema"])
+            resource = referencing.Resource.from_contents(
+                contents, default_specification=referencing.jsonschema.DRAFT7
+            )
+            name = str(ref.get("name"))
+            uris = {name, urljoin(base, name) if base else name, resource.id() or name}
+            found += [(uri, resource) for uri in sorted(uris)]
+            found += await self._json_references(body.get("references") or [],
+                                                  _base_of(contents), depth + 1)  # fmt: skip
         return found
 
     async def _get(self, path: str) -> dict[str, Any]:
@@ -363,6 +372,12 @@ def decode_body(schema: Schema, body: bytes) -> Any:
         return document
     raise InvalidInput(f"source record's schema {schema.id} is {schema.kind}; only AVRO and "
                        "JSON records are decoded", code="source_schema_type")  # fmt: skip
+
+
+def _base_of(schema: Any) -> str | None:
+    """A JSON schema's own `$id`, against which its relative `$ref`s resolve."""
+    found = schema.get("$id") if isinstance(schema, dict) else None
+    return found if isinstance(found, str) and found else None
 
 
 # Array items that take no bytes (nulls, empty records, fixed of size 0) an Avro record may

@@ -419,3 +419,31 @@ def test_a_json_schemas_ref_to_nowhere_is_said_for_each_record() -> None:
         decode_body(schema, b'{"by": {"name": "Ann"}}')
     assert caught.value.code == "source_schema_unknown"
     assert "customer.json" in caught.value.message and "schema 6" in caught.value.message
+
+
+async def test_a_reference_is_found_by_its_name_against_the_referrers_id(
+    fake_registry: FakeRegistry,
+) -> None:
+    """Confluent's own example: the referrer has an `$id`, so its `$ref: ref.json` reads as
+    `http://example.com/ref.json` — the referenced schema's `$id`, or the reference's name
+    against the referrer's."""
+    for with_id in (True, False):
+        ref = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}
+        if with_id:
+            ref["$id"] = "http://example.com/ref.json"
+        root = {"$id": "http://example.com/referrer.json", "type": "object",
+                "properties": {"Ref": {"$ref": "ref.json"}}}  # fmt: skip
+        fake_registry.subjects[("reference", "1")] = {"schema": orjson.dumps(ref).decode()}
+        fake_registry.schemas[50 + with_id] = {
+            "schemaType": "JSON", "schema": orjson.dumps(root).decode(),
+            "references": [{"name": "ref.json", "subject": "reference", "version": 1}],
+        }  # fmt: skip
+        decoder = RecordDecoder(client_for(fake_registry))
+        try:
+            assert await decoder.decode(framed(50 + with_id, b'{"Ref": {"n": 1}}')) == {
+                "Ref": {"n": 1}}  # fmt: skip
+            with pytest.raises(InvalidInput) as caught:
+                await decoder.decode(framed(50 + with_id, b'{"Ref": {"n": "one"}}'))
+            assert caught.value.code == "source_schema_mismatch", caught.value.message
+        finally:
+            await decoder.client.close()
