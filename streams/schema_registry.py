@@ -150,7 +150,7 @@ class RegistryClient:
         if kind == "AVRO":
             named: dict[str, Any] = {}
             try:
-                await self._references(body.get("references") or [], named, 0)
+                await self._references(body.get("references") or [], named)
                 avro = fastavro.parse_schema(orjson.loads(text), named_schemas=named)
             except (fastavro.schema.SchemaParseException, fastavro.schema.UnknownType,
                     ValueError, TypeError, KeyError) as exc:  # fmt: skip
@@ -162,8 +162,7 @@ class RegistryClient:
                 document = orjson.loads(text)
                 cls = jsonschema.validators.validator_for(document, jsonschema.Draft7Validator)
                 cls.check_schema(document)
-                resources = await self._json_references(body.get("references") or [],
-                                                        _base_of(document), 0)  # fmt: skip
+                resources = await self._json_references(body.get("references") or [], document)
             except (orjson.JSONDecodeError, jsonschema.SchemaError, TypeError, KeyError,
                     referencing.exceptions.CannotDetermineSpecification) as exc:  # fmt: skip
                 log.warning("schema %d of the registry does not parse: %s", schema_id, exc)
@@ -172,44 +171,50 @@ class RegistryClient:
             return Schema(schema_id, kind, validator=cls(document, registry=registry))
         return Schema(schema_id, kind)
 
-    async def _references(self, refs: list[dict[str, Any]], named: dict[str, Any],
-                          depth: int) -> None:  # fmt: skip
-        """Avro named types that a schema takes from other subjects, parsed into `named`
-        (depth first: a reference's own references come before it)."""
+    async def _referenced(
+        self, refs: Any, referrer: Any, depth: int = 0, read: dict[str, Any] | None = None
+    ) -> list[tuple[dict[str, Any], Any, Any]]:
+        """The schemas `refs` (of the schema `referrer`) take from other subjects, theirs
+        with them, depth first — a reference's own references before it: (the reference,
+        its schema parsed, the referrer's). Each subject version is read once (`read`), so
+        types shared by several (an address of a customer and of an order) cost one
+        request, and its references are walked once."""
         if depth > _MAX_REFERENCE_DEPTH:
             raise UnknownSchema(f"references nested over {_MAX_REFERENCE_DEPTH} deep")
         if not isinstance(refs, list) or not all(isinstance(ref, dict) for ref in refs):
             raise UnknownSchema(f"references that are no list of objects: {str(refs)[:200]}")
+        read = {} if read is None else read
+        found: list[tuple[dict[str, Any], Any, Any]] = []
         for ref in refs:
             subject, version = quote(str(ref.get("subject")), safe=""), ref.get("version")
-            body = await self._get(f"/subjects/{subject}/versions/{quote(str(version), safe='')}")
-            await self._references(body.get("references") or [], named, depth + 1)
-            fastavro.parse_schema(orjson.loads(body["schema"]), named_schemas=named)
+            path = f"/subjects/{subject}/versions/{quote(str(version), safe='')}"
+            if path not in read:
+                body = await self._get(path)
+                read[path] = schema = orjson.loads(body["schema"])
+                found += await self._referenced(body.get("references") or [], schema,
+                                                 depth + 1, read)  # fmt: skip
+            found.append((ref, read[path], referrer))
+        return found
+
+    async def _references(self, refs: Any, named: dict[str, Any]) -> None:
+        """Avro named types that a schema takes from other subjects, parsed into `named`."""
+        for _ref, schema, _referrer in await self._referenced(refs, None):
+            fastavro.parse_schema(schema, named_schemas=named)
 
     async def _json_references(
-        self, refs: Any, base: str | None, depth: int
+        self, refs: Any, document: Any
     ) -> list[tuple[str, referencing.Resource[Any]]]:
-        """The JSON schemas a JSON schema (of `$id` `base`) takes from other subjects
-        (Confluent's JSON Schema references), with their own: each under every URI a
-        `$ref` may reach it by — the reference's name, that name against the referrer's
-        `$id`, and its own `$id`."""
-        if depth > _MAX_REFERENCE_DEPTH:
-            raise UnknownSchema(f"references nested over {_MAX_REFERENCE_DEPTH} deep")
-        if not isinstance(refs, list) or not all(isinstance(ref, dict) for ref in refs):
-            raise UnknownSchema(f"references that are no list of objects: {str(refs)[:200]}")
+        """The JSON schemas a JSON schema (`document`) takes from other subjects (Confluent's
+        JSON Schema references), with their own: each under every URI a `$ref` may reach it
+        by — the reference's name, that name against the referrer's `$id`, and its own."""
         found: list[tuple[str, referencing.Resource[Any]]] = []
-        for ref in refs:
-            subject, version = quote(str(ref.get("subject")), safe=""), ref.get("version")
-            body = await self._get(f"/subjects/{subject}/versions/{quote(str(version), safe='')}")
-            contents = orjson.loads(body["schema"])
+        for ref, schema, referrer in await self._referenced(refs, document):
             resource = referencing.Resource.from_contents(
-                contents, default_specification=referencing.jsonschema.DRAFT7
+                schema, default_specification=referencing.jsonschema.DRAFT7
             )
-            name = str(ref.get("name"))
+            name, base = str(ref.get("name")), _base_of(referrer)
             uris = {name, urljoin(base, name) if base else name, resource.id() or name}
             found += [(uri, resource) for uri in sorted(uris)]
-            found += await self._json_references(body.get("references") or [],
-                                                  _base_of(contents), depth + 1)  # fmt: skip
         return found
 
     async def _get(self, path: str) -> dict[str, Any]:

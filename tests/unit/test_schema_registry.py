@@ -447,3 +447,37 @@ async def test_a_reference_is_found_by_its_name_against_the_referrers_id(
             assert caught.value.code == "source_schema_mismatch", caught.value.message
         finally:
             await decoder.client.close()
+
+
+async def test_a_type_several_references_share_is_read_once(fake_registry: FakeRegistry) -> None:
+    """An address of a customer and of a shipment, both of an order: each subject version
+    is asked for once (a diamond at each of 16 levels was 65,536 requests)."""
+    address = {"type": "record", "name": "Address", "namespace": "shop",
+               "fields": [{"name": "city", "type": "string"}]}  # fmt: skip
+    on_address = [{"name": "shop.Address", "subject": "address", "version": 1}]
+    fake_registry.subjects[("address", "1")] = {"schema": orjson.dumps(address).decode()}
+    for name in ("Customer", "Shipment"):
+        record = {"type": "record", "name": name, "namespace": "shop",
+                  "fields": [{"name": "at", "type": "shop.Address"}]}  # fmt: skip
+        fake_registry.subjects[(name.lower(), "1")] = {
+            "schema": orjson.dumps(record).decode(),
+            "references": on_address,
+        }
+    order = {"type": "record", "name": "Order", "namespace": "shop",
+             "fields": [{"name": "by", "type": "shop.Customer"},
+                        {"name": "to", "type": "shop.Shipment"}]}  # fmt: skip
+    fake_registry.schemas[61] = {"schema": orjson.dumps(order).decode(), "references": [
+        {"name": "shop.Customer", "subject": "customer", "version": 1},
+        {"name": "shop.Shipment", "subject": "shipment", "version": 1}]}  # fmt: skip
+    decoder = RecordDecoder(client_for(fake_registry))
+    try:
+        whole = {**order, "fields": [
+            {"name": "by", "type": {"type": "record", "name": "Customer", "fields": [
+                {"name": "at", "type": address}]}},
+            {"name": "to", "type": {"type": "record", "name": "Shipment", "fields": [
+                {"name": "at", "type": "shop.Address"}]}}]}  # fmt: skip
+        value = {"by": {"at": {"city": "Oslo"}}, "to": {"at": {"city": "Bergen"}}}
+        assert await decoder.decode(framed(61, avro_body(whole, value))) == value
+        assert fake_registry.requests.count("/subjects/address/versions/1") == 1
+    finally:
+        await decoder.client.close()
