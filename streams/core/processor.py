@@ -33,7 +33,7 @@ from streams.core.outcome import Outcome, Outcomes, Prepared
 from streams.core.packs import Packs
 from streams.core.spend import Prices, Spend
 from streams.core.stages import MAIN, StageFailed, run_stages
-from streams.core.window import chunk_plan, shorten
+from streams.core.window import budget_overflowed, chunk_plan, shorten
 from streams.errors import (
     ContextOverflow,
     DeadlineExceeded,
@@ -379,6 +379,13 @@ class TaskProcessor:
             output = await self.chunks.answer(prep, prompt, chunks, attempts, spend, lane,
                                               deadline_at)  # fmt: skip
             return output, prompt
+        if budget_overflowed(prompt.messages, prompt.params, exc, learned):
+            try:  # asked again, its budget fitted to the window now known: the input whole
+                return await self.calls.call(
+                    pipeline, version, prompt, attempts, spend, lane, deadline_at
+                ), prompt
+            except ContextOverflow as again:  # the server counts the prompt longer: cut it
+                exc = again
         prompt = shorten(version, prep.task.input, prompt, exc, context_window=learned,
                          default_model=self.config.default_model)  # fmt: skip
         self.metrics.mitigations.labels(pipeline.name, "truncate").inc()

@@ -61,6 +61,25 @@ def fit_window(
     return params if room >= want else {**params, key: room}
 
 
+def budget_overflowed(
+    messages: list[dict[str, str]],
+    params: dict[str, Any],
+    exc: ContextOverflow,
+    context_window: int,
+) -> bool:
+    """Was a refusal over the window the answer's budget's, not the prompt's? The prompt
+    is under the window (as the server counted it, when it said) and leaves the answer
+    its floor in it (`fit_window`): asked with the budget the window leaves, it fits —
+    vLLM and OpenAI refuse a prompt and a `max_tokens` that together pass the window."""
+    if exc.window and exc.prompt_tokens and exc.prompt_tokens >= exc.window:
+        return False
+    try:
+        fit_window(messages, params, params, context_window)
+    except ContextOverflow:
+        return False
+    return True
+
+
 def chunk_plan(pipeline: Pipeline, prompt: RenderedPrompt, context_window: int) -> list[str] | None:
     """The chunks of the pipeline's chunking slot, or None when it fits as it is."""
     spec = pipeline.spec.chunking
@@ -161,6 +180,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "MIN_COMPLETION_TOKENS",
     "WINDOW_SHARE",
+    "budget_overflowed",
     "check_repair_cap",
     "chunk_plan",
     "fit_window",

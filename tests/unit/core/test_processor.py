@@ -296,6 +296,42 @@ async def test_context_overflow_truncates_the_slot_and_retries_once(
     assert stats["by_outcome"] == {"context_overflow": 1, "ok": 1}
 
 
+@pytest.mark.parametrize("words", [0, 120])
+async def test_an_overflow_of_the_answers_budget_alone_cuts_the_budget_not_the_input(
+    processor: TaskProcessor,
+    simulator: SimulatorServer,
+    tmp_path: Path,
+    make_processor: MakeProcessor,
+    words: int,
+) -> None:
+    """vLLM refuses a prompt that fits its window when the prompt and `max_tokens` together
+    do not. The refusal teaches the window; the task was then answered on its input cut by
+    the whole excess (a long comment lost what the budget was over) or, a short one, was a
+    `context_overflow_unmitigated` dead letter — where the budget alone had to shrink."""
+    processor = make_processor(guarded=processor.client, registry=_without_chunking(tmp_path))
+    text = "Arrived late, box crushed. " + " ".join(f"Part {i} was fine." for i in range(words))
+    version = processor.registry.get("comment-analysis").version(None, "t1")
+    prompt_tokens = count_messages(version.render({"text": text}, "sim-1").messages)
+    # The prompt fits with room for an answer; with the pipeline's 400 tokens it does not.
+    simulator.sim.config.context_window = math.ceil((prompt_tokens + 100) / WINDOW_SHARE)
+    assert prompt_tokens + 400 > simulator.sim.config.context_window
+    sent: list[tuple[str, int]] = []
+    original = processor.client.client.complete
+
+    async def spy(request):  # type: ignore[no-untyped-def]
+        sent.append((request.messages[-1]["content"], request.params["max_tokens"]))
+        return await original(request)
+
+    processor.client.client.complete = spy  # type: ignore[method-assign]
+    out = await processor.process(_task(text), b"t1", SRC)
+    assert out.kind == "result", orjson.loads(out.value)
+    assert simulator.sim.snapshot()["by_outcome"] == {"context_overflow": 1, "ok": 1}
+    (first, asked), (second, budget) = sent
+    assert asked == 400 and budget < 400  # the budget cut to what the window leaves
+    assert second == first and text.strip() in second  # the input as it came
+    assert processor.metrics.mitigations.labels("comment-analysis", "truncate")._value.get() == 0
+
+
 async def test_context_overflow_that_no_cut_can_fix_is_dead_lettered(
     processor: TaskProcessor,
     simulator: SimulatorServer,
