@@ -82,6 +82,9 @@ class Transient(TaskError):
 
     retryable = True
     endpoint_down = False
+    # False: the attempt is not charged to the task either — refused before any work in a
+    # way the next attempt mends by itself (a parameter the model refuses, left out then).
+    charged = True
     # A call sent that got no answer (timed out, dropped mid-way): its prompt's tokens,
     # counted locally (`resilience.guarded.UNANSWERED`); 0 for every other failure.
     unanswered_tokens = 0

@@ -9,6 +9,7 @@ sync and flex tiers through the guarded client (breaker, limiter).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
@@ -39,6 +40,7 @@ from streams.llm.client import (
     usage_counted,
     with_budget,
 )
+from streams.llm.params import CHAT_PARAMS
 from streams.observability.genai import GENAI, GenAIMetrics, endpoint_attributes
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import child_span, mark_error
@@ -84,6 +86,50 @@ def refuses_json_schema(request: LLMRequest, exc: StreamsError) -> bool:
     return any(word in said for word in ("json_schema", "json schema", "response_format",
                                          "grammar"))  # fmt: skip
 
+
+# A parameter a model refuses in OpenAI's words (its reasoning models: o-series, gpt-5;
+# Azure's alike): "Unsupported parameter: 'max_tokens' … Use 'max_completion_tokens'
+# instead.", "Unsupported value: 'temperature' does not support 0 …", "Unrecognized
+# request argument supplied: reasoning_effort".
+_PARAM_REFUSED = re.compile(
+    r"unsupported (?:parameter|value): '(\w+)'|unrecognized request argument supplied: (\w+)",
+    re.IGNORECASE,
+)
+_PARAM_INSTEAD = re.compile(r"use '(\w+)' instead", re.IGNORECASE)
+
+
+def refused_param(request: LLMRequest, exc: StreamsError) -> tuple[str, str | None] | None:
+    """A 400 refusing one of the request's own parameters: its name, and what to send it
+    as instead when the refusal says (`max_tokens` -> `max_completion_tokens`), None to
+    leave it out. The answer's budget is never left out: refused without a new name, it
+    stays a bad request."""
+    if not isinstance(exc, BadRequest):
+        return None
+    found = _PARAM_REFUSED.search(exc.message)
+    name = (found.group(1) or found.group(2)) if found is not None else None
+    if name is None or name not in request.params:
+        return None
+    told = _PARAM_INSTEAD.search(exc.message)
+    instead = told.group(1) if told is not None and told.group(1) in CHAT_PARAMS else None
+    if instead is None and name in ("max_tokens", "max_completion_tokens"):
+        return None
+    return name, instead
+
+
+def without_refused(params: dict[str, Any], unhonoured: dict[str, str]) -> dict[str, Any]:
+    """`params` as the endpoint and model take them (`GuardedClient.unhonoured`'s
+    `param:<name>` entries: sent under another name, or left out)."""
+    for mode, instead in unhonoured.items():
+        name = mode.removeprefix(PARAM)
+        if name != mode and name in params:
+            value = params[name]
+            params = {k: v for k, v in params.items() if k != name}
+            if instead:
+                params.setdefault(instead, value)
+    return params
+
+
+PARAM = "param:"  # `GuardedClient.unhonoured`'s key of a parameter the model refused
 
 # The least temperature of a repair turn (one that shows the model its rejected answer).
 REPAIR_TEMPERATURE = 0.7
@@ -245,6 +291,10 @@ class Calls:
                         f"the endpoint refuses json_schema ({exc.message[:160]}); asked again "
                         "with the schema in the prompt", code="json_schema_refused",
                     ) from exc  # fmt: skip
+                refused = refused_param(request, exc)
+                if refused is not None:
+                    raise self.param_refused(client, prompt.model, pipeline.name, *refused,
+                                             exc) from exc  # fmt: skip
                 raise
             self._observed(span, response, request, client, sent, pipeline.name, version,
                            where)  # fmt: skip
@@ -333,6 +383,19 @@ class Calls:
         except (OutputRejected, ContextOverflow):
             attempts.count -= 1  # refused before any call
             raise
+        return self._as_taken(client, pipeline, prompt, messages, params), repair
+
+    def _as_taken(
+        self,
+        client: GuardedClient,
+        pipeline: Pipeline,
+        prompt: RenderedPrompt,
+        messages: list[dict[str, str]],
+        params: dict[str, Any],
+    ) -> LLMRequest:
+        """The request as this endpoint and model take it: the whole schema for a grammar
+        server, the schema in the prompt where json_schema was refused, the parameters
+        the model refused sent under another name or left out."""
         response_format, tool = prompt.response_format, prompt.tool
         if client.facts is not None and client.facts.server in GRAMMAR_SERVERS:
             response_format, tool = whole_schema(response_format, tool, pipeline.output_schema)
@@ -343,9 +406,10 @@ class Calls:
             if messages and messages[0].get("role") == "system":
                 messages = [{**messages[0], "content": messages[0]["content"] + more},
                             *messages[1:]]  # fmt: skip
-        request = LLMRequest(messages=messages, model=prompt.model, params=params,
-                             response_format=response_format, tool=tool)  # fmt: skip
-        return request, repair
+        if client.unhonoured:
+            params = without_refused(params, client.unhonoured)
+        return LLMRequest(messages=messages, model=prompt.model, params=params,
+                          response_format=response_format, tool=tool)  # fmt: skip
 
     async def send(
         self,
@@ -428,6 +492,31 @@ class Calls:
             log.warning("%s (%s) does not honour %s: it answered as %s; those answers are "
                         "read as such (json_schema, if the endpoint honours it, is surer)",
                         client.client.endpoint, model, mode, instead)  # fmt: skip
+
+    def param_refused(
+        self,
+        client: GuardedClient,
+        model: str,
+        pipeline: str,
+        name: str,
+        instead: str | None,
+        exc: StreamsError,
+    ) -> UpstreamError:
+        """The model refused parameter `name`: its later requests send it as `instead`, or
+        leave it out (learned for the endpoint and model, counted, said once); the attempt
+        asks again at once."""
+        kind = "param_renamed" if instead else "param_dropped"
+        self.metrics.mitigations.labels(pipeline, kind).inc()
+        then = f"sent as {instead}" if instead else "left out"
+        if client.not_honoured(PARAM + name, instead or ""):
+            log.warning("%s (%s) refuses %s: %s from now on (%s)", client.client.endpoint,
+                        model, name, then, exc.message[:200])  # fmt: skip
+        again = UpstreamError(f"the endpoint refuses {name} ({exc.message[:160]}); asked "
+                              f"again with it {then}", code="param_refused")  # fmt: skip
+        # Not the task's attempt: refused before any work, and each such refusal takes one
+        # of the request's parameters out (so they end).
+        again.charged = False
+        return again
 
     def count_output(self, model: str, *, ok: bool) -> None:
         self.metrics.outputs.labels(self.metrics.model_label(model), "pass" if ok else "fail").inc()

@@ -12,7 +12,7 @@ import orjson
 from opentelemetry.trace import SpanKind
 
 from streams.contract.lanes import Lane, Tier
-from streams.core.calls import Calls
+from streams.core.calls import Calls, without_refused
 from streams.core.outcome import Prepared
 from streams.core.packing import (
     Item,
@@ -153,7 +153,10 @@ class Packs:
         )
         asked = {**first.params, budget_key(first.params): completion_budget(first.params)
                  * len(items)}  # fmt: skip
-        params = fit_window(messages, asked, first.params, self.calls.client.window.tokens())
+        client = self.calls.client
+        params = fit_window(messages, asked, first.params, client.window.tokens())
+        if client.unhonoured:  # what the model refused, as a task's call learned it
+            params = without_refused(params, client.unhonoured)
         return LLMRequest(messages=messages, model=first.model, params=params,
                           response_format=response_format, tool=tool)  # fmt: skip
 

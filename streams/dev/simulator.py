@@ -92,6 +92,10 @@ class SimConfig:
     packed_invalid_items: int = 0  # and break the schema for this many
     # Refuse `response_format: json_schema` with a 500, as llama-cpp-python's server does.
     refuses_json_schema: bool = False
+    # Models that refuse sampling and `max_tokens` as OpenAI's reasoning models do (o-series,
+    # gpt-5): `max_tokens` not supported ("use max_completion_tokens"), a temperature or
+    # top_p other than 1 not supported — each a 400 in OpenAI's words.
+    reasoning_models: list[str] = field(default_factory=list)
     # Answer prose whatever `response_format` asks (as endpoints that ignore it do); a
     # forced function call and a schema in the prompt are still followed.
     ignores_response_format: bool = False
@@ -145,6 +149,19 @@ def _error(
     return web.Response(
         status=status, body=orjson.dumps(body), content_type="application/json", headers=headers
     )
+
+
+def _unsupported_param(body: dict[str, Any]) -> tuple[str, str] | None:
+    """What an OpenAI reasoning model refuses of a request body (code, message), or None."""
+    if "max_tokens" in body:
+        return ("unsupported_parameter", "Unsupported parameter: 'max_tokens' is not supported "
+                "with this model. Use 'max_completion_tokens' instead.")  # fmt: skip
+    for name in ("temperature", "top_p"):
+        if name in body and body[name] != 1:
+            return ("unsupported_value", f"Unsupported value: '{name}' does not support "
+                    f"{body[name]} with this model. Only the default (1) value is "
+                    "supported.")  # fmt: skip
+    return None
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -450,6 +467,12 @@ class Simulator:
             asked = 1 if kind == "requests" else prompt_tokens + max_tokens
             words = refusal(kind, limit, asked, wait, model, cfg.header_style, cfg.rate_headers)
             return _error(429, *words, headers), headers
+        if model in cfg.reasoning_models:
+            unsupported = _unsupported_param(body)
+            if unsupported is not None:
+                self._count(400, "param_unsupported")
+                return _error(400, unsupported[1], "invalid_request_error", unsupported[0],
+                              headers), headers  # fmt: skip
         fmt = body.get("response_format") or {}
         if cfg.refuses_json_schema and fmt.get("type") == "json_schema":
             self._count(500, "json_schema_refused")

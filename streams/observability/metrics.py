@@ -300,7 +300,9 @@ class Metrics:
             "What was done instead of the plain way: an input over the context window "
             "truncated (cut to fit) or chunked (split, each chunk answered, answers merged); "
             "a flex call with no capacity answered at the sync price (flex_fallback); a "
-            "batch-tier record too large to park answered by a call (batch_unparkable).",
+            "batch-tier record too large to park answered by a call (batch_unparkable); a "
+            "parameter the model refused sent under the name it said (param_renamed) or "
+            "left out (param_dropped), counted when learned.",
             ["pipeline", "kind"], registry=r)  # fmt: skip
         self.packed = Counter(
             "llm_streams_packed_tasks",

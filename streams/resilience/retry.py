@@ -101,8 +101,8 @@ async def call_with_retries(
             return await fn(attempts)
         except StreamsError as exc:
             attempts.last_error = exc
-            if isinstance(exc, Transient) and exc.endpoint_down:
-                outage_attempts += 1
+            if isinstance(exc, Transient) and (exc.endpoint_down or not exc.charged):
+                outage_attempts += 1  # not charged to the task
             raise
 
     return await _plain_first(

@@ -129,3 +129,87 @@ def test_a_refusal_of_the_schema_itself_is_told_from_a_refusal_of_the_task(
                          response_format={"type": "json_schema", "json_schema": {}})  # fmt: skip
     for error in (BadRequest(message), UpstreamError(message)):  # a 400, a 500
         assert refuses_json_schema(request, error) is refused
+
+
+async def test_a_reasoning_model_is_asked_again_without_what_it_refuses(
+    simulator: SimulatorServer, make_processor: MakeProcessor, caplog: pytest.LogCaptureFixture
+) -> None:
+    """OpenAI's reasoning models (o-series, gpt-5) refuse `max_tokens` ("use
+    max_completion_tokens") and a temperature other than 1, each with a 400: the shipped
+    pipeline (temperature 0, max_tokens 400) was a bad_request dead letter for every task.
+    The first refusals teach the model's client; the budget goes as max_completion_tokens,
+    the temperature is left to the model, said once each and counted."""
+    simulator.sim.config.reasoning_models = ["sim-1"]
+    client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
+                          read_timeout_s=5)  # fmt: skip
+    processor = make_processor(client)
+    sent: list[dict[str, object]] = []
+    original = processor.client.client.complete
+
+    async def spy(request):  # type: ignore[no-untyped-def]
+        sent.append(dict(request.params))
+        return await original(request)
+
+    processor.client.client.complete = spy  # type: ignore[method-assign]
+    try:
+        for i in range(3):
+            raw = orjson.dumps({"task_id": f"r{i}", "pipeline": "comment-analysis",
+                                "input": {"text": f"Broke on day {i + 2}."}})  # fmt: skip
+            out = await processor.process(raw, None, SRC)
+            assert out.kind == "result", orjson.loads(out.value)
+    finally:
+        await client.close()
+    assert simulator.sim.snapshot()["by_outcome"] == {"param_unsupported": 2, "ok": 3}
+    assert sent[-1] == {"max_completion_tokens": 400}  # the budget kept, under its new name
+    counted = processor.metrics.mitigations.labels
+    assert counted("comment-analysis", "param_renamed")._value.get() == 1
+    assert counted("comment-analysis", "param_dropped")._value.get() == 1
+    said = [r.getMessage() for r in caplog.records if "refuses" in r.getMessage()]
+    assert len(said) == 2 and any("max_completion_tokens" in m for m in said)
+
+
+@pytest.mark.parametrize(
+    ("message", "params", "learned"),
+    [
+        (
+            "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+            "'max_completion_tokens' instead.",
+            {"max_tokens": 5},
+            ("max_tokens", "max_completion_tokens"),
+        ),
+        (
+            "Unsupported value: 'temperature' does not support 0 with this model. Only the "
+            "default (1) value is supported.",
+            {"temperature": 0},
+            ("temperature", None),
+        ),
+        (
+            "Unrecognized request argument supplied: reasoning_effort",
+            {"reasoning_effort": "low"},
+            ("reasoning_effort", None),
+        ),
+        # The budget is never left out; a parameter the request does not have is no
+        # parameter of ours; nor is another refusal.
+        (
+            "Unsupported parameter: 'max_tokens' is not supported with this model.",
+            {"max_tokens": 5},
+            None,
+        ),
+        ("Unsupported value: 'temperature' does not support 0.", {"top_p": 1}, None),
+        ("Invalid 'messages[0].content': string too long.", {"temperature": 0}, None),
+    ],
+)
+def test_a_refused_parameter_is_named_with_what_to_send_instead(
+    message: str, params: dict[str, object], learned: tuple[str, str | None] | None
+) -> None:
+    from streams.core.calls import PARAM, refused_param, without_refused
+    from streams.errors import BadRequest
+    from streams.llm.client import LLMRequest
+
+    request = LLMRequest(messages=[{"role": "user", "content": "x"}], model="m", params=params)
+    assert refused_param(request, BadRequest(f"HTTP 400: {message}")) == learned
+    if learned is not None:
+        name, instead = learned
+        taken = without_refused({**params, "seed": 7}, {PARAM + name: instead or ""})
+        assert name not in taken and taken["seed"] == 7
+        assert instead is None or taken[instead] == params[name]

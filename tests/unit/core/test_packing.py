@@ -181,6 +181,24 @@ async def test_twenty_short_comments_go_in_one_request_with_the_same_answers(
     assert all(o.cost_usd > 0 for o in packed)
 
 
+async def test_packs_to_a_reasoning_model_send_what_it_takes_once_a_call_learned_it(
+    packing: Any, simulator: SimulatorServer
+) -> None:
+    """A pack is built by the pipeline's parameters: to a model that refuses `max_tokens`
+    and temperature 0 every pack was refused and its items answered alone, each time."""
+    simulator.sim.config.reasoning_models = ["sim-1"]
+    processor = packing(packing=True)
+    learned = await _run(processor, ["Broke on day two, long enough to go alone? no."], "a")
+    assert learned[0].kind == "result"
+    before = simulator.sim.snapshot()["by_outcome"].get("param_unsupported", 0)
+    texts = [f"{TEXTS[i % 5]} ({i})" for i in range(10)]
+    packed = await _run(processor, texts)
+    assert all(o.kind == "result" for o in packed)
+    stats = simulator.sim.snapshot()
+    assert stats["by_outcome"].get("param_unsupported", 0) == before  # none refused now
+    assert processor.metrics.packed.labels("comment-analysis", "packed")._value.get() == 10
+
+
 async def test_an_item_missing_from_the_answer_is_answered_alone(
     packing: Any, simulator: SimulatorServer
 ) -> None:
