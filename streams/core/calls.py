@@ -130,6 +130,7 @@ def without_refused(params: dict[str, Any], unhonoured: dict[str, str]) -> dict[
 
 
 PARAM = "param:"  # `GuardedClient.unhonoured`'s key of a parameter the model refused
+NO_FLEX = "service_tier=flex refused"  # its key of a model that offers no flex tier
 
 # The least temperature of a repair turn (one that shows the model its rejected answer).
 REPAIR_TEMPERATURE = 0.7
@@ -422,8 +423,8 @@ class Calls:
         wait_for_circuit: bool = True,
     ) -> tuple[LLMResponse, bool]:
         """One attempt's request: a call (flex tier: at the flex price, falling back to a
-        plain call when flex has no capacity), or a line in a batch (batch tier); and
-        whether it was answered at the batch price."""
+        plain call when flex has no capacity or the model none), or a line in a batch
+        (batch tier); and whether it was answered at the batch price."""
         if (
             spend.tier is Tier.BATCH
             and self.batches is not None
@@ -449,28 +450,65 @@ class Calls:
                    response.cached_prompt_tokens)  # fmt: skip
             return response, True
         guarded = client or self.client
+        if spend.tier is Tier.FLEX and NO_FLEX in guarded.unhonoured:
+            spend.tier = Tier.SYNC  # the model offers none: a plain call, at once
+            self.metrics.mitigations.labels("*", "flex_fallback").inc()
         if spend.tier is Tier.FLEX:
-            flex = replace(request, params={**request.params, "service_tier": "flex"})
-            try:
-                response = await guarded.complete(
-                    flex, lane=lane, deadline_at=deadline_at, wait_for_circuit=wait_for_circuit
-                )
-            except RateLimited as exc:
-                if exc.code not in CAPACITY_CODES:
-                    raise
-                log.info("flex tier has no capacity (%s); this task goes on at the sync price",
-                         exc.code)  # fmt: skip
-                spend.tier = Tier.SYNC
-                self.metrics.mitigations.labels("*", "flex_fallback").inc()
-                raise
-            if response.service_tier == "flex":  # the discount only where it is confirmed
-                return response, True
-            self._unconfirmed(guarded, request.model, response.service_tier)
-            return response, False
+            return await self._flex(guarded, request, spend, lane, deadline_at, wait_for_circuit)
         response = await guarded.complete(
             request, lane=lane, deadline_at=deadline_at, wait_for_circuit=wait_for_circuit
         )
         return response, False
+
+    async def _flex(
+        self,
+        guarded: GuardedClient,
+        request: LLMRequest,
+        spend: Spend,
+        lane: Lane,
+        deadline_at: float,
+        wait_for_circuit: bool,
+    ) -> tuple[LLMResponse, bool]:
+        """A flex-tier call, and whether the discount is confirmed; a plain call next
+        (`spend.tier` sync) when flex has no capacity, or the model offers none."""
+        flex = replace(request, params={**request.params, "service_tier": "flex"})
+        try:
+            response = await guarded.complete(
+                flex, lane=lane, deadline_at=deadline_at, wait_for_circuit=wait_for_circuit
+            )
+        except RateLimited as exc:
+            if exc.code not in CAPACITY_CODES:
+                raise
+            log.info("flex tier has no capacity (%s); this task goes on at the sync price",
+                     exc.code)  # fmt: skip
+            spend.tier = Tier.SYNC
+            self.metrics.mitigations.labels("*", "flex_fallback").inc()
+            raise
+        except BadRequest as exc:
+            if "service_tier" not in exc.message.lower():
+                raise
+            raise self._no_flex(guarded, request.model, spend, exc) from exc
+        if response.service_tier == "flex":  # the discount only where it is confirmed
+            return response, True
+        self._unconfirmed(guarded, request.model, response.service_tier)
+        return response, False
+
+    def _no_flex(
+        self, client: GuardedClient, model: str, spend: Spend, exc: BadRequest
+    ) -> UpstreamError:
+        """The model offers no flex tier (OpenAI: 400 "Unsupported service_tier: flex"):
+        this task goes on as a plain call at the sync price, uncharged, and the model's
+        later flex tasks at once (learned for the endpoint and model, said once)."""
+        spend.tier = Tier.SYNC
+        self.metrics.mitigations.labels("*", "flex_fallback").inc()
+        if client.not_honoured(NO_FLEX, "refused"):
+            log.warning("%s (%s) offers no flex tier (%s): its flex tasks are called plainly, "
+                        "at the sync price", client.client.endpoint, model,
+                        exc.message[:200])  # fmt: skip
+        again = UpstreamError(f"the model offers no flex tier ({exc.message[:160]}); asked "
+                              "again as a plain call", code="flex_refused")  # fmt: skip
+        again.charged = False
+        return again
 
     def _unconfirmed(self, client: GuardedClient, model: str, tier: str | None) -> None:
         """A flex call answered without saying it was served at flex: booked at the full

@@ -80,6 +80,9 @@ class SimConfig:
     packed_drop_items: int = 0  # packed answers leave out this many items
     flex_latency_factor: float = 3.0  # service_tier=flex answers this much slower
     flex_unavailable_rate: float = 0.0  # share of flex calls refused: 429 resource_unavailable
+    # Models that offer no flex tier: a flex call is a 400 "Unsupported service_tier: flex",
+    # as OpenAI answers it for a model without one.
+    flex_refused_models: list[str] = field(default_factory=list)
     batch_delay_s: float = 2.0  # Batch API: a batch finishes this long after its creation
     batch_item_error_rate: float = 0.0  # share of batch lines answered with a 500
     batch_expire_next: int = 0  # this many next batches expire instead of completing
@@ -481,6 +484,10 @@ class Simulator:
         over = self._over_window(prompt_tokens, max_tokens, headers)
         if over is not None:
             return over, headers
+        if flex and model in cfg.flex_refused_models:
+            self._count(400, "flex_refused")
+            return _error(400, "Unsupported service_tier: flex", "invalid_request_error", None,
+                          headers), headers  # fmt: skip
         if flex and self.rng.random() < cfg.flex_unavailable_rate:
             self._count(429, "flex_unavailable")
             return _error(429, "Resource unavailable: flex processing has no capacity right now.",

@@ -213,3 +213,36 @@ def test_a_refused_parameter_is_named_with_what_to_send_instead(
         taken = without_refused({**params, "seed": 7}, {PARAM + name: instead or ""})
         assert name not in taken and taken["seed"] == 7
         assert instead is None or taken[instead] == params[name]
+
+
+async def test_a_flex_call_to_a_model_without_the_tier_goes_on_at_the_sync_price(
+    simulator: SimulatorServer, make_processor: MakeProcessor, caplog: pytest.LogCaptureFixture
+) -> None:
+    """OpenAI answers a flex call to a model that offers no flex tier with a 400
+    ("Unsupported service_tier: flex"): every flex-tier task (a replay asked at the flex
+    price) was a bad_request dead letter. It goes on as a plain call, priced in full, and
+    the model's later flex tasks are called plainly at once."""
+    simulator.sim.config.flex_refused_models = ["sim-1"]
+    client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
+                          read_timeout_s=5)  # fmt: skip
+    processor = make_processor(client, prices=Prices(prompt_per_1k=1.0, completion_per_1k=2.0))
+    outs = []
+    try:
+        for i in range(3):
+            raw = orjson.dumps({"task_id": f"f{i}", "pipeline": "comment-analysis",
+                                "input": {"text": f"Works great, day {i}."}})  # fmt: skip
+            prep = processor.intake.prepare(raw, None, SRC)
+            assert isinstance(prep, Prepared)
+            outs.append(await processor.answer(prep, Lane.REPLAY, None, Tier.FLEX))
+    finally:
+        await client.close()
+    for out in outs:
+        result = orjson.loads(out.value)
+        assert out.kind == "result", result
+        full = Prices(1.0, 2.0).cost(result["usage"]["prompt_tokens"],
+                                     result["usage"]["completion_tokens"])  # fmt: skip
+        assert result["cost_usd"] == pytest.approx(full)
+    assert orjson.loads(outs[0].value)["attempts"] == 2  # the refused flex call, then plain
+    assert simulator.sim.snapshot()["by_outcome"] == {"flex_refused": 1, "ok": 3}
+    assert processor.metrics.mitigations.labels("*", "flex_fallback")._value.get() == 3
+    assert sum("offers no flex tier" in r.getMessage() for r in caplog.records) == 1
