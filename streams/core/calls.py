@@ -87,12 +87,15 @@ def refuses_json_schema(request: LLMRequest, exc: StreamsError) -> bool:
                                          "grammar"))  # fmt: skip
 
 
-# A parameter a model refuses in OpenAI's words (its reasoning models: o-series, gpt-5;
-# Azure's alike): "Unsupported parameter: 'max_tokens' … Use 'max_completion_tokens'
-# instead.", "Unsupported value: 'temperature' does not support 0 …", "Unrecognized
-# request argument supplied: reasoning_effort".
+# A parameter a model refuses, in each provider's words: OpenAI's (its reasoning models:
+# o-series, gpt-5; Azure's alike) "Unsupported parameter: 'max_tokens' … Use
+# 'max_completion_tokens' instead.", "Unsupported value: 'temperature' does not support 0
+# …", "Unrecognized request argument supplied: reasoning_effort"; Groq's "property 'store'
+# is unsupported"; Gemini's "Unknown name \"seed\": Cannot find field."; OCI's "Argument
+# not supported: logit_bias".
 _PARAM_REFUSED = re.compile(
-    r"unsupported (?:parameter|value): '(\w+)'|unrecognized request argument supplied: (\w+)",
+    r"unsupported (?:parameter|value): '(\w+)'|unrecognized request argument supplied: (\w+)"
+    r"|property '(\w+)' is unsupported|unknown name \"(\w+)\"|argument not supported: (\w+)",
     re.IGNORECASE,
 )
 _PARAM_INSTEAD = re.compile(r"use '(\w+)' instead", re.IGNORECASE)
@@ -106,7 +109,7 @@ def refused_param(request: LLMRequest, exc: StreamsError) -> tuple[str, str | No
     if not isinstance(exc, BadRequest):
         return None
     found = _PARAM_REFUSED.search(exc.message)
-    name = (found.group(1) or found.group(2)) if found is not None else None
+    name = next((g for g in found.groups() if g), None) if found is not None else None
     if name is None or name not in request.params:
         return None
     told = _PARAM_INSTEAD.search(exc.message)

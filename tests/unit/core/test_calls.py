@@ -188,6 +188,21 @@ async def test_a_reasoning_model_is_asked_again_without_what_it_refuses(
             {"reasoning_effort": "low"},
             ("reasoning_effort", None),
         ),
+        (
+            "property 'store' is unsupported, did you mean 'stop'?",
+            {"store": True},
+            ("store", None),
+        ),  # Groq
+        (
+            'Invalid JSON payload received. Unknown name "top_k": Cannot find field.',
+            {"top_k": 5, "temperature": 0},
+            ("top_k", None),
+        ),  # Gemini's OpenAI endpoint
+        (
+            "Argument not supported: logit_bias",
+            {"logit_bias": {"1": 2}},
+            ("logit_bias", None),
+        ),  # OCI
         # The budget is never left out; a parameter the request does not have is no
         # parameter of ours; nor is another refusal.
         (
