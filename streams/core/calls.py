@@ -9,7 +9,6 @@ sync and flex tiers through the guarded client (breaker, limiter).
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
@@ -40,7 +39,7 @@ from streams.llm.client import (
     usage_counted,
     with_budget,
 )
-from streams.llm.params import CHAT_PARAMS
+from streams.llm.params import PARAM, refused_param, without_refused
 from streams.observability.genai import GENAI, GenAIMetrics, endpoint_attributes
 from streams.observability.metrics import Metrics
 from streams.observability.tracing import child_span, mark_error
@@ -87,52 +86,6 @@ def refuses_json_schema(request: LLMRequest, exc: StreamsError) -> bool:
                                          "grammar"))  # fmt: skip
 
 
-# A parameter a model refuses, in each provider's words: OpenAI's (its reasoning models:
-# o-series, gpt-5; Azure's alike) "Unsupported parameter: 'max_tokens' … Use
-# 'max_completion_tokens' instead.", "Unsupported value: 'temperature' does not support 0
-# …", "Unrecognized request argument supplied: reasoning_effort"; Groq's "property 'store'
-# is unsupported"; Gemini's "Unknown name \"seed\": Cannot find field."; OCI's "Argument
-# not supported: logit_bias".
-_PARAM_REFUSED = re.compile(
-    r"unsupported (?:parameter|value): '(\w+)'|unrecognized request argument supplied: (\w+)"
-    r"|property '(\w+)' is unsupported|unknown name \"(\w+)\"|argument not supported: (\w+)",
-    re.IGNORECASE,
-)
-_PARAM_INSTEAD = re.compile(r"use '(\w+)' instead", re.IGNORECASE)
-
-
-def refused_param(request: LLMRequest, exc: StreamsError) -> tuple[str, str | None] | None:
-    """A 400 refusing one of the request's own parameters: its name, and what to send it
-    as instead when the refusal says (`max_tokens` -> `max_completion_tokens`), None to
-    leave it out. The answer's budget is never left out: refused without a new name, it
-    stays a bad request."""
-    if not isinstance(exc, BadRequest):
-        return None
-    found = _PARAM_REFUSED.search(exc.message)
-    name = next((g for g in found.groups() if g), None) if found is not None else None
-    if name is None or name not in request.params:
-        return None
-    told = _PARAM_INSTEAD.search(exc.message)
-    instead = told.group(1) if told is not None and told.group(1) in CHAT_PARAMS else None
-    if instead is None and name in ("max_tokens", "max_completion_tokens"):
-        return None
-    return name, instead
-
-
-def without_refused(params: dict[str, Any], unhonoured: dict[str, str]) -> dict[str, Any]:
-    """`params` as the endpoint and model take them (`GuardedClient.unhonoured`'s
-    `param:<name>` entries: sent under another name, or left out)."""
-    for mode, instead in unhonoured.items():
-        name = mode.removeprefix(PARAM)
-        if name != mode and name in params:
-            value = params[name]
-            params = {k: v for k, v in params.items() if k != name}
-            if instead:
-                params.setdefault(instead, value)
-    return params
-
-
-PARAM = "param:"  # `GuardedClient.unhonoured`'s key of a parameter the model refused
 NO_FLEX = "service_tier=flex refused"  # its key of a model that offers no flex tier
 
 # The least temperature of a repair turn (one that shows the model its rejected answer).
@@ -295,7 +248,7 @@ class Calls:
                         f"the endpoint refuses json_schema ({exc.message[:160]}); asked again "
                         "with the schema in the prompt", code="json_schema_refused",
                     ) from exc  # fmt: skip
-                refused = refused_param(request, exc)
+                refused = refused_param(request.params, exc)
                 if refused is not None:
                     raise self.param_refused(client, prompt.model, pipeline.name, *refused,
                                              exc) from exc  # fmt: skip

@@ -12,7 +12,7 @@ import orjson
 from opentelemetry.trace import SpanKind
 
 from streams.contract.lanes import Lane, Tier
-from streams.core.calls import Calls, without_refused
+from streams.core.calls import Calls
 from streams.core.outcome import Prepared
 from streams.core.packing import (
     Item,
@@ -34,6 +34,7 @@ from streams.llm.client import (
     completion_budget,
     finish_fault,
 )
+from streams.llm.params import without_refused
 from streams.observability.genai import endpoint_attributes
 from streams.observability.tracing import child_span
 from streams.pipelines.output import check_output

@@ -25,6 +25,7 @@ from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
 from streams.errors import (
+    BadRequest,
     TaskError,
     Timeout,
     UpstreamError,
@@ -40,6 +41,7 @@ from streams.llm.client import (
 from streams.llm.deployments import AzureDeployment, Deployment
 from streams.llm.endpoint import EndpointFacts, facts_from
 from streams.llm.error_body import error_object, retry_delay
+from streams.llm.params import PARAM, refused_param, without_refused
 from streams.llm.ratelimit_headers import delay, number, openai_names
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,9 @@ log = logging.getLogger(__name__)
 # or proxy that sends more (an endless body, a gzip bomb) is cut off there, not read into
 # memory whole.
 MAX_RESPONSE_BYTES = 32 * 1024 * 1024
+# A probe's budget for a reasoning model (one that refuses `max_tokens`: o-series, gpt-5),
+# which thinks within it before its one-field answer.
+REASONING_BUDGET = 1024
 
 
 async def read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
@@ -122,6 +127,14 @@ def map_error(exc: Exception) -> TaskError:
             headers=rate_headers(headers),
         )  # fmt: skip
     return UpstreamError(f"unexpected LLM client error: {exc!r}", code="client_error")
+
+
+def _as_taken(body: dict[str, Any], taken: dict[str, str]) -> dict[str, Any]:
+    """A probe's body with what the model refused sent as it said or left out; a budget
+    that had to be renamed is a reasoning model's: `REASONING_BUDGET` at least."""
+    if taken.get(PARAM + "max_tokens") == "max_completion_tokens":
+        body = {**body, "max_tokens": max(REASONING_BUDGET, int(body.get("max_tokens") or 0))}
+    return without_refused(body, taken)
 
 
 class OpenAIClient:
@@ -357,9 +370,10 @@ class OpenAIClient:
             "tool_call (required)": {**base, "tools": [tool], "tool_choice": "required"},
         }  # fmt: skip
         found: dict[str, str] = {}
+        taken: dict[str, str] = {}  # the parameters the model refused, as the worker learns
         for name, body in tries.items():
             try:
-                answer = await self.complete_raw(body, timeout_s)
+                answer = await self._taken(body, taken, timeout_s)
             except TaskError as exc:
                 found[name] = f"refused ({exc.category.value}: {exc.message[:120]})"
                 continue
@@ -372,6 +386,23 @@ class OpenAIClient:
             else:
                 found[name] = "honoured" if answer.tool_called else "answered as text"
         return found
+
+    async def _taken(
+        self, body: dict[str, Any], taken: dict[str, str], timeout_s: float
+    ) -> LLMResponse:
+        """`body` answered as the model takes it: a parameter it refuses (a reasoning
+        model's `max_tokens`, its temperature) sent as it says or left out, as the worker
+        learns it (`llm.params`; `taken`: what was learned, for the next tries). A budget
+        renamed so is a reasoning model's, which thinks within it first (`_as_taken`)."""
+        for _ in range(len(body)):  # each refusal takes a parameter out
+            try:
+                return await self.complete_raw(_as_taken(body, taken), timeout_s)
+            except BadRequest as exc:
+                refused = refused_param(_as_taken(body, taken), exc)
+                if refused is None or refused[0] in ("model", "messages"):
+                    raise
+                taken[PARAM + refused[0]] = refused[1] or ""
+        return await self.complete_raw(_as_taken(body, taken), timeout_s)
 
     async def complete_raw(self, body: dict[str, Any], timeout_s: float) -> LLMResponse:
         """One chat completion of a body given whole (probes), errors mapped as any."""

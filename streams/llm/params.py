@@ -15,7 +15,11 @@ version, where a pipeline's meaning must not.
 from __future__ import annotations
 
 import difflib
+import re
+from collections.abc import Mapping
 from typing import Any
+
+from streams.errors import BadRequest, StreamsError
 
 EXTRA = "extra_body"
 
@@ -85,3 +89,50 @@ def body_fields(params: dict[str, Any]) -> dict[str, Any]:
     fields = {k: v for k, v in params.items() if k != EXTRA}
     fields.update(params.get(EXTRA) or {})
     return fields
+
+
+PARAM = "param:"  # `GuardedClient.unhonoured`'s key of a parameter the model refused
+
+# A parameter a model refuses, in each provider's words: OpenAI's (its reasoning models:
+# o-series, gpt-5; Azure's alike) "Unsupported parameter: 'max_tokens' … Use
+# 'max_completion_tokens' instead.", "Unsupported value: 'temperature' does not support 0
+# …", "Unrecognized request argument supplied: reasoning_effort"; Groq's "property 'store'
+# is unsupported"; Gemini's "Unknown name \"seed\": Cannot find field."; OCI's "Argument
+# not supported: logit_bias".
+_PARAM_REFUSED = re.compile(
+    r"unsupported (?:parameter|value): '(\w+)'|unrecognized request argument supplied: (\w+)"
+    r"|property '(\w+)' is unsupported|unknown name \"(\w+)\"|argument not supported: (\w+)",
+    re.IGNORECASE,
+)
+_PARAM_INSTEAD = re.compile(r"use '(\w+)' instead", re.IGNORECASE)
+
+
+def refused_param(params: Mapping[str, Any], exc: StreamsError) -> tuple[str, str | None] | None:
+    """A 400 refusing one of a request's own parameters (`params`): its name, and what to
+    send it as instead when the refusal says (`max_tokens` -> `max_completion_tokens`),
+    None to leave it out. The answer's budget is never left out: refused without a new
+    name, it stays a bad request."""
+    if not isinstance(exc, BadRequest):
+        return None
+    found = _PARAM_REFUSED.search(exc.message)
+    name = next((g for g in found.groups() if g), None) if found is not None else None
+    if name is None or name not in params:
+        return None
+    told = _PARAM_INSTEAD.search(exc.message)
+    instead = told.group(1) if told is not None and told.group(1) in CHAT_PARAMS else None
+    if instead is None and name in ("max_tokens", "max_completion_tokens"):
+        return None
+    return name, instead
+
+
+def without_refused(params: dict[str, Any], unhonoured: dict[str, str]) -> dict[str, Any]:
+    """`params` as the endpoint and model take them (`GuardedClient.unhonoured`'s
+    `param:<name>` entries: sent under another name, or left out)."""
+    for mode, instead in unhonoured.items():
+        name = mode.removeprefix(PARAM)
+        if name != mode and name in params:
+            value = params[name]
+            params = {k: v for k, v in params.items() if k != name}
+            if instead:
+                params.setdefault(instead, value)
+    return params

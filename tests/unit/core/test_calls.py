@@ -217,12 +217,10 @@ async def test_a_reasoning_model_is_asked_again_without_what_it_refuses(
 def test_a_refused_parameter_is_named_with_what_to_send_instead(
     message: str, params: dict[str, object], learned: tuple[str, str | None] | None
 ) -> None:
-    from streams.core.calls import PARAM, refused_param, without_refused
     from streams.errors import BadRequest
-    from streams.llm.client import LLMRequest
+    from streams.llm.params import PARAM, refused_param, without_refused
 
-    request = LLMRequest(messages=[{"role": "user", "content": "x"}], model="m", params=params)
-    assert refused_param(request, BadRequest(f"HTTP 400: {message}")) == learned
+    assert refused_param(params, BadRequest(f"HTTP 400: {message}")) == learned
     if learned is not None:
         name, instead = learned
         taken = without_refused({**params, "seed": 7}, {PARAM + name: instead or ""})

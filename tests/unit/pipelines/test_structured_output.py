@@ -159,3 +159,34 @@ async def test_validate_endpoint_says_what_the_endpoint_is_and_honours() -> None
     assert "json_schema: honoured" in out
     assert "tool_call (object): answered as text" in out
     assert "tool_call (required): answered as text" in out
+
+
+async def test_validate_endpoint_asks_a_reasoning_model_as_it_takes_it() -> None:
+    """The tries asked `max_tokens` and temperature 0: a reasoning model (o-series, gpt-5)
+    refused each, and the report said json_schema "refused" where the worker — which
+    learns those refusals — gets its answers."""
+    from streams.dev.simulator import SimConfig
+    from streams.llm.openai_client import REASONING_BUDGET, OpenAIClient
+
+    server = SimulatorServer(SimConfig(reasoning_models=["sim-1"]))
+    await server.start()
+    client = OpenAIClient(base_url=server.base_url, api_key="k", connect_timeout_s=1,
+                          read_timeout_s=5)  # fmt: skip
+    bodies: list[dict[str, object]] = []
+    original = client.complete_raw
+
+    async def spy(body, timeout_s):  # type: ignore[no-untyped-def]
+        bodies.append(body)
+        return await original(body, timeout_s)
+
+    client.complete_raw = spy  # type: ignore[method-assign]
+    try:
+        tried = await client.structured_support("sim-1")
+    finally:
+        await client.close()
+        await server.stop()
+    assert tried["json_schema"] == "honoured", tried
+    assert not any(v.startswith("refused") for v in tried.values()), tried
+    assert server.sim.snapshot()["by_outcome"]["param_unsupported"] == 2  # learned once
+    last = bodies[-1]
+    assert last["max_completion_tokens"] == REASONING_BUDGET and "temperature" not in last
