@@ -86,7 +86,7 @@ def refuses_json_schema(request: LLMRequest, exc: StreamsError) -> bool:
                                          "grammar"))  # fmt: skip
 
 
-NO_FLEX = "service_tier=flex refused"  # its key of a model that offers no flex tier
+NO_FLEX = "service_tier=flex refused"  # `GuardedClient.unhonoured`: the model has no flex tier
 
 # The least temperature of a repair turn (one that shows the model its rejected answer).
 REPAIR_TEMPERATURE = 0.7

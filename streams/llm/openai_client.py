@@ -129,7 +129,7 @@ def map_error(exc: Exception) -> TaskError:
     return UpstreamError(f"unexpected LLM client error: {exc!r}", code="client_error")
 
 
-def _as_taken(body: dict[str, Any], taken: dict[str, str]) -> dict[str, Any]:
+def _probe_as_taken(body: dict[str, Any], taken: dict[str, str]) -> dict[str, Any]:
     """A probe's body with what the model refused sent as it said or left out; a budget
     that had to be renamed is a reasoning model's: `REASONING_BUDGET` at least."""
     if taken.get(PARAM + "max_tokens") == "max_completion_tokens":
@@ -393,16 +393,16 @@ class OpenAIClient:
         """`body` answered as the model takes it: a parameter it refuses (a reasoning
         model's `max_tokens`, its temperature) sent as it says or left out, as the worker
         learns it (`llm.params`; `taken`: what was learned, for the next tries). A budget
-        renamed so is a reasoning model's, which thinks within it first (`_as_taken`)."""
+        renamed so is a reasoning model's, which thinks within it first (`_probe_as_taken`)."""
         for _ in range(len(body)):  # each refusal takes a parameter out
             try:
-                return await self.complete_raw(_as_taken(body, taken), timeout_s)
+                return await self.complete_raw(_probe_as_taken(body, taken), timeout_s)
             except BadRequest as exc:
-                refused = refused_param(_as_taken(body, taken), exc)
+                refused = refused_param(_probe_as_taken(body, taken), exc)
                 if refused is None or refused[0] in ("model", "messages"):
                     raise
                 taken[PARAM + refused[0]] = refused[1] or ""
-        return await self.complete_raw(_as_taken(body, taken), timeout_s)
+        return await self.complete_raw(_probe_as_taken(body, taken), timeout_s)
 
     async def complete_raw(self, body: dict[str, Any], timeout_s: float) -> LLMResponse:
         """One chat completion of a body given whole (probes), errors mapped as any."""
