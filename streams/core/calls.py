@@ -249,7 +249,8 @@ class Calls:
                         "with the schema in the prompt", code="json_schema_refused",
                     ) from exc  # fmt: skip
                 refused = refused_param(request.params, exc)
-                if refused is not None:
+                # To be sent under a name the model refused too: no way round it.
+                if refused is not None and PARAM + str(refused[1]) not in client.unhonoured:
                     raise self.param_refused(client, prompt.model, pipeline.name, *refused,
                                              exc) from exc  # fmt: skip
                 raise
@@ -497,12 +498,12 @@ class Calls:
         exc: StreamsError,
     ) -> UpstreamError:
         """The model refused parameter `name`: its later requests send it as `instead`, or
-        leave it out (learned for the endpoint and model, counted, said once); the attempt
-        asks again at once."""
-        kind = "param_renamed" if instead else "param_dropped"
-        self.metrics.mitigations.labels(pipeline, kind).inc()
+        leave it out (learned for the endpoint and model, counted and said once: by the
+        first refusal, not by those of requests made before it); the attempt asks again."""
         then = f"sent as {instead}" if instead else "left out"
-        if client.not_honoured(PARAM + name, instead or ""):
+        if client.not_honoured(PARAM + name, instead or ""):  # the first to learn it
+            kind = "param_renamed" if instead else "param_dropped"
+            self.metrics.mitigations.labels(pipeline, kind).inc()
             log.warning("%s (%s) refuses %s: %s from now on (%s)", client.client.endpoint,
                         model, name, then, exc.message[:200])  # fmt: skip
         again = UpstreamError(f"the endpoint refuses {name} ({exc.message[:160]}); asked "

@@ -105,13 +105,15 @@ _PARAM_REFUSED = re.compile(
     re.IGNORECASE,
 )
 _PARAM_INSTEAD = re.compile(r"use '(\w+)' instead", re.IGNORECASE)
+_BUDGETS = {"max_tokens": "max_completion_tokens", "max_completion_tokens": "max_tokens"}
 
 
 def refused_param(params: Mapping[str, Any], exc: StreamsError) -> tuple[str, str | None] | None:
     """A 400 refusing one of a request's own parameters (`params`): its name, and what to
     send it as instead when the refusal says (`max_tokens` -> `max_completion_tokens`),
     None to leave it out. The answer's budget is never left out: refused without a new
-    name, it stays a bad request."""
+    name, it goes under its other one (Azure's API versions before 2024-09 know no
+    `max_completion_tokens`)."""
     if not isinstance(exc, BadRequest):
         return None
     found = _PARAM_REFUSED.search(exc.message)
@@ -120,8 +122,8 @@ def refused_param(params: Mapping[str, Any], exc: StreamsError) -> tuple[str, st
         return None
     told = _PARAM_INSTEAD.search(exc.message)
     instead = told.group(1) if told is not None and told.group(1) in CHAT_PARAMS else None
-    if instead is None and name in ("max_tokens", "max_completion_tokens"):
-        return None
+    if instead is None and name in _BUDGETS:  # the other name of the same budget
+        instead = _BUDGETS[name]
     return name, instead
 
 

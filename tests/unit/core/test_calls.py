@@ -203,12 +203,18 @@ async def test_a_reasoning_model_is_asked_again_without_what_it_refuses(
             {"logit_bias": {"1": 2}},
             ("logit_bias", None),
         ),  # OCI
-        # The budget is never left out; a parameter the request does not have is no
-        # parameter of ours; nor is another refusal.
+        # The budget is never left out: refused, it goes under its other name (Azure's API
+        # versions before 2024-09 know no max_completion_tokens); a parameter the request
+        # does not have is no parameter of ours; nor is another refusal.
         (
             "Unsupported parameter: 'max_tokens' is not supported with this model.",
             {"max_tokens": 5},
-            None,
+            ("max_tokens", "max_completion_tokens"),
+        ),
+        (
+            "Unrecognized request argument supplied: max_completion_tokens",
+            {"max_completion_tokens": 5},
+            ("max_completion_tokens", "max_tokens"),
         ),
         ("Unsupported value: 'temperature' does not support 0.", {"top_p": 1}, None),
         ("Invalid 'messages[0].content': string too long.", {"temperature": 0}, None),
@@ -259,3 +265,63 @@ async def test_a_flex_call_to_a_model_without_the_tier_goes_on_at_the_sync_price
     assert simulator.sim.snapshot()["by_outcome"] == {"flex_refused": 1, "ok": 3}
     assert processor.metrics.mitigations.labels("*", "flex_fallback")._value.get() == 3
     assert sum("offers no flex tier" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_a_budget_refused_under_both_names_is_the_tasks_bad_request_at_once(
+    make_processor: MakeProcessor,
+) -> None:
+    """Learned refusals end: a model refusing max_tokens ("use max_completion_tokens")
+    and then max_completion_tokens too is not asked again and again until the deadline."""
+    from streams.errors import BadRequest
+    from tests.fakes import FakeLLM
+
+    def refuse(request):  # type: ignore[no-untyped-def]
+        if "max_tokens" in request.params:
+            return BadRequest("HTTP 400: Unsupported parameter: 'max_tokens' is not supported "
+                              "with this model. Use 'max_completion_tokens' instead.")  # fmt: skip
+        return BadRequest("HTTP 400: Unrecognized request argument supplied: "
+                          "max_completion_tokens")  # fmt: skip
+
+    llm = FakeLLM(refuse)
+    processor = make_processor(llm)
+    raw = orjson.dumps({"task_id": "b1", "pipeline": "comment-analysis",
+                        "input": {"text": "Broke on day two."}})  # fmt: skip
+    out = await processor.process(raw, None, SRC)
+    assert out.kind == "dead_letter" and out.category == "bad_request"
+    assert len(llm.requests) == 2
+
+
+async def test_refusals_of_requests_made_before_one_was_learned_are_asked_again_too(
+    make_processor: MakeProcessor,
+) -> None:
+    """Tasks in flight when the first refusal is learned were sent with the parameter:
+    theirs are asked again as well (not taken for a dead end), counted once."""
+    import asyncio
+
+    from streams.errors import BadRequest
+    from tests.fakes import FakeLLM, answer
+
+    good = {"sentiment": "negative", "confidence": 0.8, "topics": ["quality"], "issues": [],
+            "summary": "Broke.", "language": "en"}  # fmt: skip
+    gate = asyncio.Event()
+
+    def refuse(request):  # type: ignore[no-untyped-def]
+        if "max_tokens" not in request.params:
+            return answer(good)
+        if not gate.is_set():
+            return None  # held until all are in flight
+        return BadRequest("HTTP 400: Unsupported parameter: 'max_tokens' is not supported "
+                          "with this model. Use 'max_completion_tokens' instead.")  # fmt: skip
+
+    llm = FakeLLM(refuse)
+    processor = make_processor(llm)
+    raws = [orjson.dumps({"task_id": f"c{i}", "pipeline": "comment-analysis",
+                          "input": {"text": f"Broke on day {i + 2}."}}) for i in range(3)]  # fmt: skip
+    running = [asyncio.create_task(processor.process(r, None, SRC)) for r in raws]
+    await llm.called(3)
+    gate.set()
+    llm.release()
+    outs = await asyncio.gather(*running)
+    assert [o.kind for o in outs] == ["result"] * 3, [o.value for o in outs]
+    counted = processor.metrics.mitigations.labels("comment-analysis", "param_renamed")
+    assert counted._value.get() == 1
