@@ -154,10 +154,7 @@ class Packs:
         )
         asked = {**first.params, budget_key(first.params): completion_budget(first.params)
                  * len(items)}  # fmt: skip
-        client = self.calls.client
-        params = fit_window(messages, asked, first.params, client.window.tokens())
-        if client.unhonoured:  # what the model refused, as a task's call learned it
-            params = without_refused(params, client.unhonoured)
+        params = fit_window(messages, asked, first.params, self.calls.client.window.tokens())
         return LLMRequest(messages=messages, model=first.model, params=params,
                           response_format=response_format, tool=tool)  # fmt: skip
 
@@ -176,6 +173,9 @@ class Packs:
 
         async def attempt(a: Attempts) -> LLMResponse:
             client = route.pick(lane, prefix)
+            asked = request
+            if client.unhonoured:  # what this model refused there, as a task's call learned
+                asked = replace(request, params=without_refused(request.params, client.unhonoured))
             where = endpoint_attributes(client.endpoint, client.server)
             with child_span(
                 f"chat {request.model}", kind=SpanKind.CLIENT,
@@ -185,7 +185,7 @@ class Packs:
                             "llm_streams.attempt": a.count},
             ):  # fmt: skip
                 try:
-                    response = await client.complete(request, lane=lane, deadline_at=deadline_at)
+                    response = await client.complete(asked, lane=lane, deadline_at=deadline_at)
                 except Transient as exc:
                     if exc.unanswered_tokens:  # sent, no answer: its prompt may be billed
                         unhanded.unanswered.append((exc.unanswered_tokens, client.deployment))
