@@ -199,6 +199,35 @@ async def test_packs_to_a_reasoning_model_send_what_it_takes_once_a_call_learned
     assert processor.metrics.packed.labels("comment-analysis", "packed")._value.get() == 10
 
 
+async def test_a_pack_to_a_deployment_sends_what_that_deployments_client_learned(
+    packing: Any, simulator: SimulatorServer
+) -> None:
+    """A pack was built with the primary client's learned refusals; its attempts go to the
+    client the model's route picks — a deployment, which learned them where the primary,
+    never called, did not: each pack was refused, its items answered alone."""
+    from streams.llm.params import PARAM
+    from streams.resilience.breaker import CircuitBreaker
+    from streams.resilience.guarded import GuardedClient
+    from streams.resilience.router import Route
+
+    simulator.sim.config.reasoning_models = ["sim-1"]
+    processor = packing(packing=True)
+    deployment = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
+                              read_timeout_s=2)  # fmt: skip
+    learned = GuardedClient(deployment, limiter=RateLimiter(rpm=None), breaker=CircuitBreaker("d"))
+    learned.not_honoured(PARAM + "max_tokens", "max_completion_tokens")
+    learned.not_honoured(PARAM + "temperature", "")
+    processor.calls.routes = lambda _model: Route.single(learned)
+    try:
+        packed = await _run(processor, [f"{TEXTS[i % 5]} ({i})" for i in range(10)])
+    finally:
+        await deployment.close()
+    assert all(o.kind == "result" for o in packed), [o.value for o in packed]
+    stats = simulator.sim.snapshot()
+    assert stats["requests"] == 1 and "param_unsupported" not in stats["by_outcome"]
+    assert processor.metrics.packed.labels("comment-analysis", "packed")._value.get() == 10
+
+
 async def test_an_item_missing_from_the_answer_is_answered_alone(
     packing: Any, simulator: SimulatorServer
 ) -> None:
