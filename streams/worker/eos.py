@@ -356,7 +356,11 @@ class Transactions:
             log.warning("exactly-once: last commit of partition %d failed: %r", partition, exc)
         finally:
             part.gone()
-            await part.producer.stop()
+            try:
+                await part.producer.stop()
+            except Exception as exc:  # its sender died of it (fenced): gone all the same
+                log.info("exactly-once: the producer of partition %d stopped with %r",
+                         partition, exc)  # fmt: skip
 
     async def close(self) -> None:
         if self._committer is not None:

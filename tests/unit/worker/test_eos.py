@@ -232,3 +232,18 @@ async def test_an_idle_partition_still_lets_the_store_take_what_committed_before
     part.gone()  # fenced: what it staged is not the store's to keep
     await eos.commit(2, part)
     assert told == [2, 2]
+
+
+async def test_a_fenced_partitions_producer_whose_stop_raises_the_fence_is_forgotten() -> None:
+    """aiokafka's `stop()` awaits its sender, which died of the fence (ProducerFenced from
+    the offsets' request): `forget` raised it, `on_fenced`'s restart ended there before
+    asking the group to rejoin, and the partition was never run again (seen in
+    tests/integration/test_eos.py: 145 of 1,500 tasks never answered)."""
+    eos, producer, part = await _owning(0)
+
+    async def stop_as_aiokafka_does() -> None:
+        raise ProducerFenced()
+
+    producer.stop = stop_as_aiokafka_does  # type: ignore[attr-defined]
+    await asyncio.wait_for(eos.forget(0), 1)
+    assert 0 not in eos._parts and part.lost
