@@ -113,7 +113,7 @@ async def ensure_topics(
             response = await admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000))
             created = _created(response, [t.name for t in wanted])
             log.info("created topics %s", created)
-        await _check_partitions(admin, settings, names)
+        await _check_partitions(admin, settings, names, created)
         return created
     finally:
         await admin.close()
@@ -208,19 +208,25 @@ def _created(response: Any, names: list[str]) -> list[str]:
 
 
 async def _check_partitions(
-    admin: AIOKafkaAdminClient, settings: Settings, among: list[str]
+    admin: AIOKafkaAdminClient, settings: Settings, among: list[str], created: list[str]
 ) -> None:
     """The task store is co-partitioned with the task topics: every topic it reads or
-    writes needs `kafka.partitions` partitions."""
+    writes needs `kafka.partitions` partitions. The task topics may have more when
+    partitions were added to them after the store's topics were made (Kafka cannot take
+    them away): records there are forwarded to their tasks' partitions (`worker.flow`).
+    More on a task topic when the store's topics were made just now is a new deployment
+    whose setting is not its topics' count: refused, as any other mismatch."""
     t = settings.topics
-    names = [n for n in (t.tasks, t.replay, t.results, t.dead_letters, state_topic(settings),
-                         ledger_topic(settings), sessions_topic(settings))
-             if n in among]  # fmt: skip
+    n = settings.kafka.partitions
+    task_topics = {t.tasks, t.replay}
+    store_topics = {t.results, t.dead_letters, state_topic(settings), ledger_topic(settings),
+                    sessions_topic(settings)}  # fmt: skip
+    names = [name for name in (*task_topics, *store_topics) if name in among]
     if not names:
         return
     found: dict[str, int] = {}
     denied = []
-    for description in await admin.describe_topics(names):
+    for description in await admin.describe_topics(sorted(names)):
         code = description.get("error_code", 0)
         if code == 0:
             found[description["topic"]] = len(description["partitions"])
@@ -231,11 +237,23 @@ async def _check_partitions(
             f"this Kafka principal may not DESCRIBE topics {sorted(denied)}: grant the "
             "ACLs docs/SECURITY.md lists for a worker"
         )
-    wrong = {name: n for name, n in found.items() if n != settings.kafka.partitions}
+    more = {name: c for name, c in found.items() if name in task_topics and c > n}
+    new_store = bool(store_topics & set(created))
+    wrong = {name: c for name, c in found.items() if c != n and (name not in more or new_store)}
     if wrong:
         raise ConfigError(
             f"topics {wrong} have a partition count other than "
-            f"LLM_STREAMS_KAFKA__PARTITIONS={settings.kafka.partitions}; the task store "
+            f"LLM_STREAMS_KAFKA__PARTITIONS={n}; the task store "
             "needs the task, replay, results and dead-letter topics co-partitioned. "
             "Set LLM_STREAMS_KAFKA__PARTITIONS to theirs or repartition them."
+        )
+    if more:
+        log.warning(
+            "topics %s have more partitions than LLM_STREAMS_KAFKA__PARTITIONS=%d (added "
+            "after the task store's topics were made?): the store keeps %d, so records on "
+            "the partitions past them are forwarded to their tasks' partitions and answered "
+            "there; the extra partitions add no room for workers (docs/OPERATIONS.md)",
+            more,
+            n,
+            n,
         )

@@ -161,28 +161,32 @@ class TaskAgent:
 
     async def _on_assigned(self, sender: Any, assigned: set[Any], **kwargs: Any) -> None:
         """Faust's rebalance signal: own the store partitions of the task partitions."""
+        n = self.settings.kafka.partitions
         partitions = {tp.partition for tp in assigned if tp.topic in self._inputs}
-        self.store.arriving(partitions)  # their records may come before the store is told
+        # Partitions past the store's (added to the task topics later) hold no task's
+        # home: their records are forwarded home (worker.flow), nothing of theirs is stored.
+        homes = {p for p in partitions if p < n}
+        self.store.arriving(homes)  # their records may come before the store is told
         # Records of a partition given away, or new to the store (dropped after a fence),
         # are not acked by their earlier runs: they run again from the committed offset.
-        fresh = partitions - self.store.owned()
+        fresh = homes - self.store.owned()
         self._forget({tp for tp in self.acks.partitions()
                       if getattr(tp, "partition", None) not in partitions - fresh})  # fmt: skip
         # The limiters claim this worker's part of the group's work (see GroupShare).
         consumer = self.app.consumer
-        total = sum(consumer.topic_partitions(t) or self.settings.kafka.partitions
-                    for t in self._inputs)  # fmt: skip
-        self.group.assigned(sum(1 for tp in assigned if tp.topic in self._inputs), total)
-        if self.eos is not None:
+        total = sum(min(consumer.topic_partitions(t) or n, n) for t in self._inputs)
+        mine = sum(1 for tp in assigned if tp.topic in self._inputs and tp.partition < n)
+        self.group.assigned(mine, total)
+        if self.eos is not None:  # every partition: a forward goes in its record's transaction
             self.eos.hook_consumer(self.app.consumer)
             await self.eos.assign(partitions)
-        self.store.assign(partitions)
+        self.store.assign(homes)
         # Standbys (store_standby_replicas): the assignor's, over the same task partitions
         # (it places one even at 0: see worker.app).
         standbys = {tp.partition for tp in self.app.assignor.assigned_standbys()
-                    if tp.topic in self._inputs}  # fmt: skip
-        self.store.standby(standbys - partitions if self.settings.store_standby_replicas else set())
-        self.parked.assigned(partitions)
+                    if tp.topic in self._inputs and tp.partition < n}  # fmt: skip
+        self.store.standby(standbys - homes if self.settings.store_standby_replicas else set())
+        self.parked.assigned(homes)
         if self._processor is not None:  # tasks at a spend cap: their share, their partition
             self._processor.budgets.changed()
         self._joined = True

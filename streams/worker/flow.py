@@ -51,7 +51,7 @@ from streams.core.sessions import has_turn, without_turn
 from streams.core.sinks import erased
 from streams.core.taskstate import run_key
 from streams.errors import InternalError, InvalidInput, NotOurs, WriteRefused
-from streams.kafka.routing import partition_for
+from streams.kafka.routing import partition_for, partition_of
 from streams.observability.logs import current_task_id
 from streams.observability.metrics import Metrics
 from streams.store.taskstore import Kind, PartitionLost, TaskStore
@@ -146,7 +146,8 @@ class RecordFlow:
             m.queue_wait.labels(lane_name).observe(time.monotonic() - taken_at)
             m.in_flight.inc()
             try:
-                await self.store.ready(message.partition)  # its answers loaded
+                if message.partition < self.partitions:  # past them: no task's home
+                    await self.store.ready(message.partition)  # its answers loaded
             except PartitionLost as exc:  # given away: its owner runs it (again)
                 log.info("record %s/%d/%d not run: %s", source.topic, source.partition,
                          source.offset, exc)  # fmt: skip
@@ -188,6 +189,8 @@ class RecordFlow:
         already_done: an earlier run wrote it, rerouted: forwarded to its task's partition)
         and the outcome written (None when nothing was)."""
         processor, decider = self.processor, self.decider
+        if source.partition >= self.partitions:  # added to the topic later: no task's home
+            return await self._away(message, source)
         via = header(message, ERASE_HEADER)
         if via is not None:  # not a task: the request to erase one
             return await self._erase(message, source, via.decode(errors="replace"))
@@ -259,7 +262,7 @@ class RecordFlow:
         if refused is not None:
             return await self.dead_here(refused, source)
         try:
-            await self._reroute(message, source, home, task_id)
+            await self._reroute(message, source, home, task_id.encode())
         except WriteRefused as exc:  # with its new key and header, over what the topic takes
             return await self.dead_here(
                 self.processor.dead_letter(exc, message.value, message.key, source), source
@@ -355,7 +358,7 @@ class RecordFlow:
             )
         home = partition_for(request.session_id or request.task_id, self.partitions)
         if home != source.partition:
-            await self._reroute(message, source, home, request.task_id)
+            await self._reroute(message, source, home, request.task_id.encode())
             return Ended.REROUTED, None
         state = self.store.state(home, request.task_id)
         keys = [] if state is None else sorted(
@@ -392,7 +395,30 @@ class RecordFlow:
                  "and sink records", request.task_id, request.pipeline, via, len(keys))  # fmt: skip
         return Ended.ERASED, None
 
-    async def _reroute(self, message: Any, source: Source, home: int, task_id: str) -> None:
+    async def _away(self, message: Any, source: Source) -> tuple[Ended, Outcome | None]:
+        """A record on a partition past the task topics' first `partitions` (added to the
+        topic after the task store's topics were made: no task's home, no partition of
+        the store's topics) forwarded to its task's home — an erasure without a task id by
+        its key — and answered there. Bad input, or a task the topic refuses with its new
+        key and header, is a dead letter on its home's partition, written outside the
+        store (none is here to say it was written)."""
+        intake = self.processor.intake
+        route = intake.route_of(message.value)
+        key = route[0].encode() if route is not None else (message.key or b"")
+        home = (partition_for(route[1], self.partitions) if route is not None
+                else partition_of(key, self.partitions))  # fmt: skip
+        erasure = header(message, ERASE_HEADER) is not None  # no task: its home reads it
+        letter = None if erasure else intake.refusal(message.value, message.key, source)
+        if letter is None:
+            try:
+                await self._reroute(message, source, home, key)
+                return Ended.REROUTED, None
+            except WriteRefused as exc:
+                letter = self.processor.dead_letter(exc, message.value, message.key, source)
+        await self.writer.deliver(letter, home, plain=True)
+        return Ended.of(letter), letter
+
+    async def _reroute(self, message: Any, source: Source, home: int, key: bytes) -> None:
         """Forward a record to the partition its task (or its session) maps to, keyed by
         its task id; it is answered there. Counted, and the original position goes in a
         header."""
@@ -400,9 +426,10 @@ class RecordFlow:
         origin = f"{source.topic}/{source.partition}/{source.offset}".encode()
         headers.append((REROUTED_FROM_HEADER, origin))
         log.info("record %s/%d/%d of task %r belongs to partition %d: forwarded there",
-                 source.topic, source.partition, source.offset, task_id, home)  # fmt: skip
+                 source.topic, source.partition, source.offset,
+                 key.decode(errors="replace"), home)  # fmt: skip
 
-        await self.writer.forward(message.topic, task_id.encode(), message.value, home,
+        await self.writer.forward(message.topic, key, message.value, home,
                                   headers, what=f"the forward of {origin.decode()}",
                                   via=source.partition)  # fmt: skip
         self.metrics.misrouted.labels(self.lane_of(message.topic).name.lower(),

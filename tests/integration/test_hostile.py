@@ -1,6 +1,7 @@
-"""Hostile input on a real Kafka: whatever a record or an answer contains, the worker
-stays up and every input ends as exactly one result or one dead letter that says what
-was wrong, and every record it writes fits its topic."""
+"""Hostile input on a real Kafka: whatever a record or an answer contains — and on
+whichever partition of the task topic, two of them added after the store's topics were
+made —, the worker stays up and every input ends as exactly one result or one dead letter
+that says what was wrong, and every record it writes fits its topic."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import orjson
 import pytest
 import yaml
 from aiokafka import AIOKafkaProducer
-from aiokafka.admin import NewTopic
+from aiokafka.admin import NewPartitions, NewTopic
 
 from streams.dev.simulator import SimulatorServer
 from streams.kafka import clients
@@ -75,6 +76,12 @@ async def test_hostile_records_and_answers_end_as_one_outcome_each(
     finally:
         await admin.close()
     await ensure_topics(settings)
+    admin = clients.admin(settings)
+    await admin.start()
+    try:  # two partitions added to the task topic after the store's topics were made
+        await admin.create_partitions({settings.topics.tasks: NewPartitions(total_count=n + 2)})
+    finally:
+        await admin.close()
 
     # Already in the worker's own topics: a value that is not JSON where results live, and
     # a task state written by a newer version (fields this one does not know).
@@ -111,6 +118,8 @@ async def test_hostile_records_and_answers_end_as_one_outcome_each(
                 for i in range(8)]  # fmt: skip
     records += [(f"h-ok-{i}".encode(), _task(f"h-ok-{i}", f"Works well {i}."), [])
                 for i in range(20)]  # fmt: skip
+    # On the added partitions, which hold no task's home: a task, and a record without one.
+    extra = [(n, b"h-extra", _task("h-extra", "Sturdy chair.")), (n + 1, b"h-extra-bad", b"{")]
     producer = AIOKafkaProducer(bootstrap_servers=settings.bootstrap_servers,
                                 max_request_size=16 * MB, acks="all")  # fmt: skip
     await producer.start()
@@ -122,15 +131,20 @@ async def test_hostile_records_and_answers_end_as_one_outcome_each(
         for key, value, headers in records:
             await (await producer.send(settings.topics.tasks, key=key, value=value,
                                        headers=headers))  # fmt: skip
+        for partition, key, value in extra:
+            await (await producer.send(settings.topics.tasks, key=key, value=value,
+                                       partition=partition))  # fmt: skip
     finally:
         await producer.stop()
 
     task_ids = {orjson.loads(v)["task_id"] for _, v, _ in records
                 if v is not None and v.startswith(b"{")}  # fmt: skip
 
+    task_ids.add("h-extra")
+
     def everything_ended(got: Any) -> bool:
         ended = {r["task_id"] for r in got.results} | {d["task_id"] for d in got.dead_letters}
-        return task_ids | {"h-notjson", None} <= ended
+        return task_ids | {"h-notjson", "h-extra-bad", None} <= ended
 
     worker = WorkerProcess(settings, tmp_path / "worker.log").start()
     try:
@@ -142,7 +156,7 @@ async def test_hostile_records_and_answers_end_as_one_outcome_each(
     finally:
         worker.stop()
 
-    assert_one_outcome_each(got, task_ids | {"h-notjson"})
+    assert_one_outcome_each(got, task_ids | {"h-notjson", "h-extra-bad"})
     dead = {d["task_id"]: d for d in got.dead_letters}
     for big, size in (("h-2mb", 2 * MB), ("h-10mb", 10 * MB)):
         letter = dead[big]
@@ -162,6 +176,12 @@ async def test_hostile_records_and_answers_end_as_one_outcome_each(
     for i in range(8):  # answered on the partition their task id maps to
         result = answered[f"h-rekey-{i}"]
         assert result["source"]["partition"] == partition_for(f"h-rekey-{i}", n)
+    # The added partitions' records, at home among the store's n: every task's (the
+    # producer's partitioner spread them over n + 2), and the two sent there.
+    assert all(r["source"]["partition"] < n for r in got.results)
+    assert answered["h-extra"]["source"]["partition"] == partition_for("h-extra", n)
+    assert dead["h-extra-bad"]["error"]["code"] == "not_json"
+    assert dead["h-extra-bad"]["source"]["partition"] == n + 1  # where it stood
     assert scrape.value("llm_streams_store_unreadable_records_total", map="results") >= 1
     assert scrape.value("llm_streams_misrouted_records_total") >= 8
     assert scrape.value("llm_streams_dead_letters_total", category="output_too_large") == 1

@@ -11,7 +11,7 @@ import pytest
 
 from streams.errors import ConfigError
 from streams.kafka import topics
-from streams.kafka.topics import ensure_sinks
+from streams.kafka.topics import ensure_sinks, ensure_topics, written_topics
 from streams.settings import load_settings
 
 
@@ -70,3 +70,47 @@ async def test_a_sink_that_cannot_be_described_or_is_the_workers_own_is_refused(
     with pytest.raises(ConfigError, match="not in the brokers' metadata"):
         monkeypatch.setattr(topics.clients, "admin", lambda *a, **k: Admin(late=10**6))
         await ensure_sinks(settings, {"y": ["p"]}, timeout_s=0.5)
+
+
+class Cluster(Admin):
+    """Topics with their partition counts; one missing is made with the count asked."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        super().__init__(late=0)
+        self.counts = counts
+
+    async def list_topics(self) -> list[str]:
+        return list(self.counts)
+
+    async def create_topics(self, wanted: list[Any], timeout_ms: int) -> Any:
+        self.counts.update({t.name: t.num_partitions for t in wanted})
+        return await super().create_topics(wanted, timeout_ms)
+
+    async def describe_topics(self, names: list[str]) -> list[dict[str, Any]]:
+        return [{"topic": n, "error_code": 0, "partitions": [{}] * self.counts[n]} for n in names]
+
+
+async def test_task_topics_with_partitions_added_later_are_taken_a_new_deployment_is_not(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Kafka cannot take partitions away: a task topic given more after the store's topics
+    were made stopped every start for good ("repartition them" cannot be done). It is
+    taken, said, its extra partitions' records forwarded home. The same count on a task
+    topic whose store topics are made at this start (a new deployment) is the setting's
+    mistake, refused as before; so is any other topic's count."""
+    settings = load_settings(kafka={"partitions": 4})
+    names = written_topics(settings)
+    t = settings.topics
+    cluster = Cluster({name: 4 for name in names} | {t.tasks: 6})
+    monkeypatch.setattr(topics.clients, "admin", lambda *a, **k: cluster)
+    assert await ensure_topics(settings, names) == []
+    assert "have more partitions than LLM_STREAMS_KAFKA__PARTITIONS=4" in caplog.text
+    cluster = Cluster({t.tasks: 6})  # the rest made now, with 4
+    with pytest.raises(ConfigError, match="partition count other than"):
+        await ensure_topics(settings, names)
+    cluster = Cluster({name: 4 for name in names} | {t.tasks: 6, t.results: 6})
+    with pytest.raises(ConfigError, match=r"\{'llm-results': 6\}"):
+        await ensure_topics(settings, names)
+    cluster = Cluster({name: 4 for name in names} | {t.tasks: 3})
+    with pytest.raises(ConfigError, match="partition count other than"):
+        await ensure_topics(settings, names)

@@ -207,6 +207,43 @@ async def test_a_forward_the_broker_refuses_for_good_is_the_records_dead_letter(
     assert stops == [] and llm.requests == []
 
 
+async def test_a_record_on_a_partition_added_to_the_topic_later_is_forwarded_home(
+    flow: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Partitions added to the task topic after the store's topics were made (6 where the
+    store keeps 4): no task's home, nothing of theirs stored. Their records waited for a
+    store partition that could never load (its topics have no partition 4 or 5), retried
+    for good; a bad one's dead letter went to a dead-letter partition that does not
+    exist. A task is forwarded to its home among the first 4 and answered there; bad
+    input, or a task the topic refuses with its new key, is a dead letter at its home."""
+    run, sent, llm, settings, refuse = flow
+
+    async def never(partition: int) -> None:
+        raise AssertionError(f"the store was asked for partition {partition}")
+
+    monkeypatch.setattr(run.store, "ready", never)
+    extra = PARTITIONS + 1
+    assert await run.run(_record("t-9", extra, 3), taken_at=0.0) == "rerouted"
+    bad = StoredRecord("tasks", extra, 4, b"a-key", b"{not json", [], None)
+    assert await run.run(bad, taken_at=0.0) == "dead_letter"
+    (_, key, _, home, headers), (topic, bad_key, value, bad_home, _) = sent
+    assert (key, home) == (b"t-9", _home_of("t-9"))
+    assert (REROUTED_FROM_HEADER, f"tasks/{extra}/3".encode()) in headers
+    dead_letters = settings.topics.dead_letters
+    assert (topic, bad_key, bad_home) == (dead_letters, b"a-key", partition_of(b"a-key",
+                                                                             PARTITIONS))  # fmt: skip
+    letter = orjson.loads(value)
+    assert letter["error"]["code"] == "not_json" and letter["source"]["partition"] == extra
+    refuse.add("tasks")
+    sent.clear()
+    assert await run.run(_record("t-9", extra, 5), taken_at=0.0) == "dead_letter"
+    assert [(topic, partition) for topic, _, _, partition, _ in sent] == [
+        ("tasks", _home_of("t-9")), (dead_letters, _home_of("t-9"))
+    ]  # fmt: skip
+    assert orjson.loads(sent[-1][2])["error"]["category"] == "write_refused"
+    assert llm.requests == []
+
+
 async def test_bad_input_is_one_dead_letter_however_often_the_record_runs(flow: Any) -> None:
     run, sent, llm, settings, _ = flow
     bad = StoredRecord("tasks", 1, 3, b"k", b"{not json", [], None)
