@@ -51,6 +51,20 @@ class TaskContext(logging.Filter):
         return True
 
 
+class QuietReaders(logging.Filter):
+    """Leaves out aiokafka's line for every `unsubscribe()` of a consumer ("Unsubscribed
+    all topics or patterns and assigned partitions"): the worker's readers of its small
+    topics (`kafka.scan.Follower`: the spend caps every 15 s, the drift baselines every
+    30 s) let their partitions go after each read, a line every few seconds of an idle
+    worker's log that says nothing. The group's assignments are said by the
+    coordinator's logger."""
+
+    ASSIGNED = "Unsubscribed all topics or patterns and assigned partitions"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.ASSIGNED
+
+
 class ScrubbedText(logging.Formatter):
     def __init__(self, secrets: list[str]) -> None:
         super().__init__("[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s")
@@ -87,7 +101,7 @@ def logging_config(level: str, fmt: str, secrets: list[str]) -> dict[str, Any]:
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "filters": {"task": {"()": TaskContext}},
+        "filters": {"task": {"()": TaskContext}, "readers": {"()": QuietReaders}},
         "formatters": {"default": {"()": formatter, "secrets": secrets}},
         "handlers": {
             "default": {
@@ -99,10 +113,13 @@ def logging_config(level: str, fmt: str, secrets: list[str]) -> dict[str, Any]:
             }
         },
         "root": {"level": level.upper(), "handlers": ["default"]},
-        # Two lines at info for every short-lived reader (the budget sync every 15 s, the
-        # drift baselines every 30 s: "Updating subscribed topics to ..."); the group's
-        # assignments are said by the coordinator's logger.
-        "loggers": {"aiokafka.consumer.subscription_state": {"level": "WARNING"}},
+        # Lines at info for every read of the small topics' readers (the budget sync every
+        # 15 s, the drift baselines every 30 s: "Updating subscribed topics to ...", and
+        # `QuietReaders`'); the group's assignments are said by the coordinator's logger.
+        "loggers": {
+            "aiokafka.consumer.subscription_state": {"level": "WARNING"},
+            "aiokafka.consumer.consumer": {"filters": ["readers"]},
+        },
     }
 
 

@@ -6,8 +6,16 @@ import asyncio
 import logging
 
 import orjson
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from streams.observability.logs import JsonLines, ScrubbedText, TaskContext, current_task_id
+from streams.observability.logs import (
+    JsonLines,
+    ScrubbedText,
+    TaskContext,
+    current_task_id,
+    logging_config,
+)
 
 KEY = "sk-proj-LEAKCHECK-0123456789"
 
@@ -62,3 +70,23 @@ def test_the_worker_hides_the_schema_registry_password_set_or_in_its_url() -> No
     settings = load_settings(schema_registry={"url": "https://u:pw-in-url-123@r:8081",
                                               "username": "u", "password": "pw-set-4567"})  # fmt: skip
     assert {"pw-in-url-123", "pw-set-4567"} <= set(secrets(settings))
+
+
+async def test_a_readers_unsubscribe_leaves_no_line_other_consumer_lines_stay(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The worker's readers of its small topics let their partitions go after every read:
+    a line of aiokafka's each time (every 15 s in an idle worker's log, saying nothing)."""
+    config = logging_config("info", "text", [])
+    readers = config["loggers"]["aiokafka.consumer.consumer"]["filters"]
+    quiet = [config["filters"][name]["()"]() for name in readers]
+    consumer = AIOKafkaConsumer(bootstrap_servers="127.0.0.1:1")
+    with caplog.at_level(logging.INFO, logger="aiokafka.consumer.consumer"):
+        consumer.assign([TopicPartition("llm-streams-budgets", 0)])
+        consumer.unsubscribe()  # as kafka.scan.Follower does after each read
+        logging.getLogger("aiokafka.consumer.consumer").info("Subscribed to topic(s): %s", "t")
+    lines = [r for r in caplog.records if r.name == "aiokafka.consumer.consumer"]
+    assert len(lines) == 2  # aiokafka's own line for the unsubscribe, and another
+    kept = [r.getMessage() for r in lines if all(f.filter(r) for f in quiet)]
+    assert kept == ["Subscribed to topic(s): t"]
+    await consumer.stop()
