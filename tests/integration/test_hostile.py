@@ -124,6 +124,8 @@ async def test_hostile_records_and_answers_end_as_one_outcome_each(
                                 max_request_size=16 * MB, acks="all")  # fmt: skip
     await producer.start()
     try:
+        while len(await producer.partitions_for(settings.topics.tasks)) < n + 2:
+            await producer.client.force_metadata_update()  # the added ones not seen yet
         await (await producer.send(state_topic(settings), key=b"h-future", value=future_state,
                                    partition=home))  # fmt: skip
         await (await producer.send(settings.topics.results, key=b"garbage",
