@@ -192,6 +192,14 @@ class Result(_Record):
         "prices; empty when only the default endpoint answered.",
     )
     unanswered_prompt_tokens: int = Field(0, ge=0, description=UNANSWERED)
+    prompt_digest: str | None = Field(
+        None,
+        description="A digest of the prompt version's definition that made `output` (its "
+        "templates, slots, model, parameters, response format, session and overflow rules, "
+        "and the pipeline's output schema and preprocessing): a version edited in place "
+        "answers under another digest. A stored answer handed out again keeps the digest "
+        "it was made under. Absent in records written before it was added.",
+    )
 
 
 class ErrorInfo(_Record):

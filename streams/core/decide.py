@@ -24,6 +24,8 @@ from streams.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+STALE_SAID = 1_000  # earlier definitions of versions warned of, at most (then counted only)
+
 
 class StoreView(Protocol):
     """What the decisions read of the task store, per task partition."""
@@ -88,6 +90,7 @@ class Decider:
         self.cache = cache
         self.metrics = metrics
         self.results_topic = results_topic
+        self._stale: set[tuple[str, str, str]] = set()  # earlier definitions said (bounded)
 
     def dead_letter_written(self, key: str, source: Source) -> bool:
         """Did an earlier run of this very record write its dead letter under `key`?"""
@@ -129,7 +132,9 @@ class Decider:
                 return stored(prep, "result", prep.result_key, raw, earlier), True
             if not asked.force:  # answered before for another record of the task: no call
                 self.metrics.cache_hits.labels(prep.pipeline.name, "result").inc()
-                return self.processor.from_cache(prep, earlier["output"], earlier["model"]), False
+                made_under = self._made_under(prep, earlier)
+                return self.processor.from_cache(prep, earlier["output"], earlier["model"],
+                                                 made_under), False  # fmt: skip
         raw = self.store.dead_letter(p, prep.task.task_id)
         letter = json_object(raw)
         if raw is not None and letter is not None and letter.get("source") == me:
@@ -154,6 +159,30 @@ class Decider:
             self.metrics.cache_hits.labels(prep.pipeline.name, "content").inc()
             return self.processor.from_cache(prep, output, model), False
         return cast(Outcome, value), False
+
+    def _made_under(self, prep: Prepared, earlier: dict[str, Any]) -> str | None:
+        """The definition a stored answer was made under (its `prompt_digest`; None when
+        it is older than the field). Another than the version's now: the version was
+        edited in place since — the answer is handed out again all the same (a task is
+        answered once), counted and said once per earlier definition, with the way to
+        answer again (a new version name, or a replay with --force)."""
+        said = earlier.get("prompt_digest")
+        if not isinstance(said, str):
+            return None
+        version = prep.version
+        if said != version.digest:
+            name = prep.pipeline.name
+            self.metrics.stale_answers.labels(name, version.version).inc()
+            if (name, version.version, said) not in self._stale and len(self._stale) < STALE_SAID:
+                self._stale.add((name, version.version, said))
+                log.warning(
+                    "pipeline %s version %s was changed since task %s was answered under it "
+                    "(definition %s then, %s now): answers already written are kept and "
+                    "handed out again, by a replay too; to answer with the changed "
+                    "definition, name it as a new version, or replay with --force",
+                    name, version.version, prep.task.task_id, said, version.digest,
+                )  # fmt: skip
+        return said
 
     def _earlier_stages(self, prep: Prepared) -> dict[str, Any] | None:
         """Answers of the stages an earlier run of this task got before a later stage

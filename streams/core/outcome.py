@@ -178,7 +178,10 @@ class Outcomes:
         rejected: int = 0,
         by_deployment: dict[str, float] | None = None,
         unanswered: int = 0,
+        digest: str | None = None,
     ) -> Outcome:
+        """A result; `digest`: the definition its output was made under, when not the
+        version's as it is now (a stored answer handed out again)."""
         latency_ms = (time.monotonic() - prep.started) * 1000
         record = Result(
             task_id=prep.task.task_id,
@@ -198,6 +201,7 @@ class Outcomes:
             rejected_answers=rejected,
             cost_by_deployment=by_deployment or {},
             unanswered_prompt_tokens=unanswered,
+            prompt_digest=digest or prep.version.digest,
         ).model_dump(mode="json")
         value = orjson.dumps(record)
         reasons = tuple(prep.pipeline.review_reasons(prep.prompt.variables, output))
@@ -249,10 +253,14 @@ class Outcomes:
             ), outcome)  # fmt: skip
         return replace(outcome, sink=sink)
 
-    def cached(self, prep: Prepared, output: dict[str, Any], model: str) -> Outcome:
-        """A result answered without an LLM call (same input answered before): no cost."""
+    def cached(
+        self, prep: Prepared, output: dict[str, Any], model: str, digest: str | None = None
+    ) -> Outcome:
+        """A result answered without an LLM call (same input answered before): no cost;
+        `digest`: the definition the stored answer was made under, when it says."""
         return self.result(prep, output, model=model, usage=Usage(prompt_tokens=0,
-                           completion_tokens=0), cost=0.0, attempts=0, cached=True)  # fmt: skip
+                           completion_tokens=0), cost=0.0, attempts=0, cached=True,
+                           digest=digest)  # fmt: skip
 
     def dead(
         self,

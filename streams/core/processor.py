@@ -177,8 +177,10 @@ class TaskProcessor:
     def failed(self, prep: Prepared, exc: StreamsError, like: Outcome) -> Outcome:
         return self.outcomes.failed(prep, exc, like)
 
-    def from_cache(self, prep: Prepared, output: dict[str, Any], model: str) -> Outcome:
-        return self.outcomes.cached(prep, output, model)
+    def from_cache(
+        self, prep: Prepared, output: dict[str, Any], model: str, digest: str | None = None
+    ) -> Outcome:
+        return self.outcomes.cached(prep, output, model, digest)
 
     def tier_for(self, pipeline: Pipeline, lane: Lane, asked: Tier | None = None) -> Tier:
         """The price tier a task runs in: asked (a replay's --lane), else the pipeline's

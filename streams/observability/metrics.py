@@ -359,6 +359,11 @@ class Metrics:
             "Tasks answered without an LLM call: kind=result (the task was answered before) "
             "or content (an identical input of another task was).",
             ["pipeline", "kind"], registry=r)  # fmt: skip
+        self.stale_answers = Counter(
+            "llm_streams_stale_answers",
+            "Stored answers handed out again that an earlier definition of the same prompt "
+            "version made (the version edited in place since; Result.prompt_digest).",
+            ["pipeline", "version"], registry=r)  # fmt: skip
 
     def model_label(self, model: str) -> str:
         """A model name an answer says, as a label: the provider names it (a snapshot, the

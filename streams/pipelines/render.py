@@ -4,6 +4,7 @@ the template's delimiters."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol
 
+import orjson
 from jinja2 import TemplateError
 
 from streams.errors import ConfigError, InvalidInput
@@ -75,6 +77,27 @@ class PipelineVersion:
             self._guard = delimiter_guard(spec.system + "\n" + spec.template)
         except TemplateError as exc:
             raise ConfigError(f"pipeline {pipeline.name} {version}: template error: {exc}") from exc
+
+    @cached_property
+    def digest(self) -> str:
+        """What this version's answers are made of, hashed: its system and user templates,
+        slots, model, parameters, response format, session and overflow rules, and the
+        pipeline's output schema and preprocessing (what the file sets, defaults left
+        out: a default a later release adds does not change it). A version edited in
+        place answers under a new digest (`Result.prompt_digest`)."""
+        spec = self.spec.model_dump(
+            mode="json", exclude_defaults=True,
+            include={"system", "template", "slots", "model", "params", "response_format",
+                     "session", "on_context_overflow"},
+        )  # fmt: skip
+        made_of = {
+            "version": spec,
+            "output_schema": self.pipeline.output_schema,
+            "preprocess": self.pipeline.spec.preprocess.model_dump(mode="json",
+                                                                   exclude_defaults=True),
+        }  # fmt: skip
+        return hashlib.blake2b(orjson.dumps(made_of, option=orjson.OPT_SORT_KEYS),
+                               digest_size=8).hexdigest()  # fmt: skip
 
     def bind(
         self, task_input: dict[str, Any], redactions: Counter[str] | None = None

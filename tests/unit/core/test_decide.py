@@ -5,6 +5,7 @@ result and state expired is answered again, under the same result key."""
 from __future__ import annotations
 
 import orjson
+import pytest
 
 from streams.contract.lanes import Lane
 from streams.contract.records import Source
@@ -98,3 +99,38 @@ async def test_a_task_whose_result_and_state_expired_is_answered_again_under_its
     assert fresh.outcome is not None and fresh.outcome.kind == "result"
     assert len(llm.requests) == 2  # asked again
     assert fresh.outcome.key == first.outcome.key  # the same result key
+
+
+async def test_an_answer_a_version_made_before_it_was_edited_is_kept_said_and_counted(
+    make_processor: MakeProcessor,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A user edits v1's prompt in place and replays last month: every replayed task was
+    handed its stored answer, silently — the history looked re-analysed and was not.
+    The answer is still handed out (a task is answered once), under the digest it was
+    made with, and the edit is said once with the way round it, and counted; a forced
+    replay asks the model and writes the definition of now."""
+    llm = FakeLLM(lambda _r: answer(GOOD))
+    processor = make_processor(llm)
+    store, metrics = Store(), Metrics()
+    decider = Decider(processor, store, ContentCache(), metrics, "results")
+    prep = prepared(processor, 7)
+    then = prep.version.digest
+    first = await decider.decide(prep, Lane.LIVE, Asked())
+    assert first.outcome is not None and first.outcome.record()["prompt_digest"] == then
+    store.wrote(first.outcome, decider.state_after(first.outcome, prep))
+
+    # The file edited, the worker restarted: the version's definition is another.
+    monkeypatch.setitem(prep.version.__dict__, "digest", "0123456789abcdef")
+    decider.cache = ContentCache()
+    for offset in (90, 91):  # two replayed records of the task
+        again = await decider.decide(prepared(processor, offset), Lane.LIVE, Asked())
+        assert again.outcome is not None and again.outcome.record()["prompt_digest"] == then
+    assert len(llm.requests) == 1
+    said = [r for r in caplog.records if "was changed since task t1 was answered" in r.message]
+    assert len(said) == 1 and "--force" in said[0].message
+    assert metrics.stale_answers.labels("comment-analysis", "v1")._value.get() == 2
+    forced = await decider.decide(prepared(processor, 92), Lane.LIVE, Asked(force=True))
+    assert forced.outcome is not None and len(llm.requests) == 2
+    assert forced.outcome.record()["prompt_digest"] == "0123456789abcdef"

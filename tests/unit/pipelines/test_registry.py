@@ -285,3 +285,31 @@ def test_an_output_schema_whose_ref_does_not_resolve_within_it_is_refused(
         PipelineRegistry.load(tmp_path, schemas)
     assert "x.json" in str(info.value) and words in str(info.value)
     assert "$ref" in str(info.value)
+
+
+def test_a_versions_digest_moves_with_what_makes_its_answers_and_nothing_else(
+    tmp_path: Path, registry: PipelineRegistry
+) -> None:
+    """The file as shipped, rewritten by a YAML dump (keys in another order, comments
+    gone) and with another description: the same digest. Its template, a parameter or
+    its output schema edited in place: another."""
+    shipped = registry.get("comment-analysis").version("v1").digest
+
+    def digest(folder: Path, schemas: Path = ROOT / "schemas") -> str:
+        return PipelineRegistry.load(folder, schemas).get("comment-analysis").version("v1").digest
+
+    for name in "abcd":
+        (tmp_path / name).mkdir()
+    assert digest(_spec_with(tmp_path / "a", description="Reworded.")) == shipped
+    assert len(shipped) == 16 and int(shipped, 16) >= 0
+    template = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
+    template = template["versions"]["v1"]["template"] + "Answer in English.\n"
+    assert digest(_spec_with(tmp_path / "b", v1_template=template)) != shipped
+    assert digest(_spec_with(tmp_path / "c", v1_params={"temperature": 0.2})) != shipped
+    schemas = tmp_path / "schemas"
+    shutil.copytree(ROOT / "schemas", schemas)
+    path = schemas / "comment-analysis.output.schema.json"
+    schema = json.loads(path.read_text())
+    schema["properties"]["summary"]["maxLength"] = 100
+    path.write_text(json.dumps(schema))
+    assert digest(_spec_with(tmp_path / "d"), schemas) != shipped
