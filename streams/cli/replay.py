@@ -88,8 +88,11 @@ def _summary(
     out = Console(soft_wrap=True, markup=False)
     out.print(
         f"replay {cp.replay_id} of {cp.source}: {c.read} record(s) read, {verb} {c.published} "
-        f"to {settings.topics.replay}; skipped {c.answered} already answered, {c.filtered} "
-        f"of other pipelines, {c.invalid} invalid"
+        f"to {settings.topics.replay}; skipped {c.answered} already answered"
+        + (f" ({c.stale} of them by an earlier definition of their version, edited in place "
+           "since: --force asks them again, or name the edit as a new version)"
+           if c.stale else "")
+        + f", {c.filtered} of other pipelines, {c.invalid} invalid"
         + (f", {c.erased} erased since" if c.erased else "")
         + (f", {c.refused} refused for good by the topic or the producer (the log names "
            f"them: too large, invalid or not authorised)" if c.refused else ""),

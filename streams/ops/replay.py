@@ -88,6 +88,7 @@ class Counts:
     read: int = 0
     published: int = 0
     answered: int = 0  # skipped: result key already in the results topic
+    stale: int = 0  # of `answered`: by an earlier definition of its version (edited since)
     filtered: int = 0  # skipped: another pipeline than asked
     invalid: int = 0  # skipped: not a valid task (its dead letter exists already)
     refused: int = 0  # not sent: the replay topic or the producer refused it for good
@@ -201,6 +202,9 @@ class Answered:
 
     keys: set[bytes] = field(default_factory=set)
     usage: dict[tuple[str, str | None], tuple[int, int]] = field(default_factory=dict)
+    # Of `keys`: answered by an earlier definition of their version than the pipeline
+    # files' now (its `prompt_digest` another: the version edited in place since).
+    stale: set[bytes] = field(default_factory=set)
 
     def completion_estimate(self, pipeline: str, version: str) -> float | None:
         """The mean completion of the version's results, else of the pipeline's."""
@@ -212,14 +216,20 @@ class Answered:
 
 
 async def read_answered(
-    settings: Settings, pipeline: str | None = None, version: str | None = None
+    settings: Settings,
+    pipeline: str | None = None,
+    version: str | None = None,
+    digest_of: Callable[[str, str], str | None] | None = None,
 ) -> Answered:
     """What the results topic holds now (read to its end): the keys of `pipeline`'s
     results under `version`, when given (the keys of a topic's every result were held
     for a replay of one pipeline under a new version, which has none yet). A result
     tombstoned since (past the store's retention, or erased) is not held: until the
-    topic's compaction dropped both, its task was skipped as answered, never again."""
+    topic's compaction dropped both, its task was skipped as answered, never again.
+    `digest_of(pipeline, version)`: the version's definition now (None: not known), to
+    tell the results an earlier one made (`Answered.stale`)."""
     keys: set[bytes] = set()
+    stale: set[bytes] = set()
     usage: dict[tuple[str, str | None], tuple[int, int]] = {}
     async for records in scan(settings, settings.topics.results):
         for r in records:
@@ -227,11 +237,19 @@ async def read_answered(
                 continue
             if r.value is None:
                 keys.discard(r.key)
+                stale.discard(r.key)
                 continue
             result = json_object(r.value) or {}
             of, under = result.get("pipeline"), result.get("prompt_version")
             if (pipeline is None or of == pipeline) and (version is None or under == version):
                 keys.add(r.key)
+                made = result.get("prompt_digest")
+                now = (digest_of(of, under) if digest_of is not None and isinstance(of, str)
+                       and isinstance(under, str) and isinstance(made, str) else None)  # fmt: skip
+                if now is not None and made != now:
+                    stale.add(r.key)
+                else:  # the latest answer of the key counts
+                    stale.discard(r.key)
             spent = result.get("usage")
             if result.get("cached") or not isinstance(spent, dict) or not isinstance(of, str):
                 continue
@@ -242,7 +260,7 @@ async def read_answered(
             for k in ((of, under if isinstance(under, str) else None), (of, None)):
                 total, n = usage.get(k, (0, 0))
                 usage[k] = (total + tokens, n + 1)
-    return Answered(keys, usage)
+    return Answered(keys, usage, stale)
 
 
 async def read_erased(settings: Settings, start: dict[int, int] | None) -> dict[str, int]:
@@ -319,12 +337,23 @@ class Replayer:
         self.finished_before = False  # the checkpoint said done: nothing sent
         self.resumed_at: str | None = None  # time of the checkpoint resumed from
         self.answered = Answered()  # read again by each `run`
+        self._digests: dict[tuple[str, str], str | None] = {}  # the files' definitions
         self.erased: dict[str, int] = {}  # task id -> its latest erase request's time, ms
         self.prices = Prices.from_settings(settings)
         if request.pipeline is not None:
             pipeline = registry.get(request.pipeline)  # unknown: InvalidInput, said at once
             if request.prompt_version is not None:
                 pipeline.version(request.prompt_version)
+
+    def _digest_of(self, pipeline: str, version: str) -> str | None:
+        """A version's definition in the pipeline files now (None: not in them)."""
+        key = (pipeline, version)
+        if key not in self._digests:
+            try:
+                self._digests[key] = self.registry.get(pipeline).version(version).digest
+            except TaskError:
+                self._digests[key] = None
+        return self._digests[key]
 
     async def run(self, *, dry_run: bool, on_progress: Progress | None = None) -> Checkpoint:
         settings, request = self.settings, self.request
@@ -339,7 +368,8 @@ class Replayer:
             return checkpoint
         else:
             self.resumed_at = checkpoint.updated_at
-        self.answered = await read_answered(settings, request.pipeline, request.prompt_version)
+        self.answered = await read_answered(settings, request.pipeline, request.prompt_version,
+                                            self._digest_of)  # fmt: skip
         from_start = checkpoint.start if request.source == settings.topics.tasks else None
         self.erased = await read_erased(settings, from_start)
         producer: AIOKafkaProducer | None = None
@@ -420,6 +450,7 @@ class Replayer:
             key = result_key(pipeline.name, version.version, task.task_id, task.input)
             if key.encode() in self.answered.keys and not request.force:
                 counts.answered += 1
+                counts.stale += key.encode() in self.answered.stale
                 return None
             prompt = version.render(task.input, self.settings.llm.model)
         except TaskError:

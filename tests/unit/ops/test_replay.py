@@ -10,6 +10,7 @@ import orjson
 import pytest
 from aiokafka.structs import ConsumerRecord
 
+from streams.cli import replay as replay_cli
 from streams.contract.records import result_key
 from streams.errors import ConfigError, InvalidInput
 from streams.ops.replay import (
@@ -104,6 +105,31 @@ def test_answered_tasks_are_skipped_unless_forced(registry: PipelineRegistry) ->
     sent = forced.publication(record(task()), cp)
     assert sent is not None and dict(sent[2])[FORCE_HEADER] == b"1"
     assert cp.counts.completion_tokens == 100  # mean of the earlier results
+
+
+def test_a_task_answered_by_an_earlier_definition_of_its_version_is_counted_and_said(
+    registry: PipelineRegistry, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """v1 edited in place, then replayed without --force: its tasks are skipped as
+    answered — the summary said only that, and the user took the history for re-analysed.
+    It says how many an earlier definition answered, and the ways to ask them again."""
+    settings = load_settings()
+    rk = result_key("comment-analysis", "v1", "t-1", {"text": "The zip broke."})
+    replayer = Replayer(settings, ReplayRequest(source="llm-tasks", since=SINCE), registry)
+    replayer.answered = Answered(keys={rk.encode()}, stale={rk.encode()})
+    cp = checkpoint()
+    assert replayer.publication(record(task()), cp) is None
+    assert (cp.counts.answered, cp.counts.stale) == (1, 1)
+    assert Checkpoint.loads(cp.dumps()).counts.stale == 1
+    assert replayer._digest_of("comment-analysis", "v1") == (
+        registry.get("comment-analysis").version("v1").digest
+    )
+    assert replayer._digest_of("comment-analysis", "v9") is None
+    replay_cli._summary(settings, replayer, cp, dry_run=True, tier=None)
+    said = " ".join(capsys.readouterr().out.split())
+    assert ("skipped 1 already answered (1 of them by an earlier definition of their version, "
+            "edited in place since: --force asks them again, or name the edit as a new "
+            "version)") in said  # fmt: skip
 
 
 def test_bad_records_and_other_pipelines_are_counted_not_sent(registry: PipelineRegistry) -> None:

@@ -407,6 +407,29 @@ async def test_a_replay_holds_the_keys_of_the_live_results_of_its_pipeline_and_v
     assert ours.usage == every.usage and ours.completion_estimate("p", "v1") == 4
 
 
+async def test_a_replay_tells_the_results_an_earlier_definition_of_their_version_made(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    """v1 edited in place since: its results made by the old definition are told from
+    those of the new one (and from results older than the digest, which say nothing);
+    a task answered again by the new definition is no longer stale."""
+
+    def results() -> Iterator[Rec]:
+        for i, made in enumerate(["old", "new", None, "old"]):
+            yield Rec(settings.topics.results, f"rk-{i}".encode(), orjson.dumps(
+                {"pipeline": "p", "prompt_version": "v1"}
+                | ({"prompt_digest": made} if made else {})
+            ))  # fmt: skip
+        yield Rec(settings.topics.results, b"rk-3", orjson.dumps(
+            {"pipeline": "p", "prompt_version": "v1", "prompt_digest": "new"}))  # fmt: skip
+
+    serving(monkeypatch, {settings.topics.results: results})
+    now = {("p", "v1"): "new"}
+    answered = await replay_module.read_answered(settings, "p", "v1",
+                                                 lambda p, v: now.get((p, v)))  # fmt: skip
+    assert len(answered.keys) == 4 and answered.stale == {b"rk-0"}
+
+
 async def test_a_diff_holds_one_partitions_outputs_and_leaves_out_a_tombstoned_result(
     monkeypatch: pytest.MonkeyPatch, settings: Settings
 ) -> None:
