@@ -110,6 +110,10 @@ async def ensure_topics(
         ]
         created = []
         if wanted:
+            # The topics there first: a mismatch refused before any topic is made (made
+            # with the setting's count, they would be refused after it is set right).
+            await _check_partitions(admin, settings, [n for n in names if n in existing],
+                                    [t.name for t in wanted], say=False)  # fmt: skip
             response = await admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000))
             created = _created(response, [t.name for t in wanted])
             log.info("created topics %s", created)
@@ -208,14 +212,20 @@ def _created(response: Any, names: list[str]) -> list[str]:
 
 
 async def _check_partitions(
-    admin: AIOKafkaAdminClient, settings: Settings, among: list[str], created: list[str]
+    admin: AIOKafkaAdminClient,
+    settings: Settings,
+    among: list[str],
+    created: list[str],
+    *,
+    say: bool = True,
 ) -> None:
     """The task store is co-partitioned with the task topics: every topic it reads or
     writes needs `kafka.partitions` partitions. The task topics may have more when
     partitions were added to them after the store's topics were made (Kafka cannot take
     them away): records there are forwarded to their tasks' partitions (`worker.flow`).
-    More on a task topic when the store's topics were made just now is a new deployment
-    whose setting is not its topics' count: refused, as any other mismatch."""
+    More on a task topic when the results topic is made at this start is a new deployment
+    whose setting is not its topics' count: refused, as any other mismatch. `say`: log
+    the task topics' extra partitions (once a start, after the check of what it made)."""
     t = settings.topics
     n = settings.kafka.partitions
     task_topics = {t.tasks, t.replay}
@@ -238,7 +248,7 @@ async def _check_partitions(
             "ACLs docs/SECURITY.md lists for a worker"
         )
     more = {name: c for name, c in found.items() if name in task_topics and c > n}
-    new_store = bool(store_topics & set(created))
+    new_store = t.results in created  # nothing answered yet: a new deployment
     wrong = {name: c for name, c in found.items() if c != n and (name not in more or new_store)}
     if wrong:
         raise ConfigError(
@@ -247,7 +257,7 @@ async def _check_partitions(
             "needs the task, replay, results and dead-letter topics co-partitioned. "
             "Set LLM_STREAMS_KAFKA__PARTITIONS to theirs or repartition them."
         )
-    if more:
+    if more and say:
         log.warning(
             "topics %s have more partitions than LLM_STREAMS_KAFKA__PARTITIONS=%d (added "
             "after the task store's topics were made?): the store keeps %d, so records on "

@@ -11,7 +11,7 @@ import pytest
 
 from streams.errors import ConfigError
 from streams.kafka import topics
-from streams.kafka.topics import ensure_sinks, ensure_topics, written_topics
+from streams.kafka.topics import ensure_sinks, ensure_topics, sessions_topic, written_topics
 from streams.settings import load_settings
 
 
@@ -96,8 +96,9 @@ async def test_task_topics_with_partitions_added_later_are_taken_a_new_deploymen
     """Kafka cannot take partitions away: a task topic given more after the store's topics
     were made stopped every start for good ("repartition them" cannot be done). It is
     taken, said, its extra partitions' records forwarded home. The same count on a task
-    topic whose store topics are made at this start (a new deployment) is the setting's
-    mistake, refused as before; so is any other topic's count."""
+    topic whose results topic is made at this start (a new deployment) is the setting's
+    mistake, refused as before — now before any topic is made; so is any other topic's
+    count."""
     settings = load_settings(kafka={"partitions": 4})
     names = written_topics(settings)
     t = settings.topics
@@ -105,9 +106,13 @@ async def test_task_topics_with_partitions_added_later_are_taken_a_new_deploymen
     monkeypatch.setattr(topics.clients, "admin", lambda *a, **k: cluster)
     assert await ensure_topics(settings, names) == []
     assert "have more partitions than LLM_STREAMS_KAFKA__PARTITIONS=4" in caplog.text
-    cluster = Cluster({t.tasks: 6})  # the rest made now, with 4
+    cluster = Cluster({t.tasks: 6})  # a new deployment: refused before any topic is made
     with pytest.raises(ConfigError, match="partition count other than"):
         await ensure_topics(settings, names)
+    assert cluster.created == []  # made with 4, they were refused once the setting said 6
+    cluster = Cluster({name: 4 for name in names if name != sessions_topic(settings)}
+                      | {t.tasks: 6})  # a store topic a later release adds: made  # fmt: skip
+    assert await ensure_topics(settings, names) == [sessions_topic(settings)]
     cluster = Cluster({name: 4 for name in names} | {t.tasks: 6, t.results: 6})
     with pytest.raises(ConfigError, match=r"\{'llm-results': 6\}"):
         await ensure_topics(settings, names)
