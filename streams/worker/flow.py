@@ -338,7 +338,13 @@ class RecordFlow:
 
     async def dead_here(self, letter: Outcome, source: Source) -> tuple[Ended, Outcome | None]:
         """A bad record's dead letter, written on its own partition unless an earlier run
-        of this very record wrote it."""
+        of this very record wrote it. A record on a partition added to the task topic
+        later (no dead-letter partition, no store there): on its key's home among the
+        first `partitions`, outside the store (none is there to say it was written)."""
+        if source.partition >= self.partitions:
+            home = partition_of(letter.key.encode(), self.partitions)
+            await self.writer.deliver(letter, home, plain=True)
+            return Ended.of(letter), letter
         if self.decider.dead_letter_written(letter.key, source):
             return Ended.ALREADY_DONE, None
         await self.writer.deliver(letter, source.partition)
@@ -400,8 +406,7 @@ class RecordFlow:
         topic after the task store's topics were made: no task's home, no partition of
         the store's topics) forwarded to its task's home — an erasure without a task id by
         its key — and answered there. Bad input, or a task the topic refuses with its new
-        key and header, is a dead letter on its home's partition, written outside the
-        store (none is here to say it was written)."""
+        key and header, is a dead letter at its home (`dead_here`)."""
         intake = self.processor.intake
         route = intake.route_of(message.value)
         key = route[0].encode() if route is not None else (message.key or b"")
@@ -415,8 +420,7 @@ class RecordFlow:
                 return Ended.REROUTED, None
             except WriteRefused as exc:
                 letter = self.processor.dead_letter(exc, message.value, message.key, source)
-        await self.writer.deliver(letter, home, plain=True)
-        return Ended.of(letter), letter
+        return await self.dead_here(letter, source)
 
     async def _reroute(self, message: Any, source: Source, home: int, key: bytes) -> None:
         """Forward a record to the partition its task (or its session) maps to, keyed by

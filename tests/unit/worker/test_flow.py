@@ -242,6 +242,19 @@ async def test_a_record_on_a_partition_added_to_the_topic_later_is_forwarded_hom
     ]  # fmt: skip
     assert orjson.loads(sent[-1][2])["error"]["category"] == "write_refused"
     assert llm.requests == []
+    # A bug on its way: its internal_error dead letter at its home too (written on the
+    # record's own partition, it failed there, and the worker stopped on the record).
+    refuse.clear()
+    sent.clear()
+
+    def bug(raw: bytes | None) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(run.processor.intake, "route_of", bug)
+    assert await run.run(_record("t-9", extra, 6), taken_at=0.0) == "dead_letter"
+    ((topic, key, value, partition, _),) = sent
+    assert (topic, key, partition) == (dead_letters, b"t-9", _home_of("t-9"))
+    assert orjson.loads(value)["error"]["code"] == "internal_error"
 
 
 async def test_bad_input_is_one_dead_letter_however_often_the_record_runs(flow: Any) -> None:
