@@ -196,9 +196,10 @@ class Result(_Record):
         None,
         description="A digest of the prompt version's definition that made `output` (its "
         "templates, slots, model, parameters, response format, session and overflow rules, "
-        "and the pipeline's output schema and preprocessing): a version edited in place "
-        "answers under another digest. A stored answer handed out again keeps the digest "
-        "it was made under. Absent in records written before it was added.",
+        "and the pipeline's output schema and preprocessing; with later stages, theirs "
+        "too): a version edited in place answers under another digest. A stored answer "
+        "handed out again keeps the digest it was made under. Absent in records written "
+        "before it was added.",
     )
 
 

@@ -19,6 +19,7 @@ from streams.contract.records import Source, json_object
 from streams.core.cache import ContentCache
 from streams.core.outcome import Outcome, Prepared, stored
 from streams.core.processor import TaskProcessor
+from streams.core.stages import definitions, still_made_of
 from streams.core.taskstate import Status, TaskState
 from streams.observability.metrics import Metrics
 
@@ -186,7 +187,8 @@ class Decider:
 
     def _earlier_stages(self, prep: Prepared) -> dict[str, Any] | None:
         """Answers of the stages an earlier run of this task got before a later stage
-        failed, when they are for the same input and version."""
+        failed, when they are for the same input and version, and made under the stages'
+        definitions of now (`stages.still_made_of`)."""
         if not prep.pipeline.stages:
             return None
         state = self.store.state(prep.source.partition, prep.task.task_id)
@@ -197,7 +199,8 @@ class Decider:
             or state.prompt_version != prep.version.version
         ):
             return None
-        return state.stage_outputs
+        now = definitions(prep.pipeline, prep.version)
+        return still_made_of(state.stage_outputs, state.stage_digests, now) or None
 
     @staticmethod
     def _forwarded_again(state: TaskState | None, prep: Prepared, asked: Asked) -> bool:
@@ -238,7 +241,16 @@ class Decider:
             last_error=None if result else outcome.error,
             stage=outcome.stage,
             stage_outputs=None if result else outcome.stages,
+            stage_digests=None if result or not outcome.stages else self._made_of(prep, outcome),
         )
+
+    @staticmethod
+    def _made_of(prep: Prepared, outcome: Outcome) -> dict[str, str]:
+        """The definitions the stage answers a dead letter keeps were made under: today's
+        (an earlier run's were used again only when still current, or when that run, of an
+        older release, kept none)."""
+        now = definitions(prep.pipeline, prep.version)
+        return {name: now[name] for name in outcome.stages or () if name in now}
 
 
 __all__ = ["Asked", "Decider", "Decision", "StoreView"]

@@ -4,7 +4,8 @@ A stage runs when its `when` holds, on an input built from the task's slots
 and the earlier answers, with the same retries, limiter, breaker and task
 deadline as the first call. Answers already known (kept in the task state by
 an earlier run that failed later on) are not asked again, so a failed stage
-resumes from itself.
+resumes from itself — those whose definitions are still the ones they were made
+under (`still_made_of`): a stage's pipeline edited in place since is asked again.
 """
 
 from __future__ import annotations
@@ -37,6 +38,29 @@ class StageFailed(TaskError):
         self.stage = stage
         self.category = cause.category
         self.retryable = cause.retryable
+
+
+def definitions(pipeline: Pipeline, version: PipelineVersion) -> dict[str, str]:
+    """What each stage's answer is made of now, by stage name, in order (MAIN: the
+    version's own answer's)."""
+    return {MAIN: version.own_digest, **{s.name: s.digest for s in pipeline.stages}}
+
+
+def still_made_of(
+    answers: dict[str, Any], made_under: dict[str, str] | None, now: dict[str, str]
+) -> dict[str, Any]:
+    """Of the answers an earlier run got (`made_under`: each one's definition then), those
+    to use again: the first stages', up to the first whose definition is another now or
+    that was not answered (a stage after a changed one is asked again: its input may be
+    another). An earlier run of a release that kept no definitions: all of them."""
+    if made_under is None:
+        return dict(answers)
+    kept: dict[str, Any] = {}
+    for name, digest in now.items():
+        if name not in answers or made_under.get(name) != digest:
+            break
+        kept[name] = answers[name]
+    return kept
 
 
 async def run_stages(
@@ -77,4 +101,4 @@ async def run_stages(
     return answers
 
 
-__all__ = ["MAIN", "StageFailed", "StageInputError", "run_stages"]
+__all__ = ["MAIN", "StageFailed", "StageInputError", "definitions", "run_stages", "still_made_of"]

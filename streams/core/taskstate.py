@@ -96,8 +96,10 @@ class TaskState(BaseModel):
     source: StoredSource | None = None
     last_error: dict[str, Any] | None = None
     # Multi-stage pipelines, after a failed stage: the answers of the stages before it
-    # (by stage name), for the input hash and version above; a re-run starts from there.
+    # (by stage name), for the input hash and version above, and the definition each was
+    # made under (`core.stages.definitions`); a re-run starts from there.
     stage_outputs: dict[str, Any] | None = None
+    stage_digests: dict[str, str] | None = None
     updated_at: str
     history: list[HistoryEntry] = Field(default_factory=list)
 
@@ -115,7 +117,7 @@ class TaskState(BaseModel):
         raw = self.dumps()
         if len(raw) <= max_bytes:
             return raw
-        state = self.model_copy(update={"stage_outputs": None})
+        state = self.model_copy(update={"stage_outputs": None, "stage_digests": None})
         for cut in (
             {},
             {"history": self.history[-1:]},

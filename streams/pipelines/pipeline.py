@@ -10,6 +10,7 @@ from typing import Any
 
 import jsonschema
 import jsonschema_rs
+import orjson
 from jinja2 import TemplateError, Undefined
 
 from streams.errors import ConfigError, InvalidInput
@@ -22,6 +23,7 @@ from streams.pipelines.sources import SourceMapper
 from streams.pipelines.specs import (
     PipelineSpec,
     SessionSpec,
+    StageSpec,
 )
 from streams.preprocess import Redactor
 
@@ -100,6 +102,11 @@ class Pipeline:
         return reasons
 
     @property
+    def stage_digests(self) -> list[str]:
+        """Its later stages' definitions, in order (`Stage.digest`)."""
+        return [stage.digest for stage in self.stages]
+
+    @property
     def session(self) -> SessionSpec | None:
         """Where its tasks' session ids are (any version's `session:`; they agree)."""
         for v in self.spec.versions.values():
@@ -142,13 +149,15 @@ class Pipeline:
 
 @dataclass(frozen=True)
 class Stage:
-    """A resolved stage: its pipeline, and its expressions compiled."""
+    """A resolved stage: its pipeline, and its expressions compiled. `digest`: what its
+    answers are made of (`stage_digest`)."""
 
     name: str
     pipeline: Pipeline
     version: str | None
     when: Callable[..., Any] | None
     inputs: dict[str, Callable[..., Any]]
+    digest: str
 
     def applies(self, context: dict[str, Any]) -> bool:
         return self.when is None or bool(self.when(**context))
@@ -179,5 +188,28 @@ def resolve_stages(pipeline: Pipeline, pipelines: dict[str, Pipeline]) -> None:
             }
         except TemplateError as exc:
             raise ConfigError(f"{where}: expression error: {exc}") from exc
-        stages.append(Stage(spec.name, target, spec.version, when, inputs))
+        stages.append(Stage(spec.name, target, spec.version, when, inputs,
+                            stage_digest(spec, target)))  # fmt: skip
     pipeline.stages = stages
+    for version in pipeline.versions.values():  # a digest read before now knew no stages
+        version.__dict__.pop("digest", None)
+
+
+def stage_digest(spec: StageSpec, target: Pipeline) -> str:
+    """What a stage's answers are made of, hashed: its condition and input, and the
+    definitions of the versions of its pipeline a task may get (the one it names; else
+    those of that pipeline's traffic split, with the weights, or its default)."""
+    if spec.version is not None:
+        versions, split = [spec.version], None
+    elif target.spec.traffic:
+        split = {name: w for name, w in target.spec.traffic.items() if w > 0}
+        versions = sorted(split)
+    else:
+        versions, split = [target.spec.default_version], None
+    made_of = {
+        "stage": spec.model_dump(mode="json", exclude_defaults=True),
+        "split": split,
+        "versions": {name: target.versions[name].digest for name in versions},
+    }
+    return hashlib.blake2b(orjson.dumps(made_of, option=orjson.OPT_SORT_KEYS),
+                           digest_size=8).hexdigest()  # fmt: skip

@@ -56,12 +56,15 @@ def delimiter_guard(template: str) -> Callable[[str], str] | None:
 
 class Owner(Protocol):
     """What a version reads of its pipeline (`pipeline.Pipeline`): its name, spec, output
-    schema and redactor."""
+    schema and redactor, and its later stages' definitions."""
 
     name: str
     spec: PipelineSpec
     output_schema: dict[str, Any]
     redactor: Redactor
+
+    @property
+    def stage_digests(self) -> list[str]: ...
 
 
 class PipelineVersion:
@@ -79,12 +82,11 @@ class PipelineVersion:
             raise ConfigError(f"pipeline {pipeline.name} {version}: template error: {exc}") from exc
 
     @cached_property
-    def digest(self) -> str:
-        """What this version's answers are made of, hashed: its system and user templates,
+    def own_digest(self) -> str:
+        """What this version's own answer is made of, hashed: its system and user templates,
         slots, model, parameters, response format, session and overflow rules, and the
         pipeline's output schema and preprocessing (what the file sets, defaults left
-        out: a default a later release adds does not change it). A version edited in
-        place answers under a new digest (`Result.prompt_digest`)."""
+        out: a default a later release adds does not change it)."""
         spec = self.spec.model_dump(
             mode="json", exclude_defaults=True,
             include={"system", "template", "slots", "model", "params", "response_format",
@@ -97,6 +99,18 @@ class PipelineVersion:
                                                                    exclude_defaults=True),
         }  # fmt: skip
         return hashlib.blake2b(orjson.dumps(made_of, option=orjson.OPT_SORT_KEYS),
+                               digest_size=8).hexdigest()  # fmt: skip
+
+    @cached_property
+    def digest(self) -> str:
+        """What this version's results are made of: its own answer's definition and, in a
+        pipeline with later stages, theirs (`pipeline.Stage.digest`: an edit to a stage's
+        pipeline changes the results too). A version edited in place answers under a new
+        digest (`Result.prompt_digest`). Read once the registry resolved the stages."""
+        stages = self.pipeline.stage_digests
+        if not stages:
+            return self.own_digest
+        return hashlib.blake2b(orjson.dumps([self.own_digest, *stages]),
                                digest_size=8).hexdigest()  # fmt: skip
 
     def bind(

@@ -4,6 +4,8 @@ result and state expired is answered again, under the same result key."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import orjson
 import pytest
 
@@ -13,7 +15,8 @@ from streams.core.cache import ContentCache
 from streams.core.decide import Asked, Decider
 from streams.core.outcome import Outcome, Prepared
 from streams.core.taskstate import TaskState
-from streams.errors import Category, StreamsError
+from streams.errors import BadRequest, Category, StreamsError
+from streams.llm.client import LLMRequest, LLMResponse
 from streams.observability.metrics import Metrics
 from tests.conftest import MakeProcessor
 from tests.fakes import FakeLLM, answer
@@ -134,3 +137,56 @@ async def test_an_answer_a_version_made_before_it_was_edited_is_kept_said_and_co
     forced = await decider.decide(prepared(processor, 92), Lane.LIVE, Asked(force=True))
     assert forced.outcome is not None and len(llm.requests) == 2
     assert forced.outcome.record()["prompt_digest"] == "0123456789abcdef"
+
+
+async def test_stage_answers_kept_by_a_failed_run_are_used_again_only_under_their_definitions(
+    make_processor: MakeProcessor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """comment-triage: the analysis, then a reply draft. The reply stage fails; the
+    analysis is kept for the task's next run. Its prompt improved in place since, that next
+    run used the old analysis all the same (the reply built on it, the result said to be
+    of the new definition); now it is asked again. The reply's pipeline edited in place
+    alone: the analysis is still used, the reply asked."""
+    replies = {"fail": True}
+
+    def behaviour(request: LLMRequest) -> LLMResponse:
+        if "replies on behalf of" not in request.messages[0]["content"]:
+            return answer({**GOOD, "sentiment": "negative"})
+        if replies["fail"]:
+            raise BadRequest("refused", code="bad_request")
+        return answer({"reply": "Sorry.", "tone": "apologetic", "escalate": True})
+
+    llm = FakeLLM(behaviour)
+    processor = make_processor(llm)
+    store = Store()
+    decider = Decider(processor, store, ContentCache(), Metrics(), "results")
+    raw = orjson.dumps({"task_id": "t1", "pipeline": "comment-triage",
+                        "input": {"text": "Broke on day two."}})  # fmt: skip
+
+    async def run(offset: int) -> Outcome:
+        prep = processor.intake.prepare(raw, b"t1", Source(topic="tasks", partition=0,
+                                                            offset=offset))  # fmt: skip
+        assert isinstance(prep, Prepared)
+        decided = await decider.decide(prep, Lane.LIVE, Asked())
+        assert decided.outcome is not None
+        store.wrote(decided.outcome, decider.state_after(decided.outcome, prep))
+        return decided.outcome
+
+    first = await run(7)
+    assert first.kind == "dead_letter" and first.stage == "reply" and len(llm.requests) == 2
+    kept = store.states["t1"]
+    assert kept.stage_outputs is not None and set(kept.stage_outputs) == {"main"}
+
+    pipeline = processor.registry.get("comment-triage")
+    version = pipeline.version("v1")
+    monkeypatch.setitem(version.__dict__, "own_digest", "0123456789abcdef")  # main edited
+    second = await run(8)
+    assert second.kind == "dead_letter" and len(llm.requests) == 4  # both asked again
+    assert store.states["t1"].stage_digests == {"main": "0123456789abcdef"}
+
+    replies["fail"] = False
+    monkeypatch.setattr(pipeline, "stages", [replace(s, digest="fedcba9876543210")
+                                             for s in pipeline.stages])  # fmt: skip
+    third = await run(9)
+    assert third.kind == "result" and len(llm.requests) == 5  # the reply alone
+    assert third.record()["output"]["stages"]["reply"]["tone"] == "apologetic"

@@ -15,6 +15,7 @@ import yaml
 from streams.contract.records import Source
 from streams.core.processor import Prepared, TaskProcessor
 from streams.core.spend import Prices
+from streams.core.stages import still_made_of
 from streams.dev.simulator import SimulatorServer
 from streams.errors import ConfigError
 from streams.llm.openai_client import OpenAIClient
@@ -153,3 +154,12 @@ def test_bad_stages_are_refused_at_load(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         PipelineRegistry.load(_pipelines(tmp_path, **stage), ROOT / "schemas")
+
+
+def test_earlier_answers_are_used_up_to_the_first_stage_defined_otherwise_now() -> None:
+    answers = {"main": {"a": 1}, "reply": {"b": 2}}
+    then = {"main": "m1", "reply": "r1"}
+    assert still_made_of(answers, then, {"main": "m1", "reply": "r1", "tag": "t1"}) == answers
+    assert still_made_of(answers, then, {"main": "m1", "reply": "r2"}) == {"main": {"a": 1}}
+    assert still_made_of(answers, then, {"main": "m2", "reply": "r1"}) == {}  # its input moved
+    assert still_made_of(answers, None, {"main": "m2"}) == answers  # kept by an older release

@@ -141,6 +141,39 @@ def test_settings_find_the_checkout_pipelines() -> None:
     assert (s.pipelines_dir / "comment-analysis.yaml").exists()
 
 
+def test_a_staged_versions_digest_moves_with_its_stages_definitions(tmp_path: Path) -> None:
+    """comment-triage's answer is comment-analysis's prompt plus a reply stage run by
+    reply-draft: its digest was comment-analysis's own, and an edit to reply-draft (or to
+    the stage's condition) left the results it makes said to be of the same definition."""
+    shipped = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
+    triage = shipped.get("comment-triage").version("v1")
+    assert triage.digest != shipped.get("comment-analysis").version("v1").digest
+    assert triage.own_digest == shipped.get("comment-analysis").version("v1").digest
+
+    def digest(name: str, edit: Any) -> str:
+        folder = tmp_path / name
+        shutil.copytree(ROOT / "pipelines", folder)
+        path = folder / edit[0]
+        spec = yaml.safe_load(path.read_text())
+        edit[1](spec)
+        path.write_text(yaml.safe_dump(spec))
+        registry = PipelineRegistry.load(folder, ROOT / "schemas")
+        return registry.get("comment-triage").version("v1").digest
+
+    def reword(spec: dict[str, Any]) -> None:
+        spec["description"] = "Reworded."
+
+    def template(spec: dict[str, Any]) -> None:
+        spec["versions"]["v1"]["template"] += "Sign as the shop.\n"
+
+    def when(spec: dict[str, Any]) -> None:
+        spec["stages"][0]["when"] = "output.sentiment == 'negative'"
+
+    assert digest("a", ("reply-draft.yaml", reword)) == triage.digest
+    assert digest("b", ("reply-draft.yaml", template)) != triage.digest
+    assert digest("c", ("comment-triage.yaml", when)) != triage.digest
+
+
 def _spec_with(tmp_path: Path, **changes: Any) -> Path:
     spec = yaml.safe_load((ROOT / "pipelines" / "comment-analysis.yaml").read_text())
     v2 = copy.deepcopy(spec["versions"]["v1"])
