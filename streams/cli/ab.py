@@ -31,7 +31,7 @@ def ab_report(pipeline: str, as_json: bool) -> None:
     settings = settings_or_exit()
     found = pipeline_or_exit(settings, pipeline, "ab")
     evidence = on_kafka(settings, gather(settings, pipeline, found.output_schema))
-    data = report(evidence)
+    data = report(evidence, {name: v.digest for name, v in found.versions.items()})
     if as_json:
         click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return
@@ -55,6 +55,12 @@ def ab_report(pipeline: str, as_json: bool) -> None:
             "–" if cost is None else f"${cost:.6f} (${ci[0]:.6f} – ${ci[1]:.6f})",
         )  # fmt: skip
     console.print(table)
+    for v in data["versions"]:
+        if v["results_made_otherwise"]:
+            console.print(f"{v['version']}: {v['results_made_otherwise']} of its results were "
+                          "made under an earlier definition (edited in place since): its "
+                          "figures mix them; `replay --force` answers them again",
+                          highlight=False)  # fmt: skip
     for pair in data["pairs"]:
         a, b = pair["versions"]
         diff = pair["pass_rate_difference"]
@@ -104,8 +110,9 @@ def ab_promote(pipeline: str, version: str, share: float, reason: str, by: str |
     """Give a version (all or a share of) the traffic in the pipeline file, after a guard:
     refused when it has too few judged tasks, or when its pass rate is significantly
     worse, or its cost per answered task significantly higher (see --max-cost-increase),
-    than a version it takes traffic from. The decision is recorded on the decisions
-    topic first, with the guard's limits."""
+    than a version it takes traffic from; or when some of its results were made under
+    another definition than the file's now (edited in place). The decision is recorded on
+    the decisions topic first, with the guard's limits."""
     from streams.ops.ab import (
         PromotionRefused,
         decision,
@@ -126,7 +133,9 @@ def ab_promote(pipeline: str, version: str, share: float, reason: str, by: str |
     evidence = on_kafka(settings, gather(settings, pipeline, found.output_schema))
     rules = PromotionGuard(min_judged=min_judged, max_cost_increase=max_cost_increase)
     try:
-        guard(evidence, version, rivals_of(found.spec, version), rules)
+        guard(
+            evidence, version, rivals_of(found.spec, version), rules, found.versions[version].digest
+        )
     except PromotionRefused as exc:
         if not force:
             click.echo(f"ab promote: refused: {exc}", err=True)
@@ -135,7 +144,8 @@ def ab_promote(pipeline: str, version: str, share: float, reason: str, by: str |
     path = pipeline_file(settings.pipelines_dir, pipeline)
     before, after = rewrite(path, version, share, write=False)  # checked, not yet written
     record = decision(pipeline, version, share, reason, evidence, by=by, forced=force,
-                      before=before, after=after, rules=rules)  # fmt: skip
+                      before=before, after=after, rules=rules,
+                      definition=found.versions[version].digest)  # fmt: skip
     on_kafka(settings, record_decision(settings, record))
     rewrite(path, version, share)
     split = " / ".join(f"{v} {w:g}" for v, w in after["traffic"].items())

@@ -107,7 +107,15 @@ class Ratio:
 
 # What `VersionEvidence.add` reads of a record: the rest — a dead letter's payload, up to
 # the topic's largest record — is not held while a pipeline's history is read.
-_EVIDENCE = ("task_id", "cost_usd", "usage", "rejected_answers", "cached", "output")
+_EVIDENCE = (
+    "task_id",
+    "cost_usd",
+    "usage",
+    "rejected_answers",
+    "cached",
+    "output",
+    "prompt_digest",
+)
 
 
 def _evidence(record: dict[str, Any]) -> dict[str, Any]:
@@ -130,6 +138,10 @@ class VersionEvidence:
     # output. Counted into `agreement` by it, then let go.
     outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
     agreement: dict[str, dict[str, Agreement]] = field(default_factory=dict)  # other, label
+    # Its results by the definition they were made under (`Result.prompt_digest`; results
+    # older than the field are not counted): more than one, or another than the file's
+    # now, and the figures are not those of the version as it is defined.
+    definitions: dict[str, int] = field(default_factory=dict)
 
     def add(self, record: dict[str, Any], kind: str) -> None:
         """One task's latest outcome. Its figures read as 0 where they are not numbers
@@ -148,6 +160,13 @@ class VersionEvidence:
         self.cost.add(cost, 1.0 if kind == "result" else 0.0)
         if kind == "result" and isinstance(record.get("output"), dict):
             self.outputs[str(record.get("task_id"))] = record["output"]
+        made = record.get("prompt_digest")
+        if kind == "result" and isinstance(made, str):
+            self.definitions[made] = self.definitions.get(made, 0) + 1
+
+    def made_otherwise(self, now: str | None) -> int:
+        """Its results made under another definition than `now` (the file's)."""
+        return sum(n for made, n in self.definitions.items() if now is not None and made != now)
 
     def pass_interval(self) -> tuple[float, float]:
         return wilson(self.evaluation.n("pass"), self.evaluation.judged)
@@ -249,13 +268,19 @@ def compare(evidence: dict[str, VersionEvidence], version: str) -> list[Comparis
     return out
 
 
-def report(evidence: dict[str, VersionEvidence]) -> dict[str, Any]:
-    """The comparison as data (`ab report --json`)."""
+def report(
+    evidence: dict[str, VersionEvidence], now: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The comparison as data (`ab report --json`). `now`: each version's definition in
+    the pipeline file (`PipelineVersion.digest`), against which its results are counted."""
+    now = now or {}
     versions = []
     for name, ev in sorted(evidence.items()):
         e = ev.evaluation
         cost = ev.cost_interval()
         versions.append({
+            "definition": now.get(name), "results_by_definition": dict(ev.definitions),
+            "results_made_otherwise": ev.made_otherwise(now.get(name)),
             "version": name, "tasks": e.tasks, "judged": e.judged, "accepted": e.accepted,
             "verdicts": dict(sorted(e.verdicts.items())),
             "pass_rate": e.pass_rate, "pass_rate_ci": list(ev.pass_interval()),
@@ -289,13 +314,24 @@ class PromotionRefused(Exception):
 
 
 def guard(evidence: dict[str, VersionEvidence], version: str, rivals: list[str],
-          rules: PromotionGuard = DEFAULT_GUARD) -> None:  # fmt: skip
+          rules: PromotionGuard = DEFAULT_GUARD, now: str | None = None) -> None:  # fmt: skip
     """Refuse `version` unless it passes `rules` against every rival (the versions now in
     the split, or the default). Few judged tasks make wide intervals that show nothing
-    significant, so a minimum comes first."""
+    significant, so a minimum comes first. `now`: the version's definition in the file;
+    refused when some of its results were made under another (edited in place since, or
+    during the test): its figures are not those of what would be promoted."""
     ev = evidence.get(version)
     if ev is None or not ev.evaluation.judged:
         raise PromotionRefused(f"{version} has no answered tasks to judge it by")
+    otherwise = ev.made_otherwise(now)
+    if otherwise:
+        raise PromotionRefused(
+            f"{otherwise} of {version}'s {sum(ev.definitions.values())} results were made "
+            f"under another definition than the file's now ({now}): it was edited in place, "
+            "so its figures are not those of the version you would promote; answer its "
+            "tasks again (`llm-streams replay --force`), or name the edit as a new version "
+            "and test that"
+        )
     if ev.evaluation.judged < rules.min_judged:
         raise PromotionRefused(
             f"{version} has {ev.evaluation.judged} judged task(s), "
@@ -436,11 +472,14 @@ def decision(
     before: dict[str, Any],
     after: dict[str, Any],
     rules: PromotionGuard = DEFAULT_GUARD,
+    definition: str | None = None,
 ) -> dict[str, Any]:
     """The record of a promotion: who, when, why, the split before and after, the guard
-    it was checked against and the evidence it was taken on."""
+    it was checked against and the evidence it was taken on; `definition`: the promoted
+    version's as the file defines it (`PipelineVersion.digest`)."""
     return {
         "pipeline": pipeline, "version": version, "share": share, "reason": reason,
+        "prompt_digest": definition,
         "by": by or getpass.getuser(), "at": now_iso(), "forced": forced,
         "before": before, "after": after, "guard": rules.as_record(),
         "evidence": {

@@ -124,3 +124,14 @@ async def test_report_and_promote_on_two_versions(
     assert log.returncode == 0, log.stderr
     (line,) = log.stdout.splitlines()
     assert "comment-analysis: v1 -> v1 1 by ab-test: v2 breaks its JSON" in line
+
+    # v1 "improved" in place after its test: the figures are the old v1's, so a promotion
+    # of the file's v1 is refused (what the edit does has not been measured), and said.
+    spec["versions"]["v1"]["system"] += "Answer tersely.\n"
+    path.write_text(yaml.safe_dump(spec))
+    edited = run_cli(settings, "ab", "promote", "--pipeline", "comment-analysis", "--version",
+                     "v1", "--reason", "again", "--share", "0.9")  # fmt: skip
+    assert edited.returncode == 1, edited.stderr
+    assert "another definition than the file's now" in edited.stderr, edited.stderr
+    said = run_cli(settings, "ab", "report", "--pipeline", "comment-analysis")
+    assert "made under an earlier definition" in said.stdout, said.stdout

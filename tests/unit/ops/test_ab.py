@@ -178,6 +178,31 @@ def test_the_report_shows_rates_intervals_and_agreement() -> None:
     assert agreements(found["v1"], found["v2"]) == [Agreement("sentiment", 10, 150)]
 
 
+def test_a_version_edited_in_place_during_its_test_is_said_and_not_promoted() -> None:
+    """v2 did well; its prompt was then "fixed" in place and promote was run: the figures
+    were the old v2's, the file's v2 never measured — and the guard let it through. Results
+    made under another definition than the file's now are said and refuse the promotion;
+    once its tasks are answered again under the file's (their latest results), it passes."""
+    found = {"v1": evidence("v1", 150, 50), "v2": VersionEvidence("v2")}
+    for i in range(200):
+        found["v2"].add({"task_id": f"t{i}", "cost_usd": 0.001, "prompt_digest": "old",
+                         "output": {"sentiment": "positive"}}, "result")  # fmt: skip
+    found["v2"].add({"task_id": "t-legacy", "output": {}}, "result")  # before the field
+    guard(found, "v2", ["v1"])  # what it did: nothing said
+    with pytest.raises(PromotionRefused, match=r"200 of v2's 200 results .* another definition "
+                       r"than the file's now \(new\)"):  # fmt: skip
+        guard(found, "v2", ["v1"], now="new")
+    guard(found, "v2", ["v1"], now="old")
+    data = report(found, {"v1": "d1", "v2": "new"})
+    v2 = data["versions"][1]
+    assert (v2["definition"], v2["results_by_definition"], v2["results_made_otherwise"]) == (
+        "new", {"old": 200}, 200)  # fmt: skip
+    assert data["versions"][0]["results_made_otherwise"] == 0  # v1's results say none
+    record = decision("p", "v2", 1.0, "why", found, by="me", forced=True, before={},
+                      after={}, definition="new")  # fmt: skip
+    assert record["prompt_digest"] == "new"
+
+
 def test_new_split_gives_the_share_and_keeps_the_others_proportions() -> None:
     assert new_split({"v1": 0.5, "v2": 0.5}, "v1", "v2", 1.0) == {"v2": 1.0}
     assert new_split({"v1": 0.6, "v2": 0.2, "v3": 0.2}, "v1", "v2", 0.5) == {
