@@ -168,6 +168,11 @@ def test_the_pods_run_with_settings_the_worker_reads_and_probe_its_own_health(
     assert statefulset["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
     # Scaled by KEDA: the StatefulSet leaves its replica count to it.
     assert "replicas" not in statefulset["spec"]
+    # The readiness says an LLM outage (breakers open): every worker is unready then, and a
+    # budget counting them as disrupted let no node drain through until the outage ended.
+    budget = docs[("PodDisruptionBudget", f"{RELEASE}-worker")]["spec"]
+    assert budget["selector"]["matchLabels"].items() <= pod_labels(statefulset).items()
+    assert budget["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
 
 def pod_labels(statefulset: dict[str, Any]) -> dict[str, str]:
