@@ -26,7 +26,12 @@ Phases, each against the simulator set to one provider shape:
     the per-minute request limit said in its 429s' words alone ("on requests per
     minute (RPM): Limit ...");
 12. phase 1's RPM in Cerebras' headers: its token limit said (not binding), its request
-    limit named in its 429s alone ("Requests per minute limit exceeded").
+    limit named in its 429s alone ("Requests per minute limit exceeded");
+13. phase 1's RPM said by an API gateway as Envoy says it (IETF draft 3:
+    `x-ratelimit-limit: R, R;w=60`, `x-ratelimit-remaining` of the minute, the reset in
+    whole seconds), no token headers, its 429s "API rate limit exceeded";
+14. the same gateway as Kong says it, per second (`X-RateLimit-Limit-Second: R/60`,
+    `remaining` of the second, `RateLimit-Reset`).
 
 Each style's 429s are worded as that provider words them (`dev.sim_limits.refusal`).
 
@@ -35,7 +40,7 @@ the busy span (requests, or the tokens the provider charged: prompt + max_tokens
 the same over the steady middle 80% of the busy seconds (requests only), and the
 share of requests answered 429.
 
-    python bench/rate_limit_shapes.py [--rpm 3000] [--tasks 3000] [--phases 1,2,...,12]
+    python bench/rate_limit_shapes.py [--rpm 3000] [--tasks 3000] [--phases 1,2,...,14]
 """
 
 from __future__ import annotations
@@ -79,6 +84,10 @@ PHASES: dict[int, tuple[str, dict[str, Any], str, float]] = {
          "remaining_window_s": 60.0, "header_style": "groq"}, "rpm", 1.0),
     12: ("RPM per second, Cerebras' headers", {"limit_shape": "bucket",
          "remaining_window_s": 60.0, "header_style": "cerebras"}, "rpm", 1.0),
+    13: ("RPM per second, Envoy gateway's", {"limit_shape": "bucket",
+         "remaining_window_s": 60.0, "header_style": "envoy"}, "rpm", 1.0),
+    14: ("RPM per second, Kong's per second", {"limit_shape": "bucket",
+         "remaining_window_s": 1.0, "header_style": "kong"}, "rpm", 1.0),
 }  # fmt: skip
 
 

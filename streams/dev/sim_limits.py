@@ -192,8 +192,12 @@ class SimLimits:
 # its requests as a per-day quota: the per-minute request limit enforced, not said),
 # `azure` (Azure OpenAI: `x-ratelimit-remaining-requests` and `-tokens` alone, no limit
 # and no reset said), `groq` (OpenAI's names, the request ones a day's quota: the
-# per-minute request limit said in its 429s' body alone).
-HEADER_STYLES = ("openai", "anthropic", "cerebras", "azure", "groq")
+# per-minute request limit said in its 429s' body alone); and an API gateway in front of
+# a server that says nothing, its request limit alone (it counts no tokens): `envoy`
+# (the IETF draft 3 as Envoy sends it: `x-ratelimit-limit: 3000, 3000;w=60`,
+# `x-ratelimit-remaining`, `x-ratelimit-reset` in seconds), `kong` (per second:
+# `X-RateLimit-Limit-Second`, `X-RateLimit-Remaining-Second`, `RateLimit-Reset`).
+HEADER_STYLES = ("openai", "anthropic", "cerebras", "azure", "groq", "envoy", "kong")
 
 
 def styled(headers: dict[str, str], style: str, wall: float | None = None) -> dict[str, str]:
@@ -204,8 +208,15 @@ def styled(headers: dict[str, str], style: str, wall: float | None = None) -> di
         return {k: v for k, v in headers.items() if k.startswith("x-ratelimit-remaining-")}
     if style == "groq":
         return _per_day(headers)
+    if style in ("envoy", "kong"):
+        return _gateway(headers, style)
     if style not in HEADER_STYLES:
         raise ValueError(f"header_style {style!r}: one of {', '.join(HEADER_STYLES)}")
+    return _renamed(headers, style, wall)
+
+
+def _renamed(headers: dict[str, str], style: str, wall: float | None) -> dict[str, str]:
+    """Anthropic's and Cerebras' names for the same figures."""
     now = datetime.fromtimestamp(time.time() if wall is None else wall, UTC)
     out: dict[str, str] = {}
     for kind in ("requests", "tokens"):
@@ -232,6 +243,23 @@ def styled(headers: dict[str, str], style: str, wall: float | None = None) -> di
             out["x-ratelimit-remaining-requests-day"] = str(int(limit) * 1440 // 2)
             out["x-ratelimit-reset-requests-day"] = str(math.ceil((midnight - now).total_seconds()))
     return out
+
+
+def _gateway(headers: dict[str, str], style: str) -> dict[str, str]:
+    """The request limit as a gateway says it (`envoy`: per minute; `kong`: per second,
+    its `remaining` the second's), the reset to the whole second; no token headers."""
+    limit = headers.get("x-ratelimit-limit-requests")
+    if limit is None:
+        return {}
+    left = headers.get("x-ratelimit-remaining-requests", limit)
+    reset = str(math.ceil(seconds(headers.get("x-ratelimit-reset-requests")) or 0.0))
+    if style == "envoy":
+        return {"x-ratelimit-limit": f"{limit}, {limit};w=60", "x-ratelimit-remaining": left,
+                "x-ratelimit-reset": reset}  # fmt: skip
+    per_second = f"{int(limit) / 60:g}"
+    return {"X-RateLimit-Limit-Second": per_second, "X-RateLimit-Remaining-Second": left,
+            "RateLimit-Limit": per_second, "RateLimit-Remaining": left,
+            "RateLimit-Reset": reset}  # fmt: skip
 
 
 def _per_day(headers: dict[str, str]) -> dict[str, str]:
@@ -267,6 +295,8 @@ def refusal(
                     "too_many_requests_error", "request_quota_exceeded")  # fmt: skip
         return ("Tokens per minute limit exceeded - too many tokens processed.",
                 "too_many_requests_error", "token_quota_exceeded")  # fmt: skip
+    if style in ("envoy", "kong"):  # the gateway's words: it knows no model
+        return "API rate limit exceeded", None, None
     if style == "anthropic":
         return (f"This request would exceed the rate limit for your organization of "
                 f"{limit:,} {kind} per minute. For details, refer to the rate limits "

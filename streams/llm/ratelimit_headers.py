@@ -72,28 +72,111 @@ def openai_names(headers: Mapping[str, str], now: float | None = None) -> dict[s
     - Anthropic (its Messages API and its OpenAI SDK compatibility):
       `anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`, the reset the
       time (RFC 3339) the bucket is full again — read as the seconds from `now` (the
-      wall clock's) until then.
+      wall clock's) until then;
+    - an API gateway in front of a server that says none (Envoy, Kong, others: request
+      limits, `_gateway`).
 
     A header in OpenAI's own name wins over another's of the same meaning."""
     found: dict[str, str] = {}
     other: dict[str, str] = {}
+    gateway: dict[str, str] = {}
     for name, value in headers.items():
         key = name.lower()
-        if key.startswith(_OPENAI):
-            if key.endswith(("-day", "-hour")):
-                continue
+        if key.startswith(_OPENAI) and key not in _GATEWAY_NAMES:
             if key.endswith("-minute"):
                 other.setdefault(key.removesuffix("-minute"), value)
-            else:
+            elif not key.endswith(("-day", "-hour")):
                 found[key] = value
+        elif key.startswith((_IETF, _OPENAI)):
+            gateway[key] = value
         elif key.startswith(_ANTHROPIC):
-            kind, _, field = key.removeprefix(_ANTHROPIC).rpartition("-")
-            if kind not in ("requests", "tokens") or field not in ("limit", "remaining", "reset"):
-                continue  # input-tokens, output-tokens: within `tokens`, the one that binds
-            said = _until(value, now) if field == "reset" else value
-            if said is not None:
-                other.setdefault(f"{_OPENAI}{field}-{kind}", said)
+            _anthropic(key, value, now, other)
+    if gateway and not any(key.endswith("-requests") for key in found):
+        other = {**_gateway(gateway, now), **other}
     return {**other, **found}
+
+
+def _anthropic(key: str, value: str, now: float | None, into: dict[str, str]) -> None:
+    """One of Anthropic's headers into `into` in OpenAI's name (another is left out)."""
+    kind, _, field = key.removeprefix(_ANTHROPIC).rpartition("-")
+    if kind not in ("requests", "tokens") or field not in ("limit", "remaining", "reset"):
+        return  # input-tokens, output-tokens: within `tokens`, the one that binds
+    said = _until(value, now) if field == "reset" else value
+    if said is not None:
+        into.setdefault(f"{_OPENAI}{field}-{kind}", said)
+
+
+# An API gateway's request limits (no token counts: those are the LLM's), in the forms
+# gateways send them: the IETF draft's (`RateLimit-Policy: 100;w=60` or `"p";q=100;w=60`,
+# `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset` in seconds, or the later
+# `RateLimit: "p";r=42;t=17`), Envoy's (draft 3: `X-RateLimit-Limit: 100, 100;w=60`,
+# `X-RateLimit-Remaining`, `X-RateLimit-Reset`) and Kong's (`X-RateLimit-Limit-Second`,
+# `-Minute`, with their `X-RateLimit-Remaining-*`).
+_IETF = "ratelimit"
+_KONG = {"second": 1.0, "minute": 60.0}
+_GATEWAY_NAMES = frozenset(
+    {"x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"}
+    | {f"x-ratelimit-{field}-{per}" for field in ("limit", "remaining") for per in _KONG}
+)
+_QUOTA = re.compile(r"(?:^|;)\s*q=(\d+(?:\.\d+)?)|^\s*(\d+(?:\.\d+)?)\s*(?:;|$)")
+_PARAM = re.compile(r";\s*([a-z]+)=([0-9.]+)")
+
+
+def _gateway(said: dict[str, str], now: float | None) -> dict[str, str]:
+    """A gateway's request limit in OpenAI's names (its own or the upstream's request
+    headers in those names win) — the limit per minute only where its window is said (a
+    bare `RateLimit-Limit: 100` may be a second's or an hour's: left out, and its
+    `remaining` with it). Of several limits, the one with the least per minute among
+    those of a minute or less (an hour's or a day's quota is no rate)."""
+    left = said.get("ratelimit-remaining") or said.get("x-ratelimit-remaining")
+    reset = said.get("ratelimit-reset") or said.get("x-ratelimit-reset")
+    current = said.get("ratelimit")
+    if current is not None:  # the later draft: `"policy";r=<remaining>;t=<reset>`
+        params = dict(_PARAM.findall(current.split(",")[0]))
+        left, reset = params.get("r", left), params.get("t", reset)
+    rates = [(rate, left) for rate in _said_rates(said)]
+    for per, window_s in _KONG.items():
+        limit = number(said.get(f"x-ratelimit-limit-{per}"))
+        if limit is not None:
+            rates.append((limit * 60.0 / window_s, said.get(f"x-ratelimit-remaining-{per}")))
+    if not rates:
+        return {}
+    per_minute, remaining = min(rates, key=lambda rate: rate[0])
+    out = {f"{_OPENAI}limit-requests": f"{per_minute:g}"}
+    if remaining is not None and number(remaining) is not None:
+        out[f"{_OPENAI}remaining-requests"] = remaining.strip()
+    wait = _reset_s(reset, now)
+    if wait is not None:
+        out[f"{_OPENAI}reset-requests"] = f"{wait:.3f}"
+    return out
+
+
+def _said_rates(said: dict[str, str]) -> list[float]:
+    """The per-minute rates of the quotas said with their windows (`q;w=` items) of a
+    minute or less."""
+    rates = []
+    for header in ("ratelimit-policy", "ratelimit-limit", "x-ratelimit-limit"):
+        for item in (said.get(header) or "").split(","):
+            quota, window = _QUOTA.search(item), dict(_PARAM.findall(item)).get("w")
+            if quota is None or window is None:
+                continue
+            limit, per = number(quota.group(1) or quota.group(2)), number(window)
+            if limit is not None and per is not None and 0 < per <= 60:
+                rates.append(limit * 60.0 / per)
+    return rates
+
+
+def _reset_s(value: str | None, now: float | None) -> float | None:
+    """A gateway's reset in seconds from now: seconds, or (some send the time itself) a
+    Unix time in seconds or milliseconds."""
+    found = number(value)
+    if found is None:
+        return None
+    if found >= 1e12:
+        found /= 1000.0
+    if found >= 1e9:
+        return max(0.0, found - (time.time() if now is None else now))
+    return found
 
 
 def _until(stamp: str, now: float | None) -> str | None:

@@ -115,6 +115,71 @@ async def test_a_limit_said_in_any_providers_headers_is_learned(
         assert "x-ratelimit-limit-requests" not in answer.rate_headers
 
 
+def test_a_gateways_request_limit_is_read_where_its_window_is_said() -> None:
+    """An API gateway in front of a server that says no limits (Envoy, Kong, the IETF
+    draft's forms) was not read: its limit was learned from its 429s alone."""
+    ietf = {"RateLimit-Policy": '"default";q=50;w=1', "RateLimit": '"default";r=12;t=0.4'}
+    assert openai_names(ietf, NEW_YEAR) == {"x-ratelimit-limit-requests": "3000",
+                                             "x-ratelimit-remaining-requests": "12",
+                                             "x-ratelimit-reset-requests": "0.400"}  # fmt: skip
+    envoy = {
+        "X-RateLimit-Limit": "10, 10;w=1, 1000;w=3600",
+        "X-RateLimit-Remaining": "7",
+        "X-RateLimit-Reset": "1",
+    }  # an hour's quota is no rate: the second's is read
+    assert openai_names(envoy, NEW_YEAR) == {"x-ratelimit-limit-requests": "600",
+                                              "x-ratelimit-remaining-requests": "7",
+                                              "x-ratelimit-reset-requests": "1.000"}  # fmt: skip
+    kong = {
+        "X-RateLimit-Limit-Second": "50",
+        "X-RateLimit-Remaining-Second": "40",
+        "X-RateLimit-Limit-Minute": "1000",
+        "X-RateLimit-Remaining-Minute": "900",
+        "RateLimit-Limit": "50",
+        "RateLimit-Remaining": "40",
+        "RateLimit-Reset": "1",
+    }
+    assert openai_names(kong, NEW_YEAR) == {"x-ratelimit-limit-requests": "1000",
+                                             "x-ratelimit-remaining-requests": "900",
+                                             "x-ratelimit-reset-requests": "1.000"}  # fmt: skip
+    # A reset said as the time itself (seconds or milliseconds since 1970).
+    stamped = {"RateLimit-Policy": "60;w=60", "RateLimit-Reset": str(int(NEW_YEAR) + 30)}
+    assert openai_names(stamped, NEW_YEAR)["x-ratelimit-reset-requests"] == "30.000"
+    stamped["RateLimit-Reset"] = str(int(NEW_YEAR) * 1000 + 1500)
+    assert openai_names(stamped, NEW_YEAR)["x-ratelimit-reset-requests"] == "1.500"
+    # A limit whose window is not said (a second's? an hour's?) says nothing; a provider's
+    # own request headers win over a gateway's.
+    assert openai_names({"RateLimit-Limit": "100", "RateLimit-Remaining": "4"}, NEW_YEAR) == {}
+    assert openai_names({"X-RateLimit-Limit": "60", "X-RateLimit-Remaining": "59"}) == {}
+    both = {
+        "x-ratelimit-limit-requests": "500",
+        "x-ratelimit-remaining-requests": "3",
+        "RateLimit-Policy": "100;w=60",
+        "RateLimit-Remaining": "9",
+    }
+    assert openai_names(both, NEW_YEAR) == {"x-ratelimit-limit-requests": "500",
+                                             "x-ratelimit-remaining-requests": "3"}  # fmt: skip
+
+
+@pytest.mark.parametrize("style", ["envoy", "kong"])
+async def test_a_gateways_request_limit_is_learned_through_the_simulator(
+    simulator: SimulatorServer, style: str
+) -> None:
+    simulator.sim.config.update({"rpm": 600, "tpm": 90_000, "header_style": style})
+    client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
+                          read_timeout_s=2)  # fmt: skip
+    limiter = RateLimiter(rpm=None)
+    try:
+        permit = await limiter.acquire(50)
+        answer = await client.complete(SIM_REQUEST)
+    finally:
+        await client.close()
+    limiter.observe(answer.rate_headers, permit)
+    assert limiter.informed and limiter.rpm_ceiling == 600
+    assert 0 <= float(answer.rate_headers["x-ratelimit-remaining-requests"]) < 600
+    assert "x-ratelimit-limit-tokens" not in answer.rate_headers  # a gateway counts no tokens
+
+
 def test_the_simulator_refuses_a_header_style_it_does_not_speak() -> None:
     from streams.dev.simulator import SimConfig
 
