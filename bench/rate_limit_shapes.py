@@ -31,7 +31,10 @@ Phases, each against the simulator set to one provider shape:
     `x-ratelimit-limit: R, R;w=60`, `x-ratelimit-remaining` of the minute, the reset in
     whole seconds), no token headers, its 429s "API rate limit exceeded";
 14. the same gateway as Kong says it, per second (`X-RateLimit-Limit-Second: R/60`,
-    `remaining` of the second, `RateLimit-Reset`).
+    `remaining` of the second, `RateLimit-Reset`);
+15. phase 1's RPM in Mistral's headers (`x-ratelimit-limit-req-minute`, the token
+    limit said as `-tokens-minute` (not binding), monthly quotas beside them, no reset),
+    its 429s "Rate limit exceeded" (`rate_limited`, code 1300), naming no limit.
 
 Each style's 429s are worded as that provider words them (`dev.sim_limits.refusal`).
 
@@ -40,7 +43,7 @@ the busy span (requests, or the tokens the provider charged: prompt + max_tokens
 the same over the steady middle 80% of the busy seconds (requests only), and the
 share of requests answered 429.
 
-    python bench/rate_limit_shapes.py [--rpm 3000] [--tasks 3000] [--phases 1,2,...,14]
+    python bench/rate_limit_shapes.py [--rpm 3000] [--tasks 3000] [--phases 1,2,...,15]
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ PHASES: dict[int, tuple[str, dict[str, Any], str, float]] = {
          "remaining_window_s": 60.0, "header_style": "envoy"}, "rpm", 1.0),
     14: ("RPM per second, Kong's per second", {"limit_shape": "bucket",
          "remaining_window_s": 1.0, "header_style": "kong"}, "rpm", 1.0),
+    15: ("RPM per second, Mistral's headers", {"limit_shape": "bucket",
+         "remaining_window_s": 60.0, "header_style": "mistral"}, "rpm", 1.0),
 }  # fmt: skip
 
 

@@ -196,8 +196,11 @@ class SimLimits:
 # a server that says nothing, its request limit alone (it counts no tokens): `envoy`
 # (the IETF draft 3 as Envoy sends it: `x-ratelimit-limit: 3000, 3000;w=60`,
 # `x-ratelimit-remaining`, `x-ratelimit-reset` in seconds), `kong` (per second:
-# `X-RateLimit-Limit-Second`, `X-RateLimit-Remaining-Second`, `RateLimit-Reset`).
-HEADER_STYLES = ("openai", "anthropic", "cerebras", "azure", "groq", "envoy", "kong")
+# `X-RateLimit-Limit-Second`, `X-RateLimit-Remaining-Second`, `RateLimit-Reset`);
+# `mistral` (per-minute `x-ratelimit-{limit,remaining}-{req,tokens}-minute`, no reset,
+# monthly token quotas and a call's cost beside them).
+HEADER_STYLES = ("openai", "anthropic", "cerebras", "azure", "groq", "envoy", "kong",
+                 "mistral")  # fmt: skip
 
 
 def styled(headers: dict[str, str], style: str, wall: float | None = None) -> dict[str, str]:
@@ -210,6 +213,8 @@ def styled(headers: dict[str, str], style: str, wall: float | None = None) -> di
         return _per_day(headers)
     if style in ("envoy", "kong"):
         return _gateway(headers, style)
+    if style == "mistral":
+        return _mistral(headers)
     if style not in HEADER_STYLES:
         raise ValueError(f"header_style {style!r}: one of {', '.join(HEADER_STYLES)}")
     return _renamed(headers, style, wall)
@@ -262,6 +267,25 @@ def _gateway(headers: dict[str, str], style: str) -> dict[str, str]:
             "RateLimit-Reset": reset}  # fmt: skip
 
 
+def _mistral(headers: dict[str, str]) -> dict[str, str]:
+    """Mistral's names: per minute, its requests `req`; no reset; a month's token quota
+    (30 days of the minute's, most of it left) and the call's cost beside them."""
+    out: dict[str, str] = {}
+    for kind, name in (("requests", "req"), ("tokens", "tokens")):
+        limit = headers.get(f"x-ratelimit-limit-{kind}")
+        if limit is not None:
+            out[f"x-ratelimit-limit-{name}-minute"] = limit
+            out[f"x-ratelimit-remaining-{name}-minute"] = headers.get(
+                f"x-ratelimit-remaining-{kind}", limit
+            )
+    tokens = headers.get("x-ratelimit-limit-tokens")
+    if tokens is not None:
+        out["x-ratelimit-limit-tokens-month"] = str(int(tokens) * 43_200)
+        out["x-ratelimit-remaining-tokens-month"] = str(int(tokens) * 40_000)
+        out["x-ratelimit-tokens-query-cost"] = "52"
+    return out
+
+
 def _per_day(headers: dict[str, str]) -> dict[str, str]:
     """Groq's: the request headers, in OpenAI's names, say a day's quota (1,440 minutes of
     the limit, half of it left, one request back every day / quota)."""
@@ -297,6 +321,8 @@ def refusal(
                 "too_many_requests_error", "token_quota_exceeded")  # fmt: skip
     if style in ("envoy", "kong"):  # the gateway's words: it knows no model
         return "API rate limit exceeded", None, None
+    if style == "mistral":  # which limit, not said
+        return "Rate limit exceeded", "rate_limited", "1300"
     if style == "anthropic":
         return (f"This request would exceed the rate limit for your organization of "
                 f"{limit:,} {kind} per minute. For details, refer to the rate limits "

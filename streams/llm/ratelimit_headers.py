@@ -69,6 +69,8 @@ def openai_names(headers: Mapping[str, str], now: float | None = None) -> dict[s
     - Cerebras: per-minute limits named with a `-minute` suffix
       (`x-ratelimit-remaining-tokens-minute`); its per-day quotas are left out, a day's
       quota being no per-minute rate (the 429 that ends one says when to come back);
+    - Mistral: the same `-minute` suffix, its requests as `req`
+      (`x-ratelimit-limit-req-minute`); its monthly quotas left out;
     - Anthropic (its Messages API and its OpenAI SDK compatibility):
       `anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`, the reset the
       time (RFC 3339) the bucket is full again — read as the seconds from `now` (the
@@ -76,17 +78,21 @@ def openai_names(headers: Mapping[str, str], now: float | None = None) -> dict[s
     - an API gateway in front of a server that says none (Envoy, Kong, others: request
       limits, `_gateway`).
 
-    A header in OpenAI's own name wins over another's of the same meaning."""
+    A header in OpenAI's own name wins over another's of the same meaning; one that is no
+    per-minute limit, what is left of it or its reset (a day's, a month's quota, a call's
+    cost, `x-ratelimit-limit-tokens_usage_based`) is left out: the limiter would take the
+    provider for one that says its limits, and read none."""
     found: dict[str, str] = {}
     other: dict[str, str] = {}
     gateway: dict[str, str] = {}
     for name, value in headers.items():
         key = name.lower()
         if key.startswith(_OPENAI) and key not in _GATEWAY_NAMES:
-            if key.endswith("-minute"):
-                other.setdefault(key.removesuffix("-minute"), value)
-            elif not key.endswith(("-day", "-hour")):
+            named = _per_minute(key)
+            if named == key:
                 found[key] = value
+            elif named is not None:
+                other.setdefault(named, value)
         elif key.startswith((_IETF, _OPENAI)):
             gateway[key] = value
         elif key.startswith(_ANTHROPIC):
@@ -94,6 +100,18 @@ def openai_names(headers: Mapping[str, str], now: float | None = None) -> dict[s
     if gateway and not any(key.endswith("-requests") for key in found):
         other = {**_gateway(gateway, now), **other}
     return {**other, **found}
+
+
+_FIELDS = frozenset({"limit", "remaining", "reset"})
+_KINDS = {"requests": "requests", "req": "requests", "tokens": "tokens"}
+
+
+def _per_minute(key: str) -> str | None:
+    """An `x-ratelimit-*` header's OpenAI name when it is a per-minute limit, what is left
+    of it or its reset (`-minute` and Mistral's `req` said otherwise), else None."""
+    field, _, kind = key.removeprefix(_OPENAI).removesuffix("-minute").partition("-")
+    named = _KINDS.get(kind)
+    return f"{_OPENAI}{field}-{named}" if named is not None and field in _FIELDS else None
 
 
 def _anthropic(key: str, value: str, now: float | None, into: dict[str, str]) -> None:

@@ -177,7 +177,7 @@ def test_a_429_carries_its_hit_and_a_request_over_the_limit_is_a_bad_request() -
 
 
 @pytest.mark.parametrize("style", ["openai", "anthropic", "cerebras", "azure", "groq", "envoy",
-                                   "kong", None])  # fmt: skip
+                                   "kong", "mistral", None])  # fmt: skip
 async def test_the_simulator_words_its_429s_as_each_provider(
     simulator: SimulatorServer, style: str | None
 ) -> None:
@@ -195,7 +195,7 @@ async def test_the_simulator_words_its_429s_as_each_provider(
     finally:
         await client.close()
     hit = refused.value.hit
-    if style in (None, "envoy", "kong"):
+    if style in (None, "envoy", "kong", "mistral"):
         assert hit is None
     else:
         assert hit is not None and hit.kind == "requests" and hit.per_s == 60

@@ -80,7 +80,25 @@ def test_other_providers_headers_read_in_openais_names() -> None:
     }  # fmt: skip
     openai = {"X-RateLimit-Limit-Requests": "500", "x-ratelimit-reset-requests": "6m0s",
               "x-ratelimit-limit-tokens_usage_based": "160000"}  # fmt: skip
-    assert openai_names(openai, NEW_YEAR) == {k.lower(): v for k, v in openai.items()}
+    assert openai_names(openai, NEW_YEAR) == {"x-ratelimit-limit-requests": "500",
+                                               "x-ratelimit-reset-requests": "6m0s"}  # fmt: skip
+    # Mistral's (as it sends them): its requests as `req`, per minute; its monthly quotas
+    # and a call's cost are no rate. Before, `-req-minute` and `-tokens-month` went on as
+    # `x-ratelimit-limit-*` names the limiter reads none of: its request limit (the one
+    # that binds first: 720 calls against 5,000,000 tokens a minute) was never learned.
+    mistral = {
+        "x-ratelimit-limit-tokens-minute": "5000000",
+        "x-ratelimit-remaining-tokens-minute": "4999911",
+        "x-ratelimit-tokens-query-cost": "52",
+        "x-ratelimit-limit-req-minute": "720",
+        "x-ratelimit-remaining-req-minute": "717",
+        "x-ratelimit-limit-tokens-month": "1000000000",
+        "x-ratelimit-remaining-tokens-month": "999000000",
+    }
+    assert openai_names(mistral, NEW_YEAR) == {
+        "x-ratelimit-limit-tokens": "5000000", "x-ratelimit-remaining-tokens": "4999911",
+        "x-ratelimit-limit-requests": "720", "x-ratelimit-remaining-requests": "717",
+    }  # fmt: skip
     # OpenAI's own name wins; a reset that is no time (or in no zone) is left out.
     mixed = {"x-ratelimit-limit-requests": "500", "anthropic-ratelimit-requests-limit": "9",
              "anthropic-ratelimit-requests-reset": "soon",
@@ -88,7 +106,7 @@ def test_other_providers_headers_read_in_openais_names() -> None:
     assert openai_names(mixed, NEW_YEAR) == {"x-ratelimit-limit-requests": "500"}
 
 
-@pytest.mark.parametrize("style", ["openai", "anthropic", "cerebras"])
+@pytest.mark.parametrize("style", ["openai", "anthropic", "cerebras", "mistral"])
 async def test_a_limit_said_in_any_providers_headers_is_learned(
     simulator: SimulatorServer, style: str
 ) -> None:
@@ -107,7 +125,8 @@ async def test_a_limit_said_in_any_providers_headers_is_learned(
     limiter.observe(answer.rate_headers, permit)
     assert limiter.informed and limiter.tpm_ceiling == 90_000
     assert float(answer.rate_headers["x-ratelimit-remaining-tokens"]) < 90_000
-    assert 0 <= (seconds(answer.rate_headers["x-ratelimit-reset-tokens"]) or 0) <= 61
+    if style != "mistral":  # it says no reset
+        assert 0 <= (seconds(answer.rate_headers["x-ratelimit-reset-tokens"]) or 0) <= 61
     assert limiter.rpm_ceiling == (600 if style != "cerebras" else limiter.rpm_ceiling)
     if style != "cerebras":
         assert answer.rate_headers["x-ratelimit-limit-requests"] == "600"
