@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from streams.dev.simulator import SimulatorServer
+from streams.llm.client import LLMResponse
 from streams.llm.openai_client import OpenAIClient
 from streams.llm.ratelimit_headers import delay, number, openai_names, seconds
 from streams.resilience.limiter import RateLimiter
@@ -106,13 +107,9 @@ def test_other_providers_headers_read_in_openais_names() -> None:
     assert openai_names(mixed, NEW_YEAR) == {"x-ratelimit-limit-requests": "500"}
 
 
-@pytest.mark.parametrize("style", ["openai", "anthropic", "cerebras", "mistral"])
-async def test_a_limit_said_in_any_providers_headers_is_learned(
-    simulator: SimulatorServer, style: str
-) -> None:
-    """Through the simulator speaking each provider's headers, the client and a limiter
-    told no limit: the first answer teaches the token limit, as OpenAI's headers do (and
-    the request limit where the provider says one per minute)."""
+async def first_answer(simulator: SimulatorServer, style: str) -> tuple[RateLimiter, LLMResponse]:
+    """A limiter told no limit, after the first answer of the simulator speaking `style`
+    (600 RPM, 90,000 TPM) taught it."""
     simulator.sim.config.update({"rpm": 600, "tpm": 90_000, "header_style": style})
     client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
                           read_timeout_s=2)  # fmt: skip
@@ -123,6 +120,17 @@ async def test_a_limit_said_in_any_providers_headers_is_learned(
     finally:
         await client.close()
     limiter.observe(answer.rate_headers, permit)
+    return limiter, answer
+
+
+@pytest.mark.parametrize("style", ["openai", "anthropic", "cerebras", "mistral"])
+async def test_a_limit_said_in_any_providers_headers_is_learned(
+    simulator: SimulatorServer, style: str
+) -> None:
+    """Through the simulator speaking each provider's headers, the client and a limiter
+    told no limit: the first answer teaches the token limit, as OpenAI's headers do (and
+    the request limit where the provider says one per minute)."""
+    limiter, answer = await first_answer(simulator, style)
     assert limiter.informed and limiter.tpm_ceiling == 90_000
     assert float(answer.rate_headers["x-ratelimit-remaining-tokens"]) < 90_000
     if style != "mistral":  # it says no reset
@@ -184,16 +192,7 @@ def test_a_gateways_request_limit_is_read_where_its_window_is_said() -> None:
 async def test_a_gateways_request_limit_is_learned_through_the_simulator(
     simulator: SimulatorServer, style: str
 ) -> None:
-    simulator.sim.config.update({"rpm": 600, "tpm": 90_000, "header_style": style})
-    client = OpenAIClient(base_url=simulator.base_url, api_key="k", connect_timeout_s=1,
-                          read_timeout_s=2)  # fmt: skip
-    limiter = RateLimiter(rpm=None)
-    try:
-        permit = await limiter.acquire(50)
-        answer = await client.complete(SIM_REQUEST)
-    finally:
-        await client.close()
-    limiter.observe(answer.rate_headers, permit)
+    limiter, answer = await first_answer(simulator, style)
     assert limiter.informed and limiter.rpm_ceiling == 600
     assert 0 <= float(answer.rate_headers["x-ratelimit-remaining-requests"]) < 600
     assert "x-ratelimit-limit-tokens" not in answer.rate_headers  # a gateway counts no tokens
