@@ -31,7 +31,7 @@ def ab_report(pipeline: str, as_json: bool) -> None:
     settings = settings_or_exit()
     found = pipeline_or_exit(settings, pipeline, "ab")
     evidence = on_kafka(settings, gather(settings, pipeline, found.output_schema))
-    data = report(evidence, {name: v.digest for name, v in found.versions.items()})
+    data = report(evidence, found.versions)
     if as_json:
         click.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return
@@ -133,9 +133,7 @@ def ab_promote(pipeline: str, version: str, share: float, reason: str, by: str |
     evidence = on_kafka(settings, gather(settings, pipeline, found.output_schema))
     rules = PromotionGuard(min_judged=min_judged, max_cost_increase=max_cost_increase)
     try:
-        guard(
-            evidence, version, rivals_of(found.spec, version), rules, found.versions[version].digest
-        )
+        guard(evidence, version, rivals_of(found.spec, version), rules, found.versions[version])
     except PromotionRefused as exc:
         if not force:
             click.echo(f"ab promote: refused: {exc}", err=True)

@@ -171,7 +171,7 @@ class Decider:
         if not isinstance(said, str):
             return None
         version = prep.version
-        if said != version.digest:
+        if version.made_otherwise(said):
             name = prep.pipeline.name
             self.metrics.stale_answers.labels(name, version.version).inc()
             if (name, version.version, said) not in self._stale and len(self._stale) < STALE_SAID:

@@ -44,6 +44,7 @@ from streams.kafka.scan import scan
 from streams.kafka.topics import decisions_topic, ensure_topics
 from streams.ops.diff import summarise
 from streams.ops.outcomes import latest_outcomes
+from streams.pipelines.render import PipelineVersion
 from streams.pipelines.specs import PipelineSpec
 from streams.settings import Settings
 
@@ -164,9 +165,11 @@ class VersionEvidence:
         if kind == "result" and isinstance(made, str):
             self.definitions[made] = self.definitions.get(made, 0) + 1
 
-    def made_otherwise(self, now: str | None) -> int:
-        """Its results made under another definition than `now` (the file's)."""
-        return sum(n for made, n in self.definitions.items() if now is not None and made != now)
+    def made_otherwise(self, now: PipelineVersion | None) -> int:
+        """Its results made under another definition than `now`'s (the file's version)."""
+        if now is None:
+            return 0
+        return sum(n for made, n in self.definitions.items() if now.made_otherwise(made))
 
     def pass_interval(self) -> tuple[float, float]:
         return wilson(self.evaluation.n("pass"), self.evaluation.judged)
@@ -269,17 +272,19 @@ def compare(evidence: dict[str, VersionEvidence], version: str) -> list[Comparis
 
 
 def report(
-    evidence: dict[str, VersionEvidence], now: dict[str, str] | None = None
+    evidence: dict[str, VersionEvidence], now: dict[str, PipelineVersion] | None = None
 ) -> dict[str, Any]:
-    """The comparison as data (`ab report --json`). `now`: each version's definition in
-    the pipeline file (`PipelineVersion.digest`), against which its results are counted."""
+    """The comparison as data (`ab report --json`). `now`: the pipeline file's versions,
+    whose definitions (`PipelineVersion.digest`) their results are counted against."""
     now = now or {}
     versions = []
     for name, ev in sorted(evidence.items()):
         e = ev.evaluation
         cost = ev.cost_interval()
+        defined = now.get(name)
         versions.append({
-            "definition": now.get(name), "results_by_definition": dict(ev.definitions),
+            "definition": defined.digest if defined is not None else None,
+            "results_by_definition": dict(ev.definitions),
             "results_made_otherwise": ev.made_otherwise(now.get(name)),
             "version": name, "tasks": e.tasks, "judged": e.judged, "accepted": e.accepted,
             "verdicts": dict(sorted(e.verdicts.items())),
@@ -314,10 +319,11 @@ class PromotionRefused(Exception):
 
 
 def guard(evidence: dict[str, VersionEvidence], version: str, rivals: list[str],
-          rules: PromotionGuard = DEFAULT_GUARD, now: str | None = None) -> None:  # fmt: skip
+          rules: PromotionGuard = DEFAULT_GUARD,
+          now: PipelineVersion | None = None) -> None:  # fmt: skip
     """Refuse `version` unless it passes `rules` against every rival (the versions now in
     the split, or the default). Few judged tasks make wide intervals that show nothing
-    significant, so a minimum comes first. `now`: the version's definition in the file;
+    significant, so a minimum comes first. `now`: the version as the file defines it;
     refused when some of its results were made under another (edited in place since, or
     during the test): its figures are not those of what would be promoted."""
     ev = evidence.get(version)
@@ -327,7 +333,8 @@ def guard(evidence: dict[str, VersionEvidence], version: str, rivals: list[str],
     if otherwise:
         raise PromotionRefused(
             f"{otherwise} of {version}'s {sum(ev.definitions.values())} results were made "
-            f"under another definition than the file's now ({now}): it was edited in place, "
+            f"under another definition than the file's now ({now and now.digest}): it was "
+            "edited in place, "
             "so its figures are not those of the version you would promote; answer its "
             "tasks again (`llm-streams replay --force`), or name the edit as a new version "
             "and test that"

@@ -45,6 +45,7 @@ from streams.kafka.topics import ensure_topics, replays_topic
 from streams.llm.client import completion_budget
 from streams.llm.tokens import count_messages
 from streams.pipelines.registry import PipelineRegistry
+from streams.pipelines.render import PipelineVersion
 from streams.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -219,15 +220,15 @@ async def read_answered(
     settings: Settings,
     pipeline: str | None = None,
     version: str | None = None,
-    digest_of: Callable[[str, str], str | None] | None = None,
+    made_otherwise: Callable[[str, str, str], bool] | None = None,
 ) -> Answered:
     """What the results topic holds now (read to its end): the keys of `pipeline`'s
     results under `version`, when given (the keys of a topic's every result were held
     for a replay of one pipeline under a new version, which has none yet). A result
     tombstoned since (past the store's retention, or erased) is not held: until the
     topic's compaction dropped both, its task was skipped as answered, never again.
-    `digest_of(pipeline, version)`: the version's definition now (None: not known), to
-    tell the results an earlier one made (`Answered.stale`)."""
+    `made_otherwise(pipeline, version, prompt_digest)`: was a result made under another
+    definition of its version than the pipeline files' now (`Answered.stale`)?"""
     keys: set[bytes] = set()
     stale: set[bytes] = set()
     usage: dict[tuple[str, str | None], tuple[int, int]] = {}
@@ -244,9 +245,8 @@ async def read_answered(
             if (pipeline is None or of == pipeline) and (version is None or under == version):
                 keys.add(r.key)
                 made = result.get("prompt_digest")
-                now = (digest_of(of, under) if digest_of is not None and isinstance(of, str)
-                       and isinstance(under, str) and isinstance(made, str) else None)  # fmt: skip
-                if now is not None and made != now:
+                if (made_otherwise is not None and isinstance(of, str) and isinstance(under, str)
+                        and isinstance(made, str) and made_otherwise(of, under, made)):  # fmt: skip
                     stale.add(r.key)
                 else:  # the latest answer of the key counts
                     stale.discard(r.key)
@@ -337,7 +337,7 @@ class Replayer:
         self.finished_before = False  # the checkpoint said done: nothing sent
         self.resumed_at: str | None = None  # time of the checkpoint resumed from
         self.answered = Answered()  # read again by each `run`
-        self._digests: dict[tuple[str, str], str | None] = {}  # the files' definitions
+        self._versions: dict[tuple[str, str], PipelineVersion | None] = {}  # in the files
         self.erased: dict[str, int] = {}  # task id -> its latest erase request's time, ms
         self.prices = Prices.from_settings(settings)
         if request.pipeline is not None:
@@ -345,15 +345,17 @@ class Replayer:
             if request.prompt_version is not None:
                 pipeline.version(request.prompt_version)
 
-    def _digest_of(self, pipeline: str, version: str) -> str | None:
-        """A version's definition in the pipeline files now (None: not in them)."""
+    def _made_otherwise(self, pipeline: str, version: str, digest: str) -> bool:
+        """Was a result of `digest` made under another definition of its version than the
+        pipeline files' now? (A version not in them: not said.)"""
         key = (pipeline, version)
-        if key not in self._digests:
+        if key not in self._versions:
             try:
-                self._digests[key] = self.registry.get(pipeline).version(version).digest
+                self._versions[key] = self.registry.get(pipeline).version(version)
             except TaskError:
-                self._digests[key] = None
-        return self._digests[key]
+                self._versions[key] = None
+        now = self._versions[key]
+        return now is not None and now.made_otherwise(digest)
 
     async def run(self, *, dry_run: bool, on_progress: Progress | None = None) -> Checkpoint:
         settings, request = self.settings, self.request
@@ -369,7 +371,7 @@ class Replayer:
         else:
             self.resumed_at = checkpoint.updated_at
         self.answered = await read_answered(settings, request.pipeline, request.prompt_version,
-                                            self._digest_of)  # fmt: skip
+                                            self._made_otherwise)  # fmt: skip
         from_start = checkpoint.start if request.source == settings.topics.tasks else None
         self.erased = await read_erased(settings, from_start)
         producer: AIOKafkaProducer | None = None

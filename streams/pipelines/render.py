@@ -113,6 +113,15 @@ class PipelineVersion:
         return hashlib.blake2b(orjson.dumps([self.own_digest, *stages]),
                                digest_size=8).hexdigest()  # fmt: skip
 
+    def made_otherwise(self, digest: str) -> bool:
+        """Was an answer of this `prompt_digest` made under another definition than this
+        version's now? One whose digest is the version's own in a pipeline with stages
+        was made by a release whose digest left the stages out: what they were then is not
+        known, and it is not said to be another."""
+        if digest == self.digest:
+            return False
+        return not (self.pipeline.stage_digests and digest == self.own_digest)
+
     def bind(
         self, task_input: dict[str, Any], redactions: Counter[str] | None = None
     ) -> dict[str, Any]:

@@ -183,6 +183,8 @@ def test_a_version_edited_in_place_during_its_test_is_said_and_not_promoted() ->
     were the old v2's, the file's v2 never measured — and the guard let it through. Results
     made under another definition than the file's now are said and refuse the promotion;
     once its tasks are answered again under the file's (their latest results), it passes."""
+    shipped = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas")
+    now = shipped.get("comment-analysis").version("v1")  # stands for the file's v2
     found = {"v1": evidence("v1", 150, 50), "v2": VersionEvidence("v2")}
     for i in range(200):
         found["v2"].add({"task_id": f"t{i}", "cost_usd": 0.001, "prompt_digest": "old",
@@ -190,17 +192,33 @@ def test_a_version_edited_in_place_during_its_test_is_said_and_not_promoted() ->
     found["v2"].add({"task_id": "t-legacy", "output": {}}, "result")  # before the field
     guard(found, "v2", ["v1"])  # what it did: nothing said
     with pytest.raises(PromotionRefused, match=r"200 of v2's 200 results .* another definition "
-                       r"than the file's now \(new\)"):  # fmt: skip
-        guard(found, "v2", ["v1"], now="new")
-    guard(found, "v2", ["v1"], now="old")
-    data = report(found, {"v1": "d1", "v2": "new"})
+                       rf"than the file's now \({now.digest}\)"):  # fmt: skip
+        guard(found, "v2", ["v1"], now=now)
+    data = report(found, {"v2": now})
     v2 = data["versions"][1]
     assert (v2["definition"], v2["results_by_definition"], v2["results_made_otherwise"]) == (
-        "new", {"old": 200}, 200)  # fmt: skip
-    assert data["versions"][0]["results_made_otherwise"] == 0  # v1's results say none
+        now.digest, {"old": 200}, 200)  # fmt: skip
+    assert data["versions"][0]["results_made_otherwise"] == 0  # v1 not in the file: not said
+    again = {"v1": found["v1"], "v2": VersionEvidence("v2")}
+    for i in range(200):
+        again["v2"].add({"task_id": f"t{i}", "cost_usd": 0.001, "prompt_digest": now.digest,
+                         "output": {"sentiment": "positive"}}, "result")  # fmt: skip
+    guard(again, "v2", ["v1"], now=now)
     record = decision("p", "v2", 1.0, "why", found, by="me", forced=True, before={},
-                      after={}, definition="new")  # fmt: skip
-    assert record["prompt_digest"] == "new"
+                      after={}, definition=now.digest)  # fmt: skip
+    assert record["prompt_digest"] == now.digest
+
+
+def test_a_staged_versions_results_of_a_release_whose_digest_left_the_stages_out_pass() -> None:
+    """A staged version's digest covers its stages since 534ad03; its results before carry
+    the version's own digest. They are not said to be of another definition (what the
+    stages were then is not known), or every staged pipeline's A/B stood refused."""
+    triage = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas").get("comment-triage")
+    now = triage.version("v1")
+    assert not now.made_otherwise(now.own_digest) and not now.made_otherwise(now.digest)
+    assert now.made_otherwise("0123456789abcdef")
+    plain = PipelineRegistry.load(ROOT / "pipelines", ROOT / "schemas").get("comment-analysis")
+    assert plain.version("v1").own_digest == plain.version("v1").digest
 
 
 def test_new_split_gives_the_share_and_keeps_the_others_proportions() -> None:

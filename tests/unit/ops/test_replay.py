@@ -121,10 +121,10 @@ def test_a_task_answered_by_an_earlier_definition_of_its_version_is_counted_and_
     assert replayer.publication(record(task()), cp) is None
     assert (cp.counts.answered, cp.counts.stale) == (1, 1)
     assert Checkpoint.loads(cp.dumps()).counts.stale == 1
-    assert replayer._digest_of("comment-analysis", "v1") == (
-        registry.get("comment-analysis").version("v1").digest
-    )
-    assert replayer._digest_of("comment-analysis", "v9") is None
+    now = registry.get("comment-analysis").version("v1").digest
+    assert not replayer._made_otherwise("comment-analysis", "v1", now)
+    assert replayer._made_otherwise("comment-analysis", "v1", "0123456789abcdef")
+    assert not replayer._made_otherwise("comment-analysis", "v9", "0123456789abcdef")
     replay_cli._summary(settings, replayer, cp, dry_run=True, tier=None)
     said = " ".join(capsys.readouterr().out.split())
     assert ("skipped 1 already answered (1 of them by an earlier definition of their version, "

@@ -425,8 +425,9 @@ async def test_a_replay_tells_the_results_an_earlier_definition_of_their_version
 
     serving(monkeypatch, {settings.topics.results: results})
     now = {("p", "v1"): "new"}
-    answered = await replay_module.read_answered(settings, "p", "v1",
-                                                 lambda p, v: now.get((p, v)))  # fmt: skip
+    answered = await replay_module.read_answered(
+        settings, "p", "v1", lambda p, v, made: (p, v) in now and made != now[(p, v)]
+    )
     assert len(answered.keys) == 4 and answered.stale == {b"rk-0"}
 
 
