@@ -20,6 +20,9 @@ here:
   minute" ("input tokens", "output tokens").
 - Gemini: a `google.rpc.QuotaFailure` detail naming the quota (`...RequestsPerMinute...`,
   `...InputTokensPerModelPerDay...`) and its `quotaValue`.
+- OpenRouter's free models: "Rate limit exceeded: free-models-per-min" (or `-per-day`),
+  the limit's own headers in the body (`metadata.headers`: `X-RateLimit-Limit`,
+  `X-RateLimit-Reset` as a Unix time in milliseconds).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from streams.errors import MINUTE_S, LimitHit
-from streams.llm.ratelimit_headers import number, seconds
+from streams.llm.ratelimit_headers import number, reset_seconds, seconds
 
 _RETRY_INFO = "type.googleapis.com/google.rpc.RetryInfo"
 _QUOTA_FAILURE = "type.googleapis.com/google.rpc.QuotaFailure"
@@ -52,6 +55,8 @@ _EXCEEDED = re.compile(rf"\b{_UNIT} per {_PERIOD} limit exceeded", re.IGNORECASE
 # Azure OpenAI: "exceeded call rate limit", "exceeded the token rate limit".
 _AZURE = re.compile(r"exceeded (?:the )?(call|token) rate limit", re.IGNORECASE)
 _CODES = {"request_quota_exceeded": "requests", "token_quota_exceeded": "tokens"}
+# OpenRouter: "Rate limit exceeded: free-models-per-min", "...: free-models-per-day".
+_FREE_MODELS = re.compile(r"\bfree-models-per-(min|day)\b", re.IGNORECASE)
 
 
 def error_object(body: Any) -> Mapping[str, Any]:
@@ -72,13 +77,24 @@ def _details(body: Any, kind: str) -> list[Mapping[str, Any]]:
     return [d for d in details if isinstance(d, Mapping) and d.get("@type") == kind]
 
 
-def retry_delay(body: Any) -> float | None:
+def retry_delay(body: Any, now: float | None = None) -> float | None:
     """Seconds the body asks to wait: a RetryInfo detail's `retryDelay` (`"37s"`,
-    `"0.5s"`), as Gemini's 429s say it; None when it says none."""
+    `"0.5s"`), as Gemini's 429s say it, or the reset of the limit whose headers it
+    carries (OpenRouter's); None when it says none. `now`: the wall clock's."""
     for detail in _details(body, _RETRY_INFO):
         said = detail.get("retryDelay")
         return seconds(said) if isinstance(said, str) else None
-    return None
+    reset = _carried(body).get("x-ratelimit-reset")
+    return reset_seconds(reset, now) if isinstance(reset, str) else None
+
+
+def _carried(body: Any) -> dict[str, Any]:
+    """The headers an error object carries in its `metadata` (OpenRouter's), lower case."""
+    metadata = error_object(body).get("metadata")
+    headers = metadata.get("headers") if isinstance(metadata, Mapping) else None
+    if not isinstance(headers, Mapping):
+        return {}
+    return {str(k).lower(): v for k, v in headers.items()}
 
 
 def _figure(text: str | None) -> float | None:
@@ -128,6 +144,10 @@ def limit_hit(body: Any, message: str = "") -> LimitHit | None:
         return LimitHit("requests" if found[1].lower() == "call" else "tokens", MINUTE_S)
     if (gemini := _gemini(body)) is not None:
         return gemini
+    if (found := _FREE_MODELS.search(text)) is not None:
+        limit = _carried(body).get("x-ratelimit-limit")
+        return LimitHit("requests", _PERIODS[found[1].lower()],
+                        _figure(limit) if isinstance(limit, str) else None)  # fmt: skip
     # Nothing in the words: the code (Cerebras') or the type (OpenAI's) may still say.
     named = _CODES.get(str(error.get("code"))) or error.get("type")
     return LimitHit(named) if named in ("requests", "tokens") else None

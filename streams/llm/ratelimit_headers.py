@@ -163,7 +163,7 @@ def _gateway(said: dict[str, str], now: float | None) -> dict[str, str]:
     out = {f"{_OPENAI}limit-requests": f"{per_minute:g}"}
     if remaining is not None and number(remaining) is not None:
         out[f"{_OPENAI}remaining-requests"] = remaining.strip()
-    wait = _reset_s(reset, now)
+    wait = reset_seconds(reset, now)
     if wait is not None:
         out[f"{_OPENAI}reset-requests"] = f"{wait:.3f}"
     return out
@@ -184,7 +184,7 @@ def _said_rates(said: dict[str, str]) -> list[float]:
     return rates
 
 
-def _reset_s(value: str | None, now: float | None) -> float | None:
+def reset_seconds(value: str | None, now: float | None = None) -> float | None:
     """A gateway's reset in seconds from now: seconds, or (some send the time itself) a
     Unix time in seconds or milliseconds."""
     found = number(value)
@@ -209,4 +209,4 @@ def _until(stamp: str, now: float | None) -> str | None:
     return f"{max(0.0, left):.3f}"
 
 
-__all__ = ["delay", "number", "openai_names", "seconds"]
+__all__ = ["delay", "number", "openai_names", "reset_seconds", "seconds"]

@@ -9,7 +9,7 @@ import pytest
 from streams.dev.simulator import SimulatorServer
 from streams.errors import BadRequest, LimitHit, NotServed, RateLimited
 from streams.llm.client import error_for_status
-from streams.llm.error_body import limit_hit
+from streams.llm.error_body import limit_hit, retry_delay
 from streams.llm.openai_client import OpenAIClient
 from tests.fakes import SIM_REQUEST
 
@@ -123,6 +123,13 @@ GEMINI_DAY_TOKENS = [{"error": {"code": 429, "message": "You exceeded your curre
         "quotaId": "GenerateContentInputTokensPerModelPerDay-FreeTier",
         "quotaValue": "1000000"}]}]}}]  # fmt: skip
 
+# OpenRouter's free models (as users meet them): the limit's own headers in the body.
+OPENROUTER_DAY = {"error": {"message": "Rate limit exceeded: free-models-per-day. Add 10 "
+    "credits to unlock 1000 free model requests per day", "code": 429, "metadata": {
+        "headers": {"X-RateLimit-Limit": "50", "X-RateLimit-Remaining": "0",
+                    "X-RateLimit-Reset": "1767312000000"}}}}  # fmt: skip
+OPENROUTER_MIN = {"error": {"message": "Rate limit exceeded: free-models-per-min.", "code": 429}}
+
 
 @pytest.mark.parametrize(
     ("body", "hit"),
@@ -139,6 +146,8 @@ GEMINI_DAY_TOKENS = [{"error": {"code": 429, "message": "You exceeded your curre
         (ANTHROPIC_ITPM, LimitHit("tokens", 60, partial=True)),
         (GEMINI_RPM, LimitHit("requests", 60, 10)),
         (GEMINI_DAY_TOKENS, LimitHit("tokens", 86400, partial=True)),
+        (OPENROUTER_DAY, LimitHit("requests", 86400, 50)),
+        (OPENROUTER_MIN, LimitHit("requests", 60)),
         ({"error": {"message": "Too Many Requests"}}, None),
         ({"error": {"message": "slow down", "type": "tokens"}}, LimitHit("tokens")),
         ("<html>429</html>", None),
@@ -146,13 +155,26 @@ GEMINI_DAY_TOKENS = [{"error": {"code": 429, "message": "You exceeded your curre
     ],
     ids=["groq-tpm", "openai-rpm", "openai-too-large", "groq-rpd", "azure-tokens",
          "azure-calls", "cerebras-rpm", "cerebras-tpd", "anthropic-rpm", "anthropic-itpm",
-         "gemini-rpm", "gemini-day-tokens", "silent", "type-only", "html", "none"],
+         "gemini-rpm", "gemini-day-tokens", "openrouter-free-day", "openrouter-free-min",
+         "silent", "type-only", "html", "none"],
 )  # fmt: skip
 def test_a_429s_body_says_which_limit_it_hit(body: Any, hit: LimitHit | None) -> None:
     found = limit_hit(body)
     if hit is not None and hit.requested is None and found is not None:
         found = LimitHit(found.kind, found.per_s, found.limit, None, found.partial)
     assert found == hit
+
+
+def test_openrouters_free_model_quota_says_when_it_is_back_in_its_body() -> None:
+    """OpenRouter's 429 for its free models' quota says nothing a client read: no figure
+    in words known here, its headers in the body. Every task retried into it until its
+    attempts ran out; a day's quota is now a day's quota (the tasks wait, paused at most
+    10 minutes at a time), its reset the wait."""
+    new_year = 1767225600.0  # 2026-01-01T00:00:00Z; the reset a day later, in milliseconds
+    hit = limit_hit(OPENROUTER_DAY)
+    assert hit is not None and hit.quota
+    assert retry_delay(OPENROUTER_DAY, new_year) == 86400.0
+    assert retry_delay(OPENROUTER_MIN, new_year) is None
 
 
 def test_the_figures_requested_and_quotas_are_read() -> None:
