@@ -127,13 +127,13 @@ def _anthropic(key: str, value: str, now: float | None, into: dict[str, str]) ->
 # An API gateway's request limits (no token counts: those are the LLM's), in the forms
 # gateways send them: the IETF draft's (`RateLimit-Policy: 100;w=60` or `"p";q=100;w=60`,
 # `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset` in seconds, or the later
-# `RateLimit: "p";r=42;t=17`), Envoy's (draft 3: `X-RateLimit-Limit: 100, 100;w=60`,
-# `X-RateLimit-Remaining`, `X-RateLimit-Reset`) and Kong's (`X-RateLimit-Limit-Second`,
-# `-Minute`, with their `X-RateLimit-Remaining-*`).
+# `RateLimit: "p";r=42;t=17`; some with an `X-` before each), Envoy's (draft 3:
+# `X-RateLimit-Limit: 100, 100;w=60`, `X-RateLimit-Remaining`, `X-RateLimit-Reset`) and
+# Kong's (`X-RateLimit-Limit-Second`, `-Minute`, with their `X-RateLimit-Remaining-*`).
 _IETF = "ratelimit"
 _KONG = {"second": 1.0, "minute": 60.0}
 _GATEWAY_NAMES = frozenset(
-    {"x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"}
+    {"x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset", "x-ratelimit-policy"}
     | {f"x-ratelimit-{field}-{per}" for field in ("limit", "remaining") for per in _KONG}
 )
 _QUOTA = re.compile(r"(?:^|;)\s*q=(\d+(?:\.\d+)?)|^\s*(\d+(?:\.\d+)?)\s*(?:;|$)")
@@ -173,7 +173,8 @@ def _said_rates(said: dict[str, str]) -> list[float]:
     """The per-minute rates of the quotas said with their windows (`q;w=` items) of a
     minute or less."""
     rates = []
-    for header in ("ratelimit-policy", "ratelimit-limit", "x-ratelimit-limit"):
+    for header in ("ratelimit-policy", "x-ratelimit-policy", "ratelimit-limit",
+                   "x-ratelimit-limit"):  # fmt: skip
         for item in (said.get(header) or "").split(","):
             quota, window = _QUOTA.search(item), dict(_PARAM.findall(item)).get("w")
             if quota is None or window is None:

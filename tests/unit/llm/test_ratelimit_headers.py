@@ -169,6 +169,14 @@ def test_a_gateways_request_limit_is_read_where_its_window_is_said() -> None:
     assert openai_names(kong, NEW_YEAR) == {"x-ratelimit-limit-requests": "1000",
                                              "x-ratelimit-remaining-requests": "900",
                                              "x-ratelimit-reset-requests": "1.000"}  # fmt: skip
+    prefixed = {
+        "X-RateLimit-Policy": "20;w=60",
+        "X-RateLimit-Limit": "20",
+        "X-RateLimit-Remaining": "0",
+        "Retry-After": "31",
+    }
+    assert openai_names(prefixed, NEW_YEAR) == {"x-ratelimit-limit-requests": "20",
+                                                 "x-ratelimit-remaining-requests": "0"}  # fmt: skip
     # A reset said as the time itself (seconds or milliseconds since 1970).
     stamped = {"RateLimit-Policy": "60;w=60", "RateLimit-Reset": str(int(NEW_YEAR) + 30)}
     assert openai_names(stamped, NEW_YEAR)["x-ratelimit-reset-requests"] == "30.000"
