@@ -87,7 +87,9 @@ def openai_names(headers: Mapping[str, str], now: float | None = None) -> dict[s
     gateway: dict[str, str] = {}
     for name, value in headers.items():
         key = name.lower()
-        if key.startswith(_OPENAI) and key not in _GATEWAY_NAMES:
+        if key in _OPENAI_NAMES:  # most answers' every rate-limit header
+            found[key] = value
+        elif key.startswith(_OPENAI) and key not in _GATEWAY_NAMES:
             named = _per_minute(key)
             if named == key:
                 found[key] = value
@@ -104,6 +106,7 @@ def openai_names(headers: Mapping[str, str], now: float | None = None) -> dict[s
 
 _FIELDS = frozenset({"limit", "remaining", "reset"})
 _KINDS = {"requests": "requests", "req": "requests", "tokens": "tokens"}
+_OPENAI_NAMES = frozenset(f"{_OPENAI}{f}-{k}" for f in _FIELDS for k in ("requests", "tokens"))
 
 
 def _per_minute(key: str) -> str | None:
