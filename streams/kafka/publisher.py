@@ -20,6 +20,7 @@ from streams.contract.records import EraseRequest, Task
 from streams.errors import InvalidInput
 from streams.kafka import clients
 from streams.kafka.limits import refused_for_good
+from streams.kafka.routing import task_key
 from streams.observability.tracing import headers_for
 from streams.settings import Settings
 
@@ -77,7 +78,7 @@ class TaskPublisher:
         task = data if isinstance(data, Task) else self.build(data)
         value = orjson.dumps(task.model_dump(mode="json", exclude_none=True))
         # The caller's trace (if a span is current) goes on through the worker.
-        key, headers = (task.session_id or task.task_id).encode(), headers_for() or None
+        key, headers = task_key(task.task_id, task.session_id), headers_for() or None
         if sends is not None:
             await sends.send(name or task.task_id, self.topic, key=key, value=value,
                              headers=headers)  # fmt: skip
@@ -110,7 +111,7 @@ class TaskPublisher:
                                session_id=session_id,
                                source_key_base64=source_key_base64)  # fmt: skip
         await (await self._producer.send(
-            self.topic, key=(session_id or task_id).encode(),
+            self.topic, key=task_key(task_id, session_id),
             value=request.wire(),
             headers=[(ERASE_HEADER, via.encode())],
         ))  # fmt: skip

@@ -14,6 +14,12 @@ from __future__ import annotations
 from aiokafka.partitioner import murmur2
 
 
+def task_key(task_id: str, session_id: str | None = None) -> bytes:
+    """The key a task's record goes under: its session's id when it is a turn of one (a
+    session's turns stay in order on one partition), else its own."""
+    return (session_id or task_id).encode()
+
+
 def partition_for(task_id: str, partitions: int) -> int:
     """The partition Kafka's default partitioner gives a record keyed by `task_id`."""
     return partition_of(task_id.encode(), partitions)

@@ -14,7 +14,7 @@ from streams.errors import REDRIVABLE
 from streams.kafka import clients
 from streams.kafka.clients import partitions_of
 from streams.kafka.publisher import Sends
-from streams.kafka.routing import partition_for
+from streams.kafka.routing import partition_for, task_key
 from streams.kafka.scan import scan_latest
 from streams.kafka.topics import state_topic
 from streams.settings import Settings
@@ -124,7 +124,9 @@ async def redrive(
             source = letter.get("source") or {}
             origin = f"{source.get('topic')}/{source.get('partition')}/{source.get('offset')}"
             task_id: str = task["task_id"]
-            await sends.send(task_id, settings.topics.tasks, key=task_id.encode(),
+            session = task.get("session_id")
+            key = task_key(task_id, session if isinstance(session, str) else None)
+            await sends.send(task_id, settings.topics.tasks, key=key,
                              value=orjson.dumps(task),
                              headers=[(REDRIVE_HEADER, origin.encode())])  # fmt: skip
         await sends.wait()

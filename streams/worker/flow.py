@@ -51,7 +51,7 @@ from streams.core.sessions import has_turn, without_turn
 from streams.core.sinks import erased
 from streams.core.taskstate import run_key
 from streams.errors import InternalError, InvalidInput, NotOurs, WriteRefused
-from streams.kafka.routing import partition_for, partition_of
+from streams.kafka.routing import partition_for, partition_of, task_key
 from streams.observability.logs import current_task_id
 from streams.observability.metrics import Metrics
 from streams.store.taskstore import Kind, PartitionLost, TaskStore
@@ -362,7 +362,7 @@ class RecordFlow:
             return await self.dead_here(
                 self.processor.dead_letter(bad, message.value, message.key, source), source
             )
-        home = partition_for(request.session_id or request.task_id, self.partitions)
+        home = partition_of(task_key(request.task_id, request.session_id), self.partitions)
         if home != source.partition:
             await self._reroute(message, source, home, request.task_id.encode())
             return Ended.REROUTED, None

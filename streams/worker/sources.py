@@ -37,7 +37,7 @@ from streams.core.processor import TaskProcessor
 from streams.errors import ConfigError, InvalidInput, TaskError
 from streams.kafka import clients
 from streams.kafka.limits import WriteLimits
-from streams.kafka.routing import partition_for
+from streams.kafka.routing import partition_for, partition_of, task_key
 from streams.observability.metrics import Metrics
 from streams.pipelines.sources import Erase, Skipped, SourceMapper, jsonable, raw_key_text
 from streams.schema_registry import RegistryClient, RegistryRefused
@@ -127,7 +127,9 @@ class SourceIngest:
         except ValidationError as exc:
             raise InvalidInput(f"the erasure the record asks for breaks the contract: "
                                f"{describe(exc)}", code="source_erase") from None  # fmt: skip
-        home = partition_for(erase.session_id or erase.task_id, self.settings.kafka.partitions)
+        home = partition_of(
+            task_key(erase.task_id, erase.session_id), self.settings.kafka.partitions
+        )
         value = request.wire()
         self._fits(value, "the erasure")
 

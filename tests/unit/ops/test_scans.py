@@ -3,6 +3,7 @@ need, never the topic's records."""
 
 from __future__ import annotations
 
+import asyncio
 import tracemalloc
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -178,6 +179,43 @@ async def test_a_redrive_keeps_whole_only_the_letters_it_may_send_and_their_stat
     assert [x["task_id"] for x in plan.requeue] == ["task-a"]
     assert (plan.skipped_category, plan.skipped_answered) == (3_000, 1)
     assert peak < 10_000_000, f"peak {peak:,} bytes"  # the letters held: past 30 MB
+
+
+async def test_a_redriven_turn_of_a_session_goes_under_its_sessions_key(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings
+) -> None:
+    """A session's turn was sent again keyed by its task id: it landed on another partition
+    than its session's, and the worker forwarded it there (a forward counted as a
+    misrouted record, logged as one). It goes as the publisher sends it."""
+    dead, states = settings.topics.dead_letters, state_topic(settings)
+    source = {"topic": "llm-tasks", "partition": 0, "offset": 1}
+    turn = orjson.loads(letter("turn-2", "timeout", 10))
+    turn["payload"]["session_id"] = "chat-9"
+
+    def letters() -> Iterator[Rec]:
+        yield Rec(dead, b"turn-2", orjson.dumps(turn))
+        yield Rec(dead, b"alone", letter("alone", "timeout", 10))
+
+    def stored() -> Iterator[Rec]:
+        for task_id in (b"turn-2", b"alone"):
+            yield Rec(states, task_id, state(task_id.decode(), "dead_lettered", source=source))
+
+    serving(monkeypatch, {dead: letters, states: stored})
+    sent: dict[str, bytes] = {}
+
+    class Producer:
+        async def start(self) -> None: ...
+        async def stop(self) -> None: ...
+
+        async def send(self, topic: str, *, key: bytes, **_: Any) -> Any:
+            sent[orjson.loads(_["value"])["task_id"]] = key
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+
+    monkeypatch.setattr(redrive_module.clients, "producer", lambda *_a, **_k: Producer())
+    plan = await redrive(settings, {"timeout"}, None, dry_run=False)
+    assert plan.sent == 2 and sent == {"turn-2": b"chat-9", "alone": b"alone"}
 
 
 async def test_a_backtrack_keeps_the_states_it_chose_and_a_named_task_is_not_missing(
