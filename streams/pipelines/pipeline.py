@@ -61,7 +61,9 @@ class Pipeline:
         self.fills_defaults = has_defaults(output_schema)
         self.versions = {v: PipelineVersion(self, v, s) for v, s in spec.versions.items()}
         self.source = (
-            SourceMapper(spec.name, spec.source, spec.sink) if spec.source is not None else None
+            SourceMapper(spec.name, spec.source, spec.sink, self.session)
+            if spec.source is not None
+            else None
         )
         self.stages: list[Stage] = []  # resolved by the registry once every pipeline loaded
         try:

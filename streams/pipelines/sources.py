@@ -37,7 +37,7 @@ import base64
 import hashlib
 import sys
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import orjson
 from jinja2 import TemplateError
@@ -49,6 +49,12 @@ from streams.contract.records import TASK_ID_LIMIT, record_json, shallow
 from streams.errors import ConfigError, InvalidInput
 from streams.pipelines.jinja import ENV, over_record
 from streams.pipelines.sinks import SinkSpec
+
+
+class Sessions(Protocol):
+    """Where a pipeline's tasks say their session (`specs.SessionSpec`)."""
+
+    def session_of(self, task: Any) -> str | None: ...
 
 
 class EraseSpec(BaseModel):
@@ -214,9 +220,18 @@ def _checked_id(task_id: str, what: str, code: str) -> str:
 class SourceMapper:
     """One pipeline's mapping from a record of its source topics to a task."""
 
-    def __init__(self, pipeline: str, spec: SourceSpec, sink: SinkSpec | None = None) -> None:
+    def __init__(
+        self,
+        pipeline: str,
+        spec: SourceSpec,
+        sink: SinkSpec | None = None,
+        session: Sessions | None = None,
+    ) -> None:
         self.pipeline = pipeline
         self.spec = spec
+        # Where the pipeline's tasks say their session (its versions' `session:`): a turn
+        # goes to its session's partition, in the order of its source's.
+        self.session = session
         # The pipeline's sink needs the record itself (its value, key or headers): kept in
         # the task as `source_record` (its position is the ingest's to add).
         self.sink = sink if sink is not None and sink.keeps_source_record else None

@@ -96,10 +96,14 @@ class SourceIngest:
                                 offset=source.offset)  # fmt: skip
                 value = orjson.dumps(task)
                 self._fits(value, "the mapped task")
-                task_id = str(task["task_id"])
+                # Keyed as the publisher keys it: a session's turns to their session's
+                # partition, in their source's order (by the task id, each went to its own
+                # and was forwarded again from there, in whichever order they came).
+                session = mapper.session.session_of(task) if mapper.session else None
+                key = task_key(str(task["task_id"]), session)
                 await self.writer.forward(
-                    self.settings.topics.tasks, task_id.encode(), value,
-                    partition_for(task_id, self.settings.kafka.partitions),
+                    self.settings.topics.tasks, key, value,
+                    partition_of(key, self.settings.kafka.partitions),
                     [(SOURCE_OF_HEADER, where.encode())], what=f"the task mapped from {where}",
                     plain=True,
                 )  # fmt: skip

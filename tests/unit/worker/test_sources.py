@@ -16,9 +16,11 @@ import pytest
 from streams.contract.records import EraseRequest, Task
 from streams.errors import Category, StreamsError, WriteRefused
 from streams.kafka.limits import WriteLimits
+from streams.kafka.routing import partition_of
 from streams.observability.metrics import Metrics
 from streams.pipelines.sinks import SinkSpec
 from streams.pipelines.sources import SourceMapper, SourceSpec, jsonable
+from streams.pipelines.specs import SessionSpec
 from streams.settings import load_settings
 from streams.worker.sources import SourceIngest
 
@@ -40,6 +42,7 @@ class Writer:
 
     def __init__(self) -> None:
         self.forwarded: list[dict[str, Any]] = []
+        self.placed: list[tuple[bytes, int]] = []  # each forward's key and partition
         self.dead: list[StreamsError] = []
         self.refused: set[bytes] = set()  # task ids whose forward the broker refuses for good
 
@@ -47,6 +50,7 @@ class Writer:
                    headers: list[tuple[str, bytes]], *, plain: bool = False) -> int:  # fmt: skip
         assert plain, "a source record's forward in a task partition's transaction"
         self.forwarded.append(orjson.loads(value))
+        self.placed.append((key, partition))
         return 0
 
     async def forward(self, topic: str, key: bytes, value: bytes, partition: int,
@@ -222,3 +226,28 @@ async def test_a_task_the_broker_refuses_for_good_is_its_source_records_dead_let
         (Category.WRITE_REFUSED, "invalid_record")
     ]
     assert [t["task_id"] for t in writer.forwarded] == ["review-0", "review-2"]
+
+
+async def test_a_sessions_turns_go_to_their_sessions_partition_in_their_order() -> None:
+    """A chat topic mapped to a pipeline keeping sessions by `input.chat`: each turn was
+    forwarded keyed by its task id, to a partition of its own, and from there again to its
+    session's — turns of one chat from several partitions, in whichever order they came,
+    where a session's turns must come in order. They go to their session's partition, keyed
+    as the publisher keys them."""
+    writer = Writer()
+    spec = SourceSpec(topics=["chats"], task_id="/id", slots={"text": "/text", "chat": "/chat"})
+    mapper = SourceMapper("support", spec, session=SessionSpec(key="input.chat"))
+    settings = load_settings()
+    source = SourceIngest(settings, {"chats": [mapper]}, writer, WriteLimits(), Metrics())  # type: ignore[arg-type]
+    for offset in range(4):
+        turn = {"id": f"turn-{offset}", "text": f"message {offset}", "chat": "c-7"}
+        await source.ingest(Message(orjson.dumps(turn), topic="chats", offset=offset),
+                            Processor())  # type: ignore[arg-type]  # fmt: skip
+    home = partition_of(b"c-7", settings.kafka.partitions)
+    assert writer.placed == [(b"c-7", home)] * 4
+    assert [t["task_id"] for t in writer.forwarded] == [f"turn-{i}" for i in range(4)]
+    alone = SourceMapper("support", spec)  # a pipeline keeping no sessions: by its task id
+    source = SourceIngest(settings, {"chats": [alone]}, writer, WriteLimits(), Metrics())  # type: ignore[arg-type]
+    await source.ingest(Message(orjson.dumps({"id": "t-9", "text": "x", "chat": "c-7"}),
+                                topic="chats"), Processor())  # type: ignore[arg-type]  # fmt: skip
+    assert writer.placed[-1] == (b"t-9", partition_of(b"t-9", settings.kafka.partitions))
